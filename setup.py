@@ -1,0 +1,27 @@
+"""Packaging for hf_slideformer: full-parameter fine-tuning of LLMs larger than the GPU."""
+from setuptools import find_packages, setup
+
+setup(
+    name="hf_slideformer",
+    version="0.1.0",
+    description="Full-parameter fine-tuning of large language models on one GPU through a sliding window of layers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hf_slideformer", "hf_slideformer.*", "triton_ops", "triton_ops.*"]),
+    package_data={"hf_slideformer": ["data/*.txt"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.17,<6",
+        "accelerate>=1.10",
+        "safetensors>=0.4",
+        "tokenizers>=0.21",
+        "tqdm",
+    ],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "nvme": ["kvikio-cu12"],
+        "test": ["pytest>=8", "nbclient", "nbformat", "ipykernel", "triton>=3.0"],
+    },
+    entry_points={"console_scripts": ["hf-slideformer=hf_slideformer.cli:main"]},
+)
