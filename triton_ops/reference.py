@@ -1,13 +1,23 @@
 """Pure-torch reference implementations of the fused ops.
 
 They are the test oracle for the Triton kernels, the benchmark baseline, and the fallback where
-Triton or a GPU is absent. Each function computes the same mathematics as its kernel.
+Triton or a GPU is absent. Each function computes the same mathematics as its kernel, with the
+casting of the Hugging Face modules it replaces (`LlamaRMSNorm`, `apply_rotary_pos_emb`,
+`LlamaMLP`'s activation, the causal-LM loss).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["linear_cross_entropy", "LinearCrossEntropyFunction", "loss_denominator"]
+__all__ = [
+    "linear_cross_entropy",
+    "LinearCrossEntropyFunction",
+    "loss_denominator",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]
 
 
 def loss_denominator(labels: torch.Tensor, ignore_index: int, reduction: str, num_items_in_batch) -> float | torch.Tensor:
@@ -30,6 +40,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     hidden (T, H), weight (V, H), labels (T,) int64. The (T, V) logits are never held whole:
     each chunk of `chunk_tokens` rows is projected, soft-maxed in fp32 and turned into its
     gradient contribution at once. The loss ends the graph, so backward only scales.
+
+    With z = logits (optionally soft-capped: z = c * tanh(x / c)), lse = logsumexp(z) and
+    target y, the token loss is `lse - z_y + z_loss * lse**2` and its gradient with respect to
+    the logits is `softmax(z) * (1 + 2 * z_loss * lse) - onehot(y)`, times `1 - tanh**2` when
+    capped. Ignored tokens contribute zero to the loss and to every gradient.
     """
 
     @staticmethod
@@ -63,10 +78,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if z_loss:
                 g = g * (1.0 + 2.0 * z_loss * lse)[:, None]
             g.scatter_add_(1, safe_y[:, None], -torch.ones_like(lse)[:, None])
-            g = g * valid[:, None].to(g.dtype)
             if softcap is not None:
                 g = g * (1.0 - t * t)
-            g = g / denom
+            # Ignored rows are exactly zero (not 0/0 when every token of the batch is ignored).
+            g = torch.where(valid[:, None], g / denom, torch.zeros_like(g))
             if need_dh:
                 dh[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_dw:
@@ -115,3 +130,63 @@ def linear_cross_entropy(
     return LinearCrossEntropyFunction.apply(
         hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMS normalization with Hugging Face Llama/Qwen casting.
+
+    y = weight * (x_f32 * rsqrt(mean(x_f32**2, -1) + eps)).to(x.dtype); the product follows
+    torch type promotion, so a float32 weight on bfloat16 input yields float32.
+
+    Args:
+        x: (..., H) input.
+        weight: (H,) scale.
+        eps: added to the mean square.
+
+    Returns:
+        (..., H) normalized tensor of dtype promote(x.dtype, weight.dtype).
+    """
+    input_dtype = x.dtype
+    xf = x.to(torch.float32)
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys, as HF's `apply_rotary_pos_emb`.
+
+    out = x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) on the two halves
+    of the head dimension. Out of place (the Triton kernel works in place).
+
+    Args:
+        q: (B, Hq, S, D) queries (or (B, S, Hq, D) with unsqueeze_dim=2).
+        k: (B, Hk, S, D) keys; Hk may differ from Hq (grouped-query attention).
+        cos, sin: (B or 1, S, D) tables, as HF's rotary embedding returns them.
+        unsqueeze_dim: the head axis of q and k (1 or 2).
+
+    Returns:
+        (q_rotated, k_rotated).
+    """
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up, the activation of the Llama/Qwen/Mistral MLP.
+
+    Args:
+        gate: (..., I) output of gate_proj.
+        up: (..., I) output of up_proj.
+
+    Returns:
+        (..., I) tensor of the inputs' dtype.
+    """
+    return F.silu(gate) * up

@@ -1,0 +1,260 @@
+"""Shared benchmark plumbing: timing, memory, FLOPs, environment, the JSON-line protocol, the table.
+
+Every benchmark script in `benchmarks/` measures the same way with these helpers:
+
+- time: wall clock between device synchronisations (`StepTimer`), the median over the timed
+  steps after the warm-up ones;
+- GPU memory: the caching allocator's peaks (`max_memory_allocated` / `max_memory_reserved`);
+- host memory: the process's peak resident set (`VmHWM`);
+- model FLOPs: `flops_per_token` (formula in its docstring), MFU against `peak_tflops`;
+- a worker process talks to its parent in JSON lines tagged `@@bench ` on stdout (`emit`,
+  `parse_line`), so that the worker's own logging can go to the same stream.
+"""
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "gpu_memory_peaks",
+    "is_cuda_oom", "free_memory", "linear_params", "flops_per_token", "peak_tflops", "environment",
+    "format_table", "GIB",
+]
+
+TAG = "@@bench "
+GIB = 1024 ** 3
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Dense bf16 tensor-core peaks (TFLOPS) from the vendors' data sheets, for MFU.
+_PEAK_BF16_TFLOPS = {
+    "H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+    "GH200": 989.4, "A100": 312.0, "L40S": 362.1, "RTX 4090": 165.2, "RTX 3090": 71.0, "A6000": 154.8,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# worker -> parent protocol
+# ---------------------------------------------------------------------------------------------
+def emit(event: str, **fields: Any) -> None:
+    """Print one tagged JSON line on stdout for the parent process."""
+    print(TAG + json.dumps({"event": event, **fields}, default=_json_default), flush=True)
+
+
+def parse_line(line: str) -> dict | None:
+    """The event dict of a tagged line, or None for any other output."""
+    line = line.strip()
+    if not line.startswith(TAG.strip()):
+        return None
+    try:
+        return json.loads(line[len(TAG.strip()):])
+    except json.JSONDecodeError:
+        return None
+
+
+def _json_default(obj: Any) -> Any:
+    if torch.is_tensor(obj):
+        return obj.item() if obj.numel() == 1 else obj.tolist()
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    return repr(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing and memory
+# ---------------------------------------------------------------------------------------------
+class StepTimer:
+    """Wall time of a block, synchronising the device before and after it.
+
+    Synchronising around the block makes the figure the time the block really costs, queued
+    asynchronous GPU work included; host-side work that a block leaves running (a worker thread)
+    shows up in the next block, so the median over steady-state steps counts it once.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.seconds: list[float] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self) -> "StepTimer":
+        self._sync()
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self._sync()
+            self.seconds.append(time.perf_counter() - self._t0)
+
+
+def median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def host_rss_peak_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), pinned host memory included."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def gpu_memory_peaks(device: torch.device) -> dict[str, int | None]:
+    """Peak bytes allocated and reserved by the caching allocator since the process started."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"gpu_peak_allocated": None, "gpu_peak_reserved": None}
+    return {"gpu_peak_allocated": torch.cuda.max_memory_allocated(device),
+            "gpu_peak_reserved": torch.cuda.max_memory_reserved(device)}
+
+
+def is_cuda_oom(exc: BaseException) -> bool:
+    """True for a GPU out-of-memory error, whichever layer raised it (torch, cuBLAS, DeepSpeed)."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("CUDA out of memory" in text or "CUDA error: out of memory" in text
+                                              or "CUBLAS_STATUS_ALLOC_FAILED" in text)
+
+
+def free_memory() -> None:
+    """Collect garbage and hand cached GPU blocks back, after an out-of-memory error."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+def linear_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matrix multiplies: every nn.Linear's weight and bias.
+
+    The lm_head counts (it is a matmul over the vocabulary, tied to the embedding or not); the
+    input embedding lookup and the norm weights do not.
+    """
+    seen: set[int] = set()
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            for p in module.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    n += _numel(p)
+    return n
+
+
+def _numel(p: torch.Tensor) -> int:
+    ds_numel = getattr(p, "ds_numel", None)  # ZeRO-3 partitioned parameters keep their full size here
+    return int(ds_numel) if ds_numel is not None else p.numel()
+
+
+def flops_per_token(n_linear: int, n_layers: int, attn_dim: int, seq: int) -> float:
+    """Model FLOPs of one training token (forward + backward), the PaLM appendix-B formula.
+
+    6 * N_linear + 12 * n_layers * attn_dim * seq, where N_linear counts the parameters in
+    matmuls (`linear_params`) and attn_dim = n_heads * head_dim. The attention term counts the
+    full S x S score and value products (no causal halving), and recomputation is not counted:
+    these are model FLOPs, the same for every provider, not hardware FLOPs.
+    """
+    return 6.0 * n_linear + 12.0 * n_layers * attn_dim * seq
+
+
+def peak_tflops(gpu_name: str | None) -> float | None:
+    """Dense bf16 peak of the named GPU, or None when it is not in the table."""
+    if not gpu_name:
+        return None
+    for key in sorted(_PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in gpu_name:
+            return _PEAK_BF16_TFLOPS[key]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# environment
+# ---------------------------------------------------------------------------------------------
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Where and with what a benchmark ran: command, commit, versions, host. No CUDA init here."""
+    argv = list(sys.argv if argv is None else argv)
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "command": " ".join([os.path.basename(sys.executable)] + argv),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(status) if status is not None else None,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "memory_gib": _host_memory_gib()},
+        "versions": {
+            "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            **{name: _version(name) for name in ("transformers", "deepspeed", "triton", "liger-kernel",
+                                                 "accelerate", "hf_slideformer")},
+        },
+    }
+
+
+def _host_memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 1024 ** 2, 1)
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+# ---------------------------------------------------------------------------------------------
+def format_table(rows: Iterable[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A GitHub-markdown table. columns: (key, header, format spec); None prints as '-'."""
+    header = [h for _, h, _ in columns]
+    body = []
+    for row in rows:
+        cells = []
+        for key, _, spec in columns:
+            value = row.get(key)
+            if value is None or (isinstance(value, float) and math.isnan(value)):
+                cells.append("-")
+            elif spec:
+                cells.append(format(value, spec))
+            else:
+                cells.append(str(value))
+        body.append(cells)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    out = [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in body]
+    return "\n".join(out)

@@ -1,0 +1,112 @@
+"""`ds2` and `ds3`: DeepSpeed ZeRO-Offload baselines, in-process, under the GPU memory cap.
+
+- `ds2`: ZeRO-2 with the optimizer offloaded (`offload_optimizer: cpu`, pinned): bf16
+  parameters and gradients on the GPU, fp32 masters and DeepSpeed's CPU Adam on the host.
+- `ds3`: ZeRO-3 with parameters offloaded too (`offload_param: cpu`, pinned), ZeRO-Infinity
+  style; the model is built under `deepspeed.zero.Init` through transformers' own ZeRO-3 path
+  (an `HfDeepSpeedConfig` alive while `from_config` runs), so it never exists whole anywhere.
+
+No launcher: the parent process exports RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR
+MASTER_PORT DS_SKIP_CUDA_CHECK=1 and DeepSpeed opens a one-rank NCCL group. Bucket sizes,
+prefetch and persistence thresholds are DeepSpeed's defaults; no gradient clipping (the other
+providers clip none either). DeepSpeed's CPU Adam JIT-builds on first use (about a minute,
+cached under ~/.cache/torch_extensions for the next process).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .base import Provider, build_model
+
+__all__ = ["ZeRO2Provider", "ZeRO3Provider", "ds_config"]
+
+
+def ds_config(stage: int, micro_batch: int, lr: float) -> dict[str, Any]:
+    """The DeepSpeed config of the benchmark (DESIGN section 7)."""
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+    }
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class _ZeROProvider(Provider):
+    capped = True
+    stage = 0
+
+    def setup(self) -> None:
+        if self.device.type != "cuda":
+            raise RuntimeError("DeepSpeed ZeRO-Offload needs CUDA")
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
+        self.ds_config = ds_config(self.stage, self.spec.batches[0], self.spec.lr)
+        model = self.build()
+        self.count(model)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config)
+        self.notes.append(f"optimizer {type(self.engine.optimizer).__name__}")
+
+    def build(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(input_ids=input_ids, labels=labels).loss
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def after_oom(self, batch: int) -> bool:
+        # Best effort: a backward cut short leaves gradient buckets half reduced. If the state is
+        # beyond repair the next attempt fails with another error, and the parent starts a fresh
+        # process for the remaining batches.
+        epilogue = getattr(self.engine.optimizer, "independent_gradient_partition_epilogue", None)
+        if self.stage == 2 and callable(epilogue):
+            try:
+                epilogue()
+            except Exception:
+                pass
+        self.engine.zero_grad()
+        return False
+
+    def report(self) -> dict[str, Any]:
+        return {"deepspeed_config": self.ds_config}
+
+
+class ZeRO2Provider(_ZeROProvider):
+    name = "ds2"
+    stage = 2
+
+    def build(self) -> torch.nn.Module:
+        return build_model(self.config, self.device, torch.bfloat16, fill="normal", seed=self.spec.seed)
+
+
+class ZeRO3Provider(_ZeROProvider):
+    name = "ds3"
+    stage = 3
+
+    def build(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)  # transformers' ZeRO-3 switch, on while referenced
+        model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model.train()
+        return model

@@ -1,0 +1,59 @@
+"""`slide`: hf_slideformer through its public API, under the consumer-card GPU memory cap.
+
+The random-init model is built on the CPU in the benchmark dtype (bf16: half the host memory
+of fp32, and the engine makes its own fp32 masters), then slid in place with `hs.slide`, and
+trained exactly as a user would: `model(...).loss`, `loss.backward()`, `opt.step()`,
+`opt.zero_grad()`. SlideConfig fields the engine does not have (yet) are dropped and noted,
+so a renamed field costs a note in the row, not the run. The engine's own step breakdown comes
+from `model.slide_stats()` when that method exists.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Provider, build_model, call_with_known_fields
+
+__all__ = ["SlideProvider"]
+
+
+class SlideProvider(Provider):
+    name = "slide"
+    capped = True
+
+    def setup(self) -> None:
+        import hf_slideformer as hs
+
+        model = build_model(self.config, "cpu", self.spec.torch_dtype, fill="tiled", seed=self.spec.seed)
+        self.count(model)
+        options = {"device": self.spec.device, "dtype": self.spec.torch_dtype}
+        if self.spec.cap_gib is not None and self.device.type == "cuda":
+            options["gpu_memory_limit"] = self.spec.cap_gib
+        options.update(self.spec.slide_options)
+        self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
+        self.model = hs.slide(model, self.slide_config)
+        self.optimizer = self.model.create_optimizer(lr=self.spec.lr)
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = self.model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+    def after_oom(self, batch: int) -> bool:
+        self.optimizer.zero_grad()
+        return False
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"slide_config": {k: str(v) for k, v in vars(self.slide_config).items()}}
+        stats = getattr(self.model, "slide_stats", None)
+        if callable(stats):
+            try:
+                out["slide_stats"] = dict(stats())
+            except Exception as exc:  # the stats are a report, never a reason to lose the row
+                out["slide_stats_error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            self.notes.append("model.slide_stats() not available: no step breakdown")
+        return out

@@ -1,0 +1,116 @@
+"""SlideConfig: every knob of the sliding engine, validated once and passed whole to each part."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SlideConfig"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+ACTIVATION_TIERS = ("auto", "device", "cpu", "nvme")
+
+
+@dataclass
+class SlideConfig:
+    """Settings of the sliding engine.
+
+    Args:
+        device: Compute device, "cuda" (or "cuda:N") or "cpu". Default: "cuda" when available.
+        dtype: Compute and transfer dtype of the layers on the device. Default: bfloat16 on CUDA,
+            float32 on CPU. Master weights and Adam moments are always float32 on the host.
+        window: Number of GPU layer slots (2-4). More slots prefetch further ahead.
+        gradient_accumulation_steps: Backward passes per optimizer step.
+        max_grad_norm: Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_.
+        activation_tier: Where each layer's input is kept between forward and backward:
+            "device" (GPU memory), "cpu" (pinned host memory), "nvme" (files under `nvme_path`),
+            or "auto" ("cpu" on CUDA, "device" on CPU).
+        nvme_path: Directory for the "nvme" activation tier.
+        cpu_threads: Threads for the CPU optimizer (default: all cores). Set explicitly because
+            launchers such as `accelerate launch` export OMP_NUM_THREADS=1.
+        pin_memory: Pin the host masters and staging buffers (default: True on CUDA).
+        use_kernels: Use the Triton kernels of `triton_ops` (default: True on CUDA with Triton).
+        gpu_memory_limit: Cap on this process's GPU memory, in GiB (emulates a smaller card).
+        head_chunk_tokens: Tokens per chunk of the fused linear-cross-entropy head (default: auto).
+        grad_buffers: Pinned host gradient staging buffers, each one layer large.
+        check_host_memory: Refuse to start when the host store cannot fit in available memory.
+        debug: Verbose logging of the schedule.
+    """
+
+    device: str | None = None
+    dtype: torch.dtype | str | None = None
+    window: int = 2
+    gradient_accumulation_steps: int = 1
+    max_grad_norm: float | None = None
+    activation_tier: str = "auto"
+    nvme_path: str | None = None
+    cpu_threads: int | None = None
+    pin_memory: bool | None = None
+    use_kernels: bool | None = None
+    gpu_memory_limit: float | None = None
+    head_chunk_tokens: int | None = None
+    grad_buffers: int = 2
+    check_host_memory: bool = True
+    debug: bool = False
+    extra: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(self.device)
+        if dev.type not in ("cuda", "cpu"):
+            raise ValueError(f"SlideConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("SlideConfig.device='cuda' but CUDA is not available; use device='cpu'")
+        self.device = str(dev)
+        if isinstance(self.dtype, str):
+            if self.dtype not in _DTYPES:
+                raise ValueError(f"SlideConfig.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+            self.dtype = _DTYPES[self.dtype]
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"SlideConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if not isinstance(self.window, int) or not 1 <= self.window <= 16:
+            raise ValueError(f"SlideConfig.window must be an int in [1, 16], got {self.window!r}")
+        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
+            raise ValueError("SlideConfig.gradient_accumulation_steps must be an int >= 1, "
+                             f"got {self.gradient_accumulation_steps!r}")
+        if self.max_grad_norm is not None:
+            if self.max_grad_norm <= 0:
+                self.max_grad_norm = None  # HF's convention: 0 disables clipping
+            else:
+                self.max_grad_norm = float(self.max_grad_norm)
+        if self.activation_tier not in ACTIVATION_TIERS:
+            raise ValueError(f"SlideConfig.activation_tier must be one of {ACTIVATION_TIERS}, got {self.activation_tier!r}")
+        if self.activation_tier == "auto":
+            self.activation_tier = "cpu" if dev.type == "cuda" else "device"
+        if self.activation_tier == "nvme" and not self.nvme_path:
+            raise ValueError("SlideConfig.activation_tier='nvme' needs nvme_path (a directory on a fast disk)")
+        if self.cpu_threads is None:
+            self.cpu_threads = os.cpu_count() or 1
+        if self.cpu_threads < 1:
+            raise ValueError(f"SlideConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.pin_memory is None:
+            self.pin_memory = dev.type == "cuda"
+        if self.use_kernels is None:
+            self.use_kernels = dev.type == "cuda"
+        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
+            raise ValueError(f"SlideConfig.gpu_memory_limit must be a positive number of GiB, got {self.gpu_memory_limit}")
+        if self.grad_buffers < 1:
+            raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.torch_device.type == "cuda"
+
+    @property
+    def deferred(self) -> bool:
+        """Whether updates may have to wait for optimizer.step() (accumulation or clipping)."""
+        return self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None

@@ -1,0 +1,577 @@
+"""The sliding engine: the forward / backward schedule of one training step.
+
+Forward keeps no autograd graph inside a layer: each decoder layer runs under `no_grad` on the
+weights of a GPU slot and only its input x_i goes to the activation tier. Backward recomputes
+layer i from x_i with gradients, sends the parameter gradients to the host and lets the CPU
+worker update the layer's masters, while layer i-1's weights and input are already arriving.
+
+The HF model's own forward runs unchanged around the engine: the embedding, each decoder layer
+and the final norm get a proxy `forward` that hands the work to the engine, so masks, RoPE,
+GQA and sliding-window attention remain HF's code. Three autograd Functions connect the pieces:
+`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction` (norm + lm_head + loss, whose
+gradients are computed in its forward: the loss ends the graph).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .activations import make_tier
+from .optim import apply_adamw
+from .slots import SlotQueue
+from .store import HostStore, Unit
+from .transfer import Streams
+from .worker import CpuWorker
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlideEngine", "SlideStateError"]
+
+_CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
+
+
+class SlideStateError(RuntimeError):
+    """The training loop called the engine in an order it cannot honour exactly."""
+
+
+@contextlib.contextmanager
+def swapped(unit: Unit, tensors: list[torch.Tensor]):
+    """Make the HF modules of `unit` compute with `tensors` instead of their host masters."""
+    for e, t in zip(unit.entries, tensors):
+        for mod, attr in e.holders:
+            mod._parameters[attr] = t
+    try:
+        yield
+    finally:
+        for e in unit.entries:
+            for mod, attr in e.holders:
+                mod._parameters[attr] = e.param
+
+
+def _leaves(tensors):
+    return [t.detach().requires_grad_() for t in tensors]
+
+
+class EmbedFunction(torch.autograd.Function):
+    """input_ids -> x_0 (B, S, H) gathered from the host table; backward scatters into it."""
+
+    @staticmethod
+    def forward(ctx, anchor, engine, input_ids):
+        ctx.engine, ctx.gen = engine, engine.generation
+        ctx.ids = input_ids
+        return engine.embed_forward(input_ids)
+
+    @staticmethod
+    def backward(ctx, gx):
+        ctx.engine.check_generation(ctx.gen)
+        ctx.engine.embed_backward(ctx.ids, gx)
+        return None, None, None
+
+
+class LayerFunction(torch.autograd.Function):
+    """x_i -> x_{i+1} through decoder layer i; backward recomputes the layer from x_i."""
+
+    @staticmethod
+    def forward(ctx, x, engine, i, args, kwargs):
+        ctx.engine, ctx.i, ctx.args, ctx.kwargs, ctx.gen = engine, i, args, kwargs, engine.generation
+        return engine.layer_forward(i, x, args, kwargs, save=True)
+
+    @staticmethod
+    def backward(ctx, gy):
+        ctx.engine.check_generation(ctx.gen)
+        return ctx.engine.layer_backward(ctx.i, gy, ctx.args, ctx.kwargs), None, None, None, None
+
+
+class HeadFunction(torch.autograd.Function):
+    """h (B, S, H) -> loss; the head's gradients are computed here and sent to the host at once."""
+
+    @staticmethod
+    def forward(ctx, h, engine, labels, num_items_in_batch):
+        ctx.engine, ctx.gen = engine, engine.generation
+        loss, gh = engine.head_forward(h, labels, num_items_in_batch, with_grad=True)
+        ctx.gh = gh
+        return loss
+
+    @staticmethod
+    def backward(ctx, gloss):
+        eng = ctx.engine
+        eng.check_generation(ctx.gen)
+        scale = float(gloss)
+        eng.begin_backward()
+        eng.head_backward(scale)
+        gh, ctx.gh = ctx.gh, None
+        return gh * scale if scale != 1.0 else gh, None, None, None
+
+
+class SlideEngine:
+    """Runs an HF causal LM through a window of device slots, with its state on the host.
+
+    Args:
+        model: the HF model (its parameters are replaced by views of the host masters).
+        adapter: the family adapter.
+        config: the SlideConfig.
+        units: embed, layer and head units in schedule order, with masters filled.
+        store: the host store holding them.
+    """
+
+    def __init__(self, model, adapter, config, store: HostStore):
+        self.model, self.adapter, self.config, self.store = model, adapter, config, store
+        self.device, self.dtype = config.torch_device, config.dtype
+        units = store.units
+        self.embed_unit: Unit = units[0]
+        self.layer_units: list[Unit] = [u for u in units if u.kind == "layer"]
+        self.head_unit: Unit = units[-1]
+        self.layers = list(adapter.layers(model))
+        self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
+        self.head_units = (self.head_unit, self.embed_unit) if self.tied else (self.head_unit,)
+        emb = adapter.embed(model)
+        self.vocab, self.hidden = emb.weight.shape
+        self.padding_idx = emb.padding_idx
+        self.norm_module = adapter.final_norm(model)
+        self.streams = Streams(self.device)
+        self.stats = _Stats()
+        cast = config.is_cuda and self.dtype != torch.float32
+        max_layer = max(u.numel for u in self.layer_units)
+        head_numel = sum(u.numel for u in self.head_units)
+        self.staging = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
+                                   device=self.device) if cast else None
+        self.d2h_stage = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
+                                     device=self.device) if cast else None
+        count = self.stats.add_h2d
+        self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count)
+        self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count)
+        pin = config.pin_memory and config.is_cuda
+        self.ring = [torch.empty(max_layer, dtype=torch.float32, pin_memory=pin) for _ in range(config.grad_buffers)]
+        self.ring_free = [threading.Event() for _ in self.ring]
+        for ev in self.ring_free:
+            ev.set()
+        self.ring_next = 0
+        self.head_host = torch.empty(head_numel, dtype=torch.float32, pin_memory=pin)
+        self.head_host_free = threading.Event()
+        self.head_host_free.set()
+        self.head_pending = False
+        self.embed_host: torch.Tensor | None = None
+        self.embed_host_free = threading.Event()
+        self.embed_host_free.set()
+        self.embed_fwd_buf: torch.Tensor | None = None
+        self.embed_fwd_ev = None
+        self.embed_grad: torch.Tensor | None = None
+        self.touched: list[torch.Tensor] = []
+        self.tier = make_tier(config, self.streams, self.stats.add)
+        self.worker = CpuWorker(config.cpu_threads)
+        self.anchor = torch.zeros((), requires_grad=True)
+        self.optimizer = None
+        self.micro = 0                 # backward passes since the last optimizer step
+        self.generation = 0            # bumped by each forward that records a graph
+        self.live_generation = None    # the forward whose backward may still run
+        self.updated_in_backward = False
+        self._norm_sq: list[float] = []
+        self._clip_coef = 1.0
+
+    # ----------------------------------------------------------------- bookkeeping
+    def attach_optimizer(self, optimizer) -> None:
+        self.optimizer = optimizer
+        u = self.embed_unit
+        self.embed_grad = u.grad if u.grad is not None else torch.zeros(u.numel, dtype=torch.float32)
+
+    def check_generation(self, gen: int) -> None:
+        if gen != self.live_generation:
+            raise SlideStateError(
+                "backward() of a forward whose saved layer inputs were replaced by a later forward: "
+                "hf_slideformer keeps one graph at a time; call backward() before the next forward with gradients "
+                "(or run that forward under torch.no_grad())."
+            )
+
+    def begin_graph(self) -> None:
+        """A forward that records a graph: earlier unfinished graphs become invalid."""
+        self.worker.raise_if_failed()
+        self.generation += 1
+        self.live_generation = self.generation
+        self.tier.clear()
+
+    def begin_backward(self) -> None:
+        if self.optimizer is None:
+            raise SlideStateError("call model.create_optimizer(...) (or build a SlideOptimizer) before backward(): "
+                                  "the engine updates the weights during backward")
+        ga = self.config.gradient_accumulation_steps
+        if self.micro >= ga:
+            raise SlideStateError(
+                f"backward() number {self.micro + 1} since the last optimizer step, but "
+                f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
+        self.worker.raise_if_failed()
+        self.ends_step = self.micro + 1 == ga
+        self.in_backward = self.ends_step and self.config.max_grad_norm is None
+        self.hp = self.optimizer.snapshot()
+        if self.ends_step:
+            self._norm_sq = []
+        t = time.perf_counter()
+        self.stats.bwd_start = t
+
+    def end_backward(self) -> None:
+        self.micro += 1
+        self.live_generation = None
+        self.updated_in_backward = self.in_backward
+        self.stats.backward_s += time.perf_counter() - self.stats.bwd_start
+
+    def synchronize(self) -> None:
+        """Wait for every queued host task (updates included) and device copy."""
+        self.worker.join()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self.worker.raise_if_failed()
+
+    # ----------------------------------------------------------------- embedding
+    def embed_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        u = self.embed_unit
+        self.worker.wait(u.updated)
+        ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
+        T = ids.numel()
+        table = u.master.view(self.vocab, self.hidden)
+        if not self.streams.cuda:
+            x = table.index_select(0, ids).to(self.dtype)
+            return x.view(*input_ids.shape, self.hidden)
+        if self.embed_fwd_buf is None or self.embed_fwd_buf.shape[0] < T:
+            self.embed_fwd_buf = torch.empty(T, self.hidden, dtype=torch.float32, pin_memory=True)
+        elif self.embed_fwd_ev is not None:
+            self.embed_fwd_ev.synchronize()
+        buf = self.embed_fwd_buf[:T]
+        torch.index_select(table, 0, ids, out=buf)
+        x = torch.empty(T, self.hidden, dtype=torch.float32, device=self.device)
+        x.copy_(buf, non_blocking=True)
+        self.embed_fwd_ev = self.streams.record()
+        self.stats.add_h2d(buf.numel() * 4)
+        return x.to(self.dtype).view(*input_ids.shape, self.hidden)
+
+    def embed_backward(self, input_ids: torch.Tensor, gx: torch.Tensor) -> None:
+        T = gx.numel() // self.hidden
+        ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
+        self.worker.wait(self.embed_host_free)
+        if self.embed_host is None or self.embed_host.shape[0] < T:
+            self.embed_host = torch.empty(T, self.hidden, dtype=torch.float32, pin_memory=self.streams.cuda)
+        host = self.embed_host[:T]
+        self.embed_host_free.clear()
+        done = self._d2h([gx.reshape(T, self.hidden)], [host])
+        u = self.embed_unit
+        update = self.in_backward
+        if update:
+            self._schedule(u)
+        self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
+                           done=(self.embed_host_free,) + ((u.updated,) if update else ()))
+        self.end_backward()
+
+    def _embed_task(self, host, ids, done, update, ends_step, hp):
+        done.synchronize()
+        u = self.embed_unit
+        g = self.embed_grad.view(self.vocab, self.hidden)
+        if self.padding_idx is not None:
+            keep = ids != self.padding_idx
+            ids, host = ids[keep], host[keep]
+        g.index_add_(0, ids, host)
+        self.touched.append(torch.unique(ids))
+        if ends_step:
+            self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
+        if update:
+            self._update(u, self.embed_grad, hp)
+            self._reset_embed_grad()
+
+    def _reset_embed_grad(self):
+        g = self.embed_grad.view(self.vocab, self.hidden)
+        if self.tied:
+            pass  # the head's contribution overwrites every row first at the next step
+        else:
+            for ids in self.touched:
+                g.index_fill_(0, ids, 0.0)
+        self.touched = []
+        self.embed_unit.grad_valid = False
+
+    # ----------------------------------------------------------------- layers
+    def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
+        u = self.layer_units[i]
+        slot = self.slots.acquire((u,))
+        for j in range(i + 1, min(i + self.config.window, len(self.layer_units))):
+            self.slots.load((self.layer_units[j],), busy=(slot,))
+        if save:
+            self.tier.save(i, x)
+        with torch.no_grad(), swapped(u, slot.views(u)):
+            y = self._call_layer(i, x, args, kwargs)
+        self.slots.release(slot)
+        return y
+
+    def _call_layer(self, i, x, args, kwargs):
+        layer = self.layers[i]
+        out = type(layer).forward(layer, x, *args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
+        u = self.layer_units[i]
+        slot = self.slots.acquire((u,))
+        if i > 0:
+            self.slots.load((self.layer_units[i - 1],), busy=(slot,))
+            self.tier.prefetch(i - 1)
+        x = self.tier.load(i).detach().requires_grad_()
+        ws = _leaves(slot.views(u))
+        with torch.enable_grad(), swapped(u, ws):
+            y = self._call_layer(i, x, args, kwargs)
+        grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
+        self.slots.release(slot)
+        self.tier.drop(i)
+        gx = grads[0]
+        self._send(u, list(grads[1:]))
+        return gx
+
+    # ----------------------------------------------------------------- head
+    def head_forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
+        from triton_ops import linear_cross_entropy
+        hu = self.head_unit
+        slot = self.head_slots.acquire(self.head_units)
+        hv = slot.views(hu)
+        W = slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()]
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        sl = shift_labels.reshape(-1).to(self.device, torch.long)
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(self.device)
+        if not with_grad:
+            with torch.no_grad(), swapped(hu, hv):
+                hn = self._norm(h)
+                loss = linear_cross_entropy(hn.reshape(-1, self.hidden), W, sl, num_items_in_batch=num_items_in_batch,
+                                            chunk_tokens=self.config.head_chunk_tokens)
+            self.head_slots.release(slot)
+            return loss, None
+        hx = h.detach().requires_grad_()
+        leaves = _leaves(hv)
+        wl = leaves[self._lm_index()] if not self.tied else W.detach().requires_grad_()
+        with torch.enable_grad(), swapped(hu, leaves):
+            hn = self._norm(hx)
+            loss = linear_cross_entropy(hn.reshape(-1, self.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
+                                        chunk_tokens=self.config.head_chunk_tokens)
+        wrt = [hx] + leaves + ([wl] if self.tied else [])
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        self.head_slots.release(slot)
+        # Send the head's gradients to the host now: they are final (the loss ends the graph).
+        self.worker.wait(self.head_host_free)
+        self.head_host_free.clear()
+        dsts = [e.view(self.head_host) for e in hu.entries]
+        if self.tied:
+            dsts.append(self.head_host[hu.numel:])
+        self.head_done = self._d2h(list(grads[1:]), dsts)
+        self.head_pending = True
+        return loss.detach(), grads[0]
+
+    def _lm_index(self) -> int:
+        for k, e in enumerate(self.head_unit.entries):
+            if any(attr == "weight" and mod is self.adapter.lm_head(self.model) for mod, attr in e.holders):
+                return k
+        raise RuntimeError("lm_head weight not found in the head unit")
+
+    def _norm(self, h):
+        return type(self.norm_module).forward(self.norm_module, h)
+
+    def head_logits(self, h, logits_to_keep=0):
+        hu = self.head_unit
+        slot = self.head_slots.acquire(self.head_units)
+        hv = slot.views(hu)
+        W = slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()]
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = h[:, -logits_to_keep:, :]
+        with torch.no_grad(), swapped(hu, hv):
+            logits = F.linear(self._norm(h), W)
+        self.head_slots.release(slot)
+        return logits
+
+    def head_backward(self, scale: float) -> None:
+        if not self.head_pending:
+            raise SlideStateError("backward() without a matching forward")
+        self.head_pending = False
+        hu = self.head_unit
+        update = self.in_backward
+        if update:
+            self._schedule(hu)
+        self.worker.submit(self._head_task, self.head_done, scale, update, self.ends_step, self.hp,
+                           done=(self.head_host_free,) + ((hu.updated,) if update else ()))
+
+    def _head_task(self, done, scale, update, ends_step, hp):
+        done.synchronize()
+        hu = self.head_unit
+        src = self.head_host[:hu.numel]
+        if scale != 1.0:
+            self.head_host.mul_(scale)
+        if self.tied:
+            tied = self.head_host[hu.numel:]
+            eu = self.embed_unit
+            if eu.grad_valid:
+                self.embed_grad.add_(tied)
+            else:
+                self.embed_grad.copy_(tied)
+                eu.grad_valid = True
+        self._consume(hu, src, update, ends_step, hp)
+
+    # ----------------------------------------------------------------- gradients -> host -> update
+    def _d2h(self, grads: list, dsts: list[torch.Tensor]):
+        """Copy device gradients into host fp32 buffers (cast on the device) on the d2h stream."""
+        st = self.streams
+        if not st.cuda:
+            for g, d in zip(grads, dsts):
+                if g is None:
+                    d.zero_()
+                else:
+                    d.copy_(g.reshape(d.shape))
+            return st.record()
+        # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
+        st.wait(st.record(), st.d2h)
+        with st.on(st.d2h):
+            for g, d in zip(grads, dsts):
+                d = d.view(-1)
+                if g is None:
+                    d.zero_()
+                    continue
+                g.record_stream(st.d2h)
+                gf = g.reshape(-1)
+                if gf.dtype == torch.float32:
+                    d.copy_(gf, non_blocking=True)
+                else:
+                    # Note: [Why the staging chunk is safe to reuse] every cast and copy below is on the
+                    # one d2h stream, so chunk k+1's cast runs after chunk k's copy has read the stage.
+                    for a in range(0, gf.numel(), _CHUNK):
+                        b = min(a + _CHUNK, gf.numel())
+                        stage = self.d2h_stage[:b - a]
+                        stage.copy_(gf[a:b])
+                        d[a:b].copy_(stage, non_blocking=True)
+                self.stats.add_d2h(d.numel() * 4)
+        return st.record(st.d2h)
+
+    def _send(self, u: Unit, grads: list) -> None:
+        """Gradients of layer unit `u` -> a host ring buffer -> accumulate and/or update on the worker."""
+        k = self.ring_next
+        self.ring_next = (k + 1) % len(self.ring)
+        self.worker.wait(self.ring_free[k])
+        self.ring_free[k].clear()
+        buf = self.ring[k]
+        done = self._d2h(grads, [e.view(buf) for e in u.entries])
+        update = self.in_backward
+        if update:
+            self._schedule(u)
+        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp,
+                           done=(self.ring_free[k],) + ((u.updated,) if update else ()))
+
+    def _layer_task(self, u, src, done, update, ends_step, hp):
+        done.synchronize()
+        self._consume(u, src, update, ends_step, hp)
+
+    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp) -> None:
+        """Worker side: fold this micro-batch's gradient of `u` in, and update when the step ends here."""
+        if u.grad is None:                      # no accumulator: GA == 1, no clipping
+            g = src
+        else:
+            if u.grad_valid:
+                u.grad.add_(src)
+            else:
+                u.grad.copy_(src)
+                u.grad_valid = True
+            g = u.grad
+        if ends_step:
+            self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
+        if update:
+            self._update(u, g, hp)
+            u.grad_valid = False
+
+    def _schedule(self, u: Unit) -> None:
+        """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
+        u.version += 1
+        u.updated.clear()
+
+    def _update(self, u: Unit, g: torch.Tensor, hp) -> None:
+        # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
+        # flight; the master is rewritten only once every one of them has completed.
+        readers, u.readers = u.readers, []
+        for ev in readers:
+            ev.synchronize()
+        t0 = time.perf_counter()
+        apply_adamw(u, g, *hp)
+        self.stats.adam_s += time.perf_counter() - t0
+        self.stats.updated_params += u.numel
+
+    # ----------------------------------------------------------------- optimizer step
+    def optimizer_step(self) -> None:
+        self.worker.raise_if_failed()
+        if self.micro == 0:
+            raise SlideStateError("optimizer.step() without a backward pass since the last step")
+        if not self.updated_in_backward:
+            hp = self.optimizer.snapshot()
+            units = self.store.units
+            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps)
+            for u in units:
+                self._schedule(u)
+                self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))
+        self.micro = 0
+        self.updated_in_backward = False
+        self.stats.steps += 1
+
+    def _clip_task(self, early: bool) -> None:
+        if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
+            self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
+        norm = sum(self._norm_sq) ** 0.5
+        mx = self.config.max_grad_norm
+        self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
+
+    def _grad_of(self, u: Unit) -> torch.Tensor:
+        return self.embed_grad if u is self.embed_unit else u.grad
+
+    def _deferred_task(self, u: Unit, hp) -> None:
+        g = self._grad_of(u)
+        if self._clip_coef != 1.0:
+            g.mul_(self._clip_coef)
+        self._update(u, g, hp)
+        if u is self.embed_unit:
+            self._reset_embed_grad()
+        else:
+            u.grad_valid = False
+
+    def zero_grad(self) -> None:
+        if self.micro == 0:
+            return
+        if self.updated_in_backward:
+            raise SlideStateError("zero_grad() after the last backward of an optimizer step: its updates were "
+                                  "already applied during backward; call optimizer.step() before zero_grad()")
+        self.worker.join()
+        for u in self.store.units:
+            u.grad_valid = False
+        self._reset_embed_grad()
+        self.micro = 0
+
+    def last_grad_norm(self) -> float:
+        self.worker.join()
+        return sum(self._norm_sq) ** 0.5 if self._norm_sq else float("nan")
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+class _Stats:
+    """Counters behind model.slide_stats()."""
+
+    def __init__(self):
+        self.h2d_bytes = 0
+        self.d2h_bytes = 0
+        self.act_bytes = 0
+        self.adam_s = 0.0
+        self.updated_params = 0
+        self.steps = 0
+        self.backward_s = 0.0
+        self.bwd_start = 0.0
+
+    def add_h2d(self, n):
+        self.h2d_bytes += n
+
+    def add_d2h(self, n):
+        self.d2h_bytes += n
+
+    def add(self, kind, n):
+        self.act_bytes += n

@@ -1,0 +1,62 @@
+"""Host memory: pinning large slabs once, and the up-front check that the store fits."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "HostMemoryError"]
+
+GiB = 1024 ** 3
+
+
+class HostMemoryError(MemoryError):
+    """The host store would not fit in the memory available."""
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_host_bytes(numel: int, *, deferred: bool) -> int:
+    """Bytes the host store needs: fp32 master + Adam m + v (+ fp32 gradient accumulator)."""
+    per_param = 12 + (4 if deferred else 0)
+    return numel * per_param
+
+
+def check_host_memory(numel: int, *, deferred: bool, config) -> None:
+    """Fail before allocating when the store cannot fit, with the estimate and what to change."""
+    need = estimate_host_bytes(numel, deferred=deferred)
+    avail = available_host_bytes()
+    if avail is None or need <= avail:
+        return
+    hint = ("set gradient_accumulation_steps=1 and max_grad_norm=None to drop the gradient accumulator "
+            "(4 bytes/param), " if deferred else "")
+    raise HostMemoryError(
+        f"hf_slideformer needs about {need / GiB:.1f} GiB of host memory for {numel / 1e9:.2f}B parameters "
+        f"({12 + (4 if deferred else 0)} bytes each: fp32 master and Adam moments"
+        f"{' and gradient accumulator' if deferred else ''}), but only {avail / GiB:.1f} GiB is available. "
+        f"To fit: {hint}free host memory, use a machine with more RAM, or train a smaller model. "
+        "Pass SlideConfig(check_host_memory=False) to try anyway."
+    )
+
+
+def pin_slab(t: torch.Tensor) -> None:
+    """Page-lock an existing CPU tensor in place (cudaHostRegister), without the caching host
+    allocator's power-of-two rounding that would waste up to half of a large slab."""
+    if t.numel() == 0:
+        return
+    nbytes = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        logger.warning("cudaHostRegister of %.1f GiB failed (error %s); transfers will be slower", nbytes / GiB, err)

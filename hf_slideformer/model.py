@@ -1,0 +1,282 @@
+"""The user-facing model: `slide(hf_model)` and `SlideModel.from_pretrained(path)`.
+
+A slid model stays the HF model object (its class becomes a subclass, `Slide<Class>`, so
+`isinstance` checks, `config` and the Trainer keep working): its parameters become views of the
+host fp32 masters, and its forward runs through the sliding engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+
+import torch
+import torch.nn as nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import SlideConfig
+from .engine import SlideEngine, SlideStateError
+from .models import get_adapter
+from .optim import SlideOptimizer
+from .store import HostStore, ParamEntry, Unit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlideModel", "slide", "is_slid"]
+
+_CLASSES: dict[type, type] = {}
+
+
+def is_slid(model: nn.Module) -> bool:
+    """Whether `model` runs through the sliding engine."""
+    return getattr(model, "slide_engine", None) is not None
+
+
+def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    out: dict[int, list] = {}
+    for mod in model.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((mod, attr))
+    return out
+
+
+def build_units(model: nn.Module, adapter) -> list[Unit]:
+    """Split `model` into embed, layer and head units (schedule order), entries in module order."""
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    holders = _holders(model)
+    seen: set[int] = set()
+
+    def entries(module: nn.Module) -> list[ParamEntry]:
+        out = []
+        for _, p in module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            out.append(ParamEntry(names[id(p)], p.shape, 0, p.numel(), holders[id(p)], p))
+        return out
+
+    units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]
+    for i, layer in enumerate(adapter.layers(model)):
+        units.append(Unit(f"layer.{i}", "layer", i + 1, entries(layer)))
+    head = entries(adapter.final_norm(model)) + entries(adapter.lm_head(model))
+    units.append(Unit("head", "head", len(units), head))
+    left = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if left:
+        raise NotImplementedError(f"parameters outside embed / layers / norm / lm_head are not supported: {left}")
+    return units
+
+
+def _slid_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Slide{cls.__name__}", (SlideModel, cls), {"_slide_base_class": cls})
+    return _CLASSES[cls]
+
+
+def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = True) -> nn.Module:
+    """Turn an HF causal LM into a sliding model, in place, and return it.
+
+    The model's weights move into the host store (fp32 masters, pinned on CUDA); its parameters
+    become views of them. The model should be on the CPU (any dtype).
+
+    Args:
+        model: an HF `*ForCausalLM` of a supported family (llama, qwen2, qwen3, mistral).
+        config: the SlideConfig (default: SlideConfig()).
+
+    Returns:
+        The same model object, now a `SlideModel`.
+    """
+    if is_slid(model):
+        raise ValueError("this model is already slid")
+    config = config or SlideConfig()
+    adapter = get_adapter(getattr(model.config, "model_type", None))
+    adapter.check(model)
+    if config.gpu_memory_limit is not None and config.is_cuda:
+        total = torch.cuda.get_device_properties(config.torch_device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * 2 ** 30 / total),
+                                                   config.torch_device)
+    units = build_units(model, adapter)
+    for u in units:
+        for e in u.entries:
+            if _fill and e.param.device.type not in ("cpu", "meta"):
+                raise ValueError(f"slide() expects the model on the CPU; {e.name} is on {e.param.device}. "
+                                 "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
+    store = HostStore(units, config)
+    if _fill:
+        with torch.no_grad():
+            for u in units:
+                for e in u.entries:
+                    e.view(u.master).copy_(e.param.detach().reshape(e.shape))
+    store.bind_parameters()
+    for name, buf in model.named_buffers():
+        if buf.device.type == "meta" and not name.endswith("inv_freq") and "rotary" not in name:
+            raise NotImplementedError(f"buffer {name} is uninitialized (meta)")
+    rot = adapter.rotary(model)
+    if rot is not None:
+        if any(b.device.type == "meta" for b in rot.buffers()):
+            new = type(rot)(config=model.config, device=config.torch_device)
+            adapter.base(model).rotary_emb = new
+        else:
+            rot.to(config.torch_device)
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False
+    engine = SlideEngine(model, adapter, config, store)
+    model.__class__ = _slid_class(type(model))
+    model.slide_engine = engine
+    model.slide_config = config
+    _install_proxies(model, adapter, engine)
+    weakref.finalize(model, engine.close)
+    return model
+
+
+def _install_proxies(model, adapter, engine) -> None:
+    from .engine import EmbedFunction, LayerFunction
+
+    emb = adapter.embed(model)
+
+    def embed_forward(input_ids):
+        if torch.is_grad_enabled():
+            engine.begin_graph()
+            return EmbedFunction.apply(engine.anchor, engine, input_ids)
+        return engine.embed_forward(input_ids)
+
+    emb.forward = embed_forward
+    for i, layer in enumerate(adapter.layers(model)):
+        def layer_forward(hidden_states, *args, _i=i, **kwargs):
+            if torch.is_grad_enabled() and hidden_states.requires_grad:
+                return LayerFunction.apply(hidden_states, engine, _i, args, kwargs)
+            return engine.layer_forward(_i, hidden_states, args, kwargs, save=False)
+        layer.forward = layer_forward
+    adapter.final_norm(model).forward = lambda hidden_states, *a, **k: hidden_states   # applied by the head
+
+
+class SlideModel:
+    """Mixin of every slid model; also the entry point `SlideModel.from_pretrained`.
+
+    A slid model is its HF class plus: `create_optimizer`, `slide_stats`, a forward through the
+    engine, and `save_pretrained` / `state_dict` reading the host masters.
+    """
+
+    slide_engine: SlideEngine
+    slide_config: SlideConfig
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, slide_config: SlideConfig | None = None, **kwargs):
+        """Load a local HF checkpoint (single or sharded safetensors) layer by layer into the host store.
+
+        The full model is never materialized: the HF model is built on the meta device and each
+        tensor is read from its file straight into its fp32 master.
+
+        Args:
+            path: a directory with config.json and *.safetensors.
+            slide_config: the SlideConfig.
+            kwargs: extra config overrides (e.g. attn_implementation="sdpa").
+        """
+        from .checkpoint import load_model_meta, load_weights
+
+        model = load_model_meta(path, **kwargs)
+        slide(model, slide_config, _fill=False)
+        load_weights(model, path)
+        return model
+
+    # ------------------------------------------------------------------ training API
+    def create_optimizer(self, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                         param_groups=None, **kwargs) -> SlideOptimizer:
+        """A `SlideOptimizer` (AdamW) over this model's master weights.
+
+        Args:
+            lr, betas, eps, weight_decay: as torch.optim.AdamW.
+            param_groups: optional param-group dicts (e.g. decay / no-decay); default: one group.
+        """
+        params = param_groups if param_groups is not None else list(self.parameters())
+        return SlideOptimizer(params, self.slide_engine, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              **kwargs)
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
+                num_items_in_batch=None, shift_labels=None, logits_to_keep=0, use_cache=None, return_dict=None,
+                **kwargs):
+        """HF causal-LM forward through the sliding engine.
+
+        With `labels`, returns the loss (fused linear cross-entropy; logits are not materialized).
+        Without labels, or under `torch.no_grad()`, returns logits for evaluation.
+        """
+        eng = self.slide_engine
+        if inputs_embeds is not None:
+            raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
+        if input_ids is None:
+            raise ValueError("input_ids is required")
+        if use_cache:
+            raise NotImplementedError("generation with a KV cache is not supported on a slid model; save it with "
+                                      "save_pretrained() and generate with AutoModelForCausalLM")
+        for k in ("past_key_values", "cache", "output_attentions", "output_hidden_states"):
+            if kwargs.pop(k, None):
+                raise NotImplementedError(f"{k} is not supported by the sliding engine")
+        dev = eng.device
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(dev)
+        if position_ids is not None:
+            position_ids = position_ids.to(dev)
+        base = eng.adapter.base(self)
+        out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False, **kwargs)
+        h = out.last_hidden_state
+        if labels is None and shift_labels is None:
+            return CausalLMOutputWithPast(logits=eng.head_logits(h, logits_to_keep))
+        if labels is not None:
+            labels = labels.to(dev)
+        if torch.is_grad_enabled() and h.requires_grad:
+            from .engine import HeadFunction
+            if shift_labels is not None:
+                raise NotImplementedError("shift_labels with gradients: pass labels instead")
+            loss = HeadFunction.apply(h, eng, labels, num_items_in_batch)
+        else:
+            loss, _ = eng.head_forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
+        return CausalLMOutputWithPast(loss=loss)
+
+    def slide_stats(self) -> dict:
+        """Counters of the engine: bytes moved, CPU Adam time, steps."""
+        s = self.slide_engine.stats
+        return {"steps": s.steps, "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+                "activation_bytes": s.act_bytes, "cpu_adam_s": s.adam_s, "updated_params": s.updated_params,
+                "backward_s": s.backward_s, "worker_busy_s": self.slide_engine.worker.busy_s}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, *args, **kwargs):
+        """The current weights under HF names: the fp32 masters, once every queued update has run."""
+        self.slide_engine.synchronize()
+        return super().state_dict(*args, **kwargs)
+
+    def save_pretrained(self, save_directory, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
+                        **kwargs):
+        """Write sharded safetensors + config that `AutoModelForCausalLM.from_pretrained` loads.
+
+        Weights are written layer by layer from the masters in `dtype` (default: the training
+        dtype), into temporary files renamed at the end: an interrupted save leaves no partial file.
+        """
+        from .checkpoint import save_model
+
+        self.slide_engine.synchronize()
+        save_model(self, save_directory, max_shard_size=max_shard_size, dtype=dtype or self.slide_config.dtype)
+
+    def to(self, *args, **kwargs):
+        """Device moves are ignored (the engine places the weights); dtype changes are refused."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and dtype != torch.float32:
+            raise ValueError("a slid model keeps fp32 masters on the host; choose the compute dtype with SlideConfig.dtype")
+        return self
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    def cpu(self):
+        return self
+
+    def half(self):
+        raise ValueError("a slid model keeps fp32 masters; choose the compute dtype with SlideConfig.dtype")
+
+    bfloat16 = half
+
+    def float(self):
+        return self

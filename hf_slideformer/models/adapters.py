@@ -1,0 +1,72 @@
+"""Family adapters.
+
+An adapter names the parts of an HF causal LM that the engine slides: the token embedding, the
+decoder layers, the final norm and the lm_head. Masks, RoPE, GQA and sliding-window attention stay
+with the HF model's own code: the base model's forward runs unchanged and calls the layers, whose
+forward the engine replaces by a sliding proxy. So every family whose decoder follows the
+Llama layout (embed_tokens / layers / norm / lm_head, layers that take the hidden states and
+return them) is supported by one adapter; families only differ in what they need checked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
+
+
+@dataclass(frozen=True)
+class DecoderAdapter:
+    """Accessors for a Llama-layout decoder-only causal LM."""
+
+    model_type: str
+    base_attr: str = "model"
+
+    def base(self, model: nn.Module) -> nn.Module:
+        return getattr(model, self.base_attr)
+
+    def embed(self, model: nn.Module) -> nn.Embedding:
+        return self.base(model).embed_tokens
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return self.base(model).layers
+
+    def final_norm(self, model: nn.Module) -> nn.Module:
+        return self.base(model).norm
+
+    def lm_head(self, model: nn.Module) -> nn.Linear:
+        return model.lm_head
+
+    def rotary(self, model: nn.Module) -> nn.Module | None:
+        return getattr(self.base(model), "rotary_emb", None)
+
+    def check(self, model: nn.Module) -> None:
+        """Raise if this model instance uses something the engine cannot reproduce exactly."""
+        cfg = model.config
+        if getattr(cfg, "attention_dropout", 0.0):
+            raise NotImplementedError(
+                f"attention_dropout={cfg.attention_dropout} is not supported: recompute in backward would draw "
+                "different dropout masks. Set config.attention_dropout = 0.0 (the value every supported "
+                "checkpoint ships with)."
+            )
+        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+            raise NotImplementedError("pretraining_tp > 1 is not supported; set config.pretraining_tp = 1")
+        head = self.lm_head(model)
+        if getattr(head, "bias", None) is not None:
+            raise NotImplementedError("an lm_head with a bias is not supported")
+
+
+_ADAPTERS = {name: DecoderAdapter(name) for name in ("llama", "qwen2", "qwen3", "mistral")}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_ADAPTERS))
+
+
+def get_adapter(model_type: str) -> DecoderAdapter:
+    """The adapter for `model_type`, or a ValueError naming the supported ones."""
+    try:
+        return _ADAPTERS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by hf_slideformer; supported model_types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        ) from None

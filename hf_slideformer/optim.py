@@ -1,0 +1,137 @@
+"""SlideOptimizer: a torch.optim.Optimizer facade over the engine's CPU AdamW.
+
+The optimizer owns the hyper-parameters (`param_groups`, so HF lr schedulers and per-group
+weight decay work unchanged); the engine owns *when* each unit is updated: inside backward when
+the backward ends the optimizer step, else at `step()`. Both read the groups at update time.
+The update itself is torch's fused CPU AdamW kernel (the one `torch.optim.AdamW(fused=True)`
+runs), over views of the flat fp32 masters and moments.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from .store import Unit
+
+__all__ = ["SlideOptimizer", "apply_adamw"]
+
+
+def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int]) -> None:
+    """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
+
+    Args:
+        unit: the unit; its master, moments and per-entry step counters are updated in place.
+        grad: (unit.numel,) fp32 gradient.
+        groups: hyper-parameter snapshot per param group (lr, betas, eps, weight_decay, maximize).
+        group_of: id(parameter) -> index into `groups`; parameters absent are not updated.
+    """
+    by_group: dict[int, list[int]] = {}
+    for k, e in enumerate(unit.entries):
+        gi = group_of.get(id(e.param))
+        if gi is None or not e.param.requires_grad:
+            continue
+        by_group.setdefault(gi, []).append(k)
+    for gi, ks in by_group.items():
+        hp = groups[gi]
+        es = [unit.entries[k] for k in ks]
+        params = [e.view(unit.master) for e in es]
+        grads = [e.view(grad) for e in es]
+        m = [e.view(unit.exp_avg) for e in es]
+        v = [e.view(unit.exp_avg_sq) for e in es]
+        steps = [unit.steps[k] for k in ks]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = hp["betas"]
+        torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
+                            beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
+                            amsgrad=False, maximize=bool(hp.get("maximize", False)))
+
+
+class SlideOptimizer(torch.optim.Optimizer):
+    """AdamW over a slid model's master weights, with torch.optim.AdamW's semantics.
+
+    Build it with `model.create_optimizer(...)`, or directly with the model's parameters (or
+    param groups of them, e.g. HF's decay / no-decay split).
+
+    Args:
+        params: parameters of the slid model, or param-group dicts.
+        engine: the model's SlideEngine (`model.slide_engine`).
+        lr, betas, eps, weight_decay, maximize: as torch.optim.AdamW.
+    """
+
+    def __init__(self, params: Iterable, engine, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, amsgrad: bool = False, maximize: bool = False, **unused):
+        if amsgrad:
+            raise ValueError("SlideOptimizer does not support amsgrad=True")
+        for k in unused:
+            if unused[k] not in (None, False):
+                raise ValueError(f"SlideOptimizer got an unsupported option {k}={unused[k]!r}")
+        if not 0.0 <= lr:
+            raise ValueError(f"invalid learning rate {lr}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+        self.engine = engine
+        owned = {id(p) for p in engine.store.params()}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        "SlideOptimizer got a parameter that is not a master weight of the slid model "
+                        f"(shape {tuple(p.shape)}). Build the optimizer after slide()/from_pretrained, from "
+                        "model.parameters(), e.g. with model.create_optimizer()."
+                    )
+        engine.store.allocate_optimizer_state()
+        for u in engine.store.units:
+            for k, e in enumerate(u.entries):
+                self.state[e.param] = {"step": u.steps[k], "exp_avg": e.view(u.exp_avg),
+                                       "exp_avg_sq": e.view(u.exp_avg_sq)}
+        engine.attach_optimizer(self)
+
+    def snapshot(self) -> tuple[list[dict], dict[int, int]]:
+        """The current hyper-parameters per group and the parameter -> group map."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        return groups, group_of
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Finish the optimizer step: the updates inside backward already run; deferred ones
+        (accumulation, clipping) are scheduled now and overlap the next forward."""
+        if closure is not None:
+            raise ValueError("SlideOptimizer.step does not take a closure")
+        self.engine.optimizer_step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients accumulated since the last step (a no-op right after step())."""
+        self.engine.zero_grad()
+
+    @property
+    def last_grad_norm(self) -> float:
+        """Global L2 norm of the gradients of the last optimizer step (before clipping)."""
+        return self.engine.last_grad_norm()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load hyper-parameters and moments in place (the moments are views of the host store)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
+        self.engine.synchronize()
+        saved = state_dict["state"]
+        for sg, g in zip(groups, self.param_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError("optimizer state does not match this model's parameter groups")
+            for k, v in sg.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+            for idx, p in zip(sg["params"], g["params"]):
+                s = saved.get(idx)
+                if s is None:
+                    continue
+                st = self.state[p]
+                if s["exp_avg"].shape != st["exp_avg"].shape:
+                    raise ValueError(f"optimizer state for a parameter of shape {tuple(p.shape)} has shape "
+                                     f"{tuple(s['exp_avg'].shape)}")
+                st["exp_avg"].copy_(s["exp_avg"])
+                st["exp_avg_sq"].copy_(s["exp_avg_sq"])
+                st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))

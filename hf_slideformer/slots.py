@@ -1,0 +1,125 @@
+"""GPU slot queue: preallocated flat buffers, each holding the weights of one unit, reused.
+
+A slot is filled from the host masters on the h2d stream (fp32 over PCIe, cast to the compute
+dtype on the GPU: the CPU never converts), and read by the compute stream. Slots are keyed by
+(unit, version): a slot still holding the current version of a unit is reused without a copy,
+which is how the last layers of the forward serve the start of the backward.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .store import Unit
+from .transfer import Streams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Slot", "SlotQueue"]
+
+
+class Slot:
+    """One preallocated device buffer and what it holds."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.flat = torch.empty(numel, dtype=dtype, device=device)
+        self.key: tuple | None = None            # ((unit, version), ...) currently held
+        self.units: tuple[Unit, ...] = ()
+        self.ready = None                         # h2d event: weights are in
+        self.free = None                          # compute event: last read issued so far
+        self.last_use = 0
+
+    def views(self, unit: Unit) -> list[torch.Tensor]:
+        base = 0
+        for u in self.units:
+            if u is unit:
+                return [self.flat[base + e.offset: base + e.offset + e.numel].view(e.shape) for e in u.entries]
+            base += u.numel
+        raise KeyError(unit.name)
+
+
+class SlotQueue:
+    """A fixed set of device slots for units of at most `numel` parameters.
+
+    Args:
+        n: number of slots (the window).
+        numel: capacity of each slot, in elements.
+        dtype: compute dtype of the slots.
+        streams: the engine's streams.
+        staging: optional device fp32 buffer of at least `numel` for the on-GPU cast.
+        bytes_counter: callable(nbytes) accounting h2d traffic.
+    """
+
+    def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None):
+        self.streams = streams
+        self.dtype = dtype
+        self.slots = [Slot(numel, dtype, streams.device) for _ in range(n)]
+        self.staging = staging
+        self.clock = 0
+        self.count = bytes_counter or (lambda n: None)
+
+    @staticmethod
+    def key_of(units: tuple[Unit, ...]) -> tuple:
+        return tuple((u.name, u.version) for u in units)
+
+    def find(self, units: tuple[Unit, ...]) -> Slot | None:
+        key = self.key_of(units)
+        for s in self.slots:
+            if s.key == key:
+                return s
+        return None
+
+    def load(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()) -> Slot:
+        """Issue the h2d copy of `units` into a slot (the least recently used one not in `busy`)."""
+        hit = self.find(units)
+        if hit is not None:
+            return hit
+        candidates = [s for s in self.slots if all(s is not b for b in busy)]
+        if not candidates:
+            raise RuntimeError("no free slot: the window is too small for this schedule")
+        slot = min(candidates, key=lambda s: s.last_use)
+        st = self.streams
+        # Note: [Why the slot waits for the compute event] the h2d stream may overwrite a slot only
+        # after every kernel that reads its previous contents has run: wait for its `free` event.
+        st.wait(slot.free, st.h2d)
+        slot.key, slot.units = None, ()
+        base = 0
+        with st.on(st.h2d):
+            for u in units:
+                # Note: [Why the copy waits for the update] the master must hold the finished update
+                # of the previous step before it is read: block until the CPU worker is done.
+                u.updated.wait()
+                dst = slot.flat[base:base + u.numel]
+                if self.staging is not None and dst.dtype != torch.float32:
+                    stage = self.staging[:u.numel]
+                    stage.copy_(u.master, non_blocking=True)
+                    dst.copy_(stage)                      # fp32 -> compute dtype on the GPU
+                else:
+                    dst.copy_(u.master, non_blocking=True)
+                self.count(u.numel * u.master.element_size())
+                base += u.numel
+        slot.ready = st.record(st.h2d)
+        for u in units:
+            # The CPU worker waits for this before it writes the master again.
+            u.readers.append(slot.ready)
+        slot.key, slot.units = self.key_of(units), units
+        self.clock += 1
+        slot.last_use = self.clock
+        return slot
+
+    def acquire(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()) -> Slot:
+        """A slot holding `units`, ready for the compute stream."""
+        slot = self.load(units, busy)
+        self.streams.wait(slot.ready)
+        self.clock += 1
+        slot.last_use = self.clock
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Mark the compute work issued so far as the slot's last reader."""
+        slot.free = self.streams.record()
+
+    def invalidate(self) -> None:
+        for s in self.slots:
+            s.key, s.units = None, ()

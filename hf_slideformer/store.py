@@ -1,0 +1,134 @@
+"""Host store: the fp32 master weights, Adam moments and accumulated gradients, per unit.
+
+A *unit* is what slides as one piece: the token embedding, one decoder layer, or the head (final
+norm + an untied lm_head). Each unit's parameters are laid out back to back in one flat fp32
+buffer, a view of one large slab; the HF module's `nn.Parameter`s are views into that buffer, so
+`model.parameters()` and `model.state_dict()` *are* the masters, and nothing else holds a copy.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from .memory import check_host_memory, pin_slab
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ParamEntry", "Unit", "HostStore"]
+
+
+@dataclass
+class ParamEntry:
+    """One parameter of a unit: its HF name(s), where it sits in the flat buffer, who holds it."""
+
+    name: str                                   # canonical HF name (first one found)
+    shape: torch.Size
+    offset: int
+    numel: int
+    holders: list[tuple[nn.Module, str]]        # (module, attribute) pairs that reference it
+    param: nn.Parameter | None = None
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.offset:self.offset + self.numel].view(self.shape)
+
+
+@dataclass
+class Unit:
+    """A slice of the model that moves and is updated as one piece."""
+
+    name: str
+    kind: str                                   # "embed" | "layer" | "head"
+    index: int                                  # position in the schedule order
+    entries: list[ParamEntry]
+    numel: int = 0
+    master: torch.Tensor | None = None          # (numel,) fp32, pinned on CUDA
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    grad: torch.Tensor | None = None            # (numel,) fp32 accumulated gradient (deferred mode)
+    grad_valid: bool = False                    # `grad` holds this step's sum so far
+    steps: list = field(default_factory=list)    # per-entry AdamW step counters (fp32 scalars)
+    sqnorm: float = 0.0                          # squared gradient norm of the finished step
+    version: int = 0                            # bumped by every update: device copies check it
+    updated: threading.Event = field(default_factory=threading.Event)
+    readers: list = field(default_factory=list)  # device events of in-flight reads of `master`
+
+    def __post_init__(self):
+        self.updated.set()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [e.view(flat) for e in self.entries]
+
+
+class HostStore:
+    """Owns the host memory of the model: one slab of fp32 masters, moments and gradients.
+
+    Args:
+        units: the units in schedule order, each with its entries' holders filled and offsets unset.
+        config: the SlideConfig.
+    """
+
+    def __init__(self, units: list[Unit], config, *, with_optimizer: bool = True):
+        self.units = units
+        self.config = config
+        off = 0
+        for u in units:
+            u.numel = 0
+            for e in u.entries:
+                e.offset = u.numel
+                u.numel += e.numel
+            off += u.numel
+        self.numel = off
+        self.deferred = config.deferred
+        if config.check_host_memory:
+            check_host_memory(self.numel, deferred=self.deferred, config=config)
+        # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
+        # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
+        self.master_slab = torch.empty(self.numel, dtype=torch.float32)
+        if config.pin_memory and config.is_cuda:
+            pin_slab(self.master_slab)
+        self._carve(self.master_slab, "master")
+        self.optimizer_ready = False
+
+    def _carve(self, slab: torch.Tensor, attr: str) -> None:
+        off = 0
+        for u in self.units:
+            setattr(u, attr, slab[off:off + u.numel])
+            off += u.numel
+
+    def allocate_optimizer_state(self) -> None:
+        """Allocate zeroed Adam moments (and the gradient accumulator in deferred mode)."""
+        if self.optimizer_ready:
+            return
+        self.exp_avg_slab = torch.zeros(self.numel, dtype=torch.float32)
+        self.exp_avg_sq_slab = torch.zeros(self.numel, dtype=torch.float32)
+        self._carve(self.exp_avg_slab, "exp_avg")
+        self._carve(self.exp_avg_sq_slab, "exp_avg_sq")
+        for u in self.units:
+            u.steps = [torch.zeros((), dtype=torch.float32) for _ in u.entries]
+        if self.deferred:
+            self.grad_slab = torch.zeros(self.numel, dtype=torch.float32)
+            self._carve(self.grad_slab, "grad")
+        self.optimizer_ready = True
+
+    def bind_parameters(self) -> None:
+        """Replace every held parameter by an nn.Parameter viewing its master (ties preserved)."""
+        for u in self.units:
+            for e in u.entries:
+                view = e.view(u.master)
+                p = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
+                for mod, attr in e.holders:
+                    mod._parameters[attr] = p
+                e.param = p
+
+    def params(self):
+        for u in self.units:
+            for e in u.entries:
+                yield e.param
+
+    def wait_all_updates(self) -> None:
+        for u in self.units:
+            u.updated.wait()

@@ -1,0 +1,168 @@
+"""RMSNorm with the casting of Hugging Face's LlamaRMSNorm / Qwen2RMSNorm / Qwen3RMSNorm.
+
+Forward, per row x (H,):
+    rstd = 1 / sqrt(mean(x_f32**2) + eps)
+    n    = (x_f32 * rstd).to(x.dtype)             # HF rounds the normalized row to the input dtype
+    y    = (w_f32 * n_f32).to(out dtype)           # out dtype = promote(x.dtype, w.dtype)
+Backward, with x_hat = x_f32 * rstd (fp32 throughout):
+    dn = dy * w
+    dx = rstd * (dn - x_hat * mean(dn * x_hat))
+    dw = sum over rows of dy * n
+Rows are processed in tiles of R rows (R > 1 when H is small, e.g. Qwen3's per-head q/k norm).
+The weight gradient is reduced in two stages: one fp32 partial per program, then a sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["RMSNormFunction", "rms_norm"]
+
+
+@triton.jit
+def _rms_norm_fwd_kernel(
+    x_ptr, y_ptr, w_ptr, rstd_ptr,
+    n_rows, H, eps,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """y = w * (x * rstd).to(x.dtype) for a tile of BLOCK_R rows; stores rstd (n_rows,) fp32."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]   # (R, 1)
+    cols = tl.arange(0, BLOCK_H)[None, :]                                              # (1, BH)
+    mask = (rows < n_rows) & (cols < H)
+    x = tl.load(x_ptr + rows * H + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)                                  # (R,)
+    n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows * H + cols, (w * n).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd[:, None], mask=rows < n_rows)
+
+
+@triton.jit
+def _rms_norm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+    n_rows, H, rows_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """dx for rows [pid * rows_per_program, ...) and this program's partial dw (BLOCK_H,) fp32.
+
+    dx may alias dy: each tile is read completely before it is written.
+    """
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    cols = tl.arange(0, BLOCK_H)[None, :]
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+    for start in range(first, last, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)[:, None]
+        mask = (rows < last) & (cols < H)
+        x = tl.load(x_ptr + rows * H + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows * H + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < last, other=0.0)              # (R, 1)
+        x_hat = x * rstd
+        n = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        dw_acc += dy * n
+        dn = dy * w
+        c = tl.sum(dn * x_hat, axis=1)[:, None] / H
+        dx = rstd * (dn - x_hat * c)
+        tl.store(dx_ptr + rows * H + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dw_partial_ptr + pid * H + cols, tl.sum(dw_acc, axis=0)[None, :], mask=cols < H)
+
+
+def _tile(H: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_H, num_warps): about 4096 elements per tile, one row at least."""
+    block_h = triton.next_power_of_2(H)
+    block_r = max(1, min(64, 4096 // block_h))
+    elems = block_r * block_h
+    num_warps = 16 if elems >= 16384 else (8 if elems >= 4096 else 4)
+    return block_r, block_h, num_warps
+
+
+def _num_programs(x: torch.Tensor, n_rows: int) -> int:
+    if x.is_cuda:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        return max(1, min(n_rows, 4 * sms))
+    return max(1, min(n_rows, 8))
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on x (..., H). Returns y (..., H) and rstd (N,) fp32."""
+    shape = x.shape
+    H = shape[-1]
+    x2 = x.reshape(-1, H).contiguous()                                                # (N, H)
+    n_rows = x2.shape[0]
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    y = torch.empty((n_rows, H), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_r, block_h, num_warps = _tile(H)
+    _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
+        x2, y, weight, rstd, n_rows, H, eps, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return y.view(shape), rstd
+
+
+def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                      in_place: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. Returns dx (shape and dtype of x) and dw (dtype of weight).
+
+    With `in_place`, dx is written over dy when they share a dtype (saves one activation).
+    """
+    shape = x.shape
+    H = shape[-1]
+    x2 = x.reshape(-1, H)
+    dy2 = dy.reshape(-1, H).contiguous()
+    n_rows = x2.shape[0]
+    dx = dy2 if in_place and dy2.dtype == x.dtype else torch.empty_like(x2)
+    block_r, block_h, num_warps = _tile(H)
+    programs = _num_programs(x, n_rows)
+    rows_per_program = triton.cdiv(n_rows, programs)
+    dw_partial = torch.empty((programs, H), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(programs,)](
+        dy2, x2, weight, rstd, dx, dw_partial, n_rows, H, rows_per_program,
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return dx.view(shape), dw_partial.sum(0).to(weight.dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype); x (..., H), weight (H,).
+
+    Saves x and rstd (N,) fp32. With `in_place_backward` the backward writes dx over the
+    incoming gradient when the dtypes allow: right when that gradient is not shared with
+    another node, as in the HF decoder layers (the norm feeds linear layers only).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, in_place_backward):
+        x = x.contiguous()
+        y, rstd = rms_norm_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.in_place_backward = in_place_backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        # A non-contiguous (or expanded) dy is copied first, so only a dense dy is overwritten.
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, in_place=ctx.in_place_backward)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             in_place_backward: bool = False) -> torch.Tensor:
+    """Triton RMSNorm over the last dimension; see `triton_ops.reference.rms_norm` for the math.
+
+    Args:
+        x: (..., H) input.
+        weight: (H,) scale.
+        eps: added to the mean square.
+        in_place_backward: let the backward overwrite the incoming gradient with dx (only
+            where no other node reads that gradient).
+
+    Returns:
+        (..., H) tensor of dtype promote(x.dtype, weight.dtype).
+    """
+    return RMSNormFunction.apply(x, weight, eps, in_place_backward)
