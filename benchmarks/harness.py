@@ -31,7 +31,7 @@ import torch
 __all__ = [
     "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "gpu_memory_peaks",
     "is_cuda_oom", "free_memory", "linear_params", "flops_per_token", "peak_tflops", "environment",
-    "format_table", "GIB",
+    "format_table", "GIB", "DEFAULT_HARDWARE", "run_probe",
 ]
 
 TAG = "@@bench "
@@ -187,6 +187,63 @@ def peak_tflops(gpu_name: str | None) -> float | None:
         if key in gpu_name:
             return _PEAK_BF16_TFLOPS[key]
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# hardware probe: the inputs of the step bound (DESIGN section 6)
+# ---------------------------------------------------------------------------------------------
+# The H200 machine's figures of DESIGN section 6, used where the probe did not run.
+DEFAULT_HARDWARE = {"h2d_gbs": 54.6, "d2h_gbs": 55.2, "duplex_gbs": 43.2, "adam_params_per_s": 3.5e9,
+                    "source": "DESIGN.md section 6 (H200 machine), not measured in this run"}
+
+
+def run_probe(copy_bytes: int = GIB, adam_params: int = 1 << 27) -> int:
+    """Measure pinned h2d / d2h bandwidth (each alone and both at once) and CPU AdamW's update rate.
+
+    Copies: `copy_bytes` between a pinned host buffer and the GPU, best of 3 (GB/s = 1e9 B/s).
+    Adam: torch.optim.AdamW(fused=True) on `adam_params` fp32 parameters on the CPU, all threads,
+    median of 3 steps after one warm-up: the rate the offloading providers' CPU Adam can reach.
+    Emits one `probe` event.
+    """
+    out: dict[str, Any] = {}
+    if torch.cuda.is_available():
+        host = [torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        dev = [torch.empty(copy_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+        def timed(fn) -> float:
+            best = float("inf")
+            for _ in range(4):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        def both() -> None:
+            with torch.cuda.stream(streams[0]):
+                dev[0].copy_(host[0], non_blocking=True)
+            with torch.cuda.stream(streams[1]):
+                host[1].copy_(dev[1], non_blocking=True)
+
+        out["h2d_gbs"] = copy_bytes / timed(lambda: dev[0].copy_(host[0], non_blocking=True)) / 1e9
+        out["d2h_gbs"] = copy_bytes / timed(lambda: host[1].copy_(dev[1], non_blocking=True)) / 1e9
+        out["duplex_gbs"] = copy_bytes / timed(both) / 1e9
+        out["gpu"] = torch.cuda.get_device_name()
+        del host, dev
+    p = torch.nn.Parameter(torch.zeros(adam_params))
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-5, fused=True)
+    seconds = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        opt.step()
+        seconds.append(time.perf_counter() - t0)
+    out["adam_params_per_s"] = adam_params / statistics.median(seconds[1:])
+    out["adam_threads"] = torch.get_num_threads()
+    emit("probe", **out)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,13 +11,13 @@ from .base import Provider, RunSpec
 
 __all__ = ["PROVIDERS", "get_provider", "Provider", "RunSpec"]
 
-# name -> (module, class, one-line description for --help and the docs)
+# name -> (module, class, runs under the GPU memory cap, one-line description)
 PROVIDERS = {
-    "slide": ("slide", "SlideProvider", "hf_slideformer, GPU capped"),
-    "hf": ("hf", "HFProvider", "HF GPU-resident training, uncapped"),
-    "ds2": ("deepspeed_zero", "ZeRO2Provider", "DeepSpeed ZeRO-2 + CPU optimizer, GPU capped"),
-    "ds3": ("deepspeed_zero", "ZeRO3Provider", "DeepSpeed ZeRO-3 + CPU params and optimizer, GPU capped"),
-    "resident": ("resident", "ResidentProvider", "GPU-resident with triton_ops kernels: the compute bound"),
+    "slide": ("slide", "SlideProvider", True, "hf_slideformer"),
+    "hf": ("hf", "HFProvider", False, "HF GPU-resident training"),
+    "ds2": ("deepspeed_zero", "ZeRO2Provider", True, "DeepSpeed ZeRO-2 + CPU optimizer"),
+    "ds3": ("deepspeed_zero", "ZeRO3Provider", True, "DeepSpeed ZeRO-3 + CPU params and optimizer"),
+    "resident": ("resident", "ResidentProvider", False, "GPU-resident with triton_ops kernels: the compute bound"),
 }
 
 
@@ -25,5 +25,5 @@ def get_provider(name: str) -> type[Provider]:
     """The provider class called `name`."""
     if name not in PROVIDERS:
         raise KeyError(f"unknown provider {name!r}; known: {', '.join(PROVIDERS)}")
-    module, cls, _ = PROVIDERS[name]
+    module, cls, _, _ = PROVIDERS[name]
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)

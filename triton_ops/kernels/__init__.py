@@ -6,9 +6,9 @@ The dispatching entry points (`triton_ops.rms_norm`, ...) choose between these a
 `triton_ops.reference`.
 """
 from .cross_entropy import LinearCrossEntropyFunction, default_chunk_tokens, linear_cross_entropy
-
-
-
+from .rms_norm import RMSNormFunction, rms_norm
+from .rope import RopeFunction, rope
+from .swiglu import SwiGLUFunction, swiglu
 
 __all__ = [
     "LinearCrossEntropyFunction",

@@ -60,7 +60,9 @@ def _rope_kernel(
     s1 = tl.load(sin_ptr + t, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t + HALF, mask=dmask, other=0.0).to(tl.float32)
     if BACKWARD:
-        s1, s2 = -s2, -s1
+        neg_s2 = -s2
+        s2 = -s1
+        s1 = neg_s2
     _rotate_heads(q_ptr + b * sq_b + s * sq_s, sq_h, n_q_heads, c1, c2, s1, s2, HALF, BLOCK_QH, BLOCK_D)
     _rotate_heads(k_ptr + b * sk_b + s * sk_s, sk_h, n_k_heads, c1, c2, s1, s2, HALF, BLOCK_KH, BLOCK_D)
 
@@ -86,8 +88,8 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     S = q.shape[3 - unsqueeze_dim]
     if D % 2 or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("rope needs an even head dimension with unit stride")
-    cos = cos.reshape(cos.shape[0], S, D)
-    sin = sin.reshape(sin.shape[0], S, D)
+    if cos.dim() == 2:
+        cos, sin = cos[None], sin[None]
     if cos.stride(-1) != 1 or cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     hq, sq_b, sq_h, sq_s = _axes(q, unsqueeze_dim)
@@ -104,13 +106,11 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     )
 
 
-def _writable_grad(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The incoming gradient if it can be rotated in place (dense, unit stride on D), else a copy."""
-    if g is None:
-        return torch.zeros_like(like)
-    if g.stride(-1) != 1 or not (g.is_contiguous() or g.transpose(1, 2).is_contiguous()):
-        return g.contiguous()
-    return g
+def _writable_grad(g: torch.Tensor) -> torch.Tensor:
+    """The incoming gradient if it can be rotated in place (unit stride on D, no expanded
+    dimension), else a dense copy."""
+    expanded = any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape))
+    return g.contiguous() if expanded or g.stride(-1) != 1 else g
 
 
 class RopeFunction(torch.autograd.Function):
@@ -126,20 +126,18 @@ class RopeFunction(torch.autograd.Function):
         ctx.mark_dirty(q, k)
         ctx.save_for_backward(cos, sin)
         ctx.unsqueeze_dim = unsqueeze_dim
+        ctx.q_shape, ctx.k_shape, ctx.dtype = q.shape, k.shape, q.dtype
         return q, k
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        q_like, k_like = (dq if dq is not None else dk), (dk if dk is not None else dq)
-        dq = _writable_grad(dq, q_like) if dq is not None else None
-        dk = _writable_grad(dk, k_like) if dk is not None else None
-        if dq is not None and dk is not None:
-            rope_(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True)
-        elif dq is not None or dk is not None:
-            # Only one of the two reaches the loss: rotate it, paired with a throwaway copy.
-            only = dq if dq is not None else dk
-            rope_(only, only.clone(), cos, sin, ctx.unsqueeze_dim, backward=True)
+        if dq is None and dk is None:
+            return None, None, None, None, None
+        # A gradient that does not reach the loss is zero; rotating zeros keeps one launch path.
+        dq = _writable_grad(dq) if dq is not None else torch.zeros(ctx.q_shape, dtype=ctx.dtype, device=cos.device)
+        dk = _writable_grad(dk) if dk is not None else torch.zeros(ctx.k_shape, dtype=ctx.dtype, device=cos.device)
+        rope_(dq, dk, cos, sin, ctx.unsqueeze_dim, backward=True)
         return dq, dk, None, None, None
 
 

@@ -1,0 +1,63 @@
+"""Builders shared by the tests: tiny models of each family and the plain-PyTorch reference loop."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+from hf_slideformer.demo import tiny_config
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def family_config(model_type: str, tied: bool = False, **kw):
+    extra = {}
+    if model_type == "mistral":
+        extra["sliding_window"] = 5           # shorter than the test sequences: exercises the window
+    if model_type == "qwen2":
+        extra.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    if model_type == "qwen3":
+        extra.update(use_sliding_window=False)
+    extra.update(kw)
+    return tiny_config(model_type, vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                       tie_word_embeddings=tied, **extra)
+
+
+def make_pair(model_type="llama", tied=False, seed=0, cfg_kw=None, **slide_kw):
+    """(reference HF model, slid deep copy) with identical fp32 weights."""
+    torch.manual_seed(seed)
+    ref = AutoModelForCausalLM.from_config(family_config(model_type, tied, **(cfg_kw or {}))).float()
+    ref.config.use_cache = False
+    slid = copy.deepcopy(ref)
+    slid = hs.slide(slid, hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
+    return ref, slid
+
+
+def batches(n, bsz=2, seq=11, vocab=97, pad_left=False, pad=False, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(2, vocab, (bsz, seq), generator=g)
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        if pad:
+            for b in range(bsz):
+                k = int(torch.randint(1, seq // 2, (1,), generator=g))
+                if pad_left and b % 2 == 0:
+                    ids[b, :k] = 0
+                    mask[b, :k] = 0
+                    labels[b, :k] = -100
+                else:
+                    ids[b, -k:] = 0
+                    mask[b, -k:] = 0
+                    labels[b, -k:] = -100
+        out.append(dict(input_ids=ids, attention_mask=mask, labels=labels))
+    return out
+
+
+def max_param_diff(ref, slid):
+    sd, rsd = slid.state_dict(), ref.state_dict()
+    assert set(sd) == set(rsd), (set(sd) ^ set(rsd))
+    return max((sd[k] - rsd[k]).abs().max().item() for k in rsd)

@@ -1,0 +1,192 @@
+"""The sliding engine against plain HF training + torch.optim.AdamW, step by step, in fp32."""
+import math
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from helpers import FAMILIES, batches, make_pair, max_param_diff
+
+LR = 1e-2
+PARAM_TOL = 0.05 * LR        # a few percent of one learning-rate step
+LOSS_RTOL = 1e-5
+
+
+def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_by_ga=True, items=False):
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=wd)
+    opt = slid.create_optimizer(lr=LR, weight_decay=wd)
+    scheds = []
+    if sched:
+        scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ropt, opt)]
+    norms = []
+    for k in range(0, len(data), ga):
+        window = data[k:k + ga]
+        n_items = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window) if items else None
+        for b in window:
+            kw = dict(b, num_items_in_batch=torch.tensor(n_items)) if items else b
+            r = ref(**kw).loss
+            s = slid(**kw).loss
+            assert math.isclose(s.item(), r.item(), rel_tol=LOSS_RTOL, abs_tol=1e-6), (s.item(), r.item())
+            div = ga if (scale_by_ga and not items) else 1
+            (r / div).backward()
+            (s / div).backward()
+        if clip is not None:
+            rn = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        else:
+            rn = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters() if p.grad is not None]))
+        ropt.step()
+        ropt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        for sc in scheds:
+            sc.step()
+        norms.append((opt.last_grad_norm, rn.item()))
+    for a, b in norms:
+        assert math.isclose(a, b, rel_tol=1e-4), norms
+    return max_param_diff(ref, slid)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_equivalence_families(family, tied):
+    ref, slid = make_pair(family, tied)
+    assert (slid.lm_head.weight is slid.model.embed_tokens.weight) == tied
+    assert train_both(ref, slid, batches(4, pad=True, pad_left=True)) < PARAM_TOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_accumulation_and_clipping(tied):
+    ref, slid = make_pair("llama", tied, gradient_accumulation_steps=3, max_grad_norm=0.5)
+    assert train_both(ref, slid, batches(6, pad=True), ga=3, clip=0.5) < PARAM_TOL
+
+
+def test_accumulation_in_backward_updates_with_num_items():
+    ref, slid = make_pair("qwen2", False, gradient_accumulation_steps=2)
+    assert train_both(ref, slid, batches(6, pad=True), ga=2, items=True) < PARAM_TOL
+
+
+def test_clipping_only_with_weight_decay_and_scheduler():
+    ref, slid = make_pair("qwen3", True, max_grad_norm=0.1)
+    assert train_both(ref, slid, batches(4), clip=0.1, wd=0.1, sched=True) < PARAM_TOL
+
+
+def test_param_groups_decay_split():
+    ref, slid = make_pair("llama", False)
+    def groups(m, opt_cls, **kw):
+        decay = [p for n, p in m.named_parameters() if n.endswith("proj.weight")]
+        rest = [p for n, p in m.named_parameters() if not n.endswith("proj.weight")]
+        return [{"params": decay, "weight_decay": 0.3}, {"params": rest, "weight_decay": 0.0, "lr": LR / 2}]
+    ropt = torch.optim.AdamW(groups(ref, None), lr=LR)
+    opt = hs.SlideOptimizer(groups(slid, None), slid.slide_engine, lr=LR)
+    for b in batches(3):
+        ref(**b).loss.backward(); ropt.step(); ropt.zero_grad()
+        slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+    assert max_param_diff(ref, slid) < PARAM_TOL
+
+
+def test_eval_logits_and_no_grad_loss():
+    ref, slid = make_pair("mistral", False)
+    b = batches(1, pad=True)[0]
+    with torch.no_grad():
+        r = ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        s = slid(input_ids=b["input_ids"], attention_mask=b["attention_mask"])
+        torch.testing.assert_close(s.logits, r.logits, rtol=1e-5, atol=1e-5)
+        rl, sl = ref(**b).loss, slid(**b).loss
+        assert math.isclose(sl.item(), rl.item(), rel_tol=LOSS_RTOL)
+    out = slid(input_ids=b["input_ids"])          # no labels, grad enabled: logits for evaluation
+    assert out.logits.shape == (*b["input_ids"].shape, 97)
+
+
+def test_step_order_errors():
+    _, slid = make_pair("llama", False)
+    opt = slid.create_optimizer(lr=LR)
+    b = batches(2)
+    with pytest.raises(hs.SlideStateError, match="without a backward"):
+        opt.step()
+    slid(**b[0]).loss.backward()
+    with pytest.raises(hs.SlideStateError, match="gradient_accumulation_steps=1"):
+        slid(**b[1]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    # a forward whose activations were replaced by a later forward cannot be backwarded
+    l1 = slid(**b[0]).loss
+    l2 = slid(**b[1]).loss
+    with pytest.raises(hs.SlideStateError, match="later forward"):
+        l1.backward()
+    l2.backward()
+    opt.step()
+
+
+def test_backward_needs_optimizer():
+    _, slid = make_pair("llama", False)
+    with pytest.raises(hs.SlideStateError, match="create_optimizer"):
+        slid(**batches(1)[0]).loss.backward()
+
+
+def test_unsupported_architecture_names_supported_types():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="llama, mistral, qwen2, qwen3"):
+        hs.slide(m, hs.SlideConfig(device="cpu"))
+
+
+def test_host_memory_check_fails_before_allocating(monkeypatch):
+    import hf_slideformer.memory as mem
+    monkeypatch.setattr(mem, "available_host_bytes", lambda: 1000)
+    with pytest.raises(hs.HostMemoryError, match="GiB of host memory"):
+        make_pair("llama", False)
+
+
+def test_worker_failure_surfaces_without_hang(monkeypatch):
+    import hf_slideformer.engine as engine_mod
+    _, slid = make_pair("llama", False)
+    opt = slid.create_optimizer(lr=LR)
+    def boom(*a, **k):
+        raise RuntimeError("adam exploded")
+    monkeypatch.setattr(engine_mod, "apply_adamw", boom)
+    b = batches(2)
+    slid(**b[0]).loss.backward()
+    opt.step()
+    with pytest.raises(hs.WorkerError, match="adam exploded"):
+        slid(**b[1]).loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+def test_activation_tiers_bit_identical(tier, tmp_path):
+    data = batches(2, pad=True)
+    results = []
+    for t in ("device", tier):
+        ref, slid = make_pair("llama", True, activation_tier=t, nvme_path=str(tmp_path))
+        opt = slid.create_optimizer(lr=LR)
+        for b in data:
+            slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+        results.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_window_sizes_agree():
+    data = batches(2)
+    states = []
+    for w in (1, 2, 3):
+        _, slid = make_pair("qwen3", False, window=w)
+        opt = slid.create_optimizer(lr=LR)
+        for b in data:
+            slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+        states.append(slid.state_dict())
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]) and torch.equal(states[0][k], states[2][k]), k
+
+
+def test_zero_grad_discards_accumulated():
+    ref, slid = make_pair("llama", False, gradient_accumulation_steps=2)
+    opt = slid.create_optimizer(lr=LR)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    b = batches(3)
+    slid(**b[0]).loss.backward(); opt.zero_grad()      # discarded
+    ref(**b[0]).loss.backward(); ropt.zero_grad()
+    for x in b[1:]:
+        (slid(**x).loss / 2).backward(); (ref(**x).loss / 2).backward()
+    opt.step(); ropt.step()
+    assert max_param_diff(ref, slid) < PARAM_TOL
