@@ -169,7 +169,7 @@ def _launch(args: list[str], name: str, timeout: float, env_extra: dict[str, str
 def run_provider(name: str, spec: RunSpec, timeout: float) -> dict:
     """Run one provider to its row, respawning a worker when an OOM left the previous one broken."""
     deadline = time.monotonic() + timeout
-    row: dict = {"provider": name, "capped": spec.cap_gib is not None, "cap_gib": spec.cap_gib,
+    row: dict = {"provider": name, "capped": PROVIDERS[name][2], "cap_gib": spec.cap_gib,
                  "description": PROVIDERS[name][3], "oom_batches": [], "processes": 0}
     batches = list(spec.batches)
     while True:

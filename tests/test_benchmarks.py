@@ -1,0 +1,135 @@
+"""The training benchmark harness: its helpers, and one real CPU run of `bench_train.py`."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import bench_train  # noqa: E402
+from benchmarks.harness import (emit, flops_per_token, format_table, is_cuda_oom, linear_params,  # noqa: E402
+                                parse_line, peak_tflops)
+from benchmarks.providers import PROVIDERS, RunSpec, get_provider  # noqa: E402
+from benchmarks.providers.base import build_model, call_with_known_fields, load_config  # noqa: E402
+
+
+@pytest.mark.parametrize("name, n_params", [("tiny", 90_432), ("llama3-3b", 3_212_749_824),
+                                            ("llama3-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512)])
+def test_shape_configs_have_the_real_parameter_counts(name, n_params):
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    assert config.use_cache is False
+
+
+def test_build_model_keeps_ties_buffers_and_initialises():
+    config = load_config("tiny")
+    model = build_model(config, "cpu", torch.bfloat16, fill="tiled")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))
+    std = model.model.layers[0].mlp.up_proj.weight.float().std().item()
+    assert 0.015 < std < 0.025
+    inv_freq = model.model.rotary_emb.inv_freq
+    assert inv_freq.device.type == "cpu" and torch.isfinite(inv_freq).all() and inv_freq[0] == 1.0
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+def test_linear_params_and_flops_formula():
+    config = load_config("tiny")
+    model = build_model(config, "cpu", torch.float32)
+    h, i, v, layers, kv = 64, 128, 256, 2, 2 * 16
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i          # q, o, k, v, gate/up/down
+    assert linear_params(model) == layers * per_layer + v * h  # lm_head counted once (tied)
+    assert flops_per_token(1000, 2, 64, 128) == 6 * 1000 + 12 * 2 * 64 * 128
+
+
+def test_event_lines_round_trip(capsys):
+    emit("step", batch=4, seconds=0.5, loss=torch.tensor(2.0))
+    line = capsys.readouterr().out
+    assert parse_line(line) == {"event": "step", "batch": 4, "seconds": 0.5, "loss": 2.0}
+    assert parse_line("ordinary log output") is None
+
+
+def test_format_table_prints_missing_values_as_dashes():
+    table = format_table([{"a": "x", "b": 1.234}, {"a": "yy", "b": None}], [("a", "A", ""), ("b", "B", ".1f")])
+    assert table.splitlines() == ["| A  | B   |", "|----|-----|", "| x  | 1.2 |", "| yy | -   |"]
+
+
+def test_run_spec_round_trips_and_validates():
+    spec = RunSpec(provider="hf", model="tiny", seq=128, batches=[4, 2, 1], slide_options={"window": 3})
+    assert RunSpec.from_json(spec.to_json()) == spec
+    assert all(f.metadata.get("help") for f in dataclasses.fields(RunSpec))
+    with pytest.raises(ValueError):
+        RunSpec(provider="hf", model="tiny", seq=128, batches=[])
+    with pytest.raises(ValueError):
+        RunSpec(provider="hf", model="tiny", seq=128, batches=[1], checkpointing="sometimes")
+
+
+def test_call_with_known_fields_drops_and_notes_unknown_fields():
+    @dataclasses.dataclass
+    class Config:
+        device: str = "cpu"
+
+    notes: list[str] = []
+    assert call_with_known_fields(Config, {"device": "cuda", "gpu_memory_limit": 24}, notes) == Config("cuda")
+    assert notes == ["Config has no field gpu_memory_limit: not passed"]
+
+
+def test_step_bound_takes_the_largest_term():
+    hardware = {"h2d_gbs": 50.0, "d2h_gbs": 50.0, "adam_params_per_s": 3.5e9}
+    resident = {"extra": {"compute_s": 1.0}, "tokens_per_step": 8 * 2048}
+    row = {"capped": True, "step_s": 2.0, "n_params": 7e9, "tokens_per_step": 16 * 2048}
+    out = bench_train.step_bound(row, resident, hardware)
+    assert out["bound_terms"] == pytest.approx({"gpu": 2.0, "pcie": 4 * 7e9 / 50e9, "cpu_adam": 2.0})
+    assert out["bound_by"] in ("gpu", "cpu_adam") and out["efficiency"] == pytest.approx(1.0)
+    uncapped = bench_train.step_bound({**row, "capped": False}, resident, hardware)
+    assert set(uncapped["bound_terms"]) == {"gpu"}
+    assert bench_train.step_bound({**row, "capped": False}, None, hardware) == {}
+    assert bench_train.step_bound(row, None, hardware)["bound_by"] == "cpu_adam (no gpu term)"
+
+
+def test_small_helpers():
+    assert bench_train._halvings(16) == [16, 8, 4, 2, 1] and bench_train._halvings(1) == [1]
+    assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("mystery card") is None
+    assert is_cuda_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
+    assert not is_cuda_oom(RuntimeError("shape mismatch"))
+    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident"}
+    assert get_provider("hf").name == "hf"
+
+
+def test_cpu_run_end_to_end(tmp_path):
+    """The real harness: worker processes, events, JSON, table; the hf provider must succeed."""
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--model", "tiny", "--providers", "slide,hf",
+           "--batch", "2", "--steps", "2", "--warmup", "1", "--timeout", "120", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["commit"] and doc["versions"]["torch"] == torch.__version__
+    assert "bench_train.py --device cpu --model tiny" in doc["command"]
+    assert doc["shape"] == {"name": "tiny", "model_type": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
+                            "intermediate": 128, "vocab": 256, "tied_embeddings": True, "seq": 128}
+    rows = {r["provider"]: r for r in doc["results"]}
+    hf = rows["hf"]
+    assert hf["status"] == "ok", hf
+    assert hf["batch"] == 2 and hf["tokens_per_step"] == 256 and len(hf["step_times"]) == 2
+    assert hf["step_s"] > 0 and hf["tokens_per_s"] == pytest.approx(256 / hf["step_s"])
+    assert hf["n_params"] == 90_432 and hf["model_tflops"] > 0 and hf["host_rss_peak"] > 0
+    assert hf["gpu_peak_allocated"] is None and hf["capped"] is False
+    assert hf["extra"]["gradient_checkpointing"] is False
+    assert rows["slide"]["status"] in ("ok", "skipped", "error")  # the engine is allowed to be unfinished here
+    assert rows["slide"]["capped"] is True
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-4].startswith("| provider") and lines[-2].startswith("| slide") and lines[-1].startswith("| hf")
