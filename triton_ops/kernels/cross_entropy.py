@@ -215,7 +215,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 else:
                     dw.addmm_(buf.t(), h_c)
         del logits_buf
-        loss = (loss_rows.sum() * inv_denom).reshape(())
+        loss = loss_rows.sum() * inv_denom.squeeze(0)
         ctx.dh = dh.to(out_dtype) if dh is not None else None
         ctx.dw = dw
         return loss

@@ -95,13 +95,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     x2 = x.reshape(-1, H).contiguous()                                                # (N, H)
     n_rows = x2.shape[0]
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    y = torch.empty((n_rows, H), dtype=out_dtype, device=x.device)
+    y = torch.empty(shape, dtype=out_dtype, device=x.device)    # not a view: callers may transpose it
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block_r, block_h, num_warps = _tile(H)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, y, weight, rstd, n_rows, H, eps, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
     )
-    return y.view(shape), rstd
+    return y, rstd
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,

@@ -1,0 +1,166 @@
+"""Swap the fused ops into a Hugging Face causal LM, and take them out again.
+
+What `patch(model)` changes, for the llama / qwen2 / qwen3 / mistral families:
+
+- every `*RMSNorm` module: its `forward` becomes `triton_ops.rms_norm` (instance attribute);
+- every `*MLP` module with a SiLU activation: `forward` uses the fused `swiglu`;
+- the family's `apply_rotary_pos_emb` (a module-level function the attention layers look up at
+  call time) becomes `triton_ops.rope`. This is the one change that is not per model: it lasts
+  while at least one model of that family is patched (a count per family);
+- the causal LM's `forward`: with labels, the loss comes from `linear_cross_entropy` on the
+  final hidden states and the logits are not materialized (`logits` is None in the output);
+  without labels, the original forward runs.
+
+Each op dispatches at call time, so a patched model on CPU keeps computing the reference
+mathematics. `unpatch(model)` or `handle.revert()` restores the originals.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import triton_ops
+
+__all__ = ["PatchHandle", "patch", "unpatch", "SUPPORTED_FAMILIES"]
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_ATTR = "_triton_ops_patch"
+_rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (original function, count)
+
+
+def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Only linear layers (or the in-place rope) read a norm's output in these families, so its
+    # incoming gradient is not shared and dx may overwrite it.
+    return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, in_place_backward=True)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(triton_ops.swiglu(self.gate_proj(x), self.up_proj(x), in_place_backward=True))
+
+
+def _rope(q, k, cos, sin, unsqueeze_dim=1):
+    return triton_ops.rope(q, k, cos, sin, unsqueeze_dim)
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+    """The causal LM's forward with the fused loss head; falls back to the original without labels."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    if labels is None and shift_labels is None:
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    return_dict = kwargs.pop("return_dict", None)
+    kwargs.pop("logits_to_keep", None)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    hidden = outputs.last_hidden_state                                               # (B, S, H)
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]             # (B, S)
+    loss = triton_ops.linear_cross_entropy(
+        hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
+        shift_labels.reshape(-1).to(hidden.device),
+        ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+    )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                 attentions=outputs.attentions)
+    return out.to_tuple() if return_dict is False else out
+
+
+@dataclass
+class PatchHandle:
+    """What `patch` changed on one model; `revert()` (or leaving a `with` block) undoes it.
+
+    Attributes:
+        model: the patched model.
+        family: its `config.model_type`.
+        forwards: modules whose instance `forward` was replaced.
+        rope_module: name of the modeling module whose `apply_rotary_pos_emb` was replaced.
+    """
+
+    model: nn.Module
+    family: str
+    forwards: list[nn.Module] = field(default_factory=list)
+    rope_module: str | None = None
+
+    def revert(self) -> None:
+        """Restore the original forwards and, with the last patched model of the family, rope."""
+        for module in self.forwards:
+            if "forward" in module.__dict__:
+                delattr(module, "forward")
+        self.forwards = []
+        if self.rope_module is not None:
+            original, count = _rope_patches[self.rope_module]
+            if count == 1:
+                setattr(importlib.import_module(self.rope_module), "apply_rotary_pos_emb", original)
+                del _rope_patches[self.rope_module]
+            else:
+                _rope_patches[self.rope_module] = (original, count - 1)
+            self.rope_module = None
+        if getattr(self.model, _ATTR, None) is self:
+            delattr(self.model, _ATTR)
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def _family(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"triton_ops.patch supports {SUPPORTED_FAMILIES}, got model_type={family!r}")
+    return family
+
+
+def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
+          cross_entropy: bool = True) -> PatchHandle:
+    """Apply the fused ops to a Hugging Face model of a supported family, in place.
+
+    Args:
+        model: a `*ForCausalLM` (or its base `*Model`) of family llama, qwen2, qwen3 or mistral.
+        rms_norm, rope, swiglu, cross_entropy: which ops to swap in.
+
+    Returns:
+        A `PatchHandle`; `handle.revert()` or `unpatch(model)` restores the model.
+    """
+    family = _family(model)
+    if getattr(model, _ATTR, None) is not None:
+        raise RuntimeError("model is already patched; unpatch it first")
+    handle = PatchHandle(model=model, family=family)
+    modeling = f"transformers.models.{family}.modeling_{family}"
+    silu = getattr(model.config, "hidden_act", "silu") in ("silu", "swish")
+    for module in model.modules():
+        name = type(module).__name__
+        if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_rms_norm_forward, module)
+            handle.forwards.append(module)
+        elif swiglu and silu and name.endswith("MLP") and all(
+                hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            module.forward = types.MethodType(_mlp_forward, module)
+            handle.forwards.append(module)
+    if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
+        model.forward = types.MethodType(_causal_lm_forward, model)
+        handle.forwards.append(model)
+    if rope:
+        mod = importlib.import_module(modeling)
+        original, count = _rope_patches.get(modeling, (mod.apply_rotary_pos_emb, 0))
+        mod.apply_rotary_pos_emb = _rope
+        _rope_patches[modeling] = (original, count + 1)
+        handle.rope_module = modeling
+    object.__setattr__(model, _ATTR, handle)
+    return handle
+
+
+def unpatch(model: nn.Module) -> None:
+    """Undo `patch(model)`; a no-op for a model that is not patched."""
+    handle = getattr(model, _ATTR, None)
+    if handle is not None:
+        handle.revert()
