@@ -54,13 +54,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         need_dh = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1]
         dh = torch.zeros_like(hidden) if need_dh else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        acc = torch.promote_types(weight.dtype, torch.float32)    # fp32, or fp64 for an fp64 oracle
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
         chunk = int(chunk_tokens or T or 1)
         for s in range(0, T, chunk):
             h = hidden[s:s + chunk]                                   # (C, H)
             y = labels[s:s + chunk]                                   # (C,)
-            logits = (h @ weight.t()).float()                         # (C, V) fp32
+            logits = (h @ weight.t()).to(acc)                         # (C, V) fp32
             if softcap is not None:
                 t = torch.tanh(logits / softcap)
                 logits = softcap * t
@@ -85,8 +86,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if need_dh:
                 dh[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_dw:
-                dw += g.t() @ h.float()
-        loss = total / denom
+                dw += g.t() @ h.to(acc)
+        loss = (total / denom).to(torch.float32)
         ctx.save_for_backward(dh if dh is not None else torch.empty(0), dw.to(weight.dtype) if dw is not None else torch.empty(0))
         return loss
 

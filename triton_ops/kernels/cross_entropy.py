@@ -144,11 +144,11 @@ def default_chunk_tokens(n_tokens: int, hidden_size: int, vocab_size: int, dtype
     """Tokens per chunk: the (C, V) logits buffer gets as many bytes as the hidden states.
 
     The budget is max(T * H, V * H / 8) elements (the op's input, or an eighth of the weight
-    gradient it must hold anyway, whichever is larger), capped at a quarter of the device's free
-    memory; C is rounded down to a multiple of 64 for the matmuls.
+    gradient it must hold anyway, whichever is larger; 32 MiB at least), capped at a quarter of
+    the device's free memory; C is rounded down to a multiple of 64 for the matmuls.
     """
     elt = torch.empty((), dtype=dtype).element_size()
-    budget = max(n_tokens * hidden_size, vocab_size * hidden_size // 8) * elt
+    budget = max(max(n_tokens * hidden_size, vocab_size * hidden_size // 8) * elt, 32 << 20)
     device = torch.device(device) if device is not None else None
     if device is not None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
