@@ -14,5 +14,21 @@ from .worker import WorkerError
 
 __version__ = "0.1.0"
 
+_LAZY = {  # the HF integration imports transformers.Trainer: loaded on first use
+    "SlideArgs": "training_args", "SlideArgsError": "training_args", "SlideTrainer": "trainer",
+    "SlidePlugin": "accelerate_plugin", "SlideAccelerator": "accelerate_plugin",
+    "save_training_state": "train_checkpoint", "load_training_state": "train_checkpoint",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "HostMemoryError",
-           "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__"]
+           "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
+           *_LAZY]

@@ -1,0 +1,275 @@
+"""The Accelerate side: `SlidePlugin` (the settings) and `SlideAccelerator` (the custom-loop glue).
+
+`accelerate launch --config_file slideformer.yaml train.py` runs a plain Accelerate loop on a
+sliding model. The slide settings live in the same yaml file. Accelerate rejects unknown
+*top-level* keys in its config files, so they sit in a nested `slideformer:` mapping inside
+`mpirun_config`, a free-form section that a single-process launch never reads (`accelerate
+launch` only looks at `mpirun_hostfile` there). The launched script does not receive the config
+path, so `SlidePlugin.from_launch()` reads it from the launcher's command line (its parent
+process), falling back to Accelerate's default config file; `SlidePlugin.from_yaml(path)` names
+it explicitly. A standalone yaml with a top-level `slideformer:` mapping is read as well.
+
+This module is also the one place that reads Accelerate's environment variables
+(`launch_environment`): the process count, DeepSpeed / FSDP switches and mixed precision.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+
+from .config import ACTIVATION_TIERS, SlideConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlidePlugin", "SlideAccelerator", "LaunchEnvironment", "launch_environment", "wrap_optimizer",
+           "multi_process_message", "SECTION"]
+
+SECTION = "slideformer"
+_HOST_SECTION = "mpirun_config"
+_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None, None: None}
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+           "float32": torch.float32, "fp32": torch.float32}
+
+
+def multi_process_message(n: int) -> str:
+    """The error for a launch with several processes."""
+    return (f"hf_slideformer was launched with {n} processes. Sliding trains on one GPU per run and has no data "
+            "parallelism yet: launch one process (num_processes: 1), or for multi-GPU training use Accelerate's FSDP "
+            "or DeepSpeed integration without sliding.")
+
+
+@dataclass
+class LaunchEnvironment:
+    """What the launcher (`accelerate launch`, `torchrun`) told this process through the environment."""
+
+    world_size: int = 1
+    use_deepspeed: bool = False
+    use_fsdp: bool = False
+    mixed_precision: Optional[str] = None
+    launched_by_accelerate: bool = False
+    omp_num_threads: Optional[int] = None
+
+
+def _truthy(value: Optional[str]) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def launch_environment() -> LaunchEnvironment:
+    """Read the launcher's environment variables (the only place in the package that does)."""
+    env = os.environ
+    omp = env.get("OMP_NUM_THREADS")
+    return LaunchEnvironment(
+        world_size=int(env.get("WORLD_SIZE", "1") or 1),
+        use_deepspeed=_truthy(env.get("ACCELERATE_USE_DEEPSPEED")),
+        use_fsdp=_truthy(env.get("ACCELERATE_USE_FSDP")),
+        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION"),
+        launched_by_accelerate="ACCELERATE_DYNAMO_BACKEND" in env or "ACCELERATE_MIXED_PRECISION" in env,
+        omp_num_threads=int(omp) if omp and omp.isdigit() else None,
+    )
+
+
+def _launcher_config_file() -> Optional[str]:
+    """The `--config_file` of the `accelerate launch` that started this process, else Accelerate's default."""
+    try:
+        import psutil
+
+        argv = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # noqa: BLE001 - no psutil or no access: fall back to the default file
+        argv = []
+    if any("accelerate" in a for a in argv[:3]):
+        for i, a in enumerate(argv):
+            if a in ("--config_file", "--config-file") and i + 1 < len(argv):
+                return argv[i + 1]
+            if a.startswith(("--config_file=", "--config-file=")):
+                return a.split("=", 1)[1]
+    from accelerate.commands.config import default_config_file
+
+    return default_config_file if os.path.isfile(default_config_file) else None
+
+
+@dataclass
+class SlidePlugin:
+    """The sliding settings of an Accelerate run; every field mirrors a `SlideConfig` knob.
+
+    Written in the accelerate config yaml under `mpirun_config: {slideformer: {...}}` (see the
+    module docstring for why there), or built in code.
+    """
+
+    window: int = field(default=2, metadata={"help": "GPU layer slots (1-16)."})
+    activation_tier: str = field(default="auto", metadata={"help": f"Layer-input tier, one of {ACTIVATION_TIERS}."})
+    nvme_path: Optional[str] = field(default=None, metadata={"help": "Directory for the 'nvme' activation tier."})
+    cpu_threads: Optional[int] = field(default=None, metadata={
+        "help": "CPU optimizer threads (default: all cores, whatever OMP_NUM_THREADS says)."})
+    gpu_memory_limit: Optional[float] = field(default=None, metadata={"help": "GPU memory cap in GiB."})
+    use_kernels: Optional[bool] = field(default=None, metadata={"help": "Use the Triton kernels (default: on CUDA)."})
+    pin_memory: Optional[bool] = field(default=None, metadata={"help": "Pin host buffers (default: on CUDA)."})
+    dtype: Optional[str] = field(default=None, metadata={
+        "help": "Compute dtype; default: the yaml's mixed_precision (bf16 / fp16), else the engine's default."})
+    head_chunk_tokens: Optional[int] = field(default=None, metadata={"help": "Tokens per fused-head chunk."})
+    grad_buffers: int = field(default=2, metadata={"help": "Pinned host gradient staging buffers."})
+    check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
+    max_grad_norm: Optional[float] = field(default=None, metadata={
+        "help": "Global gradient-norm clipping, applied by the engine at optimizer.step() (must be known before "
+                "backward, so it is a setting, not an accelerator.clip_grad_norm_ call)."})
+    debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})
+
+    def __post_init__(self):
+        if self.activation_tier not in ACTIVATION_TIERS:
+            raise ValueError(f"slideformer.activation_tier must be one of {ACTIVATION_TIERS}, got {self.activation_tier!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"slideformer.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        for name in ("window", "grad_buffers", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"slideformer.{name} must be an int >= 1, got {value!r}")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise ValueError(f"slideformer.cpu_threads must be an int >= 1, got {self.cpu_threads!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            self.max_grad_norm = None
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "settings") -> "SlidePlugin":
+        """Build from a mapping, rejecting unknown keys (a typo must not be ignored silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown slideformer setting(s) {unknown} in {source}; known: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "SlidePlugin":
+        """Read the `slideformer` mapping of a yaml file (inside `mpirun_config`, or at the top level)."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f) or {}
+        section = doc.get(SECTION)
+        if section is None:
+            section = (doc.get(_HOST_SECTION) or {}).get(SECTION)
+        if section is None:
+            logger.info("no %s settings in %s: using the defaults", SECTION, path)
+            section = {}
+        return cls.from_dict(section, source=path)
+
+    @classmethod
+    def from_launch(cls) -> "SlidePlugin":
+        """The settings of the accelerate config this process was launched with (defaults without one)."""
+        path = _launcher_config_file()
+        return cls.from_yaml(path) if path else cls()
+
+    def to_slide_config(self, device: str | torch.device, mixed_precision: Optional[str] = None) -> SlideConfig:
+        """The `SlideConfig` for `device`; `mixed_precision` ("bf16", "fp16", "no") picks the dtype when unset."""
+        dtype = _DTYPES[self.dtype] if self.dtype else _PRECISION.get(mixed_precision)
+        return SlideConfig(device=str(device), dtype=dtype, window=self.window,
+                           gradient_accumulation_steps=self.gradient_accumulation_steps,
+                           max_grad_norm=self.max_grad_norm, activation_tier=self.activation_tier,
+                           nvme_path=self.nvme_path, cpu_threads=self.cpu_threads, pin_memory=self.pin_memory,
+                           use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
+                           head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
+                           check_host_memory=self.check_host_memory, debug=self.debug)
+
+
+def wrap_optimizer(optimizer) -> AcceleratedOptimizer:
+    """Wrap a SlideOptimizer for Accelerate without moving its state.
+
+    Note: [Why the optimizer is wrapped before prepare] `AcceleratedOptimizer(device_placement=True)`
+    round-trips `state_dict()` through the GPU, which would copy every Adam moment (8 bytes per
+    parameter) to the device. The wrapper made here skips that; it is marked prepared, so
+    `accelerator.prepare` keeps it, and its `step` still runs only when Accelerate syncs gradients.
+    """
+    wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=None)
+    wrapped._is_accelerate_prepared = True
+    return wrapped
+
+
+class SlideAccelerator(Accelerator):
+    """An `Accelerator` for a sliding model: same loop, the engine owns precision and placement.
+
+    Args:
+        slide_plugin: the settings; default: `SlidePlugin.from_launch()` (the launch yaml).
+        *args, **kwargs: as `accelerate.Accelerator`. `mixed_precision` (or the launch's) picks the
+            engine's compute dtype; Accelerate itself runs with mixed_precision="no".
+    """
+
+    def __init__(self, *args, slide_plugin: Optional[SlidePlugin] = None, **kwargs):
+        env = launch_environment()
+        if env.world_size > 1:
+            raise RuntimeError(multi_process_message(env.world_size))
+        if env.use_deepspeed or env.use_fsdp or kwargs.get("deepspeed_plugin") or kwargs.get("fsdp_plugin"):
+            raise ValueError("DeepSpeed / FSDP is configured together with sliding: they are alternatives. Use "
+                             "distributed_type: 'NO' in the accelerate config, or train without sliding.")
+        plugin = slide_plugin if slide_plugin is not None else SlidePlugin.from_launch()
+        precision = kwargs.pop("mixed_precision", None) or env.mixed_precision or "no"
+        if precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16, fp16 or no)")
+        ga = kwargs.get("gradient_accumulation_steps")
+        if ga not in (None, 1) and plugin.gradient_accumulation_steps not in (1, ga):
+            raise ValueError(f"gradient_accumulation_steps={ga} contradicts the slideformer setting "
+                             f"{plugin.gradient_accumulation_steps}")
+        if ga not in (None, 1):
+            plugin.gradient_accumulation_steps = ga
+        kwargs["gradient_accumulation_steps"] = plugin.gradient_accumulation_steps
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        if self.num_processes > 1 or self.distributed_type != DistributedType.NO:
+            raise RuntimeError(multi_process_message(self.num_processes))
+        self.slide_plugin = plugin
+        self.slide_precision = precision
+
+    def slide_config(self) -> SlideConfig:
+        """The engine configuration of this run (device, dtype, accumulation, clipping, plugin settings)."""
+        return self.slide_plugin.to_slide_config(self.device, self.slide_precision)
+
+    def slide(self, model):
+        """Slide an HF causal LM (on the CPU) in place with this run's settings and return it."""
+        from .model import slide
+
+        return slide(model, self.slide_config())
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        from .model import is_slid
+
+        if not is_slid(model):
+            raise ValueError("SlideAccelerator.prepare got a model that is not slid: call model = "
+                             "accelerator.slide(model) (or SlideModel.from_pretrained) before building the optimizer")
+        cfg = model.slide_config
+        if cfg.gradient_accumulation_steps != self.gradient_accumulation_steps:
+            raise ValueError(f"the model slides with gradient_accumulation_steps={cfg.gradient_accumulation_steps} "
+                             f"but the accelerator accumulates {self.gradient_accumulation_steps}; slide it with "
+                             "accelerator.slide(model)")
+        return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        from .optim import SlideOptimizer
+
+        if isinstance(optimizer, SlideOptimizer):
+            optimizer = wrap_optimizer(optimizer)
+            self._optimizers.append(optimizer)
+            return optimizer
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """For a slid model: the engine clips at optimizer.step() with the configured max_grad_norm;
+        this returns the pre-clip norm (the value `torch.nn.utils.clip_grad_norm_` would return)."""
+        from .model import is_slid
+
+        params = list(parameters)
+        owned = {id(p) for m in self._models if is_slid(m) for p in m.parameters()}
+        if not params or not all(id(p) in owned for p in params):
+            return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        configured = self.slide_plugin.max_grad_norm
+        if configured is None or abs(configured - float(max_norm)) > 1e-12 or norm_type != 2:
+            raise ValueError(f"clip_grad_norm_(max_norm={max_norm}) on a slid model: the engine clips during "
+                             f"optimizer.step() with slideformer.max_grad_norm (now {configured}); set it in the "
+                             "config (L2 norm only)")
+        engine = next(m for m in self._models if is_slid(m)).slide_engine
+        return torch.tensor(engine.last_grad_norm())

@@ -1,0 +1,292 @@
+"""SlideTrainer: the Hugging Face Trainer on a sliding model.
+
+The Trainer's loop runs unchanged; the model and optimizer underneath change. `SlideTrainer`
+slides the model (or takes a slid one), builds a `SlideOptimizer` with HF's decay / no-decay
+groups, hands `gradient_accumulation_steps` and `max_grad_norm` to the engine (which clips at
+`optimizer.step()`, so the Trainer's own clip path is switched off), logs the engine's grad norm,
+tokens/s and step breakdown, and writes exact, atomic checkpoints (`train_checkpoint.py`).
+
+A plain `transformers.Trainer(model=..., args=SlideArgs(...))` slides too: constructing
+`SlideArgs` installs one hook on `Trainer.__init__` that turns a Trainer given `SlideArgs` into
+its sliding subclass before anything else runs (see `install_trainer_hook`).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import time
+
+import torch
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .accelerate_plugin import multi_process_message, wrap_optimizer
+from .checkpoint import CheckpointError
+from .engine import SlideStateError
+from .model import is_slid, slide
+from .optim import SlideOptimizer
+from .train_checkpoint import atomic_directory, load_training_state, save_training_state, verify_training_state
+from .training_args import SlideArgs, SlideArgsError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SlideTrainer", "install_trainer_hook", "sync_step_settings"]
+
+SCHEDULER_NAME = "scheduler.pt"
+_STATS = (("cpu_adam_s", "slide/cpu_adam_s", 1.0), ("backward_s", "slide/backward_s", 1.0),
+          ("worker_busy_s", "slide/worker_busy_s", 1.0), ("h2d_bytes", "slide/h2d_GB", 1e-9),
+          ("d2h_bytes", "slide/d2h_GB", 1e-9), ("activation_bytes", "slide/activation_GB", 1e-9))
+
+
+def sync_step_settings(model, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
+    """Make a slid model's engine accumulate and clip as the Trainer says.
+
+    Raises:
+        SlideStateError: when the optimizer state was allocated without the gradient
+            accumulators that accumulation or clipping needs (re-slide the model).
+    """
+    cfg = model.slide_config
+    clip = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
+    if (cfg.gradient_accumulation_steps, cfg.max_grad_norm) == (gradient_accumulation_steps, clip):
+        return
+    store = model.slide_engine.store
+    deferred = gradient_accumulation_steps > 1 or clip is not None
+    if deferred and store.optimizer_ready and getattr(store, "grad_slab", None) is None:
+        raise SlideStateError("the model's optimizer state was built without gradient accumulators, but the "
+                              f"Trainer asks for gradient_accumulation_steps={gradient_accumulation_steps}, "
+                              f"max_grad_norm={max_grad_norm}: slide the model with matching SlideConfig settings")
+    cfg.gradient_accumulation_steps = gradient_accumulation_steps
+    cfg.max_grad_norm = clip
+    store.deferred = store.deferred or deferred
+
+
+class SlideTrainer(Trainer):
+    """`transformers.Trainer` for a sliding model; same arguments as `Trainer`.
+
+    `args` should be `SlideArgs` (plain `TrainingArguments` are upgraded with the default slide
+    settings). `model` is an HF causal LM on the CPU (slid here, in place) or an already slid
+    model. `optimizers` may carry a `SlideOptimizer` and any LR scheduler.
+    """
+
+    def __init__(self, model=None, args: TrainingArguments | None = None, *a, **kw):
+        if args is None:
+            args = SlideArgs(output_dir="trainer_output")
+        elif not isinstance(args, SlideArgs):
+            args = SlideArgs.from_training_args(args)
+        super().__init__(model, args, *a, **kw)
+
+    # ------------------------------------------------------------------ set-up
+    def create_accelerator_and_postprocess(self) -> None:
+        # Trainer.__init__ calls this first, with self.model set: slide before placement or wrapping.
+        if not isinstance(self.args, SlideArgs):
+            raise SlideArgsError("a sliding Trainer needs SlideArgs")
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise SlideArgsError("DeepSpeed / FSDP is enabled together with sliding: they are alternatives")
+        if self.accelerator.num_processes > 1:
+            raise SlideArgsError(multi_process_message(self.accelerator.num_processes))
+        self._slide_tokens = 0
+        self._slide_mark = None
+        if self.model is not None:
+            self.model = self._slide(self.model)
+
+    def _slide(self, model):
+        if is_slid(model):
+            sync_step_settings(model, self.args.gradient_accumulation_steps, self.args.max_grad_norm)
+            return model
+        if not isinstance(model, PreTrainedModel):
+            raise SlideArgsError(f"SlideTrainer needs an HF causal LM (PreTrainedModel), got {type(model).__name__}")
+        logger.info("sliding %s with %s", type(model).__name__, self.args.to_slide_config())
+        return slide(model, self.args.to_slide_config())
+
+    def call_model_init(self, trial=None):
+        return self._slide(super().call_model_init(trial))
+
+    def _move_model_to_device(self, model, device) -> None:
+        """The engine places the layers; nothing to move."""
+
+    def create_optimizer(self, model=None) -> torch.optim.Optimizer:
+        """A `SlideOptimizer` (AdamW on the CPU) with HF's decay / no-decay parameter groups."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            if not isinstance(inner, SlideOptimizer):
+                raise SlideArgsError(f"optimizers=({type(inner).__name__}, ...) on a sliding model: pass a "
+                                     "SlideOptimizer (model.create_optimizer(...)) or let the Trainer build one")
+            if not getattr(self.optimizer, "_is_accelerate_prepared", False):
+                self.optimizer = wrap_optimizer(inner)
+            return self.optimizer
+        args = self.args
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+                  {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        optimizer = SlideOptimizer(groups, opt_model.slide_engine, lr=args.learning_rate,
+                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                   weight_decay=args.weight_decay)
+        self.optimizer = wrap_optimizer(optimizer)
+        return self.optimizer
+
+    @property
+    def slide_optimizer(self) -> SlideOptimizer | None:
+        """The `SlideOptimizer` under Accelerate's wrapper (None before training starts)."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
+    # ------------------------------------------------------------------ the step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not is_slid(self.model):
+            raise SlideStateError("the Trainer's model is not slid; refusing to train it unslid")
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if ids is not None:
+            self._slide_tokens += ids.numel()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        # The engine clips at optimizer.step() with args.max_grad_norm; the norm is logged in log().
+        return None
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the engine's pre-clip grad norm, tokens/s and per-step breakdown to training logs."""
+        if "loss" in logs and self.slide_optimizer is not None and is_slid(self.model):
+            norm = self.slide_optimizer.last_grad_norm      # waits for the queued updates: logging steps only
+            if norm == norm:
+                logs["grad_norm"] = norm
+            now, stats = time.perf_counter(), self.model.slide_stats()
+            if self._slide_mark is not None:
+                t0, tok0, s0 = self._slide_mark
+                steps = max(stats["steps"] - s0["steps"], 1)
+                logs["tokens_per_s"] = (self._slide_tokens - tok0) / max(now - t0, 1e-9)
+                for key, name, scale in _STATS:
+                    logs[name] = (stats[key] - s0[key]) * scale / steps
+            self._slide_mark = (now, self._slide_tokens, stats)
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        self._slide_mark = (time.perf_counter(), self._slide_tokens, self.model.slide_stats()) \
+            if self.model is not None and is_slid(self.model) else None
+        return super().train(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial) -> None:
+        """Save model export + exact training state + scheduler, RNG and trainer state, atomically."""
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()
+        run_dir = self._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        with atomic_directory(output_dir) as tmp:
+            self.save_model(tmp, _internal_call=True)
+            if self.state.best_global_step:
+                best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
+                if os.path.exists(best) or self.state.best_global_step == self.state.global_step:
+                    self.state.best_model_checkpoint = best
+            if not self.args.save_only_model:
+                save_training_state(tmp, self.model, self.optimizer)
+                if self.lr_scheduler is not None:
+                    torch.save(self.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_NAME))
+                self._save_rng_state(tmp)
+            for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
+                name = cb.__class__.__name__
+                if isinstance(self.state.stateful_callbacks.get(name), list):
+                    self.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    self.state.stateful_callbacks[name] = cb.state()
+            self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(output_dir)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Verify the checkpoint and restore the exact fp32 masters (not the training-dtype export)."""
+        model = model if model is not None else self.model
+        _check_files(resume_from_checkpoint)
+        verify_training_state(resume_from_checkpoint, model)
+        load_training_state(resume_from_checkpoint, model, weights=True)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        load_training_state(checkpoint, self.model, self.optimizer, weights=False)
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{path} is corrupted: {e}") from e
+            self.lr_scheduler.load_state_dict(state)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        logger.info("loading the best model from %s (score %s)", best, self.state.best_metric)
+        load_training_state(best, self.model, weights=True)
+
+
+def _check_files(checkpoint: str) -> None:
+    """Fail early, naming the file, on a damaged trainer state or RNG file."""
+    import json
+
+    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint")
+    try:
+        with open(path, encoding="utf-8") as f:
+            json.load(f)
+    except ValueError as e:
+        raise CheckpointError(f"{path} is corrupted: {e}") from e
+    rng = os.path.join(checkpoint, "rng_state.pth")
+    if os.path.isfile(rng):
+        try:
+            torch.load(rng, weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{rng} is corrupted: {e}") from e
+
+
+# ---------------------------------------------------------------------- plain Trainer + SlideArgs
+_SLIDE_CLASSES: dict[type, type] = {}
+
+
+def sliding_class(cls: type) -> type:
+    """`SlideTrainer`'s behaviour on top of a (user) Trainer subclass `cls`."""
+    if issubclass(cls, SlideTrainer):
+        return cls
+    if cls is Trainer:
+        return SlideTrainer
+    if cls not in _SLIDE_CLASSES:
+        _SLIDE_CLASSES[cls] = type(f"Slide{cls.__name__}", (SlideTrainer, cls), {})
+    return _SLIDE_CLASSES[cls]
+
+
+def install_trainer_hook() -> None:
+    """Make `transformers.Trainer(..., args=SlideArgs(...))` (and its subclasses) slide.
+
+    Note: [Why Trainer.__init__ is wrapped] the Trainer offers no hook that receives the model
+    from its arguments before it builds the optimizer. The wrapper switches the instance to its
+    sliding subclass before `Trainer.__init__` runs, so every step is the SlideTrainer's.
+    If this version's `Trainer.__init__` has no `args` parameter, constructing `SlideArgs` fails
+    with what to do instead of training an unslid model.
+    """
+    original = Trainer.__init__
+    if getattr(original, "_slide_hook", False):
+        return
+    params = list(inspect.signature(original).parameters)
+    if params[:3] != ["self", "model", "args"]:
+        raise SlideArgsError("this transformers version's Trainer.__init__ cannot be hooked; use "
+                             "hf_slideformer.SlideTrainer(model=..., args=SlideArgs(...)) instead of Trainer")
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(targs, SlideArgs) and not isinstance(self, SlideTrainer):
+            self.__class__ = sliding_class(type(self))
+        original(self, *args, **kwargs)
+
+    __init__._slide_hook = True
+    Trainer.__init__ = __init__
