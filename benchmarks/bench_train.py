@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 from benchmarks.harness import (DEFAULT_HARDWARE, GIB, StepTimer, emit, environment, flops_per_token,  # noqa: E402
                                 format_table, free_memory, gpu_memory_peaks, host_rss_peak_bytes, is_cuda_oom,
-                                median, parse_line, peak_tflops, run_probe)
+                                median, parse_line, peak_tflops, reset_peaks, run_probe)
 from benchmarks.providers import PROVIDERS, RunSpec, get_provider  # noqa: E402
 from benchmarks.providers.base import load_config, random_batch  # noqa: E402
 
@@ -49,10 +49,11 @@ def run_worker(spec: RunSpec) -> int:
     t_start = time.perf_counter()
     device = torch.device(spec.device)
     if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
         total = torch.cuda.get_device_properties(device).total_memory
         if spec.cap_gib is not None:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.cap_gib * GIB / total), device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, spec.cap_gib * GIB / total), device.index)
         emit("device", gpu=torch.cuda.get_device_name(device), gpu_total_memory=total)
     try:
         provider = get_provider(spec.provider)(spec)
@@ -97,6 +98,7 @@ def run_worker(spec: RunSpec) -> int:
         seen_oom = True
         emit("oom", batch=batch, error=message[:200])
         free_memory()
+        reset_peaks(device)  # the peaks reported are those of the batch that fits
         try:
             retry = provider.after_oom(batch)
         except Exception as exc:
@@ -214,6 +216,8 @@ def run_parent(args: argparse.Namespace) -> int:
     offload_batches = ([int(b) for b in args.offload_batches.split(",")] if args.offload_batches
                        else _halvings(args.batch))
     env_info = environment()
+    if args.commit:
+        env_info["commit"] = args.commit
     doc: dict = {**env_info, "shape": _shape(args.model, config, seq), "device": args.device,
                  "cap_gib": args.cap_gib, "warmup": args.warmup, "steps": args.steps,
                  "flops_formula": "6 * N_linear + 12 * n_layers * attn_dim * seq per token (PaLM; full attention, "
@@ -389,6 +393,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")
     ap.add_argument("--no-probe", action="store_true", help="skip measuring PCIe and CPU Adam (use DESIGN's figures)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--commit", default=None, help="commit to record when the tree has no git metadata "
+                    "(a copied tree on a GPU machine)")
     ap.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)

@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "gpu_memory_peaks",
-    "is_cuda_oom", "free_memory", "linear_params", "flops_per_token", "peak_tflops", "environment",
+    "is_cuda_oom", "free_memory", "reset_peaks", "linear_params", "flops_per_token", "peak_tflops", "environment",
     "format_table", "GIB", "DEFAULT_HARDWARE", "run_probe",
 ]
 
@@ -126,6 +126,16 @@ def gpu_memory_peaks(device: torch.device) -> dict[str, int | None]:
             "gpu_peak_reserved": torch.cuda.max_memory_reserved(device)}
 
 
+def reset_peaks(device: torch.device) -> None:
+    """Start the GPU and host peak counters afresh (after an attempt that ran out of memory)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
+    except OSError:
+        pass
+
+
 def is_cuda_oom(exc: BaseException) -> bool:
     """True for a GPU out-of-memory error, whichever layer raised it (torch, cuBLAS, DeepSpeed)."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
@@ -197,7 +207,7 @@ DEFAULT_HARDWARE = {"h2d_gbs": 54.6, "d2h_gbs": 55.2, "duplex_gbs": 43.2, "adam_
                     "source": "DESIGN.md section 6 (H200 machine), not measured in this run"}
 
 
-def run_probe(copy_bytes: int = GIB, adam_params: int = 1 << 27) -> int:
+def run_probe(copy_bytes: int = GIB, adam_params: int = 1 << 29) -> int:
     """Measure pinned h2d / d2h bandwidth (each alone and both at once) and CPU AdamW's update rate.
 
     Copies: `copy_bytes` between a pinned host buffer and the GPU, best of 3 (GB/s = 1e9 B/s).

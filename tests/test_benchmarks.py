@@ -133,3 +133,73 @@ def test_cpu_run_end_to_end(tmp_path):
     assert rows["slide"]["capped"] is True
     lines = proc.stdout.strip().splitlines()
     assert lines[-4].startswith("| provider") and lines[-2].startswith("| slide") and lines[-1].startswith("| hf")
+
+
+class _FlakyProvider:
+    """Runs out of memory above `fits`; after an OOM, optionally breaks like a half-reduced ZeRO state."""
+
+    fits, break_after_oom = 2, False
+
+    def __init__(self, spec):
+        self.spec, self.notes, self.n_params, self.n_linear = spec, [], 10, 8
+        self.config = load_config("tiny")
+        self.ooms = 0
+
+    def setup(self):
+        pass
+
+    def train_step(self, ids, labels):
+        if self.break_after_oom and self.ooms:
+            raise AssertionError("parameter already reduced")
+        if ids.shape[0] > self.fits:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
+        return torch.tensor(1.0)
+
+    def after_oom(self, batch):
+        self.ooms += 1
+        return False
+
+    def report(self):
+        return {"ooms": self.ooms}
+
+
+def _events(capsys):
+    return [parse_line(line) for line in capsys.readouterr().out.splitlines() if parse_line(line)]
+
+
+def test_worker_steps_down_to_the_batch_that_fits(monkeypatch, capsys):
+    monkeypatch.setattr(bench_train, "get_provider", lambda name: _FlakyProvider)
+    spec = RunSpec(provider="hf", model="tiny", seq=8, batches=[8, 4, 2, 1], device="cpu", warmup=1, steps=3)
+    assert bench_train.run_worker(spec) == 0
+    events = _events(capsys)
+    assert [e["batch"] for e in events if e["event"] == "oom"] == [8, 4]
+    result = events[-1]
+    assert result["event"] == "result" and result["status"] == "ok" and result["batch"] == 2
+    assert len(result["step_times"]) == 3 and result["extra"] == {"ooms": 2}
+
+
+def test_worker_asks_for_a_fresh_process_when_an_oom_broke_the_state(monkeypatch, capsys):
+    monkeypatch.setattr(_FlakyProvider, "break_after_oom", True)
+    monkeypatch.setattr(bench_train, "get_provider", lambda name: _FlakyProvider)
+    spec = RunSpec(provider="ds2", model="tiny", seq=8, batches=[8, 4, 2], device="cpu", warmup=1, steps=1)
+    assert bench_train.run_worker(spec) == bench_train.RESPAWN_EXIT
+    respawn = _events(capsys)[-1]
+    assert respawn["event"] == "respawn" and respawn["batches"] == [4, 2]
+    assert "already reduced" in respawn["error"]
+
+
+@pytest.mark.slow
+def test_deepspeed_providers_on_deepspeeds_cpu_accelerator(tmp_path):
+    """ds2 and ds3 end to end on the tiny shape, through DeepSpeed's CPU accelerator (no GPU needed)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "ds.json"
+    env = {**__import__("os").environ, "DS_ACCELERATOR": "cpu"}
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--model", "tiny", "--providers", "ds2,ds3",
+           "--batch", "4", "--steps", "2", "--warmup", "1", "--timeout", "500", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["provider"]: r for r in json.loads(out.read_text())["results"]}
+    for name, optimizer in (("ds2", "DeepSpeedZeroOptimizer"), ("ds3", "DeepSpeedZeroOptimizer_Stage3")):
+        assert rows[name]["status"] == "ok", rows[name]
+        assert rows[name]["n_params"] == 90_432 and f"optimizer {optimizer}" in rows[name]["notes"]
+        assert rows[name]["extra"]["deepspeed_config"]["zero_optimization"]["stage"] == int(name[-1])

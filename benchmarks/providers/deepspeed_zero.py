@@ -51,12 +51,13 @@ class _ZeROProvider(Provider):
     stage = 0
 
     def setup(self) -> None:
-        if self.device.type != "cuda":
-            raise RuntimeError("DeepSpeed ZeRO-Offload needs CUDA")
         import deepspeed
 
+        if self.device.type != "cuda" and deepspeed.get_accelerator().device_name() != "cpu":
+            raise RuntimeError("DeepSpeed ZeRO-Offload needs CUDA (or DeepSpeed's CPU accelerator: DS_ACCELERATOR=cpu)")
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend="nccl", auto_mpi_discovery=False, verbose=False)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         self.ds_config = ds_config(self.stage, self.spec.batches[0], self.spec.lr)
         model = self.build()
         self.count(model)
