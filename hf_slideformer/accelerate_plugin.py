@@ -29,7 +29,7 @@ from .config import ACTIVATION_TIERS, SlideConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlidePlugin", "SlideAccelerator", "LaunchEnvironment", "launch_environment", "wrap_optimizer",
+__all__ = ["SlidePlugin", "SlideAccelerator", "LaunchEnvironment", "launch_environment", "wrap_optimizer", "worker_threads",
            "multi_process_message", "SECTION"]
 
 SECTION = "slideformer"
@@ -273,3 +273,18 @@ class SlideAccelerator(Accelerator):
                              "config (L2 norm only)")
         engine = next(m for m in self._models if is_slid(m)).slide_engine
         return torch.tensor(engine.last_grad_norm())
+
+
+def worker_threads(model) -> int:
+    """The thread count the CPU optimizer worker of a slid model actually runs with.
+
+    Launchers export OMP_NUM_THREADS=1; the worker sets its own count from
+    `SlideConfig.cpu_threads`, on its own thread. This asks that thread.
+    """
+    import threading
+
+    seen, done = {}, threading.Event()
+    worker = model.slide_engine.worker
+    worker.submit(lambda: seen.update(n=torch.get_num_threads()), done=(done,))
+    worker.wait(done)
+    return seen["n"]

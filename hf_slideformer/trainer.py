@@ -137,6 +137,16 @@ class SlideTrainer(Trainer):
         """The `SlideOptimizer` under Accelerate's wrapper (None before training starts)."""
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
+    @property
+    def label_names(self) -> list[str]:
+        """The label keys of a batch (the slid forward's `shift_labels` is an alternative, not a must)."""
+        return self._slide_label_names
+
+    @label_names.setter
+    def label_names(self, names) -> None:
+        explicit = self.args.label_names is not None
+        self._slide_label_names = list(names) if explicit else [n for n in names if n != "shift_labels"]
+
     # ------------------------------------------------------------------ the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not is_slid(self.model):
@@ -173,6 +183,17 @@ class SlideTrainer(Trainer):
         self._slide_mark = (time.perf_counter(), self._slide_tokens, self.model.slide_stats()) \
             if self.model is not None and is_slid(self.model) else None
         return super().train(*args, **kwargs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """As Trainer's; logits (for compute_metrics) come from a second, label-free sliding forward,
+        since the loss path never materializes them."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if prediction_loss_only or not (isinstance(logits, tuple) and len(logits) == 0):
+            return loss, logits, labels
+        free = {k: v for k, v in self._prepare_inputs(inputs).items() if k not in self.label_names}
+        with torch.no_grad():
+            logits = model(**free).logits
+        return loss, logits, labels
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial) -> None:
