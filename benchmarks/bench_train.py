@@ -79,6 +79,8 @@ def run_worker(spec: RunSpec) -> int:
             ids, labels = random_batch(config.vocab_size, batch, spec.seq, device, spec.seed)
             for step in range(spec.warmup + spec.steps):
                 warm = step < spec.warmup
+                if step == spec.warmup:
+                    provider.begin_timed()
                 with (StepTimer(device) if warm else timer) as t:
                     loss = provider.train_step(ids, labels)
                 emit("warmup" if warm else "step", batch=batch, step=step, seconds=t.seconds[-1])
@@ -290,8 +292,9 @@ def _finish(doc: dict, args: argparse.Namespace) -> None:
                 r[key + "_gib"] = r[key] / GIB
     resident = next((r for r in rows if r["provider"] == "resident" and r.get("status") == "ok"
                      and r.get("extra", {}).get("compute_s")), None)
-    for r in rows:
-        r.update(step_bound(r, resident, doc["hardware"]))
+    if doc["device"] == "cuda":  # the bound describes a GPU machine; on a CPU run it means nothing
+        for r in rows:
+            r.update(step_bound(r, resident, doc["hardware"]))
 
 
 def step_bound(row: dict, resident: dict | None, hardware: dict) -> dict:
@@ -357,7 +360,7 @@ def render(doc: dict) -> str:
             facts.append("bound terms: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["bound_terms"].items()))
         if extra.get("compute_s"):
             facts.append(f"forward+backward {extra['compute_s']:.3f} s of the step")
-        for key in ("slide_stats", "slide_stats_error"):
+        for key in ("slide_stats_per_step", "slide_stats_error"):
             if key in extra:
                 facts.append(f"{key}: {json.dumps(extra[key], default=str)}")
         lines += [f"- {r['provider']}: {f}" for f in facts]

@@ -83,6 +83,9 @@ class Provider:
         """One full optimizer step (forward, backward, update, zero grads); returns the loss."""
         raise NotImplementedError
 
+    def begin_timed(self) -> None:
+        """Called right before the timed steps of the batch that is being measured."""
+
     def after_oom(self, batch: int) -> bool:
         """Clean up after a GPU out-of-memory error; True to retry the same batch (changed settings)."""
         return False

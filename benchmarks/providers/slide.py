@@ -5,7 +5,8 @@ of fp32, and the engine makes its own fp32 masters), then slid in place with `hs
 trained exactly as a user would: `model(...).loss`, `loss.backward()`, `opt.step()`,
 `opt.zero_grad()`. SlideConfig fields the engine does not have (yet) are dropped and noted,
 so a renamed field costs a note in the row, not the run. The engine's own step breakdown comes
-from `model.slide_stats()` when that method exists.
+from `model.slide_stats()` when that method exists: its counters' change over the timed
+steps, per step.
 """
 from __future__ import annotations
 
@@ -42,18 +43,34 @@ class SlideProvider(Provider):
         self.optimizer.zero_grad()
         return loss.detach()
 
+    def _stats(self) -> dict[str, Any] | None:
+        stats = getattr(self.model, "slide_stats", None)
+        return dict(stats()) if callable(stats) else None
+
+    def begin_timed(self) -> None:
+        try:
+            self._stats_start = self._stats()
+        except Exception:
+            self._stats_start = None
+
     def after_oom(self, batch: int) -> bool:
         self.optimizer.zero_grad()
         return False
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"slide_config": {k: str(v) for k, v in vars(self.slide_config).items()}}
-        stats = getattr(self.model, "slide_stats", None)
-        if callable(stats):
-            try:
-                out["slide_stats"] = dict(stats())
-            except Exception as exc:  # the stats are a report, never a reason to lose the row
-                out["slide_stats_error"] = f"{type(exc).__name__}: {exc}"
-        else:
+        try:
+            stats = self._stats()
+        except Exception as exc:  # the stats are a report, never a reason to lose the row
+            out["slide_stats_error"] = f"{type(exc).__name__}: {exc}"
+            return out
+        if stats is None:
             self.notes.append("model.slide_stats() not available: no step breakdown")
+            return out
+        out["slide_stats"] = stats
+        start = getattr(self, "_stats_start", None) or {}
+        # Counters are cumulative: their change over the timed steps, per step, is the breakdown.
+        out["slide_stats_per_step"] = {
+            k: (v - start[k]) / self.spec.steps if isinstance(v, (int, float)) and isinstance(start.get(k), (int, float))
+            else v for k, v in stats.items()}
         return out
