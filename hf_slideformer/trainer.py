@@ -22,7 +22,12 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+try:  # transformers >= 5.2x; older versions rotate through a Trainer method
+    from transformers.trainer_utils import rotate_checkpoints
+except ImportError:  # pragma: no cover - version dependent
+    rotate_checkpoints = None
 
 from .accelerate_plugin import multi_process_message, wrap_optimizer
 from .checkpoint import CheckpointError
@@ -222,8 +227,11 @@ class SlideTrainer(Trainer):
             self.state.save_to_json(os.path.join(tmp, TRAINER_STATE_NAME))
         if self.args.push_to_hub:
             self._push_from_checkpoint(output_dir)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        if rotate_checkpoints is not None:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        else:  # pragma: no cover - version dependent
+            self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Verify the checkpoint and restore the exact fp32 masters (not the training-dtype export)."""
