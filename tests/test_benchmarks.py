@@ -155,6 +155,9 @@ class _FlakyProvider:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 GiB")
         return torch.tensor(1.0)
 
+    def begin_timed(self):
+        pass
+
     def after_oom(self, batch):
         self.ooms += 1
         return False
