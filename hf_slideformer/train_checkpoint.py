@@ -161,8 +161,11 @@ def verify_training_state(directory: str, model) -> dict:
         try:
             with safe_open(path, "pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+                meta = f.metadata() or {}
         except Exception as e:  # noqa: BLE001 - any parse error means a damaged file
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
+        if meta.get("unit") != rec["name"]:
+            raise CheckpointError(f"{path} holds unit {meta.get('unit')!r}, the index expects {rec['name']!r}")
         want = {"master": (u.numel,), "exp_avg": (u.numel,), "exp_avg_sq": (u.numel,), "step": (len(u.entries),)}
         if shapes != want:
             raise CheckpointError(f"{path} holds tensors {shapes}, expected {want}")

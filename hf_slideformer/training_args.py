@@ -99,12 +99,12 @@ class SlideArgs(TrainingArguments):
                                  "from the accelerate config); for multi-GPU training use FSDP without sliding.")
         if env.world_size > 1:
             raise SlideArgsError(multi_process_message(env.world_size))
-        if self.activation_checkpointing or self.gradient_checkpointing:
+        if getattr(self, "activation_checkpointing", None) or getattr(self, "gradient_checkpointing", None):
             raise SlideArgsError("activation_checkpointing / gradient_checkpointing: the sliding engine already "
                                  "recomputes every layer from its saved input; turn it off")
         if self.torch_compile:
             raise SlideArgsError("torch_compile is not supported on a sliding model; turn it off")
-        if self.use_liger_kernel:
+        if getattr(self, "use_liger_kernel", False):
             raise SlideArgsError("use_liger_kernel: the sliding engine has its own fused kernels "
                                  "(--slide_use_kernels); turn Liger off")
         if self.label_smoothing_factor:
