@@ -221,6 +221,18 @@ def test_rope_kernel(dtype, dims, unsqueeze_dim):
 
 
 @needs_kernels
+def test_rope_kernel_refuses_to_corrupt_a_saved_tensor():
+    # Note: [Why rope bumps the version instead of marking dirty] (triton_ops/kernels/rope.py)
+    x = torch.randn(1, 2, 5, 8, device=KERNEL_DEVICE, requires_grad=True)
+    q = torch.sigmoid(x)                      # sigmoid saves its output for backward
+    k = torch.randn(1, 2, 5, 8, device=KERNEL_DEVICE)
+    cos, sin = torch.randn(1, 5, 8, device=KERNEL_DEVICE), torch.randn(1, 5, 8, device=KERNEL_DEVICE)
+    qo, _ = triton_ops.rope(q, k, cos, sin)
+    with pytest.raises(RuntimeError, match="inplace"):
+        qo.sum().backward()
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 7, 301), (4099,)])
 @pytest.mark.parametrize("in_place", [False, True])

@@ -173,67 +173,34 @@ def _inv_denominator(labels, ignore_index, reduction, num_items_in_batch, device
     return (1.0 / denom).reshape(1)
 
 
-def _chunk_pieces(start: int, end: int, overlap: bool) -> list[tuple[int, int]]:
-    if not overlap or end - start < 128:
-        return [(start, end)]
-    mid = start + max(64, (end - start) // 2 // 64 * 64)
-    return [(start, mid), (mid, end)]
-
-
 def chunked_loss_and_grads(hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-                           need_dh, need_dw, overlap=False):
+                           need_dh, need_dw):
     """The chunk loop. Returns loss_rows (T,) fp32, dh (T, H) or None, dW (V, H) or None.
 
-    With `overlap` (CUDA only), each chunk is projected in two halves and the softmax kernel
-    of one half runs on a side stream while the main stream multiplies the other half, hiding
-    the memory-bound kernel behind the compute-bound matmuls. dW is still updated once per
-    chunk (K = C), and the buffer is the same (C, V).
+    Every matmul writes into preallocated memory (`out=`), dW is updated by `addmm_` with
+    beta = 1 (the first chunk writes it), and the chunk's logits buffer is reused in place.
     """
     T, H = hidden.shape
     V = weight.shape[0]
     device = hidden.device
-    overlap = bool(overlap) and hidden.is_cuda
     loss_rows = torch.empty(T, dtype=torch.float32, device=device)           # (T,)
     logits_buf = torch.empty((chunk, V), dtype=weight.dtype, device=device)  # (C, V), reused
     dh = torch.empty_like(hidden) if need_dh else None                       # (T, H)
     dw = torch.empty_like(weight) if need_dw else None                       # (V, H)
-    main = torch.cuda.current_stream(device) if overlap else None
-    side = torch.cuda.Stream(device) if overlap else None
-    write_grad = need_dh or need_dw
     for i, start in enumerate(range(0, T, chunk)):
         end = min(start + chunk, T)
-        pieces = _chunk_pieces(start, end, overlap)
-        done = []
-        for s, e in pieces:
-            piece = logits_buf[s - start: e - start]                          # (c, V)
-            torch.mm(hidden[s:e], weight.t(), out=piece)
-            if overlap:
-                # Note: [Side-stream softmax] the side stream reads and rewrites only this
-                # piece of the buffer; the main stream waits for it before the gradient
-                # matmuls read it, and the next chunk's projection comes after those.
-                ready = torch.cuda.Event()
-                ready.record(main)
-                side.wait_event(ready)
-                with torch.cuda.stream(side):
-                    cross_entropy_rows_(piece, labels[s:e], loss_rows[s:e], inv_denom,
-                                        ignore_index, softcap, z_loss, write_grad=write_grad)
-                    ev = torch.cuda.Event()
-                    ev.record(side)
-                done.append(ev)
-            else:
-                cross_entropy_rows_(piece, labels[s:e], loss_rows[s:e], inv_denom,
-                                    ignore_index, softcap, z_loss, write_grad=write_grad)
-        for j, (s, e) in enumerate(pieces):
-            if overlap:
-                main.wait_event(done[j])
-            if need_dh:
-                torch.mm(logits_buf[s - start: e - start], weight, out=dh[s:e])
+        h_c = hidden[start:end]                                              # (c, H)
+        buf = logits_buf[: end - start]                                      # (c, V)
+        torch.mm(h_c, weight.t(), out=buf)
+        cross_entropy_rows_(buf, labels[start:end], loss_rows[start:end], inv_denom,
+                            ignore_index, softcap, z_loss, write_grad=need_dh or need_dw)
+        if need_dh:
+            torch.mm(buf, weight, out=dh[start:end])
         if need_dw:
-            buf = logits_buf[: end - start]
             if i == 0:
-                torch.mm(buf.t(), hidden[start:end], out=dw)
+                torch.mm(buf.t(), h_c, out=dw)
             else:
-                dw.addmm_(buf.t(), hidden[start:end])
+                dw.addmm_(buf.t(), h_c)
     return loss_rows, dh, dw
 
 
@@ -242,13 +209,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     hidden (T, H), weight (V, H) of the same floating dtype, labels (T,) int. Returns the scalar
     fp32 loss. dW is accumulated in the weight's dtype by cuBLAS (fp32 accumulation inside each
-    chunk's matmul, one rounding per chunk). `overlap` (default off) selects the two-stream
-    schedule of `chunked_loss_and_grads`.
+    chunk's matmul, one rounding per chunk).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss,
-                chunk_tokens, overlap=False):
+                chunk_tokens):
         T, H = hidden.shape
         V = weight.shape[0]
         out_dtype = hidden.dtype
@@ -260,7 +226,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         chunk = max(1, min(chunk, T))
         loss_rows, dh, dw = chunked_loss_and_grads(
             hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], overlap)
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         loss = loss_rows.sum() * inv_denom.squeeze(0)
         ctx.dh = dh.to(out_dtype) if dh is not None else None
         ctx.dw = dw
@@ -274,7 +240,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if grad_loss.item() != 1.0:
             dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
             dw = dw * grad_loss.to(dw.dtype) if dw is not None else None
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(

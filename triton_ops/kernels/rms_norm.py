@@ -13,6 +13,8 @@ The weight gradient is reduced in two stages: one fp32 partial per program, then
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -81,11 +83,15 @@ def _tile(H: int) -> tuple[int, int, int]:
     return block_r, block_h, num_warps
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_programs(x: torch.Tensor, n_rows: int) -> int:
-    if x.is_cuda:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(1, min(n_rows, 4 * sms))
-    return max(1, min(n_rows, 8))
+    """One backward program per SM (each loops over its rows): a (SMs, H) fp32 partial dw."""
+    sms = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 8
+    return max(1, min(n_rows, sms))
 
 
 def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
