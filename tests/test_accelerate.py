@@ -1,0 +1,122 @@
+"""SlideAccelerator / SlidePlugin: the custom Accelerate loop against plain Accelerate, and the real launcher."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.commands.config import load_config_from_file
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState, GradientState
+from torch.utils.data import DataLoader
+
+import hf_slideformer as hs
+from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
+
+from test_trainer import ATOL, RTOL, assert_same_params, tiny_data, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+YAML = ROOT / "examples" / "slideformer.yaml"
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def loop(accelerator, model, optimizer, clip):
+    """The standard Accelerate loop: 10 batches, accumulation, clipping, a scheduler, a partial last window."""
+    loader = DataLoader(tiny_data(20), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    model, optimizer, loader, sched = accelerator.prepare(model, optimizer, loader, sched)
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), clip)
+            optimizer.step()
+            sched.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, optimizer
+
+
+def test_slide_accelerator_matches_plain_accelerate():
+    ref, model = tiny_model(), tiny_model()
+    want, _ = loop(Accelerator(cpu=True, gradient_accumulation_steps=3), ref,
+                   torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0), clip=0.05)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(gradient_accumulation_steps=3, max_grad_norm=0.05))
+    model = acc.slide(model)
+    got, opt = loop(acc, model, model.create_optimizer(lr=1e-2), clip=0.05)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    # A rarely seen embedding row has |g| ~ eps-scale elements where Adam's m / sqrt(v) amplifies
+    # summation-order noise: 1e-4 is a hundredth of one lr=1e-2 update.
+    assert_same_params(model, ref, atol=1e-4)
+    assert model.slide_stats()["steps"] == math.ceil(10 / 3)             # the partial last window stepped too
+    assert isinstance(opt, AcceleratedOptimizer) and opt.device_placement is False
+
+
+def test_clip_must_be_configured_up_front():
+    acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin())
+    model = acc.slide(tiny_model())
+    opt = model.create_optimizer(lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    model(**{k: torch.stack([d[k] for d in tiny_data(2)]) for k in ("input_ids", "labels")}).loss.backward()
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+
+
+def test_unslid_model_is_refused():
+    acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin())
+    with pytest.raises(ValueError, match="not slid"):
+        acc.prepare(tiny_model())
+
+
+@pytest.mark.parametrize("env, match", [({"WORLD_SIZE": "2"}, "2 processes"),
+                                        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed"),
+                                        ({"ACCELERATE_USE_FSDP": "1"}, "FSDP")])
+def test_launch_environment_is_checked(monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        SlideAccelerator(cpu=True, slide_plugin=SlidePlugin())
+
+
+def test_the_yaml_is_valid_for_accelerate_and_for_the_plugin():
+    cfg = load_config_from_file(str(YAML))                 # Accelerate's own loader rejects unknown keys
+    assert cfg.num_processes == 1
+    plugin = SlidePlugin.from_yaml(str(YAML))
+    assert (plugin.gradient_accumulation_steps, plugin.max_grad_norm, plugin.window) == (2, 1.0, 2)
+    with pytest.raises(ValueError, match="unknown slideformer setting"):
+        SlidePlugin.from_dict({"windw": 3})
+    with pytest.raises(ValueError, match="activation_tier"):
+        SlidePlugin(activation_tier="disk")
+
+
+def test_accelerate_launch_runs_the_example(tmp_path):
+    """The documented command, in a subprocess: settings from the yaml, threads despite OMP_NUM_THREADS=1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "OMP_NUM_THREADS"))}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(YAML),
+           str(ROOT / "examples" / "train_accelerate.py"), "--output_dir", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert out["gradient_accumulation_steps"] == 2 and out["max_grad_norm"] == 1.0
+    assert out["optimizer_steps"] == 8 and out["dtype"] == "torch.bfloat16"
+    assert out["losses"][-1] < out["losses"][0] and out["eval_loss"] < out["losses"][0]
+    assert out["omp_num_threads"] == "1"
+    assert out["cpu_optimizer_threads"] == os.cpu_count()      # the worker's own count, not OMP's 1
+    assert (tmp_path / "out" / "model.safetensors").exists()
