@@ -21,7 +21,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.0"],
         "nvme": ["kvikio-cu12"],
-        "test": ["pytest>=8", "nbclient", "nbformat", "ipykernel", "triton>=3.0"],
+        "test": ["pytest>=8", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["hf-slideformer=hf_slideformer.cli:main"]},
 )

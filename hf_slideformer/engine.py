@@ -313,7 +313,8 @@ class SlideEngine:
         u = self.layer_units[i]
         slot = self.slots.acquire((u,))
         if i > 0:
-            self.slots.load((self.layer_units[i - 1],), busy=(slot,))
+            if self.config.window > 1:
+                self.slots.load((self.layer_units[i - 1],), busy=(slot,))
             self.tier.prefetch(i - 1)
         x = self.tier.load(i).detach().requires_grad_()
         ws = _leaves(slot.views(u))
@@ -356,6 +357,10 @@ class SlideEngine:
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         self.head_slots.release(slot)
         # Send the head's gradients to the host now: they are final (the loss ends the graph).
+        if self.head_pending:        # an earlier forward's gradients were never consumed by a backward
+            self.head_done.synchronize()
+            self.head_pending = False
+            self.head_host_free.set()
         self.worker.wait(self.head_host_free)
         self.head_host_free.clear()
         dsts = [e.view(self.head_host) for e in hu.entries]
