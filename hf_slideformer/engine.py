@@ -133,6 +133,7 @@ class SlideEngine:
         self.vocab, self.hidden = emb.weight.shape
         self.padding_idx = emb.padding_idx
         self.norm_module = adapter.final_norm(model)
+        self._norm_fn = self.norm_module.forward      # HF's or the kernel's; the proxy replaces it later
         self.streams = Streams(self.device)
         self.stats = _Stats()
         cast = config.is_cuda and self.dtype != torch.float32
@@ -377,7 +378,7 @@ class SlideEngine:
         raise RuntimeError("lm_head weight not found in the head unit")
 
     def _norm(self, h):
-        return type(self.norm_module).forward(self.norm_module, h)
+        return self._norm_fn(h)
 
     def head_logits(self, h, logits_to_keep=0):
         hu = self.head_unit

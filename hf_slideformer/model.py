@@ -122,6 +122,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
             rot.to(config.torch_device)
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
+    _apply_kernels(model, config)
     engine = SlideEngine(model, adapter, config, store)
     model.__class__ = _slid_class(type(model))
     model.slide_engine = engine
@@ -129,6 +130,18 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     _install_proxies(model, adapter, engine)
     weakref.finalize(model, engine.close)
     return model
+
+
+def _apply_kernels(model, config) -> None:
+    """Swap the Triton RMSNorm / RoPE / SwiGLU kernels into the layers (the head fuses its own loss)."""
+    if not (config.use_kernels and config.is_cuda):
+        return
+    import triton_ops
+
+    if not triton_ops.is_triton_available():
+        logger.warning("SlideConfig.use_kernels: Triton is not available, the layers run HF's own ops")
+        return
+    triton_ops.patch(model, cross_entropy=False)
 
 
 def _install_proxies(model, adapter, engine) -> None:
