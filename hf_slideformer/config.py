@@ -64,6 +64,8 @@ class SlideConfig:
             raise ValueError(f"SlideConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("SlideConfig.device='cuda' but CUDA is not available; use device='cpu'")
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         self.device = str(dev)
         if isinstance(self.dtype, str):
             if self.dtype not in _DTYPES:
