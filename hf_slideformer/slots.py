@@ -92,9 +92,14 @@ class SlotQueue:
                 u.updated.wait()
                 dst = slot.flat[base:base + u.numel]
                 if self.staging is not None and dst.dtype != torch.float32:
-                    stage = self.staging[:u.numel]
-                    stage.copy_(u.master, non_blocking=True)
-                    dst.copy_(stage)                      # fp32 -> compute dtype on the GPU
+                    # Chunks through one fp32 staging buffer: every copy and cast is on the h2d
+                    # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
+                    cap = self.staging.numel()
+                    for a in range(0, u.numel, cap):
+                        b = min(a + cap, u.numel)
+                        stage = self.staging[:b - a]
+                        stage.copy_(u.master[a:b], non_blocking=True)
+                        dst[a:b].copy_(stage)             # fp32 -> compute dtype on the GPU
                 else:
                     dst.copy_(u.master, non_blocking=True)
                 self.count(u.numel * u.master.element_size())
