@@ -28,7 +28,8 @@ class SlideConfig:
             "device" (GPU memory), "cpu" (pinned host memory), "nvme" (files under `nvme_path`),
             or "auto" ("cpu" on CUDA, "device" on CPU).
         nvme_path: Directory for the "nvme" activation tier.
-        cpu_threads: Threads for the CPU optimizer (default: all cores). Set explicitly because
+        cpu_threads: Threads for the CPU optimizer (default: all cores but one, which the main
+            thread needs to keep the GPU fed). Set explicitly because
             launchers such as `accelerate launch` export OMP_NUM_THREADS=1.
         pin_memory: Pin the host masters and staging buffers (default: True on CUDA).
         use_kernels: Use the Triton kernels of `triton_ops` (default: True on CUDA with Triton).
@@ -51,7 +52,7 @@ class SlideConfig:
     use_kernels: bool | None = None
     gpu_memory_limit: float | None = None
     head_chunk_tokens: int | None = None
-    grad_buffers: int = 2
+    grad_buffers: int = 4
     check_host_memory: bool = True
     debug: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -92,7 +93,9 @@ class SlideConfig:
         if self.activation_tier == "nvme" and not self.nvme_path:
             raise ValueError("SlideConfig.activation_tier='nvme' needs nvme_path (a directory on a fast disk)")
         if self.cpu_threads is None:
-            self.cpu_threads = os.cpu_count() or 1
+            # On larger hosts one core stays with the main thread, which issues the GPU work.
+            cores = os.cpu_count() or 1
+            self.cpu_threads = cores - 1 if cores > 4 else cores
         if self.cpu_threads < 1:
             raise ValueError(f"SlideConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.pin_memory is None:

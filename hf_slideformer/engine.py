@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from .activations import make_tier
 from .optim import apply_adamw
 from .slots import SlotQueue
+from .memory import pin_slab
 from .store import HostStore, Unit
+from .telemetry import StepStats
 from .transfer import Streams
 from .worker import CpuWorker
 
@@ -53,6 +55,13 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
                 mod._parameters[attr] = e.param
 
 
+def _sq_norm(tensors) -> torch.Tensor:
+    """Sum of squared L2 norms, in fp32, as a device scalar."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+
+
 def _leaves(tensors):
     return [t.detach().requires_grad_() for t in tensors]
 
@@ -64,7 +73,7 @@ class EmbedFunction(torch.autograd.Function):
     def forward(ctx, anchor, engine, input_ids):
         ctx.engine, ctx.gen = engine, engine.generation
         ctx.ids = input_ids
-        return engine.embed_forward(input_ids)
+        return engine.embed_forward(input_ids, with_grad=True)
 
     @staticmethod
     def backward(ctx, gx):
@@ -101,11 +110,10 @@ class HeadFunction(torch.autograd.Function):
     def backward(ctx, gloss):
         eng = ctx.engine
         eng.check_generation(ctx.gen)
-        scale = float(gloss)
         eng.begin_backward()
-        eng.head_backward(scale)
+        eng.head_backward(gloss)
         gh, ctx.gh = ctx.gh, None
-        return gh * scale if scale != 1.0 else gh, None, None, None
+        return gh * gloss.to(gh.dtype), None, None, None
 
 
 class SlideEngine:
@@ -135,7 +143,7 @@ class SlideEngine:
         self.norm_module = adapter.final_norm(model)
         self._norm_fn = self.norm_module.forward      # HF's or the kernel's; the proxy replaces it later
         self.streams = Streams(self.device)
-        self.stats = _Stats()
+        self.stats = StepStats(self.streams.cuda)
         cast = config.is_cuda and self.dtype != torch.float32
         max_layer = max(u.numel for u in self.layer_units)
         head_numel = sum(u.numel for u in self.head_units)
@@ -143,9 +151,9 @@ class SlideEngine:
                                    device=self.device) if cast else None
         self.d2h_stage = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
                                      device=self.device) if cast else None
-        count = self.stats.add_h2d
-        self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count)
-        self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count)
+        count, waiter = self.stats.add_h2d, (lambda ev: self._wait(ev, "update"))
+        self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter)
+        self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         pin = config.pin_memory and config.is_cuda
         self.ring = [torch.empty(max_layer, dtype=torch.float32, pin_memory=pin) for _ in range(config.grad_buffers)]
         self.ring_free = [threading.Event() for _ in self.ring]
@@ -163,7 +171,15 @@ class SlideEngine:
         self.embed_fwd_ev = None
         self.embed_grad: torch.Tensor | None = None
         self.touched: list[torch.Tensor] = []
-        self.tier = make_tier(config, self.streams, self.stats.add)
+        self.tier = make_tier(config, self.streams, self.stats.add_bytes)
+        # With one backward per step, this backward's gradients are the step's: their norm is
+        # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
+        self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.norm_host = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
+        self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)
+        self._head_sq = None
+        self._dw_rows = None
+        self._fwd_rows = None
         self.worker = CpuWorker(config.cpu_threads)
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
@@ -177,8 +193,47 @@ class SlideEngine:
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:
         self.optimizer = optimizer
-        u = self.embed_unit
-        self.embed_grad = u.grad if u.grad is not None else torch.zeros(u.numel, dtype=torch.float32)
+        if self.embed_grad is None:
+            # Dense (V, H) fp32 gradient of the embedding, pinned: a tied lm_head's gradient lands
+            # here straight from the GPU.
+            self.embed_grad = torch.zeros(self.embed_unit.numel, dtype=torch.float32)
+            if self.config.pin_memory and self.streams.cuda:
+                pin_slab(self.embed_grad)
+
+    @property
+    def single_micro(self) -> bool:
+        return self.config.gradient_accumulation_steps == 1
+
+    def configure_steps(self, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
+        """Change accumulation and clipping between optimizer steps (e.g. to follow a Trainer's arguments)."""
+        if self.micro:
+            raise SlideStateError("configure_steps() in the middle of an optimizer step: call optimizer.step() first")
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
+        clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
+        self.config.gradient_accumulation_steps = gradient_accumulation_steps
+        self.config.max_grad_norm = clip
+        if self.config.deferred:
+            if self.store.optimizer_ready:
+                self.store.allocate_grad_accumulators()
+            else:
+                self.store.deferred = True
+
+    def _wait(self, event: threading.Event, reason: str) -> None:
+        """Main thread blocks on the CPU worker; timed by reason, worker failures re-raised."""
+        if event.is_set():
+            self.worker.raise_if_failed()
+            return
+        t0 = time.perf_counter()
+        self.worker.wait(event)
+        self.stats.wait_s[reason] += time.perf_counter() - t0
+
+    def _span_start(self):
+        return self.streams.record() if self.streams.cuda else None
+
+    def _span_end(self, start) -> None:
+        if start is not None:
+            self.stats.gpu_span(start, self.streams.record())
 
     def check_generation(self, gen: int) -> None:
         if gen != self.live_generation:
@@ -210,14 +265,15 @@ class SlideEngine:
         self.hp = self.optimizer.snapshot()
         if self.ends_step:
             self._norm_sq = []
-        t = time.perf_counter()
-        self.stats.bwd_start = t
+        if self.single_micro:
+            self.norm_dev.zero_()
+        self._bwd_t0 = time.perf_counter()
 
     def end_backward(self) -> None:
         self.micro += 1
         self.live_generation = None
         self.updated_in_backward = self.in_backward
-        self.stats.backward_s += time.perf_counter() - self.stats.bwd_start
+        self.stats.backward_s += time.perf_counter() - self._bwd_t0
 
     def synchronize(self) -> None:
         """Wait for every queued host task (updates included) and device copy."""
@@ -227,12 +283,17 @@ class SlideEngine:
         self.worker.raise_if_failed()
 
     # ----------------------------------------------------------------- embedding
-    def embed_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed_forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
         u = self.embed_unit
-        self.worker.wait(u.updated)
+        self._wait(u.updated, "update")
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
+        if with_grad and self.single_micro:
+            # Rows this batch touches, for the embedding's share of the gradient norm (see embed_backward).
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+            self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
         table = u.master.view(self.vocab, self.hidden)
         if not self.streams.cuda:
@@ -253,12 +314,15 @@ class SlideEngine:
     def embed_backward(self, input_ids: torch.Tensor, gx: torch.Tensor) -> None:
         T = gx.numel() // self.hidden
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
-        self.worker.wait(self.embed_host_free)
         if self.embed_host is None or self.embed_host.shape[0] < T:
             self.embed_host = torch.empty(T, self.hidden, dtype=torch.float32, pin_memory=self.streams.cuda)
         host = self.embed_host[:T]
+        self._wait(self.embed_host_free, "other")
         self.embed_host_free.clear()
-        done = self._d2h([gx.reshape(T, self.hidden)], [host])
+        g2 = gx.reshape(T, self.hidden)
+        if self.single_micro:
+            self._embed_norm(g2)
+        done = self._d2h([g2], [host])
         u = self.embed_unit
         update = self.in_backward
         if update:
@@ -276,11 +340,27 @@ class SlideEngine:
             ids, host = ids[keep], host[keep]
         g.index_add_(0, ids, host)
         self.touched.append(torch.unique(ids))
-        if ends_step:
+        if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
         if update:
             self._update(u, self.embed_grad, hp)
             self._reset_embed_grad()
+
+    def _embed_norm(self, gx: torch.Tensor) -> None:
+        """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
+
+        The gradient is the scatter S of gx into the batch's rows (padding rows dropped), plus
+        for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
+        """
+        uniq, inv, keep = self._fwd_rows
+        g = gx.float() * keep[:, None]
+        S = torch.zeros(uniq.numel(), self.hidden, dtype=torch.float32, device=gx.device).index_add_(0, inv, g)
+        if self.tied:
+            rows = self._dw_rows * self._scale_dev
+            sq = self._dw_sq * self._scale_dev ** 2 - rows.square().sum() + (rows + S).square().sum()
+        else:
+            sq = S.square().sum()
+        self.norm_dev += sq
 
     def _reset_embed_grad(self):
         g = self.embed_grad.view(self.vocab, self.hidden)
@@ -300,8 +380,10 @@ class SlideEngine:
             self.slots.load((self.layer_units[j],), busy=(slot,))
         if save:
             self.tier.save(i, x)
+        t = self._span_start()
         with torch.no_grad(), swapped(u, slot.views(u)):
             y = self._call_layer(i, x, args, kwargs)
+        self._span_end(t)
         self.slots.release(slot)
         return y
 
@@ -319,9 +401,11 @@ class SlideEngine:
             self.tier.prefetch(i - 1)
         x = self.tier.load(i).detach().requires_grad_()
         ws = _leaves(slot.views(u))
+        t = self._span_start()
         with torch.enable_grad(), swapped(u, ws):
             y = self._call_layer(i, x, args, kwargs)
         grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
+        self._span_end(t)
         self.slots.release(slot)
         self.tier.drop(i)
         gx = grads[0]
@@ -347,6 +431,7 @@ class SlideEngine:
                                             chunk_tokens=self.config.head_chunk_tokens)
             self.head_slots.release(slot)
             return loss, None
+        t = self._span_start()
         hx = h.detach().requires_grad_()
         leaves = _leaves(hv)
         wl = leaves[self._lm_index()] if not self.tied else W.detach().requires_grad_()
@@ -356,18 +441,29 @@ class SlideEngine:
                                         chunk_tokens=self.config.head_chunk_tokens)
         wrt = [hx] + leaves + ([wl] if self.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        pgrads = list(grads[1:])
+        if self.single_micro:
+            own = [g for g in pgrads[:len(leaves)] if g is not None]
+            self._head_sq = _sq_norm(own)
+            if self.tied:
+                dw = pgrads[-1]
+                self._dw_sq = _sq_norm([dw])
+                self._dw_rows = dw.index_select(0, self._fwd_rows[0]).float()
+        self._span_end(t)
         self.head_slots.release(slot)
         # Send the head's gradients to the host now: they are final (the loss ends the graph).
         if self.head_pending:        # an earlier forward's gradients were never consumed by a backward
             self.head_done.synchronize()
             self.head_pending = False
             self.head_host_free.set()
-        self.worker.wait(self.head_host_free)
+        self._wait(self.head_host_free, "other")
         self.head_host_free.clear()
         dsts = [e.view(self.head_host) for e in hu.entries]
         if self.tied:
-            dsts.append(self.head_host[hu.numel:])
-        self.head_done = self._d2h(list(grads[1:]), dsts)
+            # With one backward per step the tied gradient goes straight into the embedding's
+            # pinned gradient buffer (which the previous step's update has released).
+            dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
+        self.head_done = self._d2h(pgrads, dsts)
         self.head_pending = True
         return loss.detach(), grads[0]
 
@@ -392,31 +488,49 @@ class SlideEngine:
         self.head_slots.release(slot)
         return logits
 
-    def head_backward(self, scale: float) -> None:
+    def head_backward(self, gloss: torch.Tensor) -> None:
         if not self.head_pending:
             raise SlideStateError("backward() without a matching forward")
         self.head_pending = False
         hu = self.head_unit
+        g = gloss.detach().float().reshape(1)
+        self._scale_dev = g.reshape(())
+        if self.single_micro:
+            self.norm_dev += self._head_sq * self._scale_dev ** 2
+        # The loss gradient reaches the worker through a pinned scalar: no host sync here.
+        if self.streams.cuda:
+            self.scale_host.copy_(g, non_blocking=True)
+        else:
+            self.scale_host.copy_(g)
+        scale_ev = self.streams.record()
         update = self.in_backward
         if update:
             self._schedule(hu)
-        self.worker.submit(self._head_task, self.head_done, scale, update, self.ends_step, self.hp,
+        self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
                            done=(self.head_host_free,) + ((hu.updated,) if update else ()))
 
-    def _head_task(self, done, scale, update, ends_step, hp):
+    def _head_task(self, done, scale_ev, update, ends_step, hp):
         done.synchronize()
+        scale_ev.synchronize()
+        scale = float(self.scale_host[0])
         hu = self.head_unit
         src = self.head_host[:hu.numel]
         if scale != 1.0:
-            self.head_host.mul_(scale)
+            src.mul_(scale)
         if self.tied:
-            tied = self.head_host[hu.numel:]
             eu = self.embed_unit
-            if eu.grad_valid:
-                self.embed_grad.add_(tied)
+            if self.single_micro:            # already in place (see head_forward)
+                if scale != 1.0:
+                    self.embed_grad.mul_(scale)
             else:
-                self.embed_grad.copy_(tied)
-                eu.grad_valid = True
+                tied = self.head_host[hu.numel:]
+                if scale != 1.0:
+                    tied.mul_(scale)
+                if eu.grad_valid:
+                    self.embed_grad.add_(tied)
+                else:
+                    self.embed_grad.copy_(tied)
+                    eu.grad_valid = True
         self._consume(hu, src, update, ends_step, hp)
 
     # ----------------------------------------------------------------- gradients -> host -> update
@@ -450,14 +564,16 @@ class SlideEngine:
                         stage = self.d2h_stage[:b - a]
                         stage.copy_(gf[a:b])
                         d[a:b].copy_(stage, non_blocking=True)
-                self.stats.add_d2h(d.numel() * 4)
+                self.stats.add_bytes("d2h", d.numel() * 4)
         return st.record(st.d2h)
 
     def _send(self, u: Unit, grads: list) -> None:
         """Gradients of layer unit `u` -> a host ring buffer -> accumulate and/or update on the worker."""
         k = self.ring_next
         self.ring_next = (k + 1) % len(self.ring)
-        self.worker.wait(self.ring_free[k])
+        if self.single_micro:
+            self.norm_dev += _sq_norm([g for g in grads if g is not None])
+        self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
         buf = self.ring[k]
         done = self._d2h(grads, [e.view(buf) for e in u.entries])
@@ -482,7 +598,7 @@ class SlideEngine:
                 u.grad.copy_(src)
                 u.grad_valid = True
             g = u.grad
-        if ends_step:
+        if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
         if update:
             self._update(u, g, hp)
@@ -511,19 +627,31 @@ class SlideEngine:
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
         if not self.updated_in_backward:
             hp = self.optimizer.snapshot()
-            units = self.store.units
-            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps)
-            for u in units:
+            norm_ev = None
+            if self.single_micro:
+                if self.streams.cuda:
+                    self.norm_host.copy_(self.norm_dev.reshape(1), non_blocking=True)
+                else:
+                    self.norm_host.copy_(self.norm_dev.reshape(1))
+                norm_ev = self.streams.record()
+            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev)
+            for u in self.store.units:
                 self._schedule(u)
                 self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))
         self.micro = 0
         self.updated_in_backward = False
-        self.stats.steps += 1
+        self.stats.mark_step()
+        self.stats.fold()
 
-    def _clip_task(self, early: bool) -> None:
-        if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
-            self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
-        norm = sum(self._norm_sq) ** 0.5
+    def _clip_task(self, early: bool, norm_ev) -> None:
+        if norm_ev is not None:
+            norm_ev.synchronize()
+            norm = float(self.norm_host[0]) ** 0.5
+        else:
+            if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
+                self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
+            norm = sum(self._norm_sq) ** 0.5
+        self._clip_norm = norm
         mx = self.config.max_grad_norm
         self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
 
@@ -554,30 +682,9 @@ class SlideEngine:
 
     def last_grad_norm(self) -> float:
         self.worker.join()
+        if self.single_micro:
+            return float(self.norm_dev) ** 0.5
         return sum(self._norm_sq) ** 0.5 if self._norm_sq else float("nan")
 
     def close(self) -> None:
         self.worker.close()
-
-
-class _Stats:
-    """Counters behind model.slide_stats()."""
-
-    def __init__(self):
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
-        self.act_bytes = 0
-        self.adam_s = 0.0
-        self.updated_params = 0
-        self.steps = 0
-        self.backward_s = 0.0
-        self.bwd_start = 0.0
-
-    def add_h2d(self, n):
-        self.h2d_bytes += n
-
-    def add_d2h(self, n):
-        self.d2h_bytes += n
-
-    def add(self, kind, n):
-        self.act_bytes += n

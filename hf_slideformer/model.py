@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 
 import torch
@@ -232,9 +233,12 @@ class SlideModel:
         if position_ids is not None:
             position_ids = position_ids.to(dev)
         base = eng.adapter.base(self)
+        t0 = time.perf_counter()
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
         h = out.last_hidden_state
+        if torch.is_grad_enabled():
+            eng.stats.tokens += input_ids.numel()
         if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(logits=eng.head_logits(h, logits_to_keep))
         if labels is not None:
@@ -244,16 +248,21 @@ class SlideModel:
             if shift_labels is not None:
                 raise NotImplementedError("shift_labels with gradients: pass labels instead")
             loss = HeadFunction.apply(h, eng, labels, num_items_in_batch)
+            eng.stats.forward_s += time.perf_counter() - t0
         else:
             loss, _ = eng.head_forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss)
 
     def slide_stats(self) -> dict:
-        """Counters of the engine: bytes moved, CPU Adam time, steps."""
-        s = self.slide_engine.stats
-        return {"steps": s.steps, "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
-                "activation_bytes": s.act_bytes, "cpu_adam_s": s.adam_s, "updated_params": s.updated_params,
-                "backward_s": s.backward_s, "worker_busy_s": self.slide_engine.worker.busy_s}
+        """Cumulative engine telemetry (take differences between two calls for a window of steps).
+
+        Keys: steps, tokens; h2d/d2h/activation bytes; forward_s and backward_s (host wall time
+        inside the engine); gpu_compute_s (CUDA-event time of the layers' and head's kernels);
+        cpu_adam_s and worker_busy_s (the CPU worker); wait_update_s, wait_grad_buffer_s,
+        wait_other_s (main thread blocked on the worker); peak GPU memory and host RSS.
+        """
+        eng = self.slide_engine
+        return eng.stats.snapshot(eng.worker.busy_s)
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args, **kwargs):

@@ -49,15 +49,18 @@ class SlotQueue:
         streams: the engine's streams.
         staging: optional device fp32 buffer of at least `numel` for the on-GPU cast.
         bytes_counter: callable(nbytes) accounting h2d traffic.
+        waiter: callable(threading.Event) that blocks until the event is set, re-raising worker failures.
     """
 
-    def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None):
+    def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None,
+                 waiter=None):
         self.streams = streams
         self.dtype = dtype
         self.slots = [Slot(numel, dtype, streams.device) for _ in range(n)]
         self.staging = staging
         self.clock = 0
         self.count = bytes_counter or (lambda n: None)
+        self.wait_host = waiter or (lambda ev: ev.wait())
 
     @staticmethod
     def key_of(units: tuple[Unit, ...]) -> tuple:
@@ -89,7 +92,7 @@ class SlotQueue:
             for u in units:
                 # Note: [Why the copy waits for the update] the master must hold the finished update
                 # of the previous step before it is read: block until the CPU worker is done.
-                u.updated.wait()
+                self.wait_host(u.updated)
                 dst = slot.flat[base:base + u.numel]
                 if self.staging is not None and dst.dtype != torch.float32:
                     # Chunks through one fp32 staging buffer: every copy and cast is on the h2d

@@ -110,9 +110,20 @@ class HostStore:
         for u in self.units:
             u.steps = [torch.zeros((), dtype=torch.float32) for _ in u.entries]
         if self.deferred:
-            self.grad_slab = torch.zeros(self.numel, dtype=torch.float32)
-            self._carve(self.grad_slab, "grad")
+            self.allocate_grad_accumulators()
         self.optimizer_ready = True
+
+    def allocate_grad_accumulators(self) -> None:
+        """fp32 gradient accumulators for accumulation / clipping (the embedding's belongs to the engine)."""
+        if getattr(self, "grad_slab", None) is not None:
+            return
+        layers = [u for u in self.units if u.kind != "embed"]
+        self.grad_slab = torch.zeros(sum(u.numel for u in layers), dtype=torch.float32)
+        off = 0
+        for u in layers:
+            u.grad = self.grad_slab[off:off + u.numel]
+            off += u.numel
+        self.deferred = True
 
     def bind_parameters(self) -> None:
         """Replace every held parameter by an nn.Parameter viewing its master (ties preserved)."""

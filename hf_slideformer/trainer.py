@@ -54,19 +54,7 @@ def sync_step_settings(model, gradient_accumulation_steps: int, max_grad_norm: f
         SlideStateError: when the optimizer state was allocated without the gradient
             accumulators that accumulation or clipping needs (re-slide the model).
     """
-    cfg = model.slide_config
-    clip = max_grad_norm if max_grad_norm and max_grad_norm > 0 else None
-    if (cfg.gradient_accumulation_steps, cfg.max_grad_norm) == (gradient_accumulation_steps, clip):
-        return
-    store = model.slide_engine.store
-    deferred = gradient_accumulation_steps > 1 or clip is not None
-    if deferred and store.optimizer_ready and getattr(store, "grad_slab", None) is None:
-        raise SlideStateError("the model's optimizer state was built without gradient accumulators, but the "
-                              f"Trainer asks for gradient_accumulation_steps={gradient_accumulation_steps}, "
-                              f"max_grad_norm={max_grad_norm}: slide the model with matching SlideConfig settings")
-    cfg.gradient_accumulation_steps = gradient_accumulation_steps
-    cfg.max_grad_norm = clip
-    store.deferred = store.deferred or deferred
+    model.slide_engine.configure_steps(gradient_accumulation_steps, max_grad_norm)
 
 
 class SlideTrainer(Trainer):

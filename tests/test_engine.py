@@ -12,7 +12,7 @@ PARAM_TOL = 0.05 * LR        # a few percent of one learning-rate step
 LOSS_RTOL = 1e-5
 
 
-def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_by_ga=True, items=False):
+def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_by_ga=True, items=False, scale=1.0):
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=wd)
     opt = slid.create_optimizer(lr=LR, weight_decay=wd)
     scheds = []
@@ -27,7 +27,7 @@ def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_b
             r = ref(**kw).loss
             s = slid(**kw).loss
             assert math.isclose(s.item(), r.item(), rel_tol=LOSS_RTOL, abs_tol=1e-6), (s.item(), r.item())
-            div = ga if (scale_by_ga and not items) else 1
+            div = (ga if (scale_by_ga and not items) else 1) / scale
             (r / div).backward()
             (s / div).backward()
         if clip is not None:
@@ -68,6 +68,14 @@ def test_accumulation_in_backward_updates_with_num_items():
 def test_clipping_only_with_weight_decay_and_scheduler():
     ref, slid = make_pair("qwen3", True, max_grad_norm=0.1)
     assert train_both(ref, slid, batches(4), clip=0.1, wd=0.1, sched=True) < PARAM_TOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_scaled_loss_single_backward_with_clipping(tied):
+    """A loss scaled before backward (e.g. by a user's own normalization) scales every gradient,
+    the head's (computed in forward) included, and the norm used for clipping."""
+    ref, slid = make_pair("llama", tied, max_grad_norm=0.3)
+    assert train_both(ref, slid, batches(3, pad=True), clip=0.3, scale=0.37) < PARAM_TOL
 
 
 def test_param_groups_decay_split():

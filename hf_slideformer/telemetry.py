@@ -1,0 +1,98 @@
+"""Step telemetry: where the time of a step goes, and how many bytes moved.
+
+Host-side waits are timed directly. GPU compute time is measured with CUDA events recorded
+around each unit's kernels (after the stream has waited for its inputs, so copy stalls are not
+counted as compute) and folded in lazily, once the events have completed: no synchronization is
+added to the schedule.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+__all__ = ["StepStats"]
+
+
+class StepStats:
+    """Cumulative counters behind `model.slide_stats()`."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.bytes = defaultdict(int)          # h2d, d2h, act_d2h, act_h2d
+        self.wait_s = defaultdict(float)       # main thread blocked on the CPU worker, by reason
+        self.steps = 0
+        self.tokens = 0
+        self.forward_s = 0.0
+        self.backward_s = 0.0
+        self.adam_s = 0.0
+        self.updated_params = 0
+        self.gpu_compute_s = 0.0
+        self._pending: list[tuple[object, object]] = []
+        self._t_step = None
+        self.step_wall_s = 0.0
+
+    def add_bytes(self, kind: str, n: int) -> None:
+        self.bytes[kind] += n
+
+    def add_h2d(self, n: int) -> None:
+        self.bytes["h2d"] += n
+
+    def gpu_span(self, start, end) -> None:
+        if self.cuda:
+            self._pending.append((start, end))
+            if len(self._pending) > 4096:
+                self.fold(block=True)
+
+    def fold(self, block: bool = False) -> None:
+        """Add the elapsed time of completed GPU spans."""
+        keep = []
+        for a, b in self._pending:
+            if block:
+                b.synchronize()
+            if b.query():
+                self.gpu_compute_s += a.elapsed_time(b) / 1000.0
+            else:
+                keep.append((a, b))
+        self._pending = keep
+
+    def mark_step(self) -> None:
+        now = time.perf_counter()
+        if self._t_step is not None:
+            self.step_wall_s += now - self._t_step
+        self._t_step = now
+        self.steps += 1
+
+    def snapshot(self, worker_busy_s: float) -> dict:
+        self.fold(block=True)
+        out = {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "h2d_bytes": self.bytes["h2d"],
+            "d2h_bytes": self.bytes["d2h"],
+            "activation_bytes": self.bytes["act_d2h"] + self.bytes["act_h2d"],
+            "forward_s": self.forward_s,
+            "backward_s": self.backward_s,
+            "gpu_compute_s": self.gpu_compute_s,
+            "cpu_adam_s": self.adam_s,
+            "updated_params": self.updated_params,
+            "worker_busy_s": worker_busy_s,
+            "wait_update_s": self.wait_s["update"],
+            "wait_grad_buffer_s": self.wait_s["grad_buffer"],
+            "wait_other_s": sum(v for k, v in self.wait_s.items() if k not in ("update", "grad_buffer")),
+        }
+        if self.cuda:
+            dev = torch.cuda.current_device()
+            out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+            out["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        out["host_peak_rss_bytes"] = int(line.split()[1]) * 1024
+                    elif line.startswith("VmRSS:"):
+                        out["host_rss_bytes"] = int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return out
