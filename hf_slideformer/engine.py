@@ -229,11 +229,11 @@ class SlideEngine:
         self.stats.wait_s[reason] += time.perf_counter() - t0
 
     def _span_start(self):
-        return self.streams.record() if self.streams.cuda else None
+        return self.streams.record(timing=True) if self.streams.cuda else None
 
     def _span_end(self, start) -> None:
         if start is not None:
-            self.stats.gpu_span(start, self.streams.record())
+            self.stats.gpu_span(start, self.streams.record(timing=True))
 
     def check_generation(self, gen: int) -> None:
         if gen != self.live_generation:

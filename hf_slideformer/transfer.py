@@ -38,11 +38,11 @@ class Streams:
     def compute(self):
         return torch.cuda.current_stream(self.device) if self.cuda else None
 
-    def record(self, stream=None):
+    def record(self, stream=None, timing: bool = False):
         """An event marking the work issued so far on `stream` (default: compute)."""
         if not self.cuda:
             return DoneEvent()
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=timing)
         ev.record(stream if stream is not None else self.compute)
         return ev
 
