@@ -155,7 +155,11 @@ class SlideEngine:
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter)
         self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         pin = config.pin_memory and config.is_cuda
-        self.ring = [torch.empty(max_layer, dtype=torch.float32, pin_memory=pin) for _ in range(config.grad_buffers)]
+        # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
+        self.ring_slab = torch.empty(max_layer * config.grad_buffers, dtype=torch.float32)
+        if pin:
+            pin_slab(self.ring_slab)
+        self.ring = list(self.ring_slab.split(max_layer))
         self.ring_free = [threading.Event() for _ in self.ring]
         for ev in self.ring_free:
             ev.set()
@@ -180,6 +184,9 @@ class SlideEngine:
         self._head_sq = None
         self._dw_rows = None
         self._fwd_rows = None
+        self._fwd_touch = None
+        self._bulk = None
+        self._backward_open = False
         self.worker = CpuWorker(config.cpu_threads)
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
@@ -243,9 +250,23 @@ class SlideEngine:
                 "(or run that forward under torch.no_grad())."
             )
 
+    def _check_backward_closed(self) -> None:
+        if self._backward_open:
+            # An exception stopped a backward half way: some layers of this step were updated, others
+            # not. Release every waiter so nothing hangs, and refuse to go on silently.
+            self._backward_open = False
+            self.worker.join()
+            for u in self.store.units:
+                u.updated.set()
+            self.micro = 0
+            raise SlideStateError("the previous backward() was interrupted by an error after some layers were "
+                                  "updated: the weights are inconsistent for this step. Reload the model (or resume "
+                                  "from a checkpoint) before training on.")
+
     def begin_graph(self) -> None:
         """A forward that records a graph: earlier unfinished graphs become invalid."""
         self.worker.raise_if_failed()
+        self._check_backward_closed()
         self.generation += 1
         self.live_generation = self.generation
         self.tier.clear()
@@ -260,6 +281,7 @@ class SlideEngine:
                 f"backward() number {self.micro + 1} since the last optimizer step, but "
                 f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
         self.worker.raise_if_failed()
+        self._backward_open = True
         self.ends_step = self.micro + 1 == ga
         self.in_backward = self.ends_step and self.config.max_grad_norm is None
         self.hp = self.optimizer.snapshot()
@@ -270,6 +292,7 @@ class SlideEngine:
         self._bwd_t0 = time.perf_counter()
 
     def end_backward(self) -> None:
+        self._backward_open = False
         self.micro += 1
         self.live_generation = None
         self.updated_in_backward = self.in_backward
@@ -289,6 +312,10 @@ class SlideEngine:
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
+        if with_grad:
+            # Rows whose gradient the layers' backward will still change (see _embed_bulk_update).
+            rows = torch.unique(ids)
+            self._fwd_touch = rows[rows != self.padding_idx] if self.padding_idx is not None else rows
         if with_grad and self.single_micro:
             # Rows this batch touches, for the embedding's share of the gradient norm (see embed_backward).
             uniq, inv = torch.unique(ids, return_inverse=True)
@@ -296,6 +323,7 @@ class SlideEngine:
             self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
         table = u.master.view(self.vocab, self.hidden)
+        self.slots.load((self.layer_units[0],))     # its h2d overlaps the gather below
         if not self.streams.cuda:
             x = table.index_select(0, ids).to(self.dtype)
             return x.view(*input_ids.shape, self.hidden)
@@ -324,9 +352,7 @@ class SlideEngine:
             self._embed_norm(g2)
         done = self._d2h([g2], [host])
         u = self.embed_unit
-        update = self.in_backward
-        if update:
-            self._schedule(u)
+        update = self.in_backward           # scheduled with the head (see head_backward)
         self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()))
         self.end_backward()
@@ -343,8 +369,41 @@ class SlideEngine:
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
         if update:
-            self._update(u, self.embed_grad, hp)
+            if self._bulk is not None:
+                self._embed_rows_update(hp)
+            else:
+                self._update(u, self.embed_grad, hp)
             self._reset_embed_grad()
+
+    # Note: [Why the embedding is updated in two parts] with updates in backward, the embedding's
+    # gradient is final for every row but the batch's own tokens as soon as the head is done (a
+    # tied lm_head's dW, else zero). So the head task runs AdamW over the whole table early,
+    # having saved the batch rows' old (param, m, v); the last task of the backward restores those
+    # rows and updates them again with their full gradient. Same mathematics, and the next
+    # forward waits for a few thousand rows instead of the whole (V, H) table.
+    def _embed_bulk_update(self, rows: torch.Tensor, hp) -> None:
+        u = self.embed_unit
+        views = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        saved = [v.index_select(0, rows) for v in views]
+        self._update(u, self.embed_grad, hp)
+        self._bulk = (rows, saved, u.steps[0].clone())
+
+    def _embed_rows_update(self, hp) -> None:
+        u = self.embed_unit
+        rows, (w, m, v), step = self._bulk
+        self._bulk = None
+        groups, group_of = hp
+        gi = group_of.get(id(u.entries[0].param))
+        if gi is None or not u.entries[0].param.requires_grad:
+            return
+        g = groups[gi]
+        grad = self.embed_grad.view(self.vocab, self.hidden).index_select(0, rows)
+        beta1, beta2 = g["betas"]
+        torch._fused_adamw_([w], [grad], [m], [v], [], [step], lr=float(g["lr"]), beta1=float(beta1),
+                            beta2=float(beta2), weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
+                            amsgrad=False, maximize=bool(g.get("maximize", False)))
+        for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
+            dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
 
     def _embed_norm(self, gx: torch.Tensor) -> None:
         """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
@@ -506,10 +565,11 @@ class SlideEngine:
         update = self.in_backward
         if update:
             self._schedule(hu)
+            self._schedule(self.embed_unit)      # its bulk update starts in the head task
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
-                           done=(self.head_host_free,) + ((hu.updated,) if update else ()))
+                           self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()))
 
-    def _head_task(self, done, scale_ev, update, ends_step, hp):
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
         done.synchronize()
         scale_ev.synchronize()
         scale = float(self.scale_host[0])
@@ -532,6 +592,8 @@ class SlideEngine:
                     self.embed_grad.copy_(tied)
                     eu.grad_valid = True
         self._consume(hu, src, update, ends_step, hp)
+        if update and touch is not None:
+            self._embed_bulk_update(touch, hp)
 
     # ----------------------------------------------------------------- gradients -> host -> update
     def _d2h(self, grads: list, dsts: list[torch.Tensor]):
@@ -623,6 +685,7 @@ class SlideEngine:
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
         self.worker.raise_if_failed()
+        self._check_backward_closed()
         if self.micro == 0:
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
         if not self.updated_in_backward:
@@ -681,9 +744,10 @@ class SlideEngine:
         self.micro = 0
 
     def last_grad_norm(self) -> float:
-        self.worker.join()
-        if self.single_micro:
+        if self.single_micro:              # on the GPU: no need to wait for the CPU updates
+            self.worker.raise_if_failed()
             return float(self.norm_dev) ** 0.5
+        self.worker.join()
         return sum(self._norm_sq) ** 0.5 if self._norm_sq else float("nan")
 
     def close(self) -> None:

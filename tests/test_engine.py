@@ -197,3 +197,21 @@ def test_zero_grad_discards_accumulated():
         (slid(**x).loss / 2).backward(); (ref(**x).loss / 2).backward()
     opt.step(); ropt.step()
     assert max_param_diff(ref, slid) < PARAM_TOL
+
+
+def test_interrupted_backward_is_reported_not_hung(monkeypatch):
+    import hf_slideformer.engine as engine_mod
+    _, slid = make_pair("llama", True)
+    opt = slid.create_optimizer(lr=LR)
+    b = batches(2)
+    real = engine_mod.SlideEngine.layer_backward
+    def fail(self, i, *a, **k):
+        if i == 1:
+            raise RuntimeError("device lost")
+        return real(self, i, *a, **k)
+    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        slid(**b[0]).loss.backward()
+    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
+    with pytest.raises(hs.SlideStateError, match="interrupted"):
+        slid(**b[1]).loss.backward()
