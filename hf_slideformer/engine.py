@@ -285,6 +285,8 @@ class SlideEngine:
         self.ends_step = self.micro + 1 == ga
         self.in_backward = self.ends_step and self.config.max_grad_norm is None
         self.hp = self.optimizer.snapshot()
+        if self.in_backward:
+            self.worker.new_group()
         if self.ends_step:
             self._norm_sq = []
         if self.single_micro:
@@ -354,7 +356,8 @@ class SlideEngine:
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
         self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
-                           done=(self.embed_host_free,) + ((u.updated,) if update else ()))
+                           done=(self.embed_host_free,) + ((u.updated,) if update else ()),
+                           order=0 if update else None)
         self.end_backward()
 
     def _embed_task(self, host, ids, done, update, ends_step, hp):
@@ -567,7 +570,8 @@ class SlideEngine:
             self._schedule(hu)
             self._schedule(self.embed_unit)      # its bulk update starts in the head task
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
-                           self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()))
+                           self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
+                           order=-1 if update else None)
 
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
         done.synchronize()
@@ -643,7 +647,8 @@ class SlideEngine:
         if update:
             self._schedule(u)
         self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp,
-                           done=(self.ring_free[k],) + ((u.updated,) if update else ()))
+                           done=(self.ring_free[k],) + ((u.updated,) if update else ()),
+                           order=u.index if update else None)
 
     def _layer_task(self, u, src, done, update, ends_step, hp):
         done.synchronize()

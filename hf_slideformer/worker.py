@@ -26,11 +26,20 @@ class WorkerError(RuntimeError):
 
 
 class CpuWorker:
-    """A FIFO of host tasks run by one daemon thread."""
+    """Host tasks run by one daemon thread, in submission order except within a *group*.
+
+    Note: [Why updates run in forward order] the updates inside one backward arrive in the order
+    L-1 .. 0, but the next forward needs layer 0 first. Tasks submitted with an `order` belong to
+    the current group and run by ascending `order` among those pending, so the updates the worker
+    has not reached when backward ends run in the order the forward consumes them. Tasks without
+    an `order` are barriers: everything submitted before runs first, everything after runs later.
+    """
 
     def __init__(self, threads: int, name: str = "slide-cpu-worker"):
         self.threads = threads
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.PriorityQueue = queue.PriorityQueue()
+        self._group = 0
+        self._seq = 0
         self._error: tuple[BaseException, str] | None = None
         self._pending = 0
         self._cv = threading.Condition()
@@ -41,7 +50,7 @@ class CpuWorker:
     def _loop(self):
         torch.set_num_threads(self.threads)
         while True:
-            item = self._q.get()
+            *_, item = self._q.get()
             if item is None:
                 return
             fn, args, done_events = item
@@ -65,14 +74,29 @@ class CpuWorker:
             e, tb = self._error
             raise WorkerError(f"the CPU worker failed: {e!r}\n--- worker traceback ---\n{tb}") from e
 
-    def submit(self, fn, *args, done: tuple[threading.Event, ...] = ()) -> None:
-        """Run fn(*args) on the worker; set each event in `done` when it ends (even on failure)."""
+    def new_group(self) -> None:
+        """Start a new group of ordered tasks (after every task submitted so far)."""
+        self._group += 1
+
+    def submit(self, fn, *args, done: tuple[threading.Event, ...] = (), order: int | None = None) -> None:
+        """Run fn(*args) on the worker; set each event in `done` when it ends (even on failure).
+
+        Args:
+            order: position within the current group (see the class note); None for a barrier task.
+        """
         self.raise_if_failed()
         if not self._thread.is_alive():
             raise WorkerError("the CPU worker thread is not running (was the engine closed?)")
         with self._cv:
             self._pending += 1
-        self._q.put((fn, args, done))
+        self._seq += 1
+        if order is None:
+            self._group += 1
+            key = (self._group, 0)
+            self._group += 1
+        else:
+            key = (self._group, order)
+        self._q.put((*key, self._seq, (fn, args, done)))
 
     def wait(self, event: threading.Event) -> None:
         """Block until `event` is set, re-raising a worker failure instead of hanging."""
@@ -93,5 +117,5 @@ class CpuWorker:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._q.put(None)
+            self._q.put((float("inf"), 0, 0, None))
             self._thread.join(timeout=30)
