@@ -36,6 +36,9 @@ class SlideConfig:
         gpu_memory_limit: Cap on this process's GPU memory, in GiB (emulates a smaller card).
         head_chunk_tokens: Tokens per chunk of the fused linear-cross-entropy head (default: auto).
         grad_buffers: Pinned host gradient staging buffers, each one layer large.
+        update_order: Order of the CPU updates of one backward: "arrival" (as the gradients come,
+            L-1 .. 0) or "forward" (those still pending run in the order the next forward needs
+            them). "forward" helps when the CPU is the bound (small batches); see docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
@@ -53,6 +56,7 @@ class SlideConfig:
     gpu_memory_limit: float | None = None
     head_chunk_tokens: int | None = None
     grad_buffers: int = 4
+    update_order: str = "arrival"
     check_host_memory: bool = True
     debug: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -104,6 +108,8 @@ class SlideConfig:
             self.use_kernels = dev.type == "cuda"
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"SlideConfig.gpu_memory_limit must be a positive number of GiB, got {self.gpu_memory_limit}")
+        if self.update_order not in ("arrival", "forward"):
+            raise ValueError(f"SlideConfig.update_order must be 'arrival' or 'forward', got {self.update_order!r}")
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 

@@ -207,6 +207,10 @@ class SlideEngine:
             if self.config.pin_memory and self.streams.cuda:
                 pin_slab(self.embed_grad)
 
+    def _order(self, position: int, update: bool) -> int | None:
+        """Worker ordering of an in-backward update task (see CpuWorker's note)."""
+        return position if update and self.config.update_order == "forward" else None
+
     @property
     def single_micro(self) -> bool:
         return self.config.gradient_accumulation_steps == 1
@@ -357,7 +361,7 @@ class SlideEngine:
         update = self.in_backward           # scheduled with the head (see head_backward)
         self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()),
-                           order=0 if update else None)
+                           order=self._order(0, update))
         self.end_backward()
 
     def _embed_task(self, host, ids, done, update, ends_step, hp):
@@ -571,7 +575,7 @@ class SlideEngine:
             self._schedule(self.embed_unit)      # its bulk update starts in the head task
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
                            self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
-                           order=-1 if update else None)
+                           order=self._order(-1, update))
 
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
         done.synchronize()
@@ -648,7 +652,7 @@ class SlideEngine:
             self._schedule(u)
         self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
-                           order=u.index if update else None)
+                           order=self._order(u.index, update))
 
     def _layer_task(self, u, src, done, update, ends_step, hp):
         done.synchronize()

@@ -173,6 +173,17 @@ def test_activation_tiers_bit_identical(tier, tmp_path):
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+def test_forward_update_order_matches_arrival_order():
+    data = batches(3, pad=True)
+    states = []
+    for order in ("arrival", "forward"):
+        ref, slid = make_pair("llama", True, update_order=order)
+        assert train_both(ref, slid, data) < PARAM_TOL
+        states.append(slid.state_dict())
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
 def test_window_sizes_agree():
     data = batches(2)
     states = []
