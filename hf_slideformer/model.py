@@ -117,8 +117,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     rot = adapter.rotary(model)
     if rot is not None:
         if any(b.device.type == "meta" for b in rot.buffers()):
-            new = type(rot)(config=model.config, device=config.torch_device)
-            adapter.base(model).rotary_emb = new
+            with torch.device("cpu"):
+                new = type(rot)(config=model.config)
+            adapter.base(model).rotary_emb = new.to(config.torch_device)
         else:
             rot.to(config.torch_device)
     if getattr(model.config, "use_cache", False):
