@@ -80,14 +80,15 @@ def test_from_pretrained_peak_host_memory_is_bounded(tmp_path):
     """Loading reads tensor by tensor into the store: the peak stays near the fp32 masters, far
     below a materialized model plus its fp32 copy. Measured in a fresh process (ru_maxrss)."""
     from hf_slideformer.demo import tiny_config
-    cfg = tiny_config("llama", vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
-                      num_attention_heads=8, num_key_value_heads=2)
+    cfg = tiny_config("llama", vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                      num_attention_heads=12, num_key_value_heads=4)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(tmp_path, max_shard_size="20MB")
     del model
     code = textwrap.dedent(f"""
         import torch, hf_slideformer as hs
+        import transformers.models.llama.modeling_llama, safetensors.torch   # code, not data
         def hwm():
             return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
         base = hwm()
@@ -99,6 +100,8 @@ def test_from_pretrained_peak_host_memory_is_bounded(tmp_path):
     base, peak = map(int, out.stdout.split()[-2:])
     masters = 4 * n
     grew = peak - base
-    # The fp32 masters must be resident (the measurement sees them), plus the engine's buffers and
-    # one tensor in flight: well under masters + a materialized model (2x masters in fp32).
-    assert 0.9 * masters < grew < 1.5 * masters + 64 * 2 ** 20, (grew / 2 ** 20, masters / 2 ** 20)
+    # The fp32 masters must be resident (the measurement sees them), plus the engine's buffers, the
+    # mapped shard being read and one tensor in flight: well under masters + a materialized fp32
+    # model (2x masters).
+    print(f"from_pretrained: RSS grew {grew / 2 ** 20:.0f} MiB for {masters / 2 ** 20:.0f} MiB of fp32 masters")
+    assert 0.9 * masters < grew < 1.3 * masters + 128 * 2 ** 20, (grew / 2 ** 20, masters / 2 ** 20)
