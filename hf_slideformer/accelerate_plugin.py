@@ -114,7 +114,9 @@ class SlidePlugin:
     dtype: Optional[str] = field(default=None, metadata={
         "help": "Compute dtype; default: the yaml's mixed_precision (bf16 / fp16), else the engine's default."})
     head_chunk_tokens: Optional[int] = field(default=None, metadata={"help": "Tokens per fused-head chunk."})
-    grad_buffers: int = field(default=2, metadata={"help": "Pinned host gradient staging buffers."})
+    grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
+    update_order: str = field(default="arrival", metadata={
+        "help": "Order of the CPU updates of one backward: 'arrival' or 'forward' (see SlideConfig)."})
     check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
@@ -176,7 +178,7 @@ class SlidePlugin:
                            nvme_path=self.nvme_path, cpu_threads=self.cpu_threads, pin_memory=self.pin_memory,
                            use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
                            head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
-                           check_host_memory=self.check_host_memory, debug=self.debug)
+                           update_order=self.update_order, check_host_memory=self.check_host_memory, debug=self.debug)
 
 
 def wrap_optimizer(optimizer) -> AcceleratedOptimizer:

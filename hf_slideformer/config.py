@@ -21,7 +21,7 @@ class SlideConfig:
         device: Compute device, "cuda" (or "cuda:N") or "cpu". Default: "cuda" when available.
         dtype: Compute and transfer dtype of the layers on the device. Default: bfloat16 on CUDA,
             float32 on CPU. Master weights and Adam moments are always float32 on the host.
-        window: Number of GPU layer slots (2-4). More slots prefetch further ahead.
+        window: Number of GPU layer slots (1-16). More slots prefetch further ahead.
         gradient_accumulation_steps: Backward passes per optimizer step.
         max_grad_norm: Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_.
         activation_tier: Where each layer's input is kept between forward and backward:

@@ -61,8 +61,11 @@ class SlideArgs(TrainingArguments):
                 "else bfloat16 on CUDA and float32 on CPU. Masters and Adam moments are always float32."})
     slide_head_chunk_tokens: Optional[int] = field(default=None, metadata={
         "help": "Tokens per chunk of the fused linear-cross-entropy head (default: chosen by the engine)."})
-    slide_grad_buffers: int = field(default=2, metadata={
+    slide_grad_buffers: int = field(default=4, metadata={
         "help": "Pinned host gradient staging buffers, each one layer large."})
+    slide_update_order: str = field(default="arrival", metadata={
+        "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come) or 'forward' (pending ones "
+                "in the order the next forward needs them; helps CPU-bound small batches)."})
     slide_check_host_memory: bool = field(default=True, metadata={
         "help": "Refuse to start when the host store (12 bytes per parameter and more) cannot fit in available RAM."})
     slide_debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})
@@ -146,7 +149,7 @@ class SlideArgs(TrainingArguments):
                 cpu_threads=self.slide_cpu_threads, pin_memory=self.slide_pin_memory,
                 use_kernels=self.slide_use_kernels, gpu_memory_limit=self.slide_gpu_memory_limit,
                 head_chunk_tokens=self.slide_head_chunk_tokens, grad_buffers=self.slide_grad_buffers,
-                check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
+                update_order=self.slide_update_order, check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
         except ValueError as e:
             raise SlideArgsError(f"invalid slide setting: {e}") from e
 
