@@ -226,3 +226,37 @@ def test_interrupted_backward_is_reported_not_hung(monkeypatch):
     monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
     with pytest.raises(hs.SlideStateError, match="interrupted"):
         slid(**b[1]).loss.backward()
+
+
+def test_explicit_position_ids_match():
+    """Packed sequences: position_ids restart inside a row; passed through to HF's RoPE."""
+    ref, slid = make_pair("qwen3", False)
+    b = batches(1, seq=12)[0]
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
+    with torch.no_grad():
+        r = ref(input_ids=b["input_ids"], position_ids=pos, labels=b["labels"]).loss
+        s = slid(input_ids=b["input_ids"], position_ids=pos, labels=b["labels"]).loss
+    assert math.isclose(s.item(), r.item(), rel_tol=LOSS_RTOL)
+    data = [dict(b, position_ids=pos)] * 2
+    assert train_both(ref, slid, data) < PARAM_TOL
+
+
+def test_host_memory_flat_over_200_steps():
+    """No host leak in the steady state: RSS after 200 more steps stays where it was after 20."""
+    _, slid = make_pair("llama", True, max_grad_norm=1.0)
+    opt = slid.create_optimizer(lr=1e-3)
+    data = batches(4, pad=True)
+
+    def rss():
+        return [int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS")][0] * 1024
+
+    def run(n):
+        for k in range(n):
+            slid(**data[k % 4]).loss.backward(); opt.step(); opt.zero_grad()
+        slid.slide_stats()
+
+    run(20)
+    before = rss()
+    run(200)
+    grew = rss() - before
+    assert grew < 8 * 2 ** 20, grew / 2 ** 20
