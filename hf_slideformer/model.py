@@ -260,7 +260,9 @@ class SlideModel:
         Keys: steps, tokens; h2d/d2h/activation bytes; forward_s and backward_s (host wall time
         inside the engine); gpu_compute_s (CUDA-event time of the layers' and head's kernels);
         cpu_adam_s and worker_busy_s (the CPU worker); wait_update_s, wait_grad_buffer_s,
-        wait_other_s (main thread blocked on the worker); peak GPU memory and host RSS.
+        wait_other_s (main thread blocked on the worker); step_wall_s (time between optimizer
+        steps), tokens_per_s and gpu_busy (GPU kernel time / wall time) from it; peak GPU memory
+        and host RSS.
         """
         eng = self.slide_engine
         return eng.stats.snapshot(eng.worker.busy_s)

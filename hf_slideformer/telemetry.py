@@ -81,7 +81,13 @@ class StepStats:
             "wait_update_s": self.wait_s["update"],
             "wait_grad_buffer_s": self.wait_s["grad_buffer"],
             "wait_other_s": sum(v for k, v in self.wait_s.items() if k not in ("update", "grad_buffer")),
+            # Wall time between optimizer steps (the first step has no start mark), and what follows.
+            "step_wall_s": self.step_wall_s,
         }
+        if self.step_wall_s > 0 and self.steps > 1:
+            out["tokens_per_s"] = self.tokens * (self.steps - 1) / self.steps / self.step_wall_s
+            if self.cuda:
+                out["gpu_busy"] = min(1.0, self.gpu_compute_s * (self.steps - 1) / self.steps / self.step_wall_s)
         if self.cuda:
             dev = torch.cuda.current_device()
             out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
