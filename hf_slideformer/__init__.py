@@ -9,6 +9,7 @@ from .memory import HostMemoryError
 from .model import SlideModel, is_slid, slide
 from .models import SUPPORTED_MODEL_TYPES
 from .optim import SlideOptimizer
+from .planner import Plan, plan
 from .checkpoint import CheckpointError
 from .worker import WorkerError
 
@@ -31,4 +32,5 @@ def __getattr__(name):
 
 __all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "HostMemoryError",
            "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
+           "plan", "Plan",
            *_LAZY]

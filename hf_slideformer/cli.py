@@ -1,0 +1,77 @@
+"""The `hf-slideformer` command line: `hf-slideformer plan <model>` answers whether a model fits,
+with which batch, and how fast (hf_slideformer.planner). Also `python -m hf_slideformer.cli`.
+
+Exit status: 0 when the plan fits, 1 when it does not, 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .models import SUPPORTED_MODEL_TYPES
+from .planner import GPU_EFFICIENCY, PEAK_TFLOPS, TIERS, plan
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-slideformer", description="hf_slideformer: full-parameter fine-tuning "
+                                     "of LLMs larger than the GPU, on one GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "plan", help="estimate memory, the largest batch and the step time of training a model",
+        description="Estimate host and GPU memory, the largest batch and the step time of training a model with "
+                    "hf_slideformer, from its config.json alone (model types: "
+                    f"{', '.join(SUPPORTED_MODEL_TYPES)}). The figures are estimates calibrated on H200 "
+                    "measurements (docs/planner.md).")
+    p.add_argument("model", help="a model directory holding config.json, or the path of a config.json")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences per micro-batch (default: the smallest power of two that hides AdamW behind the "
+                        "GPU's compute, within memory)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
+                   help="GPU memory (default: this machine's GPU, else 24)")
+    p.add_argument("--host-mem", type=float, default=None, metavar="GiB",
+                   help="host memory for training (default: MemAvailable of this machine)")
+    p.add_argument("--pcie-gbs", type=float, default=54.6, help="pinned PCIe bandwidth each way, GB/s (default: 54.6)")
+    p.add_argument("--adam-gps", type=float, default=3.5,
+                   help="CPU fused AdamW rate, G parameters/s (default: 3.5, 16 cores)")
+    p.add_argument("--gpu-tflops", type=float, default=PEAK_TFLOPS,
+                   help=f"dense bf16 peak of the GPU, TFLOPS (default: {PEAK_TFLOPS}, H100 / H200 SXM)")
+    p.add_argument("--gpu-efficiency", type=float, default=GPU_EFFICIENCY,
+                   help=f"achieved share of that peak (default: {GPU_EFFICIENCY}, measured on the H200)")
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
+                   help="micro-batches per optimizer step (default: 1)")
+    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
+                   help="global gradient-norm clipping (default: none; > 0 adds a 4 B/param host accumulator)")
+    p.add_argument("--window", type=int, default=2, help="GPU layer slots (default: 2)")
+    p.add_argument("--activation-tier", choices=TIERS, default="cpu",
+                   help="where the layer inputs wait for backward (default: cpu)")
+    p.add_argument("--grad-buffers", type=int, default=4, help="pinned host gradient buffers (default: 4)")
+    p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
+    p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = plan(args.model, batch=args.batch, seq=args.seq, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
+                      pcie_gbs=args.pcie_gbs, adam_gps=args.adam_gps, gpu_tflops=args.gpu_tflops,
+                      gpu_efficiency=args.gpu_efficiency, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                      max_grad_norm=args.max_grad_norm, window=args.window, activation_tier=args.activation_tier,
+                      grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
+                      nvme_read_gbs=args.nvme_read_gbs)
+    except (OSError, ValueError) as e:
+        print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result.report())
+    return 0 if result.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

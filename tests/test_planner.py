@@ -1,0 +1,169 @@
+"""The planner against the H200 measurements, its parameter counts against HF, its advice, and the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from hf_slideformer.cli import main
+from hf_slideformer.planner import GiB, load_model_config, model_shape, plan
+
+CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+H200 = dict(host_mem=125, pcie_gbs=54.6, adam_gps=3.5)
+
+# Measured on the H200 (16 cores, 125 GiB, torch 2.11), seq 2048, activations on pinned CPU:
+# (shape, batch, GPU cap GiB, step s, GPU compute s, CPU AdamW s, GPU peak allocated GiB, host RSS GiB)
+MEASURED = [
+    ("llama3-3b", 16, 24, 1.814, 1.448, 0.98, 5.9, 51.7),
+    ("llama3-3b", 8, 24, 1.513, 0.705, 0.98, 3.8, 47.7),
+    ("llama3-8b", 16, 24, 3.997, 3.284, 2.51, 8.3, 109.2),
+    ("llama3-8b", 1, 8, None, None, None, 3.5, 99.1),
+]
+
+
+def rel(estimate, measured):
+    return abs(estimate - measured) / measured
+
+
+@pytest.mark.parametrize("name, batch, cap, step, gpu_s, adam_s, alloc, rss", MEASURED)
+def test_estimates_land_near_the_h200_measurements(name, batch, cap, step, gpu_s, adam_s, alloc, rss):
+    p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, **H200)
+    assert p.fits
+    assert rel(p.host_total / GiB, rss) < 0.25
+    assert rel(p.gpu_peak / GiB, alloc) < 0.25
+    if gpu_s is not None:
+        assert rel(p.times["gpu"], gpu_s) < 0.20
+        assert rel(p.times["cpu"], adam_s) < 0.25
+        assert rel(p.expected_step_s, step) < 0.25
+        assert p.bound_s <= step            # a bound, not a prediction
+
+
+def test_resident_compute_matches_the_gpu_resident_measurement():
+    p = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, **H200)
+    assert rel(p.gpu_resident_s, 1.151) < 0.20
+    assert p.gpu_resident_s < p.times["gpu"]     # recompute costs a forward more
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3-3b", "llama3-8b", "qwen2.5-7b"])
+def test_parameter_counts_match_hf(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = load_model_config(CONFIGS / f"{name}.json")
+    raw.pop("_comment", None)
+    config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model_shape(raw).n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=24)),
+    ("mistral", dict(head_dim=16, sliding_window=64)),
+    ("qwen2", dict()),
+    ("qwen3", dict(attention_bias=True, head_dim=12)),
+])
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_counts_match_hf_for_each_family(model_type, extra, tied):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(model_type=model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=3, vocab_size=101,
+               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied, **extra)
+    config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shape = model_shape(raw)
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_cpu_bound_batch_is_told_the_batch_that_hides_adam():
+    p = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200)
+    assert p.bound_by == "cpu"
+    assert any(a.startswith("CPU-bound: raise the batch to 16") for a in p.advice)
+    chosen = plan(CONFIGS / "llama3-3b.json", gpu_mem=24, **H200)
+    assert chosen.batch_chosen and chosen.batch == 16 and chosen.bound_by == "gpu"
+
+
+def test_largest_batch_is_the_last_that_fits():
+    p = plan(CONFIGS / "llama3-8b.json", batch=1, gpu_mem=24, **H200)
+    m = p.max_batch_gpu
+    assert m > 16
+    assert plan(CONFIGS / "llama3-8b.json", batch=m, gpu_mem=24, **H200).gpu_fits
+    assert not plan(CONFIGS / "llama3-8b.json", batch=m + 1, gpu_mem=24, **H200).gpu_fits
+
+
+def test_short_host_memory_names_the_fixes():
+    p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=102, adam_gps=3.5, max_grad_norm=1.0)
+    assert p.host_fits is False and not p.fits
+    short = next(a for a in p.advice if a.startswith("host memory short by"))
+    assert "max_grad_norm=None" in short and "activation_tier='nvme'" in short
+    # The advice's fix is real: without clipping and with the nvme tier it fits.
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=102, activation_tier="nvme").host_fits
+
+
+def test_accumulation_and_tiers_move_the_right_terms():
+    base = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200)
+    acc = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, gradient_accumulation_steps=4, **H200)
+    assert acc.host_total - base.host_total == 4 * (acc.shape.n_params - acc.shape.embed_params)
+    assert acc.times["gpu"] == pytest.approx(4 * base.times["gpu"])
+    assert base.times["cpu"] < acc.times["cpu"] < 4 * base.times["cpu"]   # one AdamW, 4 accumulations
+    dev = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, activation_tier="device", **H200)
+    assert dev.gpu_peak > base.gpu_peak and dev.host_total < base.host_total and dev.h2d_bytes < base.h2d_bytes
+    nvme = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, activation_tier="nvme", **H200)
+    assert nvme.times["disk"] > 0 and nvme.bound_by == "disk"
+
+
+def test_a_gpu_too_small_for_batch_one():
+    p = plan(CONFIGS / "llama3-8b.json", batch=1, gpu_mem=2, **H200)
+    assert p.max_batch_gpu == 0 and not p.gpu_fits
+    assert any("even at batch 1" in a for a in p.advice)
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="supported model_types: llama, mistral, qwen2, qwen3"):
+        plan(tmp_path)
+
+
+def test_a_path_without_config_json_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no config.json"):
+        plan(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        plan(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="activation_tier"):
+        plan(CONFIGS / "tiny.json", activation_tier="disk")
+
+
+def test_public_api_and_report():
+    p = hs.plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, **H200)
+    assert isinstance(p, hs.Plan) and "plan" in hs.__all__ and "Plan" in hs.__all__
+    text = p.report()
+    assert "host memory" in text and "GPU memory" in text and "bound" in text and "advice" in text
+    d = p.to_dict()
+    assert json.loads(json.dumps(d))["fits"] is True and d["shape"]["n_params"] == 3_212_749_824
+
+
+def test_cli_text_json_and_errors(tmp_path, capsys):
+    args = ["plan", str(CONFIGS / "llama3-3b.json"), "--batch", "16", "--gpu-mem", "24", "--host-mem", "125"]
+    assert main(args) == 0
+    assert "3.21 B parameters" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["bound_by"] == "gpu" and d["batch"] == 16
+    assert main(["plan", str(CONFIGS / "llama3-8b.json"), "--host-mem", "64", "--gpu-mem", "24"]) == 1
+    assert "SHORT" in capsys.readouterr().out
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_cli_runs_as_a_module():
+    out = subprocess.run([sys.executable, "-m", "hf_slideformer.cli", "plan", str(CONFIGS / "tiny.json"),
+                          "--batch", "2", "--seq", "128", "--gpu-mem", "24", "--host-mem", "16", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["shape"]["n_params"] == 90_432
