@@ -10,6 +10,7 @@ import tempfile
 
 import torch
 
+from .memory import PinnedBuffers
 from .transfer import Streams
 
 __all__ = ["ActivationTier", "DeviceTier", "PinnedCpuTier", "FileTier", "make_tier"]
@@ -18,9 +19,10 @@ __all__ = ["ActivationTier", "DeviceTier", "PinnedCpuTier", "FileTier", "make_ti
 class ActivationTier:
     """Interface: save(i, x) in forward; prefetch(i) ahead of use; load(i) -> x in backward."""
 
-    def __init__(self, streams: Streams, counter=None):
+    def __init__(self, streams: Streams, counter=None, pinned: PinnedBuffers | None = None):
         self.streams = streams
         self.count = counter or (lambda kind, n: None)
+        self.pinned = pinned or PinnedBuffers(False)
 
     def save(self, i: int, x: torch.Tensor) -> None:
         raise NotImplementedError
@@ -37,12 +39,25 @@ class ActivationTier:
     def clear(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Release what the tier holds outside memory (files)."""
+
+    def _host_buffer(self, old: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """`old` when large enough, else a new pinned buffer (the old one is unpinned once idle)."""
+        if old is not None and old.numel() >= numel and old.dtype == dtype:
+            return old
+        if old is not None:
+            if self.streams.cuda:
+                torch.cuda.synchronize(self.streams.device)   # rare: only when activations grow
+            self.pinned.release(old)
+        return self.pinned.empty(numel, dtype=dtype)
+
 
 class DeviceTier(ActivationTier):
     """Keep x_i on the compute device (fastest; costs L * B*S*H elements of device memory)."""
 
-    def __init__(self, streams, counter=None):
-        super().__init__(streams, counter)
+    def __init__(self, streams, counter=None, pinned=None):
+        super().__init__(streams, counter, pinned)
         self.saved: dict[int, torch.Tensor] = {}
 
     def save(self, i, x):
@@ -61,48 +76,47 @@ class DeviceTier(ActivationTier):
 class PinnedCpuTier(ActivationTier):
     """Copy x_i to pinned host memory on the d2h stream; bring it back on the h2d stream.
 
-    Host buffers are allocated once per layer and reused while the activation shape allows.
+    Host buffers are allocated once per layer (registered, not rounded up to a power of two) and
+    reused while the activation shape allows.
     """
 
-    def __init__(self, streams, counter=None):
-        super().__init__(streams, counter)
+    def __init__(self, streams, counter=None, pinned=None):
+        super().__init__(streams, counter, pinned)
         self.host: dict[int, torch.Tensor] = {}
         self.meta: dict[int, tuple] = {}
         self.saved_ev: dict[int, object] = {}
         self.loaded: dict[int, tuple[torch.Tensor, object]] = {}
 
-    def _buffer(self, i, numel, dtype):
-        buf = self.host.get(i)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(numel, dtype=dtype, pin_memory=self.streams.cuda)
-            self.host[i] = buf
-        return buf[:numel]
-
-    def save(self, i, x):
+    def _d2h(self, x: torch.Tensor, buf: torch.Tensor):
         st = self.streams
-        buf = self._buffer(i, x.numel(), x.dtype)
         # Note: [Why the d2h waits for the compute event] x_i is produced on the compute stream.
         st.wait(st.record(), st.d2h)
         with st.on(st.d2h):
             buf.copy_(x.reshape(-1), non_blocking=True)
         if st.cuda:
             x.record_stream(st.d2h)           # keep x's memory alive until the copy has run
-        self.saved_ev[i] = st.record(st.d2h)
-        self.meta[i] = (x.shape, x.dtype)
         self.count("act_d2h", x.numel() * x.element_size())
+        return st.record(st.d2h)
+
+    def _h2d(self, i: int, src: torch.Tensor):
+        st = self.streams
+        shape, dtype = self.meta[i]
+        with st.on(st.h2d):
+            x = torch.empty(shape, dtype=dtype, device=st.device)
+            x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
+        self.count("act_h2d", shape.numel() * x.element_size())
+        return x, st.record(st.h2d)
+
+    def save(self, i, x):
+        self.host[i] = buf = self._host_buffer(self.host.get(i), x.numel(), x.dtype)
+        self.saved_ev[i] = self._d2h(x, buf[:x.numel()])
+        self.meta[i] = (x.shape, x.dtype)
 
     def prefetch(self, i):
         if i in self.loaded or i not in self.meta:
             return
-        st = self.streams
-        shape, dtype = self.meta[i]
-        n = shape.numel()
-        st.wait(self.saved_ev[i], st.h2d)
-        with st.on(st.h2d):
-            x = torch.empty(shape, dtype=dtype, device=st.device)
-            x.view(-1).copy_(self.host[i][:n], non_blocking=True)
-        self.loaded[i] = (x, st.record(st.h2d))
-        self.count("act_h2d", n * x.element_size())
+        self.streams.wait(self.saved_ev[i], self.streams.h2d)
+        self.loaded[i] = self._h2d(i, self.host[i])
 
     def load(self, i):
         self.prefetch(i)
@@ -121,48 +135,64 @@ class PinnedCpuTier(ActivationTier):
 
 
 class FileTier(PinnedCpuTier):
-    """Spill x_i to a file under `path` through a pinned bounce buffer (NVMe tier).
+    """Spill x_i to a file under `path` (NVMe tier) through two pinned bounce buffers.
 
-    The file is written synchronously after the d2h copy and read back on prefetch; host memory
-    holds one bounce buffer per in-flight layer, not L activations.
+    Host memory holds two activations' worth, not L. Writes and reads are synchronous file I/O on
+    the calling thread (a write waits for its d2h copy; a read happens at prefetch, one layer
+    ahead of its use).
     """
 
-    def __init__(self, streams, path: str, counter=None):
-        super().__init__(streams, counter)
+    def __init__(self, streams, path: str, counter=None, pinned=None):
+        super().__init__(streams, counter, pinned)
         os.makedirs(path, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="slide-act-", dir=path)
+        self.bounce: list[torch.Tensor | None] = [None, None]
+        self.bounce_ev: list[object] = [None, None]      # last h2d copy reading each bounce buffer
+        self.next = 0
 
     def _file(self, i):
         return os.path.join(self.dir, f"x{i}.bin")
 
+    def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        k = self.next
+        self.next = 1 - k
+        if self.bounce_ev[k] is not None:
+            self.bounce_ev[k].synchronize()              # its previous h2d copy has read it
+            self.bounce_ev[k] = None
+        self.bounce[k] = self._host_buffer(self.bounce[k], numel, dtype)
+        self._k = k
+        return self.bounce[k][:numel]
+
     def save(self, i, x):
-        super().save(i, x)
-        self.saved_ev[i].synchronize()
-        n = x.numel()
-        buf = self.host.pop(i)[:n]
+        buf = self._take(x.numel(), x.dtype)
+        self._d2h(x, buf).synchronize()
         with open(self._file(i), "wb") as f:
-            f.write(buf.view(torch.uint8).numpy().tobytes() if buf.dtype != torch.bfloat16
-                    else buf.view(torch.int16).numpy().tobytes())
-        self._spare = buf
+            f.write(memoryview(buf.view(torch.uint8).numpy()))
+        self.meta[i] = (x.shape, x.dtype)
+        self.saved_ev[i] = None
 
     def prefetch(self, i):
         if i in self.loaded or i not in self.meta:
             return
         shape, dtype = self.meta[i]
-        n = shape.numel()
-        buf = self._buffer(i, n, dtype)
-        raw = buf.view(torch.int16) if dtype == torch.bfloat16 else buf.view(torch.uint8)
+        buf = self._take(shape.numel(), dtype)
         with open(self._file(i), "rb") as f:
-            f.readinto(raw.numpy())
-        super().prefetch(i)
+            f.readinto(memoryview(buf.view(torch.uint8).numpy()))
+        x, ev = self._h2d(i, buf)
+        self.bounce_ev[self._k] = ev
+        self.loaded[i] = (x, ev)
+
+    def close(self):
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def make_tier(config, streams: Streams, counter=None) -> ActivationTier:
+def make_tier(config, streams: Streams, counter=None, pinned: PinnedBuffers | None = None) -> ActivationTier:
     """The tier named by `config.activation_tier`."""
     if config.activation_tier == "device":
-        return DeviceTier(streams, counter)
+        return DeviceTier(streams, counter, pinned)
     if config.activation_tier == "cpu":
-        return PinnedCpuTier(streams, counter)
+        return PinnedCpuTier(streams, counter, pinned)
     if config.activation_tier == "nvme":
-        return FileTier(streams, config.nvme_path, counter)
+        return FileTier(streams, config.nvme_path, counter, pinned)
     raise ValueError(f"unknown activation tier {config.activation_tier!r}")

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from .activations import make_tier
 from .optim import apply_adamw
 from .slots import SlotQueue
-from .memory import pin_slab
 from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
@@ -156,15 +155,14 @@ class SlideEngine:
         self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         pin = config.pin_memory and config.is_cuda
         # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
-        self.ring_slab = torch.empty(max_layer * config.grad_buffers, dtype=torch.float32)
-        if pin:
-            pin_slab(self.ring_slab)
+        self.pinned = store.pinned
+        self.ring_slab = self.pinned.empty(max_layer * config.grad_buffers)
         self.ring = list(self.ring_slab.split(max_layer))
         self.ring_free = [threading.Event() for _ in self.ring]
         for ev in self.ring_free:
             ev.set()
         self.ring_next = 0
-        self.head_host = torch.empty(head_numel, dtype=torch.float32, pin_memory=pin)
+        self.head_host = self.pinned.empty(head_numel)
         self.head_host_free = threading.Event()
         self.head_host_free.set()
         self.head_pending = False
@@ -175,7 +173,7 @@ class SlideEngine:
         self.embed_fwd_ev = None
         self.embed_grad: torch.Tensor | None = None
         self.touched: list[torch.Tensor] = []
-        self.tier = make_tier(config, self.streams, self.stats.add_bytes)
+        self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         # With one backward per step, this backward's gradients are the step's: their norm is
         # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
         self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -203,9 +201,7 @@ class SlideEngine:
         if self.embed_grad is None:
             # Dense (V, H) fp32 gradient of the embedding, pinned: a tied lm_head's gradient lands
             # here straight from the GPU.
-            self.embed_grad = torch.zeros(self.embed_unit.numel, dtype=torch.float32)
-            if self.config.pin_memory and self.streams.cuda:
-                pin_slab(self.embed_grad)
+            self.embed_grad = self.pinned.adopt(torch.zeros(self.embed_unit.numel, dtype=torch.float32))
 
     def _order(self, position: int, update: bool) -> int | None:
         """Worker ordering of an in-backward update task (see CpuWorker's note)."""
@@ -333,10 +329,12 @@ class SlideEngine:
         if not self.streams.cuda:
             x = table.index_select(0, ids).to(self.dtype)
             return x.view(*input_ids.shape, self.hidden)
+        if self.embed_fwd_ev is not None:
+            self.embed_fwd_ev.synchronize()          # the previous batch's rows have left the buffer
         if self.embed_fwd_buf is None or self.embed_fwd_buf.shape[0] < T:
-            self.embed_fwd_buf = torch.empty(T, self.hidden, dtype=torch.float32, pin_memory=True)
-        elif self.embed_fwd_ev is not None:
-            self.embed_fwd_ev.synchronize()
+            if self.embed_fwd_buf is not None:
+                self.pinned.release(self.embed_fwd_buf)
+            self.embed_fwd_buf = self.pinned.empty(T, self.hidden)
         buf = self.embed_fwd_buf[:T]
         torch.index_select(table, 0, ids, out=buf)
         x = torch.empty(T, self.hidden, dtype=torch.float32, device=self.device)
@@ -348,10 +346,12 @@ class SlideEngine:
     def embed_backward(self, input_ids: torch.Tensor, gx: torch.Tensor) -> None:
         T = gx.numel() // self.hidden
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
+        self._wait(self.embed_host_free, "other")  # the worker is done with the previous gradient
         if self.embed_host is None or self.embed_host.shape[0] < T:
-            self.embed_host = torch.empty(T, self.hidden, dtype=torch.float32, pin_memory=self.streams.cuda)
+            if self.embed_host is not None:
+                self.pinned.release(self.embed_host)
+            self.embed_host = self.pinned.empty(T, self.hidden)
         host = self.embed_host[:T]
-        self._wait(self.embed_host_free, "other")
         self.embed_host_free.clear()
         g2 = gx.reshape(T, self.hidden)
         if self.single_micro:
@@ -760,4 +760,9 @@ class SlideEngine:
         return sum(self._norm_sq) ** 0.5 if self._norm_sq else float("nan")
 
     def close(self) -> None:
+        """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
         self.worker.close()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self.tier.close()
+        self.pinned.close()

@@ -7,7 +7,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "HostMemoryError"]
+__all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "unpin_slab",
+           "PinnedBuffers", "HostMemoryError"]
 
 GiB = 1024 ** 3
 
@@ -51,12 +52,54 @@ def check_host_memory(numel: int, *, deferred: bool, config) -> None:
     )
 
 
-def pin_slab(t: torch.Tensor) -> None:
+def pin_slab(t: torch.Tensor) -> bool:
     """Page-lock an existing CPU tensor in place (cudaHostRegister), without the caching host
-    allocator's power-of-two rounding that would waste up to half of a large slab."""
+    allocator's power-of-two rounding that would waste up to half of a large buffer.
+
+    Returns whether the memory is now pinned (a failure only costs speed, so it is logged)."""
     if t.numel() == 0:
-        return
+        return False
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %.1f GiB failed (error %s); transfers will be slower", nbytes / GiB, err)
+        logger.warning("cudaHostRegister of %.2f GiB failed (error %s); transfers will be slower", nbytes / GiB, err)
+        return False
+    return True
+
+
+def unpin_slab(t: torch.Tensor) -> None:
+    """Undo pin_slab (call once no copy reads or writes `t` any more)."""
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class PinnedBuffers:
+    """Host buffers page-locked with pin_slab, released (unregistered) explicitly or at close()."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._held: list[torch.Tensor] = []
+
+    def empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
+        t = torch.empty(*shape, dtype=dtype)
+        if self.enabled and pin_slab(t):
+            self._held.append(t)
+        return t
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Pin an existing tensor and release it with the others."""
+        if self.enabled and pin_slab(t):
+            self._held.append(t)
+        return t
+
+    def release(self, t: torch.Tensor) -> None:
+        """Unpin one buffer; the caller guarantees that no copy still uses it."""
+        for k, h in enumerate(self._held):
+            if h is t:
+                unpin_slab(h)
+                del self._held[k]
+                return
+
+    def close(self) -> None:
+        for h in self._held:
+            unpin_slab(h)
+        self._held.clear()

@@ -34,8 +34,9 @@ ENGINE_EFFICIENCY = {"gpu": 0.80, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bo
 
 
 def _pinned(nbytes: int) -> int:
-    """Bytes that torch's caching host allocator takes for a pinned buffer (next power of two)."""
-    return 0 if nbytes <= 0 else 1 << (int(nbytes) - 1).bit_length()
+    """Bytes a pinned host buffer takes: the engine registers exactly what it allocates
+    (cudaHostRegister), without the caching host allocator's power-of-two rounding."""
+    return max(0, int(nbytes))
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .memory import check_host_memory, pin_slab
+from .memory import PinnedBuffers, check_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +87,8 @@ class HostStore:
             check_host_memory(self.numel, deferred=self.deferred, config=config)
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
-        self.master_slab = torch.empty(self.numel, dtype=torch.float32)
-        if config.pin_memory and config.is_cuda:
-            pin_slab(self.master_slab)
+        self.pinned = PinnedBuffers(bool(config.pin_memory and config.is_cuda))
+        self.master_slab = self.pinned.empty(self.numel)
         self._carve(self.master_slab, "master")
         self.optimizer_ready = False
 
