@@ -116,7 +116,7 @@ class SlidePlugin:
     head_chunk_tokens: Optional[int] = field(default=None, metadata={"help": "Tokens per fused-head chunk."})
     grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
     update_order: str = field(default="arrival", metadata={
-        "help": "Order of the CPU updates of one backward: 'arrival' or 'forward' (see SlideConfig)."})
+        "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
     check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})

@@ -38,7 +38,9 @@ class SlideConfig:
         grad_buffers: Pinned host gradient staging buffers, each one layer large.
         update_order: Order of the CPU updates of one backward: "arrival" (as the gradients come,
             L-1 .. 0) or "forward" (those still pending run in the order the next forward needs
-            them). "forward" helps when the CPU is the bound (small batches); see docs/engine.md.
+            them). "forward" helps when the CPU is the bound (small batches); "hybrid" keeps
+            arrival order during the backward and forward order for what is left when it ends
+            (not yet measured on a GPU); see docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
@@ -108,8 +110,8 @@ class SlideConfig:
             self.use_kernels = dev.type == "cuda"
         if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
             raise ValueError(f"SlideConfig.gpu_memory_limit must be a positive number of GiB, got {self.gpu_memory_limit}")
-        if self.update_order not in ("arrival", "forward"):
-            raise ValueError(f"SlideConfig.update_order must be 'arrival' or 'forward', got {self.update_order!r}")
+        if self.update_order not in ("arrival", "forward", "hybrid"):
+            raise ValueError(f"SlideConfig.update_order must be 'arrival', 'forward' or 'hybrid', got {self.update_order!r}")
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 

@@ -203,9 +203,13 @@ class SlideEngine:
             # here straight from the GPU.
             self.embed_grad = self.pinned.adopt(torch.zeros(self.embed_unit.numel, dtype=torch.float32))
 
-    def _order(self, position: int, update: bool) -> int | None:
+    def _order(self, position: int, update: bool) -> dict:
         """Worker ordering of an in-backward update task (see CpuWorker's note)."""
-        return position if update and self.config.update_order == "forward" else None
+        if not update or self.config.update_order == "arrival":
+            return {}
+        if self.config.update_order == "forward":
+            return {"order": position}
+        return {"late_order": position}                  # "hybrid"
 
     @property
     def single_micro(self) -> bool:
@@ -294,6 +298,8 @@ class SlideEngine:
         self._bwd_t0 = time.perf_counter()
 
     def end_backward(self) -> None:
+        if self.in_backward and self.config.update_order == "hybrid":
+            self.worker.promote_group()
         self._backward_open = False
         self.micro += 1
         self.live_generation = None
@@ -361,7 +367,7 @@ class SlideEngine:
         update = self.in_backward           # scheduled with the head (see head_backward)
         self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()),
-                           order=self._order(0, update))
+                           **self._order(0, update))
         self.end_backward()
 
     def _embed_task(self, host, ids, done, update, ends_step, hp):
@@ -575,7 +581,7 @@ class SlideEngine:
             self._schedule(self.embed_unit)      # its bulk update starts in the head task
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
                            self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
-                           order=self._order(-1, update))
+                           **self._order(-1, update))
 
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
         done.synchronize()
@@ -652,7 +658,7 @@ class SlideEngine:
             self._schedule(u)
         self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
-                           order=self._order(u.index, update))
+                           **self._order(u.index, update))
 
     def _layer_task(self, u, src, done, update, ends_step, hp):
         done.synchronize()

@@ -64,8 +64,9 @@ class SlideArgs(TrainingArguments):
     slide_grad_buffers: int = field(default=4, metadata={
         "help": "Pinned host gradient staging buffers, each one layer large."})
     slide_update_order: str = field(default="arrival", metadata={
-        "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come) or 'forward' (pending ones "
-                "in the order the next forward needs them; helps CPU-bound small batches)."})
+        "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
+                "in the order the next forward needs them; helps CPU-bound small batches) or 'hybrid' (arrival during "
+                "the backward, forward order for what is left; not yet measured)."})
     slide_check_host_memory: bool = field(default=True, metadata={
         "help": "Refuse to start when the host store (12 bytes per parameter and more) cannot fit in available RAM."})
     slide_debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})

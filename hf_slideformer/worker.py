@@ -9,6 +9,7 @@ have set are set anyway, so no one waits forever.
 from __future__ import annotations
 
 import logging
+import heapq
 import queue
 import threading
 import time
@@ -33,6 +34,9 @@ class CpuWorker:
     the current group and run by ascending `order` among those pending, so the updates the worker
     has not reached when backward ends run in the order the forward consumes them. Tasks without
     an `order` are barriers: everything submitted before runs first, everything after runs later.
+    Tasks with a `late_order` run in submission order until `promote_group()` re-keys the ones
+    still pending by it (used at the end of a backward: during it, the oldest task is the one
+    whose gradient copy has finished).
     """
 
     def __init__(self, threads: int, name: str = "slide-cpu-worker"):
@@ -53,7 +57,7 @@ class CpuWorker:
             *_, item = self._q.get()
             if item is None:
                 return
-            fn, args, done_events = item
+            fn, args, done_events, _ = item
             t0 = time.perf_counter()
             try:
                 if self._error is None:
@@ -78,11 +82,24 @@ class CpuWorker:
         """Start a new group of ordered tasks (after every task submitted so far)."""
         self._group += 1
 
-    def submit(self, fn, *args, done: tuple[threading.Event, ...] = (), order: int | None = None) -> None:
+    def promote_group(self) -> None:
+        """Re-key the current group's pending tasks submitted with `late_order` by that order."""
+        with self._q.mutex:
+            heap = self._q.queue
+            for k, entry in enumerate(heap):
+                group, _, seq, item = entry
+                if group == self._group and item is not None and item[3] is not None:
+                    heap[k] = (group, item[3], seq, item)
+            heapq.heapify(heap)
+
+    def submit(self, fn, *args, done: tuple[threading.Event, ...] = (), order: int | None = None,
+               late_order: int | None = None) -> None:
         """Run fn(*args) on the worker; set each event in `done` when it ends (even on failure).
 
         Args:
             order: position within the current group (see the class note); None for a barrier task.
+            late_order: run in submission order within the current group until `promote_group()`,
+                then by this position among the tasks still pending.
         """
         self.raise_if_failed()
         if not self._thread.is_alive():
@@ -90,13 +107,15 @@ class CpuWorker:
         with self._cv:
             self._pending += 1
         self._seq += 1
-        if order is None:
+        if late_order is not None:
+            key = (self._group, -(1 << 60) + self._seq)      # submission order until promoted
+        elif order is None:
             self._group += 1
             key = (self._group, 0)
             self._group += 1
         else:
             key = (self._group, order)
-        self._q.put((*key, self._seq, (fn, args, done)))
+        self._q.put((*key, self._seq, (fn, args, done, late_order)))
 
     def wait(self, event: threading.Event) -> None:
         """Block until `event` is set, re-raising a worker failure instead of hanging."""
