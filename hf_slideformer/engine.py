@@ -127,7 +127,10 @@ class SlideEngine:
     """
 
     def __init__(self, model, adapter, config, store: HostStore):
-        self.model, self.adapter, self.config, self.store = model, adapter, config, store
+        # No strong reference to the model itself: the model owns the engine, and the finalizer that
+        # closes the engine when the model is collected must not keep the model alive.
+        self.adapter, self.config, self.store = adapter, config, store
+        self._lm_module = adapter.lm_head(model)
         self.device, self.dtype = config.torch_device, config.dtype
         units = store.units
         self.embed_unit: Unit = units[0]
@@ -541,7 +544,7 @@ class SlideEngine:
 
     def _lm_index(self) -> int:
         for k, e in enumerate(self.head_unit.entries):
-            if any(attr == "weight" and mod is self.adapter.lm_head(self.model) for mod, attr in e.holders):
+            if any(attr == "weight" and mod is self._lm_module for mod, attr in e.holders):
                 return k
         raise RuntimeError("lm_head weight not found in the head unit")
 

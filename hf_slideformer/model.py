@@ -130,7 +130,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     model.slide_engine = engine
     model.slide_config = config
     _install_proxies(model, adapter, engine)
-    weakref.finalize(model, engine.close)
+    closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
+    closer.atexit = False                             # at exit the process tears everything down anyway
     return model
 
 
