@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 from dataclasses import dataclass, field, fields
 from typing import Optional
 

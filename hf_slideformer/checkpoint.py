@@ -122,7 +122,6 @@ def save_model(model, save_directory, max_shard_size="5GB", dtype=torch.bfloat16
     os.makedirs(save_directory, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".slide-save-", dir=save_directory)
     try:
-        shards: list[dict[str, torch.Tensor]] = [{}]
         size = 0
         plan: list[list[tuple[str, object, object]]] = [[]]
         for u in eng.store.units:

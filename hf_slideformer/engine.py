@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .activations import make_tier
-from .optim import apply_adamw
+from .host_tasks import HostTasks
 from .slots import SlotQueue
 from .store import HostStore, Unit
 from .telemetry import StepStats
@@ -115,7 +115,7 @@ class HeadFunction(torch.autograd.Function):
         return gh * gloss.to(gh.dtype), None, None, None
 
 
-class SlideEngine:
+class SlideEngine(HostTasks):
     """Runs an HF causal LM through a window of device slots, with its state on the host.
 
     Args:
@@ -373,54 +373,6 @@ class SlideEngine:
                            **self._order(0, update))
         self.end_backward()
 
-    def _embed_task(self, host, ids, done, update, ends_step, hp):
-        done.synchronize()
-        u = self.embed_unit
-        g = self.embed_grad.view(self.vocab, self.hidden)
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            ids, host = ids[keep], host[keep]
-        g.index_add_(0, ids, host)
-        self.touched.append(torch.unique(ids))
-        if ends_step and not self.single_micro:
-            self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
-        if update:
-            if self._bulk is not None:
-                self._embed_rows_update(hp)
-            else:
-                self._update(u, self.embed_grad, hp)
-            self._reset_embed_grad()
-
-    # Note: [Why the embedding is updated in two parts] with updates in backward, the embedding's
-    # gradient is final for every row but the batch's own tokens as soon as the head is done (a
-    # tied lm_head's dW, else zero). So the head task runs AdamW over the whole table early,
-    # having saved the batch rows' old (param, m, v); the last task of the backward restores those
-    # rows and updates them again with their full gradient. Same mathematics, and the next
-    # forward waits for a few thousand rows instead of the whole (V, H) table.
-    def _embed_bulk_update(self, rows: torch.Tensor, hp) -> None:
-        u = self.embed_unit
-        views = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
-        saved = [v.index_select(0, rows) for v in views]
-        self._update(u, self.embed_grad, hp)
-        self._bulk = (rows, saved, u.steps[0].clone())
-
-    def _embed_rows_update(self, hp) -> None:
-        u = self.embed_unit
-        rows, (w, m, v), step = self._bulk
-        self._bulk = None
-        groups, group_of = hp
-        gi = group_of.get(id(u.entries[0].param))
-        if gi is None or not u.entries[0].param.requires_grad:
-            return
-        g = groups[gi]
-        grad = self.embed_grad.view(self.vocab, self.hidden).index_select(0, rows)
-        beta1, beta2 = g["betas"]
-        torch._fused_adamw_([w], [grad], [m], [v], [], [step], lr=float(g["lr"]), beta1=float(beta1),
-                            beta2=float(beta2), weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
-                            amsgrad=False, maximize=bool(g.get("maximize", False)))
-        for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
-            dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
-
     def _embed_norm(self, gx: torch.Tensor) -> None:
         """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
 
@@ -436,16 +388,6 @@ class SlideEngine:
         else:
             sq = S.square().sum()
         self.norm_dev += sq
-
-    def _reset_embed_grad(self):
-        g = self.embed_grad.view(self.vocab, self.hidden)
-        if self.tied:
-            pass  # the head's contribution overwrites every row first at the next step
-        else:
-            for ids in self.touched:
-                g.index_fill_(0, ids, 0.0)
-        self.touched = []
-        self.embed_unit.grad_valid = False
 
     # ----------------------------------------------------------------- layers
     def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
@@ -586,32 +528,6 @@ class SlideEngine:
                            self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
                            **self._order(-1, update))
 
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
-        done.synchronize()
-        scale_ev.synchronize()
-        scale = float(self.scale_host[0])
-        hu = self.head_unit
-        src = self.head_host[:hu.numel]
-        if scale != 1.0:
-            src.mul_(scale)
-        if self.tied:
-            eu = self.embed_unit
-            if self.single_micro:            # already in place (see head_forward)
-                if scale != 1.0:
-                    self.embed_grad.mul_(scale)
-            else:
-                tied = self.head_host[hu.numel:]
-                if scale != 1.0:
-                    tied.mul_(scale)
-                if eu.grad_valid:
-                    self.embed_grad.add_(tied)
-                else:
-                    self.embed_grad.copy_(tied)
-                    eu.grad_valid = True
-        self._consume(hu, src, update, ends_step, hp)
-        if update and touch is not None:
-            self._embed_bulk_update(touch, hp)
-
     # ----------------------------------------------------------------- gradients -> host -> update
     def _d2h(self, grads: list, dsts: list[torch.Tensor]):
         """Copy device gradients into host fp32 buffers (cast on the device) on the d2h stream."""
@@ -663,42 +579,10 @@ class SlideEngine:
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
                            **self._order(u.index, update))
 
-    def _layer_task(self, u, src, done, update, ends_step, hp):
-        done.synchronize()
-        self._consume(u, src, update, ends_step, hp)
-
-    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp) -> None:
-        """Worker side: fold this micro-batch's gradient of `u` in, and update when the step ends here."""
-        if u.grad is None:                      # no accumulator: GA == 1, no clipping
-            g = src
-        else:
-            if u.grad_valid:
-                u.grad.add_(src)
-            else:
-                u.grad.copy_(src)
-                u.grad_valid = True
-            g = u.grad
-        if ends_step and not self.single_micro:
-            self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
-        if update:
-            self._update(u, g, hp)
-            u.grad_valid = False
-
     def _schedule(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
         u.version += 1
         u.updated.clear()
-
-    def _update(self, u: Unit, g: torch.Tensor, hp) -> None:
-        # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
-        # flight; the master is rewritten only once every one of them has completed.
-        readers, u.readers = u.readers, []
-        for ev in readers:
-            ev.synchronize()
-        t0 = time.perf_counter()
-        apply_adamw(u, g, *hp)
-        self.stats.adam_s += time.perf_counter() - t0
-        self.stats.updated_params += u.numel
 
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
@@ -723,31 +607,6 @@ class SlideEngine:
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
-
-    def _clip_task(self, early: bool, norm_ev) -> None:
-        if norm_ev is not None:
-            norm_ev.synchronize()
-            norm = float(self.norm_host[0]) ** 0.5
-        else:
-            if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
-                self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
-            norm = sum(self._norm_sq) ** 0.5
-        self._clip_norm = norm
-        mx = self.config.max_grad_norm
-        self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
-
-    def _grad_of(self, u: Unit) -> torch.Tensor:
-        return self.embed_grad if u is self.embed_unit else u.grad
-
-    def _deferred_task(self, u: Unit, hp) -> None:
-        g = self._grad_of(u)
-        if self._clip_coef != 1.0:
-            g.mul_(self._clip_coef)
-        self._update(u, g, hp)
-        if u is self.embed_unit:
-            self._reset_embed_grad()
-        else:
-            u.grad_valid = False
 
     def zero_grad(self) -> None:
         if self.micro == 0:

@@ -16,7 +16,7 @@ import torch.nn as nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import SlideConfig
-from .engine import SlideEngine, SlideStateError
+from .engine import SlideEngine
 from .models import get_adapter
 from .optim import SlideOptimizer
 from .store import HostStore, ParamEntry, Unit

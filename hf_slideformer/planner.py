@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from .memory import available_host_bytes
-from .models import SUPPORTED_MODEL_TYPES, get_adapter
+from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
 

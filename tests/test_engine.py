@@ -151,7 +151,7 @@ def test_worker_failure_surfaces_without_hang(monkeypatch):
     opt = slid.create_optimizer(lr=LR)
     def boom(*a, **k):
         raise RuntimeError("adam exploded")
-    monkeypatch.setattr(engine_mod, "apply_adamw", boom)
+    monkeypatch.setattr(hs.optim, "apply_adamw", boom)
     b = batches(2)
     with pytest.raises(hs.WorkerError, match="adam exploded"):   # at the latest within the next step
         for x in b:
