@@ -20,10 +20,10 @@ from hf_slideformer.training_args import SlideArgsError
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def tiny_model(seed=0):
+def tiny_model(seed=0, tied=False):
     torch.manual_seed(seed)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 
@@ -133,8 +133,8 @@ def test_every_scheduler_drives_the_engine(tmp_path, name):
     assert trainer.slide_optimizer.param_groups[0]["lr"] == pytest.approx(sched.get_last_lr()[0])
 
 
-def run(tmp_path, out, resume=None, **kw):
-    model = tiny_model()
+def run(tmp_path, out, resume=None, tied=False, **kw):
+    model = tiny_model(tied=tied)
     args = hs.SlideArgs(**common(tmp_path, out, max_steps=6, save_strategy="steps", save_steps=3, **kw))
     trainer = Trainer(model=model, args=args, train_dataset=tiny_data())
     trainer.train(resume_from_checkpoint=resume)
@@ -153,8 +153,10 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert not [d for d in os.listdir(tmp_path / "full") if d.startswith(".")]   # no temporary leftovers
 
 
-def test_saved_model_loads_and_equals_the_masters(tmp_path):
-    trainer, model = run(tmp_path, "export")
+@pytest.mark.parametrize("tied", [False, True])
+def test_saved_model_loads_and_equals_the_masters(tmp_path, tied):
+    trainer, model = run(tmp_path, "export", tied=tied)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     for path in (tmp_path / "export" / "checkpoint-6", tmp_path / "final"):
         if path.name == "final":
             trainer.save_model(str(path))
