@@ -249,6 +249,51 @@ class SlideAccelerator(Accelerator):
                              "accelerator.slide(model)")
         return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
 
+    def _slid_pair(self):
+        from .model import is_slid
+
+        models = [m for m in self._models if is_slid(m)]
+        return (models[0], self._optimizers[0] if self._optimizers else None) if models else (None, None)
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs):
+        """`Accelerator.save_state`, with the slid model and its optimizer streamed per unit.
+
+        Accelerate writes what it owns (schedulers, RNG, samplers, registered objects); the model's
+        fp32 masters, moments and step counters go to `slide_state/` (see `save_training_state`),
+        not into one pickle of the whole optimizer.
+        """
+        from .train_checkpoint import save_training_state
+
+        model, opt = self._slid_pair()
+        if model is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        finally:
+            self._models, self._optimizers = models, optimizers
+        save_training_state(location, model, opt)
+        return location
+
+    def load_state(self, input_dir: Optional[str] = None, **kwargs):
+        """`Accelerator.load_state` for a checkpoint written by `save_state` above."""
+        from .train_checkpoint import load_training_state
+
+        model, opt = self._slid_pair()
+        if model is None:
+            return super().load_state(input_dir, **kwargs)
+        if input_dir is None:
+            raise ValueError("SlideAccelerator.load_state needs the checkpoint directory (input_dir)")
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            out = super().load_state(input_dir, **kwargs)
+        finally:
+            self._models, self._optimizers = models, optimizers
+        load_training_state(input_dir, model, opt)
+        return out
+
     def prepare_optimizer(self, optimizer, device_placement=None):
         from .optim import SlideOptimizer
 
