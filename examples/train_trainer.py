@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_slideformer as hs
 
