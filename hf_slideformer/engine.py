@@ -189,6 +189,7 @@ class SlideEngine(HostTasks):
         self._bulk = None
         self._backward_open = False
         self.worker = CpuWorker(config.cpu_threads)
+        self.worker.on_task = self.stats.event
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
         self.micro = 0                 # backward passes since the last optimizer step
@@ -240,7 +241,9 @@ class SlideEngine(HostTasks):
             return
         t0 = time.perf_counter()
         self.worker.wait(event)
-        self.stats.wait_s[reason] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.wait_s[reason] += t1 - t0
+        self.stats.event(f"main_wait:{reason}", t0, t1)
 
     def _span_start(self):
         return self.streams.record(timing=True) if self.streams.cuda else None
@@ -299,6 +302,7 @@ class SlideEngine(HostTasks):
         if self.single_micro:
             self.norm_dev.zero_()
         self._bwd_t0 = time.perf_counter()
+        self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
         if self.in_backward and self.config.update_order == "hybrid":
@@ -308,6 +312,7 @@ class SlideEngine(HostTasks):
         self.live_generation = None
         self.updated_in_backward = self.in_backward
         self.stats.backward_s += time.perf_counter() - self._bwd_t0
+        self.stats.event("backward_end", time.perf_counter())
 
     def synchronize(self) -> None:
         """Wait for every queued host task (updates included) and device copy."""
@@ -319,6 +324,7 @@ class SlideEngine(HostTasks):
     # ----------------------------------------------------------------- embedding
     def embed_forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
         u = self.embed_unit
+        self.stats.event("forward_begin", time.perf_counter())
         self._wait(u.updated, "update")
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):

@@ -19,8 +19,17 @@ __all__ = ["HostTasks"]
 class HostTasks:
     """Worker-side methods of SlideEngine."""
 
+    def _sync(self, ev, label: str) -> None:
+        """Block the worker on a CUDA event (a copy it consumes or a reader it must not overtake), timed."""
+        t0 = time.perf_counter()
+        ev.synchronize()
+        t1 = time.perf_counter()
+        self.stats.worker_wait_s += t1 - t0
+        if t1 - t0 > 1e-4:
+            self.stats.event(label, t0, t1)
+
     def _embed_task(self, host, ids, done, update, ends_step, hp):
-        done.synchronize()
+        self._sync(done, "wait_d2h:embed")
         u = self.embed_unit
         g = self.embed_grad.view(self.vocab, self.hidden)
         if self.padding_idx is not None:
@@ -78,8 +87,8 @@ class HostTasks:
         self.embed_unit.grad_valid = False
 
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
-        done.synchronize()
-        scale_ev.synchronize()
+        self._sync(done, "wait_d2h:head")
+        self._sync(scale_ev, "wait_d2h:scale")
         scale = float(self.scale_host[0])
         hu = self.head_unit
         src = self.head_host[:hu.numel]
@@ -104,7 +113,7 @@ class HostTasks:
             self._embed_bulk_update(touch, hp)
 
     def _layer_task(self, u, src, done, update, ends_step, hp):
-        done.synchronize()
+        self._sync(done, f"wait_d2h:{u.name}")
         self._consume(u, src, update, ends_step, hp)
 
     def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp) -> None:
@@ -129,15 +138,17 @@ class HostTasks:
         # flight; the master is rewritten only once every one of them has completed.
         readers, u.readers = u.readers, []
         for ev in readers:
-            ev.synchronize()
+            self._sync(ev, f"wait_readers:{u.name}")
         t0 = time.perf_counter()
         optim.apply_adamw(u, g, *hp)
-        self.stats.adam_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.adam_s += t1 - t0
+        self.stats.event(f"adam:{u.name}", t0, t1)
         self.stats.updated_params += u.numel
 
     def _clip_task(self, early: bool, norm_ev) -> None:
         if norm_ev is not None:
-            norm_ev.synchronize()
+            self._sync(norm_ev, "wait_d2h:norm")
             norm = float(self.norm_host[0]) ** 0.5
         else:
             if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet

@@ -7,6 +7,7 @@ added to the schedule.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -32,6 +33,31 @@ class StepStats:
         self._pending: list[tuple[object, object]] = []
         self._t_step = None
         self.step_wall_s = 0.0
+        self.worker_wait_s = 0.0               # the worker blocked on GPU copies / readers
+        self.trace: list | None = None         # (thread, label, t0, t1) when tracing
+        self._ref = None                       # (host time, CUDA event) that maps GPU spans to host time
+
+    def start_trace(self) -> None:
+        """Record a timeline of worker tasks, waits and GPU compute spans from now on."""
+        self.fold(block=True)
+        self.trace = []
+        if self.cuda:
+            torch.cuda.synchronize()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            ev.synchronize()
+            self._ref = (time.perf_counter(), ev)
+
+    def stop_trace(self) -> list:
+        """Stop tracing; the events (thread, label, t0, t1) sorted by start, times in seconds."""
+        self.fold(block=True)
+        out, self.trace, self._ref = sorted(self.trace or [], key=lambda e: e[2]), None, None
+        return out
+
+    def event(self, label: str, t0: float, t1: float | None = None) -> None:
+        """Record a timed span (or a mark, t1=None) when tracing is on."""
+        if self.trace is not None:
+            self.trace.append((threading.current_thread().name, label, t0, t0 if t1 is None else t1))
 
     def add_bytes(self, kind: str, n: int) -> None:
         self.bytes[kind] += n
@@ -53,6 +79,10 @@ class StepStats:
                 b.synchronize()
             if b.query():
                 self.gpu_compute_s += a.elapsed_time(b) / 1000.0
+                if self.trace is not None and self._ref is not None:
+                    t_ref, ref = self._ref
+                    self.trace.append(("gpu", "compute", t_ref + ref.elapsed_time(a) / 1000.0,
+                                       t_ref + ref.elapsed_time(b) / 1000.0))
             else:
                 keep.append((a, b))
         self._pending = keep
@@ -63,6 +93,7 @@ class StepStats:
             self.step_wall_s += now - self._t_step
         self._t_step = now
         self.steps += 1
+        self.event("step", now)
 
     def snapshot(self, worker_busy_s: float) -> dict:
         self.fold(block=True)
@@ -78,6 +109,7 @@ class StepStats:
             "cpu_adam_s": self.adam_s,
             "updated_params": self.updated_params,
             "worker_busy_s": worker_busy_s,
+            "worker_wait_s": self.worker_wait_s,
             "wait_update_s": self.wait_s["update"],
             "wait_grad_buffer_s": self.wait_s["grad_buffer"],
             "wait_other_s": sum(v for k, v in self.wait_s.items() if k not in ("update", "grad_buffer")),

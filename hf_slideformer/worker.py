@@ -48,6 +48,7 @@ class CpuWorker:
         self._pending = 0
         self._cv = threading.Condition()
         self.busy_s = 0.0
+        self.on_task = None          # callable(label, t0, t1): a tracing hook
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -66,7 +67,10 @@ class CpuWorker:
                 self._error = (e, traceback.format_exc())
                 logger.error("CPU worker task failed: %s", e)
             finally:
-                self.busy_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self.busy_s += t1 - t0
+                if self.on_task is not None:
+                    self.on_task(getattr(fn, "__name__", "task"), t0, t1)
                 for ev in done_events:
                     ev.set()
                 with self._cv:

@@ -10,6 +10,8 @@ steps, per step.
 """
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import torch
@@ -52,6 +54,9 @@ class SlideProvider(Provider):
             self._stats_start = self._stats()
         except Exception:
             self._stats_start = None
+        engine = getattr(self.model, "slide_engine", None)
+        if os.environ.get("SLIDE_TRACE") and engine is not None:
+            engine.stats.start_trace()
 
     def after_oom(self, batch: int) -> bool:
         self.optimizer.zero_grad()
@@ -68,6 +73,14 @@ class SlideProvider(Provider):
             self.notes.append("model.slide_stats() not available: no step breakdown")
             return out
         out["slide_stats"] = stats
+        engine = getattr(self.model, "slide_engine", None)
+        path = os.environ.get("SLIDE_TRACE")
+        if path and engine is not None and engine.stats.trace is not None:
+            events = engine.stats.stop_trace()
+            t0 = events[0][2] if events else 0.0
+            with open(path, "w") as f:
+                json.dump([[th, label, round(a - t0, 6), round(b - t0, 6)] for th, label, a, b in events], f)
+            out["trace"] = path
         start = getattr(self, "_stats_start", None) or {}
         # Counters are cumulative: their change over the timed steps, per step, is the breakdown.
         out["slide_stats_per_step"] = {

@@ -1,0 +1,60 @@
+"""Summarize a step trace written by the slide provider (SLIDE_TRACE=path): per step, the GPU's
+busy and idle time, the worker's Adam / wait / other time, the main thread's waits by reason, and
+the longest GPU idle gaps with what the main thread and the worker were doing during them.
+
+Usage: python benchmarks/trace_summary.py trace.json [--gaps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def overlap(a0, a1, b0, b1):
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def summarize(events, gaps: int = 8) -> str:
+    steps = [e[2] for e in events if e[1] == "step"]
+    lines = []
+    for s0, s1 in zip(steps, steps[1:]):
+        inside = [e for e in events if e[3] > s0 and e[2] < s1]
+        gpu = sorted((max(e[2], s0), min(e[3], s1)) for e in inside if e[0] == "gpu")
+        busy, last, idle = 0.0, s0, []
+        for a, b in gpu:
+            if a > last:
+                idle.append((a - last, last, a))
+            busy += max(0.0, b - max(a, last))
+            last = max(last, b)
+        if s1 > last:
+            idle.append((s1 - last, last, s1))
+        by = defaultdict(float)
+        for th, label, a, b in inside:
+            if th == "gpu" or a == b:
+                continue
+            kind = label.split(":")[0]
+            by[("worker" if "worker" in th else "main", kind)] += overlap(a, b, s0, s1)
+        fb = [e[2] for e in inside if e[1] == "backward_begin"]
+        be = [e[2] for e in inside if e[1] == "backward_end"]
+        lines.append(f"step {s1 - s0:.3f}s  gpu busy {busy:.3f}s ({busy / (s1 - s0):.0%})  "
+                     f"backward {((be[0] - fb[0]) if fb and be else float('nan')):.3f}s")
+        lines.append("  " + "  ".join(f"{th}.{k} {v:.3f}" for (th, k), v in sorted(by.items())))
+        for d, a, b in sorted(idle, reverse=True)[:gaps]:
+            what = sorted({f"{'W' if 'worker' in th else 'M'}:{lab}" for th, lab, x, y in inside
+                           if th != "gpu" and overlap(x, y, a, b) > 0.3 * d})
+            lines.append(f"  idle {d * 1e3:6.1f} ms at +{(a - s0) * 1e3:7.1f} ms: {', '.join(what)[:160]}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--gaps", type=int, default=8)
+    args = ap.parse_args()
+    with open(args.trace) as f:
+        print(summarize(json.load(f), args.gaps))
+
+
+if __name__ == "__main__":
+    main()
