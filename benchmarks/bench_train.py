@@ -303,7 +303,8 @@ def step_bound(row: dict, resident: dict | None, hardware: dict) -> dict:
     - gpu: the `resident` provider's forward + backward time, scaled linearly to this row's tokens;
     - pcie (capped rows): bf16 weights sent twice (forward and backward) and bf16 gradients
       returned once, at the measured one-way pinned bandwidths;
-    - cpu_adam (capped rows): all parameters at the measured CPU AdamW update rate.
+    - cpu_adam (capped rows): the parameters the CPU updates per step (all of them, less the
+      resident layers' that the GPU updates) at the measured CPU AdamW update rate.
     Uncapped rows keep the model on the GPU: only the gpu term applies.
     """
     if not row.get("step_s") or not row.get("n_params"):
@@ -314,7 +315,9 @@ def step_bound(row: dict, resident: dict | None, hardware: dict) -> dict:
     if row.get("capped"):
         p = row["n_params"]
         terms["pcie"] = max(2 * 2 * p / (hardware["h2d_gbs"] * 1e9), 2 * p / (hardware["d2h_gbs"] * 1e9))
-        terms["cpu_adam"] = p / hardware["adam_params_per_s"]
+        per_step = ((row.get("extra") or {}).get("slide_stats_per_step") or {})
+        cpu_p = per_step.get("updated_params") or p
+        terms["cpu_adam"] = min(p, cpu_p) / hardware["adam_params_per_s"]
     if not terms:
         return {}
     by = max(terms, key=terms.get)

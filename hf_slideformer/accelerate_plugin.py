@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from .config import ACTIVATION_TIERS, SlideConfig
+from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class SlidePlugin:
     grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
     update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
+    resident_layers: str = field(default="auto", metadata={
+        "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
     check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
@@ -177,7 +179,8 @@ class SlidePlugin:
                            nvme_path=self.nvme_path, cpu_threads=self.cpu_threads, pin_memory=self.pin_memory,
                            use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
                            head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
-                           update_order=self.update_order, check_host_memory=self.check_host_memory, debug=self.debug)
+                           update_order=self.update_order, resident_layers=resident_layers_value(self.resident_layers),
+                           check_host_memory=self.check_host_memory, debug=self.debug)
 
 
 def wrap_optimizer(optimizer) -> AcceleratedOptimizer:

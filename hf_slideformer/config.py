@@ -41,6 +41,11 @@ class SlideConfig:
             them). "forward" helps when the CPU is the bound (small batches); "hybrid" keeps
             arrival order during the backward and forward order for what is left when it ends
             (not yet measured on a GPU); see docs/engine.md.
+        resident_layers: Layers whose master and Adam state live on the GPU and are updated there
+            (layers 0..k-1). "auto" (default) measures the first optimizer step and keeps as many
+            as fit in the memory it left free under the cap, less a margin (10%, at least 2 GiB);
+            0 turns them off. Only with updates inside backward (no accumulation, no clipping):
+            otherwise none. See docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
@@ -59,6 +64,7 @@ class SlideConfig:
     head_chunk_tokens: int | None = None
     grad_buffers: int = 4
     update_order: str = "arrival"
+    resident_layers: int | str = "auto"
     check_host_memory: bool = True
     debug: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -112,6 +118,9 @@ class SlideConfig:
             raise ValueError(f"SlideConfig.gpu_memory_limit must be a positive number of GiB, got {self.gpu_memory_limit}")
         if self.update_order not in ("arrival", "forward", "hybrid"):
             raise ValueError(f"SlideConfig.update_order must be 'arrival', 'forward' or 'hybrid', got {self.update_order!r}")
+        if self.resident_layers != "auto" and (isinstance(self.resident_layers, bool)
+                                               or not isinstance(self.resident_layers, int) or self.resident_layers < 0):
+            raise ValueError(f"SlideConfig.resident_layers must be 'auto' or an int >= 0, got {self.resident_layers!r}")
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 
@@ -127,3 +136,10 @@ class SlideConfig:
     def deferred(self) -> bool:
         """Whether updates may have to wait for optimizer.step() (accumulation or clipping)."""
         return self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None
+
+
+def resident_layers_value(value):
+    """'auto' or a count, from a command-line / yaml string or an int."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return value

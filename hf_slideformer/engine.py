@@ -28,6 +28,9 @@ from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
 from .worker import CpuWorker
+from .resident import ResidentState, plan_resident_layers
+from .memory import release_pages
+from . import optim as _optim
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +193,9 @@ class SlideEngine(HostTasks):
         self._backward_open = False
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
+        self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
+        self._resident_target: int | None = None         # decided after the first optimizer step
+        self._resident_grad: torch.Tensor | None = None
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
         self.micro = 0                 # backward passes since the last optimizer step
@@ -229,6 +235,8 @@ class SlideEngine(HostTasks):
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
         self.config.max_grad_norm = clip
         if self.config.deferred:
+            self.worker.join()
+            self.evict_resident()
             if self.store.optimizer_ready:
                 self.store.allocate_grad_accumulators()
             else:
@@ -315,11 +323,95 @@ class SlideEngine(HostTasks):
         self.stats.event("backward_end", time.perf_counter())
 
     def synchronize(self) -> None:
-        """Wait for every queued host task (updates included) and device copy."""
+        """Wait for every queued host task (updates included) and device copy; the host store is
+        then the complete state (resident layers are written back and re-made resident at the
+        next optimizer step)."""
         self.worker.join()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.worker.raise_if_failed()
+        self.evict_resident()
+
+    # ----------------------------------------------------------------- resident layers
+    def _plan_resident(self) -> int:
+        want = self.config.resident_layers
+        if want != "auto":
+            return int(want)
+        if not self.streams.cuda:
+            return 0
+        limit = (int(self.config.gpu_memory_limit * 2 ** 30) if self.config.gpu_memory_limit is not None
+                 else torch.cuda.get_device_properties(self.device).total_memory)
+        n = plan_resident_layers(limit_bytes=limit, peak_bytes=torch.cuda.max_memory_reserved(self.device),
+                                 layer_numel=max(u.numel for u in self.layer_units),
+                                 n_layers=len(self.layer_units), dtype=self.dtype)
+        if self.config.debug:
+            logger.info("resident layers: %d", n)
+        return n
+
+    def _promote_resident(self) -> None:
+        """Make layers 0..k-1 resident (between optimizer steps, updates in backward only)."""
+        if self.config.deferred or self.optimizer is None:
+            return
+        if self._resident_target is None:
+            self._resident_target = self._plan_resident()
+        n = min(self._resident_target, len(self.layer_units))
+        if len(self.resident) >= n:
+            return
+        if self._resident_grad is None:
+            self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
+                                              device=self.device)
+        for i in range(n):
+            if i in self.resident:
+                continue
+            u = self.layer_units[i]
+            self._wait(u.updated, "update")             # its last CPU update has landed in the host store
+            r = ResidentState(u, self.dtype, self.device)
+            r.load_from_host()
+            self.resident[i] = r
+            # The host moments are not read again until evict_resident() writes them back.
+            release_pages(u.exp_avg)
+            release_pages(u.exp_avg_sq)
+
+    def evict_resident(self) -> None:
+        """Write the resident layers' state back to the host store and drop the device copies."""
+        if not self.resident:
+            return
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        for r in self.resident.values():
+            r.store_to_host()
+        self.resident.clear()
+
+    def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
+        """AdamW of a resident layer on the compute stream, right after its backward."""
+        if not self.in_backward:
+            raise SlideStateError("internal: a resident layer outside an in-backward update")
+        st = self.streams
+        if self.single_micro:
+            self.norm_dev += _sq_norm([g for g in grads if g is not None])
+        g32 = self._resident_grad[:u.numel]
+        for e, g in zip(u.entries, grads):
+            d = e.view(g32)
+            if g is None:
+                d.zero_()
+            else:
+                d.copy_(g.reshape(d.shape))
+        # Note: [Why the update waits for the copy-back] the previous step's master is still being
+        # copied to the host on the d2h stream; it is overwritten only after that copy has read it.
+        st.wait(r.copied)
+        _optim.apply_adamw(u, g32, *self.hp, state=r)
+        if r.weights is not r.master:
+            r.weights.copy_(r.master)
+        u.version += 1                                   # any slot copy of the old weights is stale
+        if st.cuda:
+            st.wait(st.record(), st.d2h)
+            with st.on(st.d2h):
+                u.master.copy_(r.master, non_blocking=True)
+            r.copied = st.record(st.d2h)
+        else:
+            u.master.copy_(r.master)
+        self.stats.add_bytes("d2h", u.numel * 4)
+        self.stats.gpu_adam_params += u.numel
 
     # ----------------------------------------------------------------- embedding
     def embed_forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
@@ -340,7 +432,9 @@ class SlideEngine(HostTasks):
             self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
         table = u.master.view(self.vocab, self.hidden)
-        self.slots.load((self.layer_units[0],))     # its h2d overlaps the gather below
+        first = next((i for i in range(len(self.layer_units)) if i not in self.resident), None)
+        if first is not None:
+            self.slots.load((self.layer_units[first],))     # its h2d overlaps the gather below
         if not self.streams.cuda:
             x = table.index_select(0, ids).to(self.dtype)
             return x.view(*input_ids.shape, self.hidden)
@@ -398,16 +492,20 @@ class SlideEngine(HostTasks):
     # ----------------------------------------------------------------- layers
     def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
         u = self.layer_units[i]
-        slot = self.slots.acquire((u,))
+        r = self.resident.get(i)
+        slot = self.slots.acquire((u,)) if r is None else None
+        busy = (slot,) if slot is not None else ()
         for j in range(i + 1, min(i + self.config.window, len(self.layer_units))):
-            self.slots.load((self.layer_units[j],), busy=(slot,))
+            if j not in self.resident:
+                self.slots.load((self.layer_units[j],), busy=busy)
         if save:
             self.tier.save(i, x)
         t = self._span_start()
-        with torch.no_grad(), swapped(u, slot.views(u)):
+        with torch.no_grad(), swapped(u, slot.views(u) if r is None else r.views()):
             y = self._call_layer(i, x, args, kwargs)
         self._span_end(t)
-        self.slots.release(slot)
+        if slot is not None:
+            self.slots.release(slot)
         return y
 
     def _call_layer(self, i, x, args, kwargs):
@@ -417,22 +515,27 @@ class SlideEngine(HostTasks):
 
     def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
         u = self.layer_units[i]
-        slot = self.slots.acquire((u,))
+        r = self.resident.get(i)
+        slot = self.slots.acquire((u,)) if r is None else None
         if i > 0:
-            if self.config.window > 1:
-                self.slots.load((self.layer_units[i - 1],), busy=(slot,))
+            if self.config.window > 1 and (i - 1) not in self.resident:
+                self.slots.load((self.layer_units[i - 1],), busy=(slot,) if slot is not None else ())
             self.tier.prefetch(i - 1)
         x = self.tier.load(i).detach().requires_grad_()
-        ws = _leaves(slot.views(u))
+        ws = _leaves(slot.views(u) if r is None else r.views())
         t = self._span_start()
         with torch.enable_grad(), swapped(u, ws):
             y = self._call_layer(i, x, args, kwargs)
         grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
         self._span_end(t)
-        self.slots.release(slot)
+        if slot is not None:
+            self.slots.release(slot)
         self.tier.drop(i)
         gx = grads[0]
-        self._send(u, list(grads[1:]))
+        if r is not None:
+            self._resident_update(u, r, list(grads[1:]))
+        else:
+            self._send(u, list(grads[1:]))
         return gx
 
     # ----------------------------------------------------------------- head
@@ -613,6 +716,7 @@ class SlideEngine(HostTasks):
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
+        self._promote_resident()
 
     def zero_grad(self) -> None:
         if self.micro == 0:

@@ -8,7 +8,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "unpin_slab",
-           "PinnedBuffers", "HostMemoryError"]
+           "PinnedBuffers", "HostMemoryError", "release_pages"]
 
 GiB = 1024 ** 3
 
@@ -103,3 +103,31 @@ class PinnedBuffers:
         for h in self._held:
             unpin_slab(h)
         self._held.clear()
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Give the physical pages under a CPU tensor back to the OS (they read as zeros afterwards).
+
+    Only the whole pages inside the tensor are released; returns the bytes released (0 where
+    madvise is unavailable or the tensor is pinned, whose pages must stay).
+    """
+    import ctypes
+    import mmap
+
+    if t.device.type != "cpu" or t.numel() == 0 or t.is_pinned():
+        return 0
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    a = (start + page - 1) // page * page
+    b = end // page * page
+    if b <= a:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        MADV_DONTNEED = 4
+        if libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_DONTNEED) != 0:
+            return 0
+    except (OSError, AttributeError):
+        return 0
+    return b - a

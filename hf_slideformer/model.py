@@ -263,10 +263,13 @@ class SlideModel:
         cpu_adam_s and worker_busy_s (the CPU worker); wait_update_s, wait_grad_buffer_s,
         wait_other_s (main thread blocked on the worker); step_wall_s (time between optimizer
         steps), tokens_per_s and gpu_busy (GPU kernel time / wall time) from it; peak GPU memory
-        and host RSS.
+        and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
+        SlideConfig.resident_layers); worker_wait_s (the worker blocked on GPU copies).
         """
         eng = self.slide_engine
-        return eng.stats.snapshot(eng.worker.busy_s)
+        out = eng.stats.snapshot(eng.worker.busy_s)
+        out["resident_layers"] = len(eng.resident)
+        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args, **kwargs):

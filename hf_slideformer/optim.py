@@ -17,7 +17,7 @@ from .store import Unit
 __all__ = ["SlideOptimizer", "apply_adamw"]
 
 
-def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int]) -> None:
+def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None) -> None:
     """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
 
     Args:
@@ -25,7 +25,10 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         grad: (unit.numel,) fp32 gradient.
         groups: hyper-parameter snapshot per param group (lr, betas, eps, weight_decay, maximize).
         group_of: id(parameter) -> index into `groups`; parameters absent are not updated.
+        state: another holder of `master`, `exp_avg`, `exp_avg_sq`, `steps` in the unit's layout
+            (a resident layer's device copies); default the unit's host store.
     """
+    state = unit if state is None else state
     by_group: dict[int, list[int]] = {}
     for k, e in enumerate(unit.entries):
         gi = group_of.get(id(e.param))
@@ -35,11 +38,11 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
     for gi, ks in by_group.items():
         hp = groups[gi]
         es = [unit.entries[k] for k in ks]
-        params = [e.view(unit.master) for e in es]
+        params = [e.view(state.master) for e in es]
         grads = [e.view(grad) for e in es]
-        m = [e.view(unit.exp_avg) for e in es]
-        v = [e.view(unit.exp_avg_sq) for e in es]
-        steps = [unit.steps[k] for k in ks]
+        m = [e.view(state.exp_avg) for e in es]
+        v = [e.view(state.exp_avg_sq) for e in es]
+        steps = [state.steps[k] for k in ks]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = hp["betas"]
         torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),

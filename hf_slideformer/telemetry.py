@@ -28,6 +28,7 @@ class StepStats:
         self.forward_s = 0.0
         self.backward_s = 0.0
         self.adam_s = 0.0
+        self.gpu_adam_params = 0               # parameters updated on the GPU (resident layers)
         self.updated_params = 0
         self.gpu_compute_s = 0.0
         self._pending: list[tuple[object, object]] = []
@@ -108,6 +109,7 @@ class StepStats:
             "gpu_compute_s": self.gpu_compute_s,
             "cpu_adam_s": self.adam_s,
             "updated_params": self.updated_params,
+            "gpu_updated_params": self.gpu_adam_params,
             "worker_busy_s": worker_busy_s,
             "worker_wait_s": self.worker_wait_s,
             "wait_update_s": self.wait_s["update"],

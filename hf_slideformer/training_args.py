@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from .accelerate_plugin import launch_environment, multi_process_message
-from .config import ACTIVATION_TIERS, SlideConfig
+from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ class SlideArgs(TrainingArguments):
         "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
                 "in the order the next forward needs them; helps CPU-bound small batches) or 'hybrid' (arrival during "
                 "the backward, forward order for what is left; not yet measured)."})
+    slide_resident_layers: str = field(default="auto", metadata={
+        "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
+                "in what the first step left free under the cap, less a margin) or a number (0: none). Only without "
+                "accumulation and clipping."})
     slide_check_host_memory: bool = field(default=True, metadata={
         "help": "Refuse to start when the host store (12 bytes per parameter and more) cannot fit in available RAM."})
     slide_debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})
@@ -150,7 +154,8 @@ class SlideArgs(TrainingArguments):
                 cpu_threads=self.slide_cpu_threads, pin_memory=self.slide_pin_memory,
                 use_kernels=self.slide_use_kernels, gpu_memory_limit=self.slide_gpu_memory_limit,
                 head_chunk_tokens=self.slide_head_chunk_tokens, grad_buffers=self.slide_grad_buffers,
-                update_order=self.slide_update_order, check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
+                update_order=self.slide_update_order, resident_layers=resident_layers_value(self.slide_resident_layers),
+                check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
         except ValueError as e:
             raise SlideArgsError(f"invalid slide setting: {e}") from e
 
@@ -160,3 +165,4 @@ class SlideArgs(TrainingArguments):
         kwargs = {f.name: getattr(args, f.name) for f in fields(args) if f.init}
         kwargs.update(slide_fields)
         return cls(**kwargs)
+

@@ -1,0 +1,108 @@
+"""Resident layers (optimizer state on the compute device, updated there) against the host path."""
+import torch
+import pytest
+
+import hf_slideformer as hs
+from hf_slideformer.memory import release_pages
+from hf_slideformer.resident import plan_resident_layers
+from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from helpers import batches, make_pair
+from test_engine import LR, PARAM_TOL, train_both
+
+GiB = 1024 ** 3
+
+
+def _train(slid, data, opt=None, sync_every=None):
+    opt = opt or slid.create_optimizer(lr=LR, weight_decay=0.1)
+    for k, b in enumerate(data):
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sync_every and (k + 1) % sync_every == 0:
+            slid.state_dict()                      # evicts; the next step makes them resident again
+    return opt
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resident_layers_match_plain_training(tied):
+    ref, slid = make_pair("llama", tied, resident_layers=2)
+    assert train_both(ref, slid, batches(4, pad=True, pad_left=True)) < PARAM_TOL
+
+
+def test_resident_layers_bit_identical_to_host_updates():
+    data = batches(4, pad=True)
+    states = []
+    for n, sync in ((0, None), (2, None), (3, None), (2, 1), (99, 2)):
+        _, slid = make_pair("qwen3", False, resident_layers=n)
+        _train(slid, data, sync_every=sync)
+        eng = slid.slide_engine
+        if n and not sync:
+            assert len(eng.resident) == min(n, 3) and slid.slide_stats()["resident_layers"] == min(n, 3)
+            assert slid.slide_stats()["gpu_updated_params"] > 0
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+        assert not eng.resident                    # state_dict wrote them back
+    for s in states[1:]:
+        for k in states[0]:
+            assert torch.equal(states[0][k], s[k]), k
+
+
+def test_resident_layers_checkpoint_round_trip(tmp_path):
+    data = batches(6, pad=True)
+    _, full = make_pair("llama", True, resident_layers=2)
+    _train(full, data)
+    _, first = make_pair("llama", True, resident_layers=2)
+    opt = _train(first, data[:3])
+    assert first.slide_engine.resident
+    save_training_state(str(tmp_path / "ck"), first, opt)
+    _, second = make_pair("llama", True, resident_layers=2, seed=5)
+    opt2 = second.create_optimizer(lr=LR, weight_decay=0.1)
+    load_training_state(str(tmp_path / "ck"), second, opt2)
+    _train(second, data[3:], opt2)
+    a, b = full.state_dict(), second.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # The optimizer's own state dict carries the resident layers' moments too.
+    sd = opt2.state_dict()
+    assert any(float(s["exp_avg"].abs().sum()) > 0 for s in sd["state"].values())
+
+
+def test_switching_to_clipping_writes_resident_state_back():
+    data = batches(4, pad=True)
+    states = []
+    for n in (0, 2):
+        _, slid = make_pair("llama", False, resident_layers=n)
+        opt = _train(slid, data[:2])
+        eng = slid.slide_engine
+        assert len(eng.resident) == n
+        eng.configure_steps(1, 0.5)                # clipping: updates wait for step()
+        assert not eng.resident
+        _train(slid, data[2:], opt)
+        assert not eng.resident
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_plan_resident_layers_from_the_measured_peak():
+    n = plan_resident_layers(limit_bytes=24 * GiB, peak_bytes=13 * GiB, layer_numel=100_000_000, n_layers=28,
+                             dtype=torch.bfloat16)
+    # 24 - 13 - 2.4 (margin) - 0.4 (gradient buffer) = 8.2 GiB at 1.4 GB per layer -> 6
+    assert n == 6
+    assert plan_resident_layers(limit_bytes=24 * GiB, peak_bytes=23 * GiB, layer_numel=10, n_layers=4,
+                                dtype=torch.bfloat16) == 0
+    assert plan_resident_layers(limit_bytes=140 * GiB, peak_bytes=1 * GiB, layer_numel=1000, n_layers=4,
+                                dtype=torch.bfloat16) == 4
+
+
+def test_resident_layers_option_is_validated():
+    for bad in (-1, "some", 1.5, True):
+        with pytest.raises(ValueError, match="resident_layers"):
+            hs.SlideConfig(device="cpu", resident_layers=bad)
+
+
+def test_release_pages_returns_memory_and_reads_zero():
+    t = torch.ones(4 << 20)
+    released = release_pages(t[1000:])
+    assert released > 0
+    assert float(t[:1000].sum()) == 1000.0         # the partial first page is kept
+    assert float(t[1000 + 1024:-1024].sum()) == 0.0  # released pages read as zeros
