@@ -1,28 +1,37 @@
 #!/usr/bin/env bash
-# One GPU session's worth of measurements, in priority order, each step under its own time limit:
-# GPU tests, then the training benchmark table for the 3B and 8B shapes, then a Trainer run.
-# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh [commit]
+# The GPU measurements of docs/benchmarks.md, in two parts that each fit one 10-minute device call.
+# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh COMMIT [a|b]
+#   a: GPU tests; 3B batch 16 slide vs DeepSpeed ZeRO-2 (capped, best batch); 3B batch 8; 8B batch 16
+#   b: the 3B GPU-resident bound and HF resident; 8B batch 1 under 8 GiB; 200-step soak + clipping
+#      timing; the kernel table
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-C=${1:-unknown}
+C=${1:-unknown}; PART=${2:-a}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 B="python3 benchmarks/bench_train.py --steps 4 --warmup 2 --no-probe --commit $C"
-timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
-tail -1 "$OUT/gpu_tests.log"
-timeout 170 $B --model llama3-3b --providers slide,resident --batch 16 --offload-batches 16 --timeout 80 --json "$OUT/b3_16.json" 2>&1 | tail -4
-timeout 70 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 --timeout 65 --json "$OUT/b3_8.json" 2>&1 | tail -2
-timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 --json "$OUT/b8_16.json" 2>&1 | tail -2
-timeout 120 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b --providers slide \
-  --batch 1 --offload-batches 1 --cap-gib 8 --timeout 115 --json "$OUT/b8_cap8.json" 2>&1 | tail -2
-timeout 110 python3 examples/train_trainer.py --output_dir /tmp/trainer_out --save_strategy no --shape llama-1b \
-  --seq_len 2048 --samples 96 --per_device_train_batch_size 8 --max_steps 10 --logging_steps 1 --bf16 \
-  --slide_gpu_memory_limit 24 --report_to none --disable_tqdm true > "$OUT/trainer_1b.log" 2>&1
-tail -3 "$OUT/trainer_1b.log" | cut -c1-1500
-# Update-order comparison (docs/engine.md): the 3B rows again with the other worker orderings
-# (JSON under /tmp: the device returns at most 8 files; the table rows are printed).
-for order in hybrid forward; do
-  for b in 16 8; do
-    timeout 75 $B --model llama3-3b --providers slide --batch $b --offload-batches $b --timeout 70 \
-      --slide-config "{\"update_order\": \"$order\"}" --json "/tmp/b3_${b}_${order}.json" 2>&1 | tail -1
-  done
-done
+summ() { python3 benchmarks/trace_summary.py "$1" --gaps 3 | sed -n '4,9p'; }
+if [ "$PART" = a ]; then
+  timeout 100 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"
+  SLIDE_TRACE=$OUT/tr_3b16.json timeout 290 $B --model llama3-3b --providers slide,ds2 --batch 16 \
+    --offload-batches 16,8,4 --timeout 200 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
+  tail -4 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
+  SLIDE_TRACE=$OUT/tr_3b8.json timeout 75 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 \
+    --timeout 70 --json "$OUT/b3_8.json" > "$OUT/b3_8.log" 2>&1
+  tail -1 "$OUT/b3_8.log"; summ "$OUT/tr_3b8.json"
+  timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
+    --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
+  tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_bytes": [0-9]*\|"resident_layers": [0-9]*' "$OUT/b8_16.log" | tail -2
+else
+  timeout 170 $B --model llama3-3b --providers resident,hf --batch 16 --timeout 80 --json "$OUT/b3_res.json" \
+    > "$OUT/b3_res.log" 2>&1
+  tail -4 "$OUT/b3_res.log"
+  timeout 120 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b \
+    --providers slide --batch 1 --offload-batches 1 --cap-gib 8 --timeout 115 --json "$OUT/b8_cap8.json" \
+    > "$OUT/b8_cap8.log" 2>&1
+  tail -1 "$OUT/b8_cap8.log"
+  timeout 150 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
+    --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
+  timeout 150 python3 benchmarks/bench_kernels.py > "$OUT/kernels.log" 2>&1
+  tail -12 "$OUT/kernels.log"
+fi

@@ -196,6 +196,7 @@ class SlideEngine(HostTasks):
         self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
         self._resident_target: int | None = None         # decided after the first optimizer step
         self._resident_grad: torch.Tensor | None = None
+        self._pace_ev = None
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
         self.micro = 0                 # backward passes since the last optimizer step
@@ -413,6 +414,22 @@ class SlideEngine(HostTasks):
         self.stats.add_bytes("d2h", u.numel * 4)
         self.stats.gpu_adam_params += u.numel
 
+    def _pace(self) -> None:
+        """Keep the host at most one resident layer ahead of the GPU.
+
+        Note: [Why resident layers are paced] without a copy or an update to wait for, the host
+        queues resident layers' kernels as fast as Python runs; once CUDA's launch queue is full,
+        launches block while holding the interpreter lock, and the CPU worker, which needs that
+        lock between its AdamW calls, stalls for the whole stretch (measured: 150-370 ms per
+        step). Waiting on the previous layer's event releases the lock and costs no GPU time:
+        one layer of queued work covers the host's launch overhead.
+        """
+        if not self.streams.cuda:
+            return
+        prev, self._pace_ev = self._pace_ev, self.streams.record()
+        if prev is not None:
+            prev.synchronize()
+
     # ----------------------------------------------------------------- embedding
     def embed_forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
         u = self.embed_unit
@@ -422,13 +439,13 @@ class SlideEngine(HostTasks):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
         if with_grad:
-            # Rows whose gradient the layers' backward will still change (see _embed_bulk_update).
-            rows = torch.unique(ids)
-            self._fwd_touch = rows[rows != self.padding_idx] if self.padding_idx is not None else rows
-        if with_grad and self.single_micro:
-            # Rows this batch touches, for the embedding's share of the gradient norm (see embed_backward).
+            # The rows this batch touches: their gradient is summed per row on the GPU (see
+            # embed_backward), and they are the rows the layers' backward will still change (see
+            # _embed_bulk_update). The padding row is among them with a zero sum: updating it
+            # again with its full gradient reproduces the bulk update exactly.
             uniq, inv = torch.unique(ids, return_inverse=True)
             keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+            self._fwd_touch = uniq
             self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
         table = u.master.view(self.vocab, self.hidden)
@@ -454,34 +471,39 @@ class SlideEngine(HostTasks):
 
     def embed_backward(self, input_ids: torch.Tensor, gx: torch.Tensor) -> None:
         T = gx.numel() // self.hidden
-        ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
+        rows = self._fwd_touch
+        uniq, inv, keep = self._fwd_rows
+        n = rows.numel()
         self._wait(self.embed_host_free, "other")  # the worker is done with the previous gradient
-        if self.embed_host is None or self.embed_host.shape[0] < T:
+        if self.embed_host is None or self.embed_host.shape[0] < n:
             if self.embed_host is not None:
                 self.pinned.release(self.embed_host)
-            self.embed_host = self.pinned.empty(T, self.hidden)
-        host = self.embed_host[:T]
+            self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
+        host = self.embed_host[:n]
         self.embed_host_free.clear()
-        g2 = gx.reshape(T, self.hidden)
+        # Note: [Why the embedding gradient is summed on the GPU] the scatter of T token gradients
+        # into their rows is a serial loop on the CPU (index_add_ over rows: ~100 ms at 16k tokens,
+        # on the path to the next forward). On the GPU it is a sorted, deterministic accumulate;
+        # the worker then adds one row per distinct token, with parallel gather / scatter.
+        g = gx.reshape(T, self.hidden).float() * keep[:, None]
+        S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
+        S.index_put_((inv,), g, accumulate=True)
         if self.single_micro:
-            self._embed_norm(g2)
-        done = self._d2h([g2], [host])
+            self._embed_norm(S)
+        done = self._d2h([S], [host])
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
-        self.worker.submit(self._embed_task, host, ids, done, update, self.ends_step, self.hp,
+        self.worker.submit(self._embed_task, host, rows, done, update, self.ends_step, self.hp,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()),
                            **self._order(0, update))
         self.end_backward()
 
-    def _embed_norm(self, gx: torch.Tensor) -> None:
+    def _embed_norm(self, S: torch.Tensor) -> None:
         """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
 
-        The gradient is the scatter S of gx into the batch's rows (padding rows dropped), plus
-        for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
+        The gradient is S, the per-row sums of the token gradients over the batch's rows (padding
+        dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
         """
-        uniq, inv, keep = self._fwd_rows
-        g = gx.float() * keep[:, None]
-        S = torch.zeros(uniq.numel(), self.hidden, dtype=torch.float32, device=gx.device).index_add_(0, inv, g)
         if self.tied:
             rows = self._dw_rows * self._scale_dev
             sq = self._dw_sq * self._scale_dev ** 2 - rows.square().sum() + (rows + S).square().sum()
@@ -506,6 +528,8 @@ class SlideEngine(HostTasks):
         self._span_end(t)
         if slot is not None:
             self.slots.release(slot)
+        else:
+            self._pace()
         return y
 
     def _call_layer(self, i, x, args, kwargs):
@@ -534,6 +558,7 @@ class SlideEngine(HostTasks):
         gx = grads[0]
         if r is not None:
             self._resident_update(u, r, list(grads[1:]))
+            self._pace()
         else:
             self._send(u, list(grads[1:]))
         return gx

@@ -28,15 +28,13 @@ class HostTasks:
         if t1 - t0 > 1e-4:
             self.stats.event(label, t0, t1)
 
-    def _embed_task(self, host, ids, done, update, ends_step, hp):
+    def _embed_task(self, sums, rows, done, update, ends_step, hp):
+        """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
         self._sync(done, "wait_d2h:embed")
         u = self.embed_unit
         g = self.embed_grad.view(self.vocab, self.hidden)
-        if self.padding_idx is not None:
-            keep = ids != self.padding_idx
-            ids, host = ids[keep], host[keep]
-        g.index_add_(0, ids, host)
-        self.touched.append(torch.unique(ids))
+        g.index_copy_(0, rows, g.index_select(0, rows).add_(sums))
+        self.touched.append(rows)
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
         if update:

