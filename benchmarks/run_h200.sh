@@ -13,12 +13,16 @@ summ() { python3 benchmarks/trace_summary.py "$1" --gaps 3 | sed -n '4,9p'; }
 if [ "$PART" = a ]; then
   timeout 100 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
-  SLIDE_TRACE=$OUT/tr_3b16.json timeout 290 $B --model llama3-3b --providers slide,ds2 --batch 16 \
-    --offload-batches 16,8,4 --timeout 200 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
-  tail -4 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
-  SLIDE_TRACE=$OUT/tr_3b8.json timeout 75 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 \
+  SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
+    --offload-batches 16 --timeout 75 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
+  tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
+  # ZeRO-2 runs out of memory under the cap at batch 16, 8 and 4 (measured): its best is below.
+  timeout 200 $B --model llama3-3b --providers ds2 --batch 2 --offload-batches ${DS_BATCHES:-2,1} --timeout 190 \
+    --json "$OUT/b3_ds2.json" > "$OUT/b3_ds2.log" 2>&1
+  tail -1 "$OUT/b3_ds2.log"
+  SLIDE_TRACE=/tmp/tr_3b8.json timeout 75 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 \
     --timeout 70 --json "$OUT/b3_8.json" > "$OUT/b3_8.log" 2>&1
-  tail -1 "$OUT/b3_8.log"; summ "$OUT/tr_3b8.json"
+  tail -1 "$OUT/b3_8.log"; summ /tmp/tr_3b8.json
   timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
     --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
   tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_bytes": [0-9]*\|"resident_layers": [0-9]*' "$OUT/b8_16.log" | tail -2

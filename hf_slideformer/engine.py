@@ -190,6 +190,7 @@ class SlideEngine(HostTasks):
         self._fwd_rows = None
         self._fwd_touch = None
         self._bulk = None
+        self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
         self._backward_open = False
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
