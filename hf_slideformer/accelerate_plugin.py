@@ -24,7 +24,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value
+from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value, resident_embedding_value
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,8 @@ class SlidePlugin:
         "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
     resident_layers: str = field(default="auto", metadata={
         "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
+    resident_embedding: str = field(default="auto", metadata={
+        "help": "Keep the embedding's state on the GPU: 'auto', 'true' or 'false' (see SlideConfig.resident_embedding)."})
     check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
@@ -180,6 +182,7 @@ class SlidePlugin:
                            use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
                            head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
                            update_order=self.update_order, resident_layers=resident_layers_value(self.resident_layers),
+                           resident_embedding=resident_embedding_value(self.resident_embedding),
                            check_host_memory=self.check_host_memory, debug=self.debug)
 
 

@@ -46,6 +46,8 @@ class SlideConfig:
             as fit in the memory it left free under the cap, less a margin (10%, at least 2 GiB);
             0 turns them off. Only with updates inside backward (no accumulation, no clipping):
             otherwise none. See docs/engine.md.
+        resident_embedding: Keep the input embedding's master and Adam state on the GPU too
+            ("auto": when it fits, decided with resident_layers, before the layers; True/False).
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
@@ -65,6 +67,7 @@ class SlideConfig:
     grad_buffers: int = 4
     update_order: str = "arrival"
     resident_layers: int | str = "auto"
+    resident_embedding: bool | str = "auto"
     check_host_memory: bool = True
     debug: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -121,6 +124,8 @@ class SlideConfig:
         if self.resident_layers != "auto" and (isinstance(self.resident_layers, bool)
                                                or not isinstance(self.resident_layers, int) or self.resident_layers < 0):
             raise ValueError(f"SlideConfig.resident_layers must be 'auto' or an int >= 0, got {self.resident_layers!r}")
+        if self.resident_embedding not in ("auto", True, False):
+            raise ValueError(f"SlideConfig.resident_embedding must be 'auto', True or False, got {self.resident_embedding!r}")
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 
@@ -142,4 +147,15 @@ def resident_layers_value(value):
     """'auto' or a count, from a command-line / yaml string or an int."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
+    return value
+
+
+def resident_embedding_value(value):
+    """'auto', True or False, from a command-line / yaml string or a bool."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        if low in ("true", "yes", "1", "on"):
+            return True
+        if low in ("false", "no", "0", "off"):
+            return False
     return value

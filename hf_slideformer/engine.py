@@ -28,7 +28,7 @@ from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
 from .worker import CpuWorker
-from .resident import ResidentState, plan_resident_layers
+from .resident import ResidentState, plan_resident
 from .memory import release_pages
 from . import optim as _optim
 
@@ -195,8 +195,10 @@ class SlideEngine(HostTasks):
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
-        self._resident_target: int | None = None         # decided after the first optimizer step
+        self.resident_embed: ResidentState | None = None
+        self._resident_target: tuple[bool, int] | None = None   # decided after the first optimizer step
         self._resident_grad: torch.Tensor | None = None
+        self._embed_rgrad: torch.Tensor | None = None    # the resident embedding's (V*H,) fp32 gradient
         self._pace_ev = None
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
@@ -334,61 +336,68 @@ class SlideEngine(HostTasks):
         self.worker.raise_if_failed()
         self.evict_resident()
 
-    # ----------------------------------------------------------------- resident layers
-    def _plan_resident(self) -> int:
-        want = self.config.resident_layers
-        if want != "auto":
-            return int(want)
-        if not self.streams.cuda:
-            return 0
-        limit = (int(self.config.gpu_memory_limit * 2 ** 30) if self.config.gpu_memory_limit is not None
+    # ----------------------------------------------------------------- resident units
+    def _plan_resident(self) -> tuple[bool, int]:
+        c = self.config
+        embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
+        layers = None if c.resident_layers == "auto" else int(c.resident_layers)
+        if not self.streams.cuda:                       # nothing to gain on a CPU device unless asked
+            return bool(embed), layers or 0
+        if embed is not None and layers is not None:
+            return embed, layers
+        limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory)
-        n = plan_resident_layers(limit_bytes=limit, peak_bytes=torch.cuda.max_memory_reserved(self.device),
-                                 layer_numel=max(u.numel for u in self.layer_units),
-                                 n_layers=len(self.layer_units), dtype=self.dtype)
-        if self.config.debug:
-            logger.info("resident layers: %d", n)
-        return n
+        plan = plan_resident(limit_bytes=limit, peak_bytes=torch.cuda.max_memory_reserved(self.device),
+                             layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
+                             embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers)
+        logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
+        return plan
+
+    def _make_resident(self, u: Unit) -> ResidentState:
+        self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
+        r = ResidentState(u, self.dtype, self.device)
+        r.load_from_host()
+        # The host moments are not read again until evict_resident() writes them back.
+        release_pages(u.exp_avg)
+        release_pages(u.exp_avg_sq)
+        return r
 
     def _promote_resident(self) -> None:
-        """Make layers 0..k-1 resident (between optimizer steps, updates in backward only)."""
+        """Make the embedding and layers 0..k-1 resident (between optimizer steps, updates in backward only)."""
         if self.config.deferred or self.optimizer is None:
             return
         if self._resident_target is None:
             self._resident_target = self._plan_resident()
-        n = min(self._resident_target, len(self.layer_units))
+        embed, n = self._resident_target
+        n = min(n, len(self.layer_units))
+        if embed and self.resident_embed is None:
+            self.resident_embed = self._make_resident(self.embed_unit)
+            if self._embed_rgrad is None:
+                self._embed_rgrad = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=self.device)
         if len(self.resident) >= n:
             return
         if self._resident_grad is None:
             self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
                                               device=self.device)
         for i in range(n):
-            if i in self.resident:
-                continue
-            u = self.layer_units[i]
-            self._wait(u.updated, "update")             # its last CPU update has landed in the host store
-            r = ResidentState(u, self.dtype, self.device)
-            r.load_from_host()
-            self.resident[i] = r
-            # The host moments are not read again until evict_resident() writes them back.
-            release_pages(u.exp_avg)
-            release_pages(u.exp_avg_sq)
+            if i not in self.resident:
+                self.resident[i] = self._make_resident(self.layer_units[i])
 
     def evict_resident(self) -> None:
-        """Write the resident layers' state back to the host store and drop the device copies."""
-        if not self.resident:
+        """Write the resident units' state back to the host store and drop the device copies."""
+        if not self.resident and self.resident_embed is None:
             return
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
-        for r in self.resident.values():
+        for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
             r.store_to_host()
         self.resident.clear()
+        self.resident_embed = None
 
     def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
         """AdamW of a resident layer on the compute stream, right after its backward."""
         if not self.in_backward:
             raise SlideStateError("internal: a resident layer outside an in-backward update")
-        st = self.streams
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
         g32 = self._resident_grad[:u.numel]
@@ -398,6 +407,11 @@ class SlideEngine(HostTasks):
                 d.zero_()
             else:
                 d.copy_(g.reshape(d.shape))
+        self._resident_step(u, r, g32)
+
+    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor) -> None:
+        """AdamW of resident unit `u` with its fp32 gradient on the device; the new master goes back to the host."""
+        st = self.streams
         # Note: [Why the update waits for the copy-back] the previous step's master is still being
         # copied to the host on the d2h stream; it is overwritten only after that copy has read it.
         st.wait(r.copied)
@@ -453,6 +467,10 @@ class SlideEngine(HostTasks):
         first = next((i for i in range(len(self.layer_units)) if i not in self.resident), None)
         if first is not None:
             self.slots.load((self.layer_units[first],))     # its h2d overlaps the gather below
+        r = self.resident_embed
+        if r is not None:                            # gathered on the device from the resident master
+            x = r.master.view(self.vocab, self.hidden).index_select(0, ids.to(self.device, non_blocking=True))
+            return x.to(self.dtype).view(*input_ids.shape, self.hidden)
         if not self.streams.cuda:
             x = table.index_select(0, ids).to(self.dtype)
             return x.view(*input_ids.shape, self.hidden)
@@ -491,6 +509,18 @@ class SlideEngine(HostTasks):
         S.index_put_((inv,), g, accumulate=True)
         if self.single_micro:
             self._embed_norm(S)
+        r = self.resident_embed
+        if r is not None:
+            self.embed_host_free.set()
+            if not self.in_backward:
+                raise SlideStateError("internal: the resident embedding outside an in-backward update")
+            G = self._embed_rgrad.view(self.vocab, self.hidden)
+            if not self.tied:
+                G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
+            G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
+            self._resident_step(self.embed_unit, r, self._embed_rgrad)
+            self.end_backward()
+            return
         done = self._d2h([S], [host])
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
@@ -568,9 +598,7 @@ class SlideEngine(HostTasks):
     def head_forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
         from triton_ops import linear_cross_entropy
         hu = self.head_unit
-        slot = self.head_slots.acquire(self.head_units)
-        hv = slot.views(hu)
-        W = slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()]
+        slot, hv, W = self._head_weights()
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         sl = shift_labels.reshape(-1).to(self.device, torch.long)
@@ -611,7 +639,12 @@ class SlideEngine(HostTasks):
         self._wait(self.head_host_free, "other")
         self.head_host_free.clear()
         dsts = [e.view(self.head_host) for e in hu.entries]
-        if self.tied:
+        if self.tied and self.resident_embed is not None:
+            # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
+            # the loss gradient in head_backward, the batch rows added in embed_backward).
+            dw = pgrads.pop()
+            self._embed_rgrad.view(self.vocab, self.hidden).copy_(dw)
+        elif self.tied:
             # With one backward per step the tied gradient goes straight into the embedding's
             # pinned gradient buffer (which the previous step's update has released).
             dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
@@ -628,11 +661,20 @@ class SlideEngine(HostTasks):
     def _norm(self, h):
         return self._norm_fn(h)
 
-    def head_logits(self, h, logits_to_keep=0):
+    def _head_weights(self):
+        """(slot, the head unit's views, the lm_head weight): a tied lm_head is the resident
+        embedding's compute copy when there is one, else it travels in the head slot."""
         hu = self.head_unit
+        if self.tied and self.resident_embed is not None:
+            slot = self.head_slots.acquire((hu,))
+            return slot, slot.views(hu), self.resident_embed.weights.view(self.vocab, self.hidden)
         slot = self.head_slots.acquire(self.head_units)
         hv = slot.views(hu)
-        W = slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()]
+        return slot, hv, (slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()])
+
+    def head_logits(self, h, logits_to_keep=0):
+        hu = self.head_unit
+        slot, hv, W = self._head_weights()
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
             h = h[:, -logits_to_keep:, :]
         with torch.no_grad(), swapped(hu, hv):
@@ -656,11 +698,15 @@ class SlideEngine(HostTasks):
             self.scale_host.copy_(g)
         scale_ev = self.streams.record()
         update = self.in_backward
+        embed_on_host = self.resident_embed is None
+        if self.tied and not embed_on_host:
+            self._embed_rgrad.mul_(self._scale_dev)
         if update:
             self._schedule(hu)
-            self._schedule(self.embed_unit)      # its bulk update starts in the head task
+            if embed_on_host:
+                self._schedule(self.embed_unit)      # its bulk update starts in the head task
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
-                           self._fwd_touch, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
+                           self._fwd_touch if embed_on_host else None, embed_on_host, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
                            **self._order(-1, update))
 
     # ----------------------------------------------------------------- gradients -> host -> update

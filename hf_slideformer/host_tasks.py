@@ -99,7 +99,7 @@ class HostTasks:
         self.touched = []
         self.embed_unit.grad_valid = False
 
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None):
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True):
         self._sync(done, "wait_d2h:head")
         self._sync(scale_ev, "wait_d2h:scale")
         scale = float(self.scale_host[0])
@@ -107,7 +107,7 @@ class HostTasks:
         src = self.head_host[:hu.numel]
         if scale != 1.0:
             src.mul_(scale)
-        if self.tied:
+        if self.tied and embed_on_host:
             eu = self.embed_unit
             if self.single_micro:            # already in place (see head_forward)
                 if scale != 1.0:

@@ -269,6 +269,7 @@ class SlideModel:
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
         out["resident_layers"] = len(eng.resident)
+        out["resident_embedding"] = eng.resident_embed is not None
         return out
 
     # ------------------------------------------------------------------ state

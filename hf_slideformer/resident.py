@@ -1,4 +1,5 @@
-"""Resident layers: the optimizer state of a few layers kept on the GPU and updated there.
+"""Resident units: the optimizer state of the embedding and a few layers kept on the GPU and
+updated there.
 
 Under a memory cap the GPU usually has room left after the window, the activations and the
 head: a 3B model trained at 16 x 2048 under 24 GiB peaks near 13 GiB. That room is worth more
@@ -9,10 +10,11 @@ worker, the bound at small batches, has that much less to do, and the next forwa
 wait for those layers.
 
 The host stays the reference copy: each update copies the new master back (the HF parameters
-stay views of current values), and `evict()` writes the moments and step counters back
-before anything reads or replaces the host state (`engine.synchronize()`: checkpoints,
-state_dict, load_state_dict). Layers 0..k-1 are the ones made resident: they are the first
-the next forward needs, so they are the ones its start would otherwise wait for.
+stay views of current values), and `evict_resident()` writes the moments and step counters
+back before anything reads or replaces the host state (`engine.synchronize()`: checkpoints,
+state_dict, load_state_dict). The embedding goes first (its update, the per-row folding of its
+gradient and, when tied, the lm_head's (V, H) gradient copy all leave the CPU, and it is what
+the next forward needs first), then layers 0..k-1, the next ones the forward needs.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import torch
 
 from .store import Unit
 
-__all__ = ["ResidentState", "plan_resident_layers"]
+__all__ = ["ResidentState", "plan_resident", "plan_resident_layers"]
 
 GiB = 1024 ** 3
 
@@ -64,21 +66,40 @@ class ResidentState:
         return 12 + (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0)
 
 
-def plan_resident_layers(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int,
-                         dtype: torch.dtype, margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> int:
-    """How many layers' state fits in what a measured step left free under the limit.
+def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
+                  dtype: torch.dtype, embed: bool | None = None, layers: int | None = None,
+                  margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> tuple[bool, int]:
+    """What to keep resident in what a measured step left free under the limit: (embedding?, layers).
+
+    The embedding comes first when it is not fixed by the caller: per byte of GPU memory it
+    takes more work off the CPU (its update, the per-row folding, the tied head's gradient copy)
+    and it is the first thing the next forward needs. Then layers 0..k-1.
 
     Args:
         limit_bytes: the GPU memory the process may use (the cap, else the device's memory).
         peak_bytes: the peak the allocator reserved during a full training step.
-        layer_numel: parameters of the largest layer.
-        n_layers: layers in the model (the answer is at most this).
-        dtype: compute dtype (a resident layer also keeps its weights in it).
+        layer_numel: parameters of the largest layer; n_layers: layers in the model.
+        embed_numel: parameters of the input embedding.
+        dtype: compute dtype (resident units also keep their weights in it).
+        embed, layers: fixed choices (None: decide).
         margin_fraction, min_margin: head-room kept free for longer batches and fragmentation.
     """
     margin = max(min_margin, int(margin_fraction * limit_bytes))
-    budget = limit_bytes - peak_bytes - margin - layer_numel * 4       # one shared fp32 gradient buffer
-    per_layer = layer_numel * ResidentState.bytes_per_param(dtype)
-    if budget <= 0 or per_layer <= 0:
-        return 0
-    return max(0, min(n_layers, budget // per_layer))
+    budget = limit_bytes - peak_bytes - margin
+    per = ResidentState.bytes_per_param(dtype)
+    if embed is None:
+        embed = budget >= embed_numel * (per + 4)                        # + its fp32 gradient
+    if embed:
+        budget -= embed_numel * (per + 4)
+    if layers is None:
+        budget -= layer_numel * 4                                        # one shared fp32 gradient buffer
+        layers = int(max(0, min(n_layers, budget // (layer_numel * per)))) if budget > 0 else 0
+    return bool(embed), int(layers)
+
+
+def plan_resident_layers(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int,
+                         dtype: torch.dtype, margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> int:
+    """Layers only (no embedding): how many fit in what a measured step left free under the limit."""
+    return plan_resident(limit_bytes=limit_bytes, peak_bytes=peak_bytes, layer_numel=layer_numel,
+                         n_layers=n_layers, embed_numel=0, dtype=dtype, embed=False,
+                         margin_fraction=margin_fraction, min_margin=min_margin)[1]

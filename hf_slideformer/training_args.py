@@ -17,7 +17,7 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from .accelerate_plugin import launch_environment, multi_process_message
-from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value
+from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value, resident_embedding_value
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ class SlideArgs(TrainingArguments):
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
                 "in what the first step left free under the cap, less a margin) or a number (0: none). Only without "
                 "accumulation and clipping."})
+    slide_resident_embedding: str = field(default="auto", metadata={
+        "help": "Keep the input embedding's master and Adam state on the GPU: 'auto' (when it fits, before the "
+                "layers), 'true' or 'false'."})
     slide_check_host_memory: bool = field(default=True, metadata={
         "help": "Refuse to start when the host store (12 bytes per parameter and more) cannot fit in available RAM."})
     slide_debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})
@@ -155,6 +158,7 @@ class SlideArgs(TrainingArguments):
                 use_kernels=self.slide_use_kernels, gpu_memory_limit=self.slide_gpu_memory_limit,
                 head_chunk_tokens=self.slide_head_chunk_tokens, grad_buffers=self.slide_grad_buffers,
                 update_order=self.slide_update_order, resident_layers=resident_layers_value(self.slide_resident_layers),
+                resident_embedding=resident_embedding_value(self.slide_resident_embedding),
                 check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
         except ValueError as e:
             raise SlideArgsError(f"invalid slide setting: {e}") from e

@@ -4,7 +4,7 @@ import pytest
 
 import hf_slideformer as hs
 from hf_slideformer.memory import release_pages
-from hf_slideformer.resident import plan_resident_layers
+from hf_slideformer.resident import plan_resident, plan_resident_layers
 from hf_slideformer.train_checkpoint import load_training_state, save_training_state
 from helpers import batches, make_pair
 from test_engine import LR, PARAM_TOL, train_both
@@ -24,21 +24,25 @@ def _train(slid, data, opt=None, sync_every=None):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_resident_layers_match_plain_training(tied):
-    ref, slid = make_pair("llama", tied, resident_layers=2)
+@pytest.mark.parametrize("embed", [False, True])
+def test_resident_units_match_plain_training(tied, embed):
+    ref, slid = make_pair("llama", tied, resident_layers=2, resident_embedding=embed)
     assert train_both(ref, slid, batches(4, pad=True, pad_left=True)) < PARAM_TOL
 
 
 def test_resident_layers_bit_identical_to_host_updates():
     data = batches(4, pad=True)
     states = []
-    for n, sync in ((0, None), (2, None), (3, None), (2, 1), (99, 2)):
-        _, slid = make_pair("qwen3", False, resident_layers=n)
+    for n, sync, embed in ((0, None, False), (2, None, False), (3, None, True), (0, None, True), (2, 1, True),
+                           (99, 2, False)):
+        _, slid = make_pair("qwen3", False, resident_layers=n, resident_embedding=embed)
         _train(slid, data, sync_every=sync)
         eng = slid.slide_engine
-        if n and not sync:
-            assert len(eng.resident) == min(n, 3) and slid.slide_stats()["resident_layers"] == min(n, 3)
-            assert slid.slide_stats()["gpu_updated_params"] > 0
+        if not sync:
+            stats = slid.slide_stats()
+            assert len(eng.resident) == min(n, 3) and stats["resident_layers"] == min(n, 3)
+            assert stats["resident_embedding"] == embed
+            assert (stats["gpu_updated_params"] > 0) == (n > 0 or embed)
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
         assert not eng.resident                    # state_dict wrote them back
     for s in states[1:]:
@@ -46,15 +50,17 @@ def test_resident_layers_bit_identical_to_host_updates():
             assert torch.equal(states[0][k], s[k]), k
 
 
-def test_resident_layers_checkpoint_round_trip(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_resident_units_checkpoint_round_trip(tmp_path, tied):
     data = batches(6, pad=True)
-    _, full = make_pair("llama", True, resident_layers=2)
+    kw = dict(resident_layers=2, resident_embedding=True)
+    _, full = make_pair("llama", tied, **kw)
     _train(full, data)
-    _, first = make_pair("llama", True, resident_layers=2)
+    _, first = make_pair("llama", tied, **kw)
     opt = _train(first, data[:3])
-    assert first.slide_engine.resident
+    assert first.slide_engine.resident and first.slide_engine.resident_embed is not None
     save_training_state(str(tmp_path / "ck"), first, opt)
-    _, second = make_pair("llama", True, resident_layers=2, seed=5)
+    _, second = make_pair("llama", tied, seed=5, **kw)
     opt2 = second.create_optimizer(lr=LR, weight_decay=0.1)
     load_training_state(str(tmp_path / "ck"), second, opt2)
     _train(second, data[3:], opt2)
@@ -70,12 +76,12 @@ def test_switching_to_clipping_writes_resident_state_back():
     data = batches(4, pad=True)
     states = []
     for n in (0, 2):
-        _, slid = make_pair("llama", False, resident_layers=n)
+        _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=n > 0)
         opt = _train(slid, data[:2])
         eng = slid.slide_engine
         assert len(eng.resident) == n
         eng.configure_steps(1, 0.5)                # clipping: updates wait for step()
-        assert not eng.resident
+        assert not eng.resident and eng.resident_embed is None
         _train(slid, data[2:], opt)
         assert not eng.resident
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
@@ -94,10 +100,22 @@ def test_plan_resident_layers_from_the_measured_peak():
                                 dtype=torch.bfloat16) == 4
 
 
+def test_plan_puts_the_embedding_first():
+    kw = dict(limit_bytes=24 * GiB, layer_numel=100_000_000, n_layers=28, embed_numel=394_000_000,
+              dtype=torch.bfloat16)
+    # 24 - 13 - 2.4 = 8.6 GiB: the embedding (394M x 18 B = 6.6 GiB), then one 1.4 GB layer
+    assert plan_resident(peak_bytes=13 * GiB, **kw) == (True, 1)
+    assert plan_resident(peak_bytes=16 * GiB, **kw) == (False, 4)       # 5.6 GiB: no embedding, 4 layers
+    assert plan_resident(peak_bytes=13 * GiB, embed=False, **kw) == (False, 6)
+    assert plan_resident(peak_bytes=13 * GiB, layers=0, **kw) == (True, 0)
+
+
 def test_resident_layers_option_is_validated():
     for bad in (-1, "some", 1.5, True):
         with pytest.raises(ValueError, match="resident_layers"):
             hs.SlideConfig(device="cpu", resident_layers=bad)
+    with pytest.raises(ValueError, match="resident_embedding"):
+        hs.SlideConfig(device="cpu", resident_embedding="yes")
 
 
 def test_release_pages_returns_memory_and_reads_zero():
@@ -106,3 +124,13 @@ def test_release_pages_returns_memory_and_reads_zero():
     assert released > 0
     assert float(t[:1000].sum()) == 1000.0         # the partial first page is kept
     assert float(t[1000 + 1024:-1024].sum()) == 0.0  # released pages read as zeros
+
+
+def test_resident_options_from_trainer_and_launcher_strings(tmp_path):
+    from hf_slideformer.accelerate_plugin import SlidePlugin
+    args = hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, slide_resident_layers="3", report_to=[],
+                        slide_resident_embedding="false")
+    cfg = args.to_slide_config()
+    assert cfg.resident_layers == 3 and cfg.resident_embedding is False
+    cfg = SlidePlugin(resident_layers="auto", resident_embedding="true").to_slide_config("cpu")
+    assert cfg.resident_layers == "auto" and cfg.resident_embedding is True
