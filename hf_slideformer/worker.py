@@ -8,7 +8,9 @@ have set are set anyway, so no one waits forever.
 """
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 import heapq
 import queue
 import threading
@@ -20,6 +22,19 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["CpuWorker", "WorkerError"]
+
+
+_LIVE: "weakref.WeakSet[CpuWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    # Note: [Why workers stop at exit] a daemon thread still inside a torch CPU kernel while the
+    # interpreter tears down aborts the process ("terminate called without an active exception",
+    # seen after a clipping run whose deferred updates were still queued). Pending tasks are
+    # dropped (the process is ending) and the running one is waited for.
+    for w in list(_LIVE):
+        w.close()
 
 
 class WorkerError(RuntimeError):
@@ -49,8 +64,10 @@ class CpuWorker:
         self._cv = threading.Condition()
         self.busy_s = 0.0
         self.on_task = None          # callable(label, t0, t1): a tracing hook
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _loop(self):
         torch.set_num_threads(self.threads)
@@ -61,7 +78,7 @@ class CpuWorker:
             fn, args, done_events, _ = item
             t0 = time.perf_counter()
             try:
-                if self._error is None:
+                if self._error is None and not self._closing:
                     fn(*args)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller
                 self._error = (e, traceback.format_exc())
@@ -139,6 +156,8 @@ class CpuWorker:
         self.raise_if_failed()
 
     def close(self) -> None:
+        """Stop the thread: the task running finishes, the pending ones are dropped (their events set)."""
+        self._closing = True
         if self._thread.is_alive():
             self._q.put((float("inf"), 0, 0, None))
             self._thread.join(timeout=30)

@@ -278,3 +278,23 @@ def test_host_memory_flat_over_200_steps():
     run(200)
     grew = rss() - before
     assert grew < 8 * 2 ** 20, grew / 2 ** 20
+
+
+def test_exit_with_queued_updates_is_clean():
+    """A script that ends right after a step whose deferred updates are still queued exits at once, cleanly."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path.insert(0, "tests")
+        from helpers import batches, make_pair
+        _, slid = make_pair("llama", True, max_grad_norm=0.5)
+        opt = slid.create_optimizer(lr=1e-2)
+        for b in batches(2):
+            slid(**b).loss.backward(); opt.step()
+        print("ok", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr[-2000:])
+    assert "terminate" not in out.stderr, out.stderr[-2000:]
