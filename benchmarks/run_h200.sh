@@ -2,8 +2,9 @@
 # The GPU measurements of docs/benchmarks.md, in two parts that each fit one 10-minute device call.
 # Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh COMMIT [a|b]
 #   a: GPU tests; 3B batch 16 slide vs DeepSpeed ZeRO-2 (capped, best batch); 3B batch 8; 8B batch 16
-#   b: the 3B GPU-resident bound and HF resident; 8B batch 1 under 8 GiB; 200-step soak + clipping
-#      timing; the kernel table
+#   b: the 3B GPU-resident bound (RES_PROVIDERS=resident,hf adds HF); 8B batch 1 under 8 GiB; 200-step
+#      soak + clipping timing; the kernel table with KERNELS=1
+#   c: GPU tests; the 3B rows at batch 16 and 8 with a step trace each (the quick check after a change)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -26,6 +27,14 @@ if [ "$PART" = a ]; then
   timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
     --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
   tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_bytes": [0-9]*\|"resident_layers": [0-9]*' "$OUT/b8_16.log" | tail -2
+elif [ "$PART" = c ]; then
+  timeout 45 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+  tail -2 "$OUT/gpu_tests.log"
+  for b in 16 8; do
+    SLIDE_TRACE=/tmp/tr$b.json timeout 75 $B --model llama3-3b --providers slide --batch $b --offload-batches $b \
+      --timeout 72 --json "$OUT/b3_$b.json" > "$OUT/b3_$b.log" 2>&1
+    tail -1 "$OUT/b3_$b.log"; summ /tmp/tr$b.json
+  done
 else
   timeout 110 $B --model llama3-3b --providers ${RES_PROVIDERS:-resident} --batch 16 --timeout 100 \
     --json "$OUT/b3_res.json" > "$OUT/b3_res.log" 2>&1

@@ -40,10 +40,12 @@ class SlideConfig:
             L-1 .. 0) or "forward" (those still pending run in the order the next forward needs
             them). "forward" helps when the CPU is the bound (small batches); "hybrid" keeps
             arrival order during the backward and forward order for what is left when it ends
-            (not yet measured on a GPU); see docs/engine.md.
+            (measured on the H200: no faster than "arrival" once resident units take the CPU's
+            critical work); see docs/engine.md.
         resident_layers: Layers whose master and Adam state live on the GPU and are updated there
             (layers 0..k-1). "auto" (default) measures the first optimizer step and keeps as many
-            as fit in the memory it left free under the cap, less a margin (10%, at least 2 GiB);
+            as fit in the memory it left free under the cap (after the embedding, see
+            resident_embedding), less a margin (10%, at least 2 GiB);
             0 turns them off. Only with updates inside backward (no accumulation, no clipping):
             otherwise none. See docs/engine.md.
         resident_embedding: Keep the input embedding's master and Adam state on the GPU too

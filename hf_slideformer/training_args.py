@@ -66,7 +66,7 @@ class SlideArgs(TrainingArguments):
     slide_update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
                 "in the order the next forward needs them; helps CPU-bound small batches) or 'hybrid' (arrival during "
-                "the backward, forward order for what is left; not yet measured)."})
+                "the backward, forward order for what is left)."})
     slide_resident_layers: str = field(default="auto", metadata={
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
                 "in what the first step left free under the cap, less a margin) or a number (0: none). Only without "
