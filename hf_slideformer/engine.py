@@ -198,6 +198,7 @@ class SlideEngine(HostTasks):
         self.resident_embed: ResidentState | None = None
         self._resident_target: tuple[bool, int] | None = None   # decided after the first optimizer step
         self._resident_grad: torch.Tensor | None = None
+        self._plan_peak: int | None = None
         self._embed_rgrad: torch.Tensor | None = None    # the resident embedding's (V*H,) fp32 gradient
         self._pace_ev = None
         self.anchor = torch.zeros((), requires_grad=True)
@@ -236,11 +237,17 @@ class SlideEngine(HostTasks):
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {gradient_accumulation_steps!r}")
         clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
+        changed = (gradient_accumulation_steps, clip) != (self.config.gradient_accumulation_steps,
+                                                         self.config.max_grad_norm)
+        if changed:
+            # Resident units are planned for one mode (a gradient per layer when clipping, none with
+            # accumulation): write them back; the next optimizer step plans again.
+            self.worker.join()
+            self.evict_resident()
+            self._resident_target = None
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
         self.config.max_grad_norm = clip
         if self.config.deferred:
-            self.worker.join()
-            self.evict_resident()
             if self.store.optimizer_ready:
                 self.store.allocate_grad_accumulators()
             else:
@@ -347,15 +354,18 @@ class SlideEngine(HostTasks):
             return embed, layers
         limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory)
-        plan = plan_resident(limit_bytes=limit, peak_bytes=torch.cuda.max_memory_reserved(self.device),
+        if self._plan_peak is None:      # the first step's peak, before any resident state was allocated
+            self._plan_peak = torch.cuda.max_memory_reserved(self.device)
+        plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
                              layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
-                             embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers)
+                             embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers,
+                             clipping=c.max_grad_norm is not None)
         logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
         return plan
 
-    def _make_resident(self, u: Unit) -> ResidentState:
+    def _make_resident(self, u: Unit, with_grad: bool = False) -> ResidentState:
         self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
-        r = ResidentState(u, self.dtype, self.device)
+        r = ResidentState(u, self.dtype, self.device, with_grad=with_grad)
         r.load_from_host()
         # The host moments are not read again until evict_resident() writes them back.
         release_pages(u.exp_avg)
@@ -363,8 +373,8 @@ class SlideEngine(HostTasks):
         return r
 
     def _promote_resident(self) -> None:
-        """Make the embedding and layers 0..k-1 resident (between optimizer steps, updates in backward only)."""
-        if self.config.deferred or self.optimizer is None:
+        """Make the embedding and layers 0..k-1 resident (between optimizer steps; one backward per step)."""
+        if not self.single_micro or self.optimizer is None:
             return
         if self._resident_target is None:
             self._resident_target = self._plan_resident()
@@ -376,12 +386,13 @@ class SlideEngine(HostTasks):
                 self._embed_rgrad = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=self.device)
         if len(self.resident) >= n:
             return
-        if self._resident_grad is None:
+        if self._resident_grad is None and self.config.max_grad_norm is None:
             self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
                                               device=self.device)
+        clipping = self.config.max_grad_norm is not None
         for i in range(n):
             if i not in self.resident:
-                self.resident[i] = self._make_resident(self.layer_units[i])
+                self.resident[i] = self._make_resident(self.layer_units[i], with_grad=clipping)
 
     def evict_resident(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
@@ -395,27 +406,28 @@ class SlideEngine(HostTasks):
         self.resident_embed = None
 
     def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
-        """AdamW of a resident layer on the compute stream, right after its backward."""
-        if not self.in_backward:
-            raise SlideStateError("internal: a resident layer outside an in-backward update")
-        if self.single_micro:
-            self.norm_dev += _sq_norm([g for g in grads if g is not None])
-        g32 = self._resident_grad[:u.numel]
+        """AdamW of a resident layer on the compute stream right after its backward; with clipping,
+        its gradient waits on the device for optimizer.step()."""
+        if not self.single_micro:
+            raise SlideStateError("internal: a resident layer with gradient accumulation")
+        self.norm_dev += _sq_norm([g for g in grads if g is not None])
+        g32 = self._resident_grad[:u.numel] if self.in_backward else r.grad
         for e, g in zip(u.entries, grads):
             d = e.view(g32)
             if g is None:
                 d.zero_()
             else:
                 d.copy_(g.reshape(d.shape))
-        self._resident_step(u, r, g32)
+        if self.in_backward:
+            self._resident_step(u, r, g32)
 
-    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor) -> None:
+    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device; the new master goes back to the host."""
         st = self.streams
         # Note: [Why the update waits for the copy-back] the previous step's master is still being
         # copied to the host on the d2h stream; it is overwritten only after that copy has read it.
         st.wait(r.copied)
-        _optim.apply_adamw(u, g32, *self.hp, state=r)
+        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         u.version += 1                                   # any slot copy of the old weights is stale
@@ -512,13 +524,12 @@ class SlideEngine(HostTasks):
         r = self.resident_embed
         if r is not None:
             self.embed_host_free.set()
-            if not self.in_backward:
-                raise SlideStateError("internal: the resident embedding outside an in-backward update")
             G = self._embed_rgrad.view(self.vocab, self.hidden)
             if not self.tied:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            self._resident_step(self.embed_unit, r, self._embed_rgrad)
+            if self.in_backward:                 # else optimizer.step() clips and updates it
+                self._resident_step(self.embed_unit, r, self._embed_rgrad)
             self.end_backward()
             return
         done = self._d2h([S], [host])
@@ -781,7 +792,10 @@ class SlideEngine(HostTasks):
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
             self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev)
+            on_device = self._step_resident(hp)
             for u in self.store.units:
+                if id(u) in on_device:
+                    continue
                 self._schedule(u)
                 self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))
         self.micro = 0
@@ -789,6 +803,23 @@ class SlideEngine(HostTasks):
         self.stats.mark_step()
         self.stats.fold()
         self._promote_resident()
+
+    def _step_resident(self, hp) -> set[int]:
+        """Clip and update the resident units at optimizer.step() (clipping mode); their unit ids."""
+        units = ([(self.embed_unit, self.resident_embed, self._embed_rgrad)] if self.resident_embed is not None else [])
+        units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
+        if not units:
+            return set()
+        mx = self.config.max_grad_norm
+        if self.streams.cuda:          # on the device, no sync: torch's clip_grad_norm_ arithmetic
+            coef = (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
+        else:                          # the host tasks' own arithmetic (see _clip_task): identical results
+            coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
+        for u, r, g in units:
+            if not isinstance(coef, float) or coef != 1.0:
+                g.mul_(coef)
+            self._resident_step(u, r, g, hp)
+        return {id(u) for u, _, _ in units}
 
     def zero_grad(self) -> None:
         if self.micro == 0:

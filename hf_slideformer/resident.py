@@ -30,7 +30,7 @@ GiB = 1024 ** 3
 class ResidentState:
     """Device copies of one layer unit's master, moments, step counters and compute weights."""
 
-    def __init__(self, u: Unit, dtype: torch.dtype, device: torch.device):
+    def __init__(self, u: Unit, dtype: torch.dtype, device: torch.device, with_grad: bool = False):
         self.unit = u
         self.master = torch.empty(u.numel, dtype=torch.float32, device=device)
         self.exp_avg = torch.empty_like(self.master)
@@ -38,6 +38,8 @@ class ResidentState:
         self.weights = torch.empty(u.numel, dtype=dtype, device=device) if dtype != torch.float32 else self.master
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in u.entries]
         self.copied = None                    # d2h event of the last copy of `master` back to the host
+        # The step's gradient, kept until optimizer.step() when it clips (layers in-backward share one).
+        self.grad = torch.empty_like(self.master) if with_grad else None
 
     def load_from_host(self) -> None:
         u = self.unit
@@ -67,7 +69,7 @@ class ResidentState:
 
 
 def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
-                  dtype: torch.dtype, embed: bool | None = None, layers: int | None = None,
+                  dtype: torch.dtype, embed: bool | None = None, layers: int | None = None, clipping: bool = False,
                   margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> tuple[bool, int]:
     """What to keep resident in what a measured step left free under the limit: (embedding?, layers).
 
@@ -82,6 +84,8 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
         embed_numel: parameters of the input embedding.
         dtype: compute dtype (resident units also keep their weights in it).
         embed, layers: fixed choices (None: decide).
+        clipping: updates wait for the global norm at optimizer.step(), so every resident layer
+            keeps its own fp32 gradient until then (else one buffer serves them all).
         margin_fraction, min_margin: head-room kept free for longer batches and fragmentation.
     """
     margin = max(min_margin, int(margin_fraction * limit_bytes))
@@ -92,7 +96,10 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
     if embed:
         budget -= embed_numel * (per + 4)
     if layers is None:
-        budget -= layer_numel * 4                                        # one shared fp32 gradient buffer
+        if clipping:
+            per += 4                                                     # a gradient per layer
+        else:
+            budget -= layer_numel * 4                                    # one shared fp32 gradient buffer
         layers = int(max(0, min(n_layers, budget // (layer_numel * per)))) if budget > 0 else 0
     return bool(embed), int(layers)
 

@@ -69,8 +69,8 @@ class SlideArgs(TrainingArguments):
                 "the backward, forward order for what is left)."})
     slide_resident_layers: str = field(default="auto", metadata={
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
-                "in what the first step left free under the cap, less a margin) or a number (0: none). Only without "
-                "accumulation and clipping."})
+                "in what the first step left free under the cap, less a margin) or a number (0: none). Not with "
+                "gradient accumulation."})
     slide_resident_embedding: str = field(default="auto", metadata={
         "help": "Keep the input embedding's master and Adam state on the GPU: 'auto' (when it fits, before the "
                 "layers), 'true' or 'false'."})

@@ -80,13 +80,27 @@ def test_switching_to_clipping_writes_resident_state_back():
         opt = _train(slid, data[:2])
         eng = slid.slide_engine
         assert len(eng.resident) == n
-        eng.configure_steps(1, 0.5)                # clipping: updates wait for step()
+        eng.configure_steps(1, 0.5)                # clipping: updates wait for the norm at step()
         assert not eng.resident and eng.resident_embed is None
         _train(slid, data[2:], opt)
-        assert not eng.resident
+        assert len(eng.resident) == n and (eng.resident_embed is not None) == (n > 0)   # resident again
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resident_units_with_clipping_match_plain_training(tied):
+    ref, slid = make_pair("llama", tied, max_grad_norm=0.05, resident_layers=2, resident_embedding=True)
+    assert train_both(ref, slid, batches(4, pad=True), clip=0.05) < PARAM_TOL
+    assert slid.slide_stats()["gpu_updated_params"] > 0
+
+
+def test_no_resident_units_with_accumulation():
+    ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5, resident_layers=2,
+                          resident_embedding=True)
+    assert train_both(ref, slid, batches(4, pad=True), ga=2, clip=0.5) < PARAM_TOL
+    assert slid.slide_stats()["gpu_updated_params"] == 0 and not slid.slide_engine.resident
 
 
 def test_plan_resident_layers_from_the_measured_peak():
@@ -98,6 +112,14 @@ def test_plan_resident_layers_from_the_measured_peak():
                                 dtype=torch.bfloat16) == 0
     assert plan_resident_layers(limit_bytes=140 * GiB, peak_bytes=1 * GiB, layer_numel=1000, n_layers=4,
                                 dtype=torch.bfloat16) == 4
+
+
+def test_plan_with_clipping_gives_each_layer_a_gradient():
+    kw = dict(limit_bytes=24 * GiB, peak_bytes=13 * GiB, layer_numel=100_000_000, n_layers=28, embed_numel=0,
+              dtype=torch.bfloat16, embed=False)
+    # 8.6 GiB: 1.4 GB per layer and one shared 0.4 GB buffer -> 6; 1.8 GB per layer -> 5
+    assert plan_resident(**kw) == (False, 6)
+    assert plan_resident(clipping=True, **kw) == (False, 5)
 
 
 def test_plan_puts_the_embedding_first():
