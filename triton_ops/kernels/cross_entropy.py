@@ -236,10 +236,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dh, dw = ctx.dh, ctx.dw
         ctx.dh = ctx.dw = None
-        # The loss ends the graph: backward is usually entered with 1.0, so it costs one check.
-        if grad_loss.item() != 1.0:
-            dh = dh * grad_loss.to(dh.dtype) if dh is not None else None
-            dw = dw * grad_loss.to(dw.dtype) if dw is not None else None
+        # Scaled in place on the device by the incoming (usually 1.0) gradient: reading it on the
+        # host to skip the multiply would synchronize the host with the whole forward (~0.5 ms of
+        # GPU time for a (128256, 3072) bf16 dW, against a stalled launch queue).
+        g = grad_loss.reshape(())
+        if dh is not None:
+            dh.mul_(g.to(dh.dtype))
+        if dw is not None:
+            dw.mul_(g.to(dw.dtype))
         return dh, dw, None, None, None, None, None, None, None
 
 
