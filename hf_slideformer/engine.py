@@ -198,7 +198,9 @@ class SlideEngine(HostTasks):
         self.resident_embed: ResidentState | None = None
         self._resident_target: tuple[bool, int] | None = None   # decided after the first optimizer step
         self._resident_grad: torch.Tensor | None = None
-        self._plan_peak: int | None = None
+        self._plan_peak: int | None = None              # GPU peak the plan is based on ...
+        self._plan_tokens: int | None = None            # ... and the tokens of that step's batch
+        self._last_tokens = 0
         self._embed_rgrad: torch.Tensor | None = None    # the resident embedding's (V*H,) fp32 gradient
         self._pace_ev = None
         self.anchor = torch.zeros((), requires_grad=True)
@@ -356,12 +358,27 @@ class SlideEngine(HostTasks):
                  else torch.cuda.get_device_properties(self.device).total_memory)
         if self._plan_peak is None:      # the first step's peak, before any resident state was allocated
             self._plan_peak = torch.cuda.max_memory_reserved(self.device)
+            self._plan_tokens = self._last_tokens
         plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
                              layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
                              embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers,
                              clipping=c.max_grad_norm is not None)
         logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
         return plan
+
+    def _fit_resident(self, tokens: int) -> None:
+        """Before a training forward: a batch larger than the one the plan measured may need the
+        memory the resident units hold, so they go back to the host for it, and the next plan
+        scales the measured peak by the new size (an over-estimate: part of the peak is fixed).
+        The plan only grows, so a run settles at its longest batch."""
+        self._last_tokens = tokens
+        if self._plan_peak is None or not self._plan_tokens or tokens <= self._plan_tokens:
+            return
+        if self.resident or self.resident_embed is not None:
+            self.evict_resident()
+        self._plan_peak = int(self._plan_peak * tokens / self._plan_tokens)
+        self._plan_tokens = tokens
+        self._resident_target = None
 
     def _make_resident(self, u: Unit, with_grad: bool = False) -> ResidentState:
         self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
@@ -475,6 +492,8 @@ class SlideEngine(HostTasks):
             self._fwd_touch = uniq
             self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
+        if with_grad:
+            self._fit_resident(T)
         table = u.master.view(self.vocab, self.hidden)
         first = next((i for i in range(len(self.layer_units)) if i not in self.resident), None)
         if first is not None:

@@ -156,3 +156,24 @@ def test_resident_options_from_trainer_and_launcher_strings(tmp_path):
     assert cfg.resident_layers == 3 and cfg.resident_embedding is False
     cfg = SlidePlugin(resident_layers="auto", resident_embedding="true").to_slide_config("cpu")
     assert cfg.resident_layers == "auto" and cfg.resident_embedding is True
+
+
+def test_longer_batch_than_planned_writes_resident_units_back():
+    short, long = batches(2, seq=11, pad=True), batches(2, seq=17, pad=True, seed=3)
+    states = []
+    for n in (0, 2):
+        _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=n > 0)
+        opt = _train(slid, short[:1])
+        eng = slid.slide_engine
+        eng._plan_peak, eng._plan_tokens = 1000, short[0]["input_ids"].numel()   # as measured on a GPU
+        _train(slid, short[1:], opt)
+        assert len(eng.resident) == n
+        slid(**long[0]).loss.backward()              # more tokens: the resident units went back first
+        assert not eng.resident and eng.resident_embed is None
+        assert eng._plan_tokens == long[0]["input_ids"].numel() and (n == 0 or eng._plan_peak > 1000)
+        opt.step(); opt.zero_grad()
+        assert len(eng.resident) == n                # planned again after the step
+        _train(slid, long[1:], opt)
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
