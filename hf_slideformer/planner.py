@@ -12,7 +12,10 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from .memory import available_host_bytes
+from .resident import ResidentState, plan_resident
 from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -30,7 +33,8 @@ GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
 STAGING_ELEMENTS = 1 << 26   # fp32 elements of each on-GPU staging chunk (engine._CHUNK)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
-ENGINE_EFFICIENCY = {"gpu": 0.80, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
+ENGINE_EFFICIENCY = {"gpu": 0.85, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
+RESERVED_VS_ALLOCATED = 2.0  # the allocator's reserved peak over the allocated one (H200 runs: 1.8-2.1)
 
 
 def _pinned(nbytes: int) -> int:
@@ -148,6 +152,8 @@ class Plan:
     d2h_bytes: int = 0
     times: dict = field(default_factory=dict)      # term -> seconds per optimizer step
     gpu_resident_s: float = 0.0
+    resident_embedding: bool = False  # units the engine keeps and updates on the GPU (SlideConfig.resident_*)
+    resident_layers: int = 0
     bound_s: float = 0.0
     bound_by: str = ""
     expected_step_s: float = 0.0
@@ -256,27 +262,41 @@ class _Estimator:
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
         return (8 if recompute else 6) * s.layers * s.layer_params + 6 * s.vocab * s.hidden + attn
 
-    def traffic(self, B: int, N: int, tier: str) -> tuple[int, int]:
-        """Bytes host-to-device and device-to-host per optimizer step of N micro-batches."""
+    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
+        """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
+        (res: resident embedding?, resident layers)."""
         s, TH = self.s, B * self.seq * self.s.hidden
-        layers = s.layers * s.layer_params
+        embed_res, k = res
+        sent = s.layers - k
+        layers = sent * s.layer_params
         acts = 2 * s.layers * TH if tier in ("cpu", "nvme") else 0
-        resent = max(0, s.layers - self.window) * s.layer_params   # the last `window` layers stay for backward
-        h2d = 4 * (layers + resent + s.head_slot_params) + 4 * TH + acts    # fp32 masters, embedding rows
-        d2h = 4 * (layers + s.head_slot_params) + 4 * TH + acts             # fp32 gradients, embedding rows
+        resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
+        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
+        rows = 0 if embed_res else 4 * TH
+        h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
+        # fp32 gradients (a resident unit's new master comes back instead: the same bytes), embedding rows
+        d2h = 4 * (s.layers * s.layer_params + s.head_slot_params) + rows + acts
+        if embed_res and not s.tied:
+            d2h += 4 * s.embed_params                              # the resident embedding's master
         return N * h2d, N * d2h
 
-    def times(self, B: int, N: int, tier: str, deferred: bool | None = None) -> dict:
+    def resident_params(self, res: tuple[bool, int]) -> int:
+        return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
+
+    def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
+              res: tuple[bool, int] = (False, 0)) -> dict:
         """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
         r, s = self.rates, self.s
-        h2d, d2h = self.traffic(B, N, tier)
+        h2d, d2h = self.traffic(B, N, tier, res)
         bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
+        on_cpu = s.n_params - self.resident_params(res)
+        layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
         out = {
             "gpu": N * B * self.seq * self.flops_per_token() / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]),
             "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
             # deferred mode: each micro-batch's gradients are copied (first) or added into the accumulator
-            "cpu": s.n_params / adam + (N if deferred else 0) * (s.n_params - s.embed_params) / (adam * ADD_VS_ADAM),
+            "cpu": on_cpu / adam + (N if deferred else 0) * layers_on_cpu / (adam * ADD_VS_ADAM),
         }
         if tier == "nvme":
             acts = N * 2 * s.layers * B * self.seq * s.hidden
@@ -325,7 +345,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
-         nvme_read_gbs: float = 0.9) -> Plan:
+         nvme_read_gbs: float = 0.9, resident: bool = True) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -342,6 +362,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers: as in
             SlideConfig ("auto" means "cpu").
         nvme_write_gbs, nvme_read_gbs: disk rates for the "nvme" activation tier, GB/s.
+        resident: model the engine's resident units (SlideConfig.resident_embedding / resident_layers
+            "auto"): in what the step leaves free under the card's memory, the embedding then layers
+            keep their optimizer state on the GPU and leave the CPU's AdamW and PCIe. The engine
+            decides from the reserved peak it measures; the plan from its allocated-peak estimate
+            times RESERVED_VS_ALLOCATED. No resident units with gradient accumulation.
 
     Returns:
         A Plan; `Plan.report()` formats it, `Plan.to_dict()` serialises it.
@@ -392,8 +417,21 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)
     p.gpu_peak = est.gpu_peak(batch, tier)
     p.flops_per_token = est.flops_per_token()
-    p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier)
-    p.times = est.times(batch, N, tier, deferred)
+    res = (False, 0)
+    if resident and N == 1:
+        res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
+                            layer_numel=shape.layer_params, n_layers=shape.layers, embed_numel=shape.embed_params,
+                            dtype=torch.bfloat16, clipping=clip is not None)
+    p.resident_embedding, p.resident_layers = res
+    if res != (False, 0):
+        per = ResidentState.bytes_per_param(torch.bfloat16)
+        held = ((per + 4) * shape.embed_params if res[0] else 0) + res[1] * shape.layer_params * per
+        if res[1]:
+            held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)
+        p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
+        p.gpu_peak += held
+    p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
+    p.times = est.times(batch, N, tier, deferred, res)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (
         gpu_tflops * 1e12 * gpu_efficiency)
     p.bound_by = max(p.times, key=p.times.get)
@@ -508,7 +546,14 @@ def _format_report(p: Plan) -> str:
     big = max(p.gpu_phases, key=p.gpu_phases.get)
     lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in p.gpu_phases.items()]
     host_b = "" if p.max_batch_host is None else f", {p.max_batch_host} by host memory"
-    lines += [f"largest batch {p.max_batch_gpu} by GPU memory{host_b}", ""]
+    lines += [f"largest batch {p.max_batch_gpu} by GPU memory{host_b}"]
+    res_params = (s.embed_params if p.resident_embedding else 0) + p.resident_layers * s.layer_params
+    if res_params:
+        what = (["the embedding"] if p.resident_embedding else []) + (
+            [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
+        lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
+                     f"{res_params / 1e9:.2f} B parameters (the engine decides after its first step)")
+    lines.append("")
     eff = p.rates["gpu_tflops"] * p.rates["gpu_efficiency"]
     lines.append(f"step time    bound {p.bound_s:.3f} s by {p.bound_by} ({p.tokens_per_s / 1e3:.1f} k tokens/s); "
                  f"expected about {p.expected_step_s:.2f} s ({p.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
@@ -516,7 +561,7 @@ def _format_report(p: Plan) -> str:
         "gpu": f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)",
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
-        "cpu": f"AdamW over {s.n_params / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
+        "cpu": f"AdamW over {(s.n_params - res_params) / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
         "disk": f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s",
     }
     lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in p.times.items()]

@@ -26,13 +26,21 @@ MEASURED = [
 ]
 
 
+# The same machine with resident units (commit 1197c61): (shape, batch, cap, step s, GPU compute s, CPU AdamW s,
+# GPU peak allocated GiB, host RSS GiB, resident embedding, resident layers the engine chose)
+MEASURED_RESIDENT = [
+    ("llama3-3b", 16, 24, 1.565, 1.497, 0.676, 18.1, 49.3, True, 4),
+    ("llama3-3b", 8, 24, 1.022, 0.717, 0.640, 20.0, 45.6, True, 7),
+]
+
+
 def rel(estimate, measured):
     return abs(estimate - measured) / measured
 
 
 @pytest.mark.parametrize("name, batch, cap, step, gpu_s, adam_s, alloc, rss", MEASURED)
 def test_estimates_land_near_the_h200_measurements(name, batch, cap, step, gpu_s, adam_s, alloc, rss):
-    p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, **H200)
+    p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, resident=False, **H200)
     assert p.fits
     assert rel(p.host_total / GiB, rss) < 0.25
     assert rel(p.gpu_peak / GiB, alloc) < 0.25
@@ -41,6 +49,21 @@ def test_estimates_land_near_the_h200_measurements(name, batch, cap, step, gpu_s
         assert rel(p.times["cpu"], adam_s) < 0.25
         assert rel(p.expected_step_s, step) < 0.25
         assert p.bound_s <= step            # a bound, not a prediction
+
+
+@pytest.mark.parametrize("name, batch, cap, step, gpu_s, adam_s, alloc, rss, embed, layers", MEASURED_RESIDENT)
+def test_estimates_with_resident_units(name, batch, cap, step, gpu_s, adam_s, alloc, rss, embed, layers):
+    p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, **H200)
+    assert p.fits and p.resident_embedding == embed
+    assert abs(p.resident_layers - layers) <= 3            # the engine measures its own peak
+    assert rel(p.gpu_peak / GiB, alloc) < 0.25
+    assert rel(p.host_total / GiB, rss) < 0.25
+    assert rel(p.times["gpu"], gpu_s) < 0.20
+    assert rel(p.times["cpu"], adam_s) < 0.25
+    assert rel(p.expected_step_s, step) < 0.25
+    assert "resident on the GPU" in p.report()
+    assert plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, gradient_accumulation_steps=2,
+                **H200).resident_layers == 0
 
 
 def test_resident_compute_matches_the_gpu_resident_measurement():
@@ -82,11 +105,13 @@ def test_parameter_counts_match_hf_for_each_family(model_type, extra, tied):
 
 
 def test_cpu_bound_batch_is_told_the_batch_that_hides_adam():
-    p = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200)
+    p = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, resident=False, **H200)
     assert p.bound_by == "cpu"
     assert any(a.startswith("CPU-bound: raise the batch to 16") for a in p.advice)
-    chosen = plan(CONFIGS / "llama3-3b.json", gpu_mem=24, **H200)
+    chosen = plan(CONFIGS / "llama3-3b.json", gpu_mem=24, resident=False, **H200)
     assert chosen.batch_chosen and chosen.batch == 16 and chosen.bound_by == "gpu"
+    # With resident units batch 8 is GPU-bound, as measured (CPU AdamW 0.64 s, GPU 0.72 s).
+    assert plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200).bound_by == "gpu"
 
 
 def test_largest_batch_is_the_last_that_fits():
@@ -107,14 +132,15 @@ def test_short_host_memory_names_the_fixes():
 
 
 def test_accumulation_and_tiers_move_the_right_terms():
-    base = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200)
-    acc = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, gradient_accumulation_steps=4, **H200)
+    kw = dict(gpu_mem=24, resident=False, **H200)
+    base = plan(CONFIGS / "llama3-3b.json", batch=8, **kw)
+    acc = plan(CONFIGS / "llama3-3b.json", batch=8, gradient_accumulation_steps=4, **kw)
     assert acc.host_total - base.host_total == 4 * (acc.shape.n_params - acc.shape.embed_params)
     assert acc.times["gpu"] == pytest.approx(4 * base.times["gpu"])
     assert base.times["cpu"] < acc.times["cpu"] < 4 * base.times["cpu"]   # one AdamW, 4 accumulations
-    dev = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, activation_tier="device", **H200)
+    dev = plan(CONFIGS / "llama3-3b.json", batch=8, activation_tier="device", **kw)
     assert dev.gpu_peak > base.gpu_peak and dev.host_total < base.host_total and dev.h2d_bytes < base.h2d_bytes
-    nvme = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, activation_tier="nvme", **H200)
+    nvme = plan(CONFIGS / "llama3-3b.json", batch=8, activation_tier="nvme", **kw)
     assert nvme.times["disk"] > 0 and nvme.bound_by == "disk"
 
 
