@@ -206,3 +206,29 @@ def test_deepspeed_providers_on_deepspeeds_cpu_accelerator(tmp_path):
         assert rows[name]["status"] == "ok", rows[name]
         assert rows[name]["n_params"] == 90_432 and f"optimizer {optimizer}" in rows[name]["notes"]
         assert rows[name]["extra"]["deepspeed_config"]["zero_optimization"]["stage"] == int(name[-1])
+
+
+def test_step_trace_and_its_summary(tmp_path):
+    """SLIDE_TRACE writes a timeline of the timed steps; trace_summary reads it back per step."""
+    from benchmarks.trace_summary import summarize
+    trace = tmp_path / "trace.json"
+    out = subprocess.run([sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--model", "tiny",
+                          "--providers", "slide", "--batch", "2", "--steps", "3", "--warmup", "1", "--no-probe"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "SLIDE_TRACE": str(trace)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    events = json.loads(trace.read_text())
+    labels = {e[1].split(":")[0] for e in events}
+    assert {"step", "forward_begin", "backward_begin", "backward_end", "adam", "_layer_task"} <= labels
+    text = summarize(events)
+    assert text.count("step ") == sum(1 for e in events if e[1] == "step") - 1 and "worker.adam" in text
+
+
+def test_soak_reports_flat_memory_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/soak.py", "--device", "cpu", "--model", "tiny", "--batch", "2",
+                          "--seq", "32", "--steps", "30", "--compare-clipping", "6", "--json", str(tmp_path / "s.json")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["flat"] and result["steps"] == 30 and len(result["rows"]) == 30
+    assert result["clipping_median_step_s"] > 0
