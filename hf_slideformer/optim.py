@@ -14,7 +14,14 @@ import torch
 
 from .store import Unit
 
-__all__ = ["SlideOptimizer", "apply_adamw"]
+__all__ = ["SlideOptimizer", "apply_adamw", "sq_norm"]
+
+
+def sq_norm(tensors) -> torch.Tensor:
+    """Sum of squared L2 norms, in fp32, as a scalar on the tensors' device."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None) -> None:

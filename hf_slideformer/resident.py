@@ -18,11 +18,19 @@ the next forward needs first), then layers 0..k-1, the next ones the forward nee
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from . import optim as _optim
+from .errors import SlideStateError
+from .memory import release_pages
+from .optim import sq_norm as _sq_norm
 from .store import Unit
 
-__all__ = ["ResidentState", "plan_resident", "plan_resident_layers"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResidentState", "ResidentUnits", "plan_resident", "plan_resident_layers"]
 
 GiB = 1024 ** 3
 
@@ -110,3 +118,152 @@ def plan_resident_layers(*, limit_bytes: int, peak_bytes: int, layer_numel: int,
     return plan_resident(limit_bytes=limit_bytes, peak_bytes=peak_bytes, layer_numel=layer_numel,
                          n_layers=n_layers, embed_numel=0, dtype=dtype, embed=False,
                          margin_fraction=margin_fraction, min_margin=min_margin)[1]
+
+
+class ResidentUnits:
+    """Engine-side methods of the resident units (a mixin of SlideEngine: they share its state)."""
+
+    def _plan_resident(self) -> tuple[bool, int]:
+        c = self.config
+        embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
+        layers = None if c.resident_layers == "auto" else int(c.resident_layers)
+        if not self.streams.cuda:                       # nothing to gain on a CPU device unless asked
+            return bool(embed), layers or 0
+        if embed is not None and layers is not None:
+            return embed, layers
+        limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
+                 else torch.cuda.get_device_properties(self.device).total_memory)
+        if self._plan_peak is None:      # the first step's peak, before any resident state was allocated
+            self._plan_peak = torch.cuda.max_memory_reserved(self.device)
+            self._plan_tokens = self._last_tokens
+        plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
+                             layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
+                             embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers,
+                             clipping=c.max_grad_norm is not None)
+        logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
+        return plan
+
+    def _fit_resident(self, tokens: int) -> None:
+        """Before a training forward: a batch larger than the one the plan measured may need the
+        memory the resident units hold, so they go back to the host for it, and the next plan
+        scales the measured peak by the new size (an over-estimate: part of the peak is fixed).
+        The plan only grows, so a run settles at its longest batch."""
+        self._last_tokens = tokens
+        if self._plan_peak is None or not self._plan_tokens or tokens <= self._plan_tokens:
+            return
+        if self.resident or self.resident_embed is not None:
+            self.evict_resident()
+        self._plan_peak = int(self._plan_peak * tokens / self._plan_tokens)
+        self._plan_tokens = tokens
+        self._resident_target = None
+
+    def _make_resident(self, u: Unit, with_grad: bool = False) -> ResidentState:
+        self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
+        r = ResidentState(u, self.dtype, self.device, with_grad=with_grad)
+        r.load_from_host()
+        # The host moments are not read again until evict_resident() writes them back.
+        release_pages(u.exp_avg)
+        release_pages(u.exp_avg_sq)
+        return r
+
+    def _promote_resident(self) -> None:
+        """Make the embedding and layers 0..k-1 resident (between optimizer steps; one backward per step)."""
+        if not self.single_micro or self.optimizer is None:
+            return
+        if self._resident_target is None:
+            self._resident_target = self._plan_resident()
+        embed, n = self._resident_target
+        n = min(n, len(self.layer_units))
+        if embed and self.resident_embed is None:
+            self.resident_embed = self._make_resident(self.embed_unit)
+            if self._embed_rgrad is None:
+                self._embed_rgrad = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=self.device)
+        if len(self.resident) >= n:
+            return
+        if self._resident_grad is None and self.config.max_grad_norm is None:
+            self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
+                                              device=self.device)
+        clipping = self.config.max_grad_norm is not None
+        for i in range(n):
+            if i not in self.resident:
+                self.resident[i] = self._make_resident(self.layer_units[i], with_grad=clipping)
+
+    def evict_resident(self) -> None:
+        """Write the resident units' state back to the host store and drop the device copies."""
+        if not self.resident and self.resident_embed is None:
+            return
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
+            r.store_to_host()
+        self.resident.clear()
+        self.resident_embed = None
+
+    def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
+        """AdamW of a resident layer on the compute stream right after its backward; with clipping,
+        its gradient waits on the device for optimizer.step()."""
+        if not self.single_micro:
+            raise SlideStateError("internal: a resident layer with gradient accumulation")
+        self.norm_dev += _sq_norm([g for g in grads if g is not None])
+        g32 = self._resident_grad[:u.numel] if self.in_backward else r.grad
+        for e, g in zip(u.entries, grads):
+            d = e.view(g32)
+            if g is None:
+                d.zero_()
+            else:
+                d.copy_(g.reshape(d.shape))
+        if self.in_backward:
+            self._resident_step(u, r, g32)
+
+    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None) -> None:
+        """AdamW of resident unit `u` with its fp32 gradient on the device; the new master goes back to the host."""
+        st = self.streams
+        # Note: [Why the update waits for the copy-back] the previous step's master is still being
+        # copied to the host on the d2h stream; it is overwritten only after that copy has read it.
+        st.wait(r.copied)
+        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r)
+        if r.weights is not r.master:
+            r.weights.copy_(r.master)
+        u.version += 1                                   # any slot copy of the old weights is stale
+        if st.cuda:
+            st.wait(st.record(), st.d2h)
+            with st.on(st.d2h):
+                u.master.copy_(r.master, non_blocking=True)
+            r.copied = st.record(st.d2h)
+        else:
+            u.master.copy_(r.master)
+        self.stats.add_bytes("d2h", u.numel * 4)
+        self.stats.gpu_adam_params += u.numel
+
+    def _pace(self) -> None:
+        """Keep the host at most one resident layer ahead of the GPU.
+
+        Note: [Why resident layers are paced] without a copy or an update to wait for, the host
+        queues resident layers' kernels as fast as Python runs; once CUDA's launch queue is full,
+        launches block while holding the interpreter lock, and the CPU worker, which needs that
+        lock between its AdamW calls, stalls for the whole stretch (measured: 150-370 ms per
+        step). Waiting on the previous layer's event releases the lock and costs no GPU time:
+        one layer of queued work covers the host's launch overhead.
+        """
+        if not self.streams.cuda:
+            return
+        prev, self._pace_ev = self._pace_ev, self.streams.record()
+        if prev is not None:
+            prev.synchronize()
+
+    def _step_resident(self, hp) -> set[int]:
+        """Clip and update the resident units at optimizer.step() (clipping mode); their unit ids."""
+        units = ([(self.embed_unit, self.resident_embed, self._embed_rgrad)] if self.resident_embed is not None else [])
+        units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
+        if not units:
+            return set()
+        mx = self.config.max_grad_norm
+        if self.streams.cuda:          # on the device, no sync: torch's clip_grad_norm_ arithmetic
+            coef = (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
+        else:                          # the host tasks' own arithmetic (see _clip_task): identical results
+            coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
+        for u, r, g in units:
+            if not isinstance(coef, float) or coef != 1.0:
+                g.mul_(coef)
+            self._resident_step(u, r, g, hp)
+        return {id(u) for u, _, _ in units}
