@@ -121,6 +121,12 @@ class SlideOptimizer(torch.optim.Optimizer):
         """Global L2 norm of the gradients of the last optimizer step (before clipping)."""
         return self.engine.last_grad_norm()
 
+    def state_dict(self) -> dict:
+        """torch.optim's state dict, once every queued update has run and resident units' moments
+        are back in the host store (which the state's tensors view)."""
+        self.engine.synchronize()
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyper-parameters and moments in place (the moments are views of the host store)."""
         groups = state_dict["param_groups"]

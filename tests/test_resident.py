@@ -177,3 +177,18 @@ def test_longer_batch_than_planned_writes_resident_units_back():
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_optimizer_state_dict_holds_resident_moments():
+    data = batches(3, pad=True)
+    sds = []
+    for n, embed in ((0, False), (2, True)):
+        _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=embed)
+        opt = _train(slid, data)
+        assert len(slid.slide_engine.resident) == n
+        sds.append(opt.state_dict())                 # no model.state_dict() before: it must write them back
+    a, b = sds
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(a["state"][k][name]), torch.as_tensor(b["state"][k][name])), (k, name)
