@@ -278,6 +278,18 @@ class SlideModel:
         self.slide_engine.synchronize()
         return super().state_dict(*args, **kwargs)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load weights under HF names into the fp32 masters (in place: they stay the engine's).
+
+        Every queued update runs first and the resident units go back to the host store, so the
+        loaded values are what the next step trains from.
+        """
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the slid model's master weights; "
+                             "load in place (assign=False)")
+        self.slide_engine.synchronize()
+        return super().load_state_dict(state_dict, strict=strict)
+
     def save_pretrained(self, save_directory, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
                         **kwargs):
         """Write sharded safetensors + config that `AutoModelForCausalLM.from_pretrained` loads.

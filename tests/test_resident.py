@@ -192,3 +192,20 @@ def test_optimizer_state_dict_holds_resident_moments():
     for k in a["state"]:
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(a["state"][k][name]), torch.as_tensor(b["state"][k][name])), (k, name)
+
+
+def test_model_load_state_dict_reaches_resident_units():
+    data = batches(4, pad=True)
+    results = []
+    for n, embed in ((0, False), (2, True)):
+        _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=embed)
+        snapshot = {k: v.clone() for k, v in slid.state_dict().items()}
+        opt = _train(slid, data[:2])
+        assert len(slid.slide_engine.resident) == n
+        slid.load_state_dict(snapshot)               # back to the initial weights, moments kept
+        _train(slid, data[2:], opt)
+        results.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+    with pytest.raises(ValueError, match="assign"):
+        slid.load_state_dict(results[1], assign=True)
