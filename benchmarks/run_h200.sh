@@ -5,6 +5,7 @@
 #   b: the 3B GPU-resident bound (RES_PROVIDERS=resident,hf adds HF); 8B batch 1 under 8 GiB; 200-step
 #      soak + clipping timing; the kernel table with KERNELS=1
 #   c: GPU tests; the 3B rows at batch 16 and 8 with a step trace each (the quick check after a change)
+#   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -27,6 +28,9 @@ if [ "$PART" = a ]; then
   timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
     --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
   tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_bytes": [0-9]*\|"resident_layers": [0-9]*' "$OUT/b8_16.log" | tail -2
+elif [ "$PART" = d ]; then
+  timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
+    2>&1 | tail -7
 elif [ "$PART" = c ]; then
   timeout 45 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
   tail -2 "$OUT/gpu_tests.log"

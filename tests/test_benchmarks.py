@@ -232,3 +232,14 @@ def test_soak_reports_flat_memory_on_cpu(tmp_path):
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["flat"] and result["steps"] == 30 and len(result["rows"]) == 30
     assert result["clipping_median_step_s"] > 0
+
+
+def test_batch_sweep_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/batch_sweep.py", "--device", "cpu", "--model", "tiny",
+                          "--batches", "2,4", "--seq", "32", "--steps", "2", "--warmup", "1",
+                          "--json", str(tmp_path / "s.json")], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert [r["batch"] for r in result["rows"]] == [4, 2]
+    assert result["smallest_batch_at_90pct"] in (2, 4)

@@ -1,0 +1,80 @@
+"""Tokens/s of hf_slideformer over several batch sizes in one process (one model build), and the
+smallest batch that reaches 90% of the best: the "how small a batch still saturates" figure.
+
+Each batch gets its own warm-up steps (the engine re-plans its resident units when a batch is
+larger than the one it planned for, so batches run from the largest down).
+
+Usage: python benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 [--cap-gib 24]
+           [--steps 3] [--warmup 2] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import hf_slideformer as hs
+    from providers.base import build_model, load_config, random_batch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-3b")
+    ap.add_argument("--batches", default="16,12,10,8,6", help="comma-separated, run largest first")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cap-gib", type=float, default=24)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    config = load_config(args.model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(config, "cpu", dtype, fill="tiled")
+    extra = json.loads(args.slide_config) if args.slide_config else {}
+    sc = hs.SlideConfig(device=args.device, dtype=dtype,
+                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None, **extra)
+    model = hs.slide(model, sc)
+    opt = model.create_optimizer(lr=1e-5)
+    rows = []
+    for batch in sorted({int(b) for b in args.batches.split(",")}, reverse=True):
+        ids, _ = random_batch(config.vocab_size, batch, args.seq, device)
+        times = []
+        for step in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        stats = model.slide_stats()
+        rows.append({"batch": batch, "step_s": step_s, "tokens_per_s": batch * args.seq / step_s,
+                     "resident_layers": stats.get("resident_layers"),
+                     "resident_embedding": stats.get("resident_embedding")})
+        print(f"batch {batch:3d}: {rows[-1]['tokens_per_s']:9,.0f} tokens/s, step {step_s:.3f} s, resident "
+              f"embedding {rows[-1]['resident_embedding']}, layers {rows[-1]['resident_layers']}", flush=True)
+    best = max(r["tokens_per_s"] for r in rows)
+    at90 = min((r["batch"] for r in rows if r["tokens_per_s"] >= 0.9 * best), default=None)
+    print(f"best {best:,.0f} tokens/s; smallest batch at 90% of it: {at90}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "seq": args.seq, "rows": rows, "best_tokens_per_s": best,
+                       "smallest_batch_at_90pct": at90}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
