@@ -287,6 +287,14 @@ class SlideEngine(HostTasks, ResidentUnits):
         """A forward that records a graph: earlier unfinished graphs become invalid."""
         self.worker.raise_if_failed()
         self._check_backward_closed()
+        ga = self.config.gradient_accumulation_steps
+        if self.micro >= ga:
+            # The step's gradients wait for optimizer.step() (the lm_head's and the embedding's are
+            # written by the forward): a forward with gradients now would overwrite them.
+            raise SlideStateError(
+                f"a forward with gradients after {self.micro} backward pass(es) since the last optimizer step "
+                f"(gradient_accumulation_steps={ga}): call optimizer.step() first, or run this forward under "
+                "torch.no_grad()")
         self.generation += 1
         self.live_generation = self.generation
         self.tier.clear()

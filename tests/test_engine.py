@@ -298,3 +298,23 @@ def test_exit_with_queued_updates_is_clean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr[-2000:])
     assert "terminate" not in out.stderr, out.stderr[-2000:]
+
+
+def test_forward_with_gradients_before_the_step_is_refused_and_harmless():
+    """The step's pending gradients (clipping: all of them wait for step()) survive a refused forward."""
+    data = batches(3, pad=True)
+    states = []
+    for intrude in (False, True):
+        _, slid = make_pair("llama", True, max_grad_norm=0.5)
+        opt = slid.create_optimizer(lr=LR)
+        for k, b in enumerate(data):
+            slid(**b).loss.backward()
+            if intrude and k == 1:
+                with pytest.raises(hs.SlideStateError, match="call optimizer.step"):
+                    slid(**data[0])
+                with torch.no_grad():
+                    slid(**data[0])              # evaluation in between is fine
+            opt.step(); opt.zero_grad()
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
