@@ -14,7 +14,6 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
-import hf_slideformer as hs
 from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
 
 from test_trainer import ATOL, RTOL, assert_same_params, tiny_data, tiny_model

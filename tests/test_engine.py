@@ -146,7 +146,6 @@ def test_host_memory_check_fails_before_allocating(monkeypatch):
 
 
 def test_worker_failure_surfaces_without_hang(monkeypatch):
-    import hf_slideformer.engine as engine_mod
     _, slid = make_pair("llama", False)
     opt = slid.create_optimizer(lr=LR)
     def boom(*a, **k):
