@@ -399,10 +399,11 @@ class SlideEngine(HostTasks, ResidentUnits):
             self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
         host = self.embed_host[:n]
         self.embed_host_free.clear()
-        # Note: [Why the embedding gradient is summed on the GPU] the scatter of T token gradients
-        # into their rows is a serial loop on the CPU (index_add_ over rows: ~100 ms at 16k tokens,
-        # on the path to the next forward). On the GPU it is a sorted, deterministic accumulate;
-        # the worker then adds one row per distinct token, with parallel gather / scatter.
+        # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
+        # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
+        # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
+        # per distinct token (far fewer in real text), and the worker's gather / scatter are
+        # parallel copies instead of an index_add_ over every token.
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), g, accumulate=True)

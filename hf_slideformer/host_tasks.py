@@ -32,8 +32,8 @@ class HostTasks:
         """Persistent (n, H) fp32 scratch number k of the worker's embedding-row work.
 
         Note: [Why the row buffers persist] a fresh 100-400 MB tensor per step is a fresh mmap whose
-        pages fault in on first touch: measured 15x slower than the same gather into a buffer
-        already in memory. The buffers grow to the largest batch seen and stay.
+        pages fault in on first touch: 16k rows of 3072 fp32 gathered from a (128256, 3072) table
+        took 228 ms into a new tensor and 13 ms into one already in memory (2-core machine). The buffers grow to the largest batch seen and stay.
         """
         bufs = self._row_bufs
         if bufs[k] is None or bufs[k].shape[0] < n:

@@ -5,7 +5,7 @@ Under a memory cap the GPU usually has room left after the window, the activatio
 head: a 3B model trained at 16 x 2048 under 24 GiB peaks near 13 GiB. That room is worth more
 as optimizer state than as nothing: a resident layer keeps its fp32 master, Adam moments and
 compute-dtype weights on the GPU, is never copied in, and is updated by torch's fused CUDA
-AdamW right after its backward, in about a millisecond instead of ~30 ms of CPU time. The CPU
+AdamW right after its backward, instead of by the CPU worker (~30 ms per 3B layer, measured). The CPU
 worker, the bound at small batches, has that much less to do, and the next forward does not
 wait for those layers.
 
@@ -239,11 +239,13 @@ class ResidentUnits:
         """Keep the host at most one resident layer ahead of the GPU.
 
         Note: [Why resident layers are paced] without a copy or an update to wait for, the host
-        queues resident layers' kernels as fast as Python runs; once CUDA's launch queue is full,
-        launches block while holding the interpreter lock, and the CPU worker, which needs that
-        lock between its AdamW calls, stalls for the whole stretch (measured: 150-370 ms per
-        step). Waiting on the previous layer's event releases the lock and costs no GPU time:
-        one layer of queued work covers the host's launch overhead.
+        queues resident layers' kernels as fast as Python runs. Measured (70fcb85 traces): the CPU
+        worker then finished its AdamW call but could not return from its task until the
+        resident stretch ended, 150-370 ms per step, as if it could not get the interpreter lock
+        back (our reading: launches blocking on a full CUDA queue while holding the lock; not
+        verified). Waiting on the previous layer's event releases the lock; with it (1197c61
+        trace) a worker task takes its AdamW plus its waits and nothing more. One layer of
+        queued work covers the host's launch overhead.
         """
         if not self.streams.cuda:
             return

@@ -30,8 +30,9 @@ _LIVE: "weakref.WeakSet[CpuWorker]" = weakref.WeakSet()
 @atexit.register
 def _stop_all() -> None:
     # Note: [Why workers stop at exit] a daemon thread still inside a torch CPU kernel while the
-    # interpreter tears down aborts the process ("terminate called without an active exception",
-    # seen after a clipping run whose deferred updates were still queued). Pending tasks are
+    # interpreter tears down can abort the process: "terminate called without an active
+    # exception" was seen on the GPU at the exit of a script whose last (clipping) step left
+    # deferred updates queued; this is our reading of it, not reproduced on the CPU. Pending tasks are
     # dropped (the process is ending) and the running one is waited for.
     for w in list(_LIVE):
         w.close()
