@@ -14,7 +14,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def main(argv: list[str] | None = None) -> int:
     import hf_slideformer as hs
     from providers.base import build_model, load_config, random_batch
+    from soak import train_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama3-3b")
@@ -49,16 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch in sorted({int(b) for b in args.batches.split(",")}, reverse=True):
         ids, _ = random_batch(config.vocab_size, batch, args.seq, device)
-        times = []
-        for step in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if step >= args.warmup:
-                times.append(time.perf_counter() - t0)
+        times = [train_step(model, opt, ids, device) for _ in range(args.warmup + args.steps)][args.warmup:]
         step_s = statistics.median(times)
         stats = model.slide_stats()
         rows.append({"batch": batch, "step_s": step_s, "tokens_per_s": batch * args.seq / step_s,

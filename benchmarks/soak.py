@@ -31,17 +31,22 @@ def rss_bytes() -> int:
     return 0
 
 
+def train_step(model, opt, ids, device) -> float:
+    """One optimizer step on `ids` (labels = ids); its wall time, the GPU drained."""
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def run(model, ids, steps: int, device) -> dict:
     opt = model.create_optimizer(lr=1e-5)
     rows = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rows.append((time.perf_counter() - t0,
+        rows.append((train_step(model, opt, ids, device),
                      torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
                      torch.cuda.memory_reserved(device) if device.type == "cuda" else 0, rss_bytes()))
     return {"rows": rows, "stats": model.slide_stats()}

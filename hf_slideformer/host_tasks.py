@@ -47,7 +47,11 @@ class HostTasks:
         u = self.embed_unit
         g = self.embed_grad.view(self.vocab, self.hidden)
         grad_rows = torch.index_select(g, 0, rows, out=self._rows_buffer(0, rows.numel())).add_(sums)
-        g.index_copy_(0, rows, grad_rows)
+        rows_update = update and self._bulk is not None
+        if not rows_update or (ends_step and not self.single_micro):
+            # Written back unless only the rows update below reads them (it takes grad_rows), on
+            # the path to the next forward: the table's rows are then reset or overwritten.
+            g.index_copy_(0, rows, grad_rows)
         self.touched.append(rows)
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)

@@ -30,7 +30,7 @@ from .store import Unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResidentState", "ResidentUnits", "plan_resident", "plan_resident_layers"]
+__all__ = ["ResidentState", "ResidentUnits", "plan_resident"]
 
 GiB = 1024 ** 3
 
@@ -49,24 +49,22 @@ class ResidentState:
         # The step's gradient, kept until optimizer.step() when it clips (layers in-backward share one).
         self.grad = torch.empty_like(self.master) if with_grad else None
 
-    def load_from_host(self) -> None:
+    def _pairs(self):
+        """(device tensor, host tensor) of the master, the moments and each step counter."""
         u = self.unit
-        self.master.copy_(u.master)
-        self.exp_avg.copy_(u.exp_avg)
-        self.exp_avg_sq.copy_(u.exp_avg_sq)
-        for d, s in zip(self.steps, u.steps):
-            d.copy_(s)
+        return [(self.master, u.master), (self.exp_avg, u.exp_avg), (self.exp_avg_sq, u.exp_avg_sq),
+                *zip(self.steps, u.steps)]
+
+    def load_from_host(self) -> None:
+        for dev, host in self._pairs():
+            dev.copy_(host)
         if self.weights is not self.master:
             self.weights.copy_(self.master)
 
     def store_to_host(self) -> None:
         """Write moments, counters and master back (the caller has synchronized the device)."""
-        u = self.unit
-        u.master.copy_(self.master)
-        u.exp_avg.copy_(self.exp_avg)
-        u.exp_avg_sq.copy_(self.exp_avg_sq)
-        for d, s in zip(u.steps, self.steps):
-            d.copy_(s)
+        for dev, host in self._pairs():
+            host.copy_(dev)
 
     def views(self) -> list[torch.Tensor]:
         return self.unit.views(self.weights)
@@ -110,14 +108,6 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
             budget -= layer_numel * 4                                    # one shared fp32 gradient buffer
         layers = int(max(0, min(n_layers, budget // (layer_numel * per)))) if budget > 0 else 0
     return bool(embed), int(layers)
-
-
-def plan_resident_layers(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int,
-                         dtype: torch.dtype, margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> int:
-    """Layers only (no embedding): how many fit in what a measured step left free under the limit."""
-    return plan_resident(limit_bytes=limit_bytes, peak_bytes=peak_bytes, layer_numel=layer_numel,
-                         n_layers=n_layers, embed_numel=0, dtype=dtype, embed=False,
-                         margin_fraction=margin_fraction, min_margin=min_margin)[1]
 
 
 class ResidentUnits:
