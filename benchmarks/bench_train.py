@@ -32,8 +32,8 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks.harness import (DEFAULT_HARDWARE, GIB, StepTimer, emit, environment, flops_per_token,  # noqa: E402
-                                format_table, free_memory, gpu_memory_peaks, host_rss_peak_bytes, is_cuda_oom,
-                                median, parse_line, peak_tflops, reset_peaks, run_probe)
+                                format_table, free_memory, gpu_memory_peaks, host_rss_bytes, host_rss_peak_bytes,
+                                is_cuda_oom, median, parse_line, peak_tflops, reset_peaks, run_probe)
 from benchmarks.providers import PROVIDERS, RunSpec, get_provider  # noqa: E402
 from benchmarks.providers.base import load_config, random_batch  # noqa: E402
 
@@ -117,7 +117,8 @@ def run_worker(spec: RunSpec) -> int:
     except Exception as exc:
         extra = {"report_error": _short(exc)}
     emit("result", status="ok", batch=batch, step_s=median(timer.seconds), step_times=timer.seconds,
-         loss=float(loss.float().item()), host_rss_peak=host_rss_peak_bytes(), **gpu_memory_peaks(device),
+         loss=float(loss.float().item()), host_rss_peak=host_rss_peak_bytes(), host_rss_end=host_rss_bytes(),
+         **gpu_memory_peaks(device),
          notes=provider.notes, extra=extra)
     return 0
 
@@ -287,7 +288,7 @@ def _finish(doc: dict, args: argparse.Namespace) -> None:
             if r.get("n_linear"):
                 r["model_tflops"] = flops_per_token(r["n_linear"], r["n_layers"], r["attn_dim"], seq) * tokens / r["step_s"] / 1e12
                 r["mfu"] = r["model_tflops"] / peak if peak else None
-        for key in ("gpu_peak_allocated", "gpu_peak_reserved", "host_rss_peak"):
+        for key in ("gpu_peak_allocated", "gpu_peak_reserved", "host_rss_peak", "host_rss_end"):
             if r.get(key) is not None:
                 r[key + "_gib"] = r[key] / GIB
     resident = next((r for r in rows if r["provider"] == "resident" and r.get("status") == "ok"
@@ -333,6 +334,7 @@ COLUMNS = [
     ("tokens_per_s", "tokens/s", ",.0f"), ("step_s", "step s", ".3f"), ("model_tflops", "TFLOPS", ".1f"),
     ("mfu", "MFU", ".1%"), ("gpu_peak_allocated_gib", "GPU alloc GiB", ".1f"),
     ("gpu_peak_reserved_gib", "GPU reserved GiB", ".1f"), ("host_rss_peak_gib", "host RSS GiB", ".1f"),
+    ("host_rss_end_gib", "RSS end GiB", ".1f"),
     ("bound_s", "bound s", ".3f"), ("bound_by", "bound by", ""), ("efficiency", "efficiency", ".0%"),
     ("cap", "GPU cap", ""), ("setup_s", "setup s", ".0f"),
 ]

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = [
-    "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "gpu_memory_peaks",
+    "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "host_rss_bytes", "gpu_memory_peaks",
     "is_cuda_oom", "free_memory", "reset_peaks", "linear_params", "flops_per_token", "peak_tflops", "environment",
     "format_table", "GIB", "DEFAULT_HARDWARE", "run_probe",
 ]
@@ -106,15 +106,25 @@ def median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def host_rss_peak_bytes() -> int:
-    """Peak resident set size of this process (VmHWM), pinned host memory included."""
+def _proc_status_bytes(key: str) -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return None
+
+
+def host_rss_peak_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), pinned host memory included."""
+    peak = _proc_status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def host_rss_bytes() -> int | None:
+    """Resident set size of this process now (VmRSS): the steady state after the timed steps."""
+    return _proc_status_bytes("VmRSS")
 
 
 def gpu_memory_peaks(device: torch.device) -> dict[str, int | None]:

@@ -9,10 +9,9 @@ AdamW right after its backward, instead of by the CPU worker (~30 ms per 3B laye
 worker, the bound at small batches, has that much less to do, and the next forward does not
 wait for those layers.
 
-The host stays the reference copy: each update copies the new master back (the HF parameters
-stay views of current values), and `evict_resident()` writes the moments and step counters
-back before anything reads or replaces the host state (`engine.synchronize()`: checkpoints,
-state_dict, load_state_dict). The embedding goes first (its update, the per-row folding of its
+While a unit is resident its device copy is the current state: `evict_resident()` writes the
+master, moments and step counters back before anything reads or replaces the host state
+(`engine.synchronize()`: checkpoints, state_dict, save_pretrained, load_state_dict). The embedding goes first (its update, the per-row folding of its
 gradient and, when tied, the lm_head's (V, H) gradient copy all leave the CPU, and it is what
 the next forward needs first), then layers 0..k-1, the next ones the forward needs.
 """
@@ -45,7 +44,6 @@ class ResidentState:
         self.exp_avg_sq = torch.empty_like(self.master)
         self.weights = torch.empty(u.numel, dtype=dtype, device=device) if dtype != torch.float32 else self.master
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in u.entries]
-        self.copied = None                    # d2h event of the last copy of `master` back to the host
         # The step's gradient, kept until optimizer.step() when it clips (layers in-backward share one).
         self.grad = torch.empty_like(self.master) if with_grad else None
 
@@ -206,23 +204,19 @@ class ResidentUnits:
             self._resident_step(u, r, g32)
 
     def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None) -> None:
-        """AdamW of resident unit `u` with its fp32 gradient on the device; the new master goes back to the host."""
-        st = self.streams
-        # Note: [Why the update waits for the copy-back] the previous step's master is still being
-        # copied to the host on the d2h stream; it is overwritten only after that copy has read it.
-        st.wait(r.copied)
+        """AdamW of resident unit `u` with its fp32 gradient on the device.
+
+        Note: [Why the master is not copied back every step] the device master is the current
+        one while the unit is resident; `evict_resident()` writes it back with the moments. A
+        copy after every update cost 4 bytes per parameter of d2h each step (3.2 GB at 3B with the
+        embedding resident), and the last ones (layer 0, the embedding) ended the step: the
+        GPU sat ~45 ms idle waiting for them (1197c61 traces). Host-side readers of the weights
+        (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
+        """
         _optim.apply_adamw(u, g32, *(hp or self.hp), state=r)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         u.version += 1                                   # any slot copy of the old weights is stale
-        if st.cuda:
-            st.wait(st.record(), st.d2h)
-            with st.on(st.d2h):
-                u.master.copy_(r.master, non_blocking=True)
-            r.copied = st.record(st.d2h)
-        else:
-            u.master.copy_(r.master)
-        self.stats.add_bytes("d2h", u.numel * 4)
         self.stats.gpu_adam_params += u.numel
 
     def _pace(self) -> None:

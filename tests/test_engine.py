@@ -317,3 +317,43 @@ def test_forward_with_gradients_before_the_step_is_refused_and_harmless():
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_recompute_without_the_output_projection_is_bit_identical(family):
+    """The recompute skips down_proj's product (its value is never read): same bits as recomputing it."""
+    from hf_slideformer.engine import GradOnlyLinear
+    data = batches(3, pad=True)
+    states, calls = [], []
+    for skip in (False, True):
+        _, slid = make_pair(family, False)
+        eng = slid.slide_engine
+        eng.skip_output_projection = skip
+        assert all(p is not None for p in eng._out_proj)
+        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+        orig = GradOnlyLinear.forward
+        GradOnlyLinear.forward = staticmethod(lambda ctx, *a: (calls.append(skip), orig(ctx, *a))[1])
+        try:
+            for b in data:
+                slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+        finally:
+            GradOnlyLinear.forward = staticmethod(orig)
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+        assert not any("forward" in p.__dict__ for p in eng._out_proj)    # the swap is undone
+    assert calls and all(calls)                    # it ran, and only when asked
+    assert len(calls) == 3 * len(slid.slide_engine.layers)
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_output_projection_is_not_skipped_under_a_wrapper():
+    from hf_slideformer.models.adapters import get_adapter
+    _, slid = make_pair("llama", False)
+    layer = slid.slide_engine.layers[0]
+    ad = get_adapter("llama")
+    assert ad.output_projection(layer) is layer.mlp.down_proj
+
+    class Wrapped(torch.nn.Linear):                # e.g. a LoRA or quantized linear: left alone
+        pass
+    layer.mlp.down_proj.__class__ = Wrapped
+    assert ad.output_projection(layer) is None

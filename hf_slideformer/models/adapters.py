@@ -41,6 +41,17 @@ class DecoderAdapter:
     def rotary(self, model: nn.Module) -> nn.Module | None:
         return getattr(self.base(model), "rotary_emb", None)
 
+    def output_projection(self, layer: nn.Module) -> nn.Linear | None:
+        """The layer's last linear, whose output only feeds the layer's closing residual add.
+
+        In these families a decoder layer ends with `hidden = residual + mlp.down_proj(...)`: no
+        gradient inside the layer reads that product's value, so the engine's recompute in
+        backward can skip it. None (nothing skipped) when `down_proj` is not a plain
+        `nn.Linear` (a LoRA wrapper, a quantized layer).
+        """
+        proj = getattr(getattr(layer, "mlp", None), "down_proj", None)
+        return proj if type(proj) is nn.Linear else None
+
     def check(self, model: nn.Module) -> None:
         """Raise if this model instance uses something the engine cannot reproduce exactly."""
         cfg = model.config
