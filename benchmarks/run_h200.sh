@@ -5,6 +5,7 @@
 #   b: the 3B GPU-resident bound (RES_PROVIDERS=resident,hf adds HF); 8B batch 1 under 8 GiB; 200-step
 #      soak + clipping timing; the kernel table with KERNELS=1
 #   c: GPU tests; the 3B rows at batch 16 and 8 with a step trace each (the quick check after a change)
+#   e: 8B batch 16 with a step trace; 8B batch 1 under an 8 GiB cap; 200-step soak + clipping timing
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -28,6 +29,17 @@ if [ "$PART" = a ]; then
   timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
     --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
   tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$OUT/b8_16.log" | tail -3
+elif [ "$PART" = e ]; then
+  SLIDE_TRACE=$OUT/tr_8b16.json timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 \
+    --timeout 145 --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
+  tail -1 "$OUT/b8_16.log"; summ "$OUT/tr_8b16.json"
+  grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$OUT/b8_16.log" | tail -3
+  timeout 100 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b \
+    --providers slide --batch 1 --offload-batches 1 --cap-gib 8 --timeout 95 --json "$OUT/b8_cap8.json" \
+    > "$OUT/b8_cap8.log" 2>&1
+  tail -1 "$OUT/b8_cap8.log"
+  timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
+    --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

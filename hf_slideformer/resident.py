@@ -164,6 +164,11 @@ class ResidentUnits:
         n = min(n, len(self.layer_units))
         if embed and self.resident_embed is None:
             self.resident_embed = self._make_resident(self.embed_unit)
+            if self.embed_grad is not None:
+                # The host's dense (V, H) gradient is unused while the embedding is resident
+                # (2.1 GB at 8B): unpinned and given back; it reads as zeros, its reset state.
+                self.pinned.release(self.embed_grad)
+                release_pages(self.embed_grad)
             if self._embed_rgrad is None:
                 self._embed_rgrad = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=self.device)
         if len(self.resident) >= n:
@@ -184,6 +189,8 @@ class ResidentUnits:
             torch.cuda.synchronize(self.device)
         for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
             r.store_to_host()
+        if self.resident_embed is not None and self.embed_grad is not None:
+            self.pinned.adopt(self.embed_grad)
         self.resident.clear()
         self.resident_embed = None
 
