@@ -178,7 +178,7 @@ def run_provider(name: str, spec: RunSpec, timeout: float) -> dict:
                  "description": PROVIDERS[name][3], "oom_batches": [], "processes": 0}
     batches = list(spec.batches)
     while True:
-        env = {}
+        env = {"PYTORCH_CUDA_ALLOC_CONF": spec.alloc_conf} if spec.alloc_conf else {}
         if name.startswith("ds"):
             env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(_free_port()), "DS_SKIP_CUDA_CHECK": "1"}
@@ -222,6 +222,7 @@ def run_parent(args: argparse.Namespace) -> int:
     if args.commit:
         env_info["commit"] = args.commit
     doc: dict = {**env_info, "shape": _shape(args.model, config, seq), "device": args.device,
+                 "alloc_conf": args.alloc_conf,
                  "cap_gib": args.cap_gib, "warmup": args.warmup, "steps": args.steps,
                  "flops_formula": "6 * N_linear + 12 * n_layers * attn_dim * seq per token (PaLM; full attention, "
                                   "no recompute)", "results": []}
@@ -239,7 +240,8 @@ def run_parent(args: argparse.Namespace) -> int:
         spec = RunSpec(provider=name, model=args.model, seq=seq, device=args.device, dtype=args.dtype,
                        batches=offload_batches if capped else [args.batch], warmup=args.warmup, steps=args.steps,
                        cap_gib=args.cap_gib if capped and args.device == "cuda" else None, lr=args.lr,
-                       checkpointing=args.checkpointing, slide_options=json.loads(args.slide_config or "{}"))
+                       checkpointing=args.checkpointing, slide_options=json.loads(args.slide_config or "{}"),
+                       alloc_conf=args.alloc_conf if args.device == "cuda" else "")
         doc["results"].append(run_provider(name, spec, args.timeout))
         _finish(doc, args)
         _write(doc, args.json)
@@ -393,6 +395,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--cap-gib", type=float, default=DEFAULT_CAP_GIB, help="GPU memory cap of the capped providers")
+    ap.add_argument("--alloc-conf", default=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
+                    help="PYTORCH_CUDA_ALLOC_CONF of every provider's process (the same allocator for all; "
+                    "'' leaves it unset)")
     ap.add_argument("--timeout", type=float, default=240, help="wall-time limit per provider, seconds")
     ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                     help="gradient checkpointing of hf/resident: auto = off unless the batch runs out of memory")

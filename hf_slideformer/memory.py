@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "unpin_slab",
-           "PinnedBuffers", "HostMemoryError", "release_pages"]
+           "PinnedBuffers", "HostMemoryError", "release_pages", "enable_expandable_segments",
+           "expandable_segments_on"]
 
 GiB = 1024 ** 3
 
@@ -131,3 +133,40 @@ def release_pages(t: torch.Tensor) -> int:
     except (OSError, AttributeError):
         return 0
     return b - a
+
+
+_ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_expandable_set = False
+
+
+def _env_expandable() -> bool | None:
+    """expandable_segments as the allocator's environment variables set it (None: not mentioned)."""
+    for key in _ALLOC_ENV:
+        for item in os.environ.get(key, "").replace(" ", "").lower().split(","):
+            if item.startswith("expandable_segments:"):
+                return item.split(":", 1)[1] == "true"
+    return None
+
+
+def expandable_segments_on() -> bool:
+    """Whether the CUDA caching allocator uses expandable segments (set by the environment or by us)."""
+    env = _env_expandable()
+    return env if env is not None else _expandable_set
+
+
+def enable_expandable_segments() -> bool:
+    """Turn expandable segments on for this process unless the environment decides; returns the state.
+
+    Segments allocated before the call keep their fixed size; every later one can grow, so the
+    memory freed by one buffer size serves the next instead of staying reserved.
+    """
+    global _expandable_set
+    if _env_expandable() is not None or _expandable_set:
+        return expandable_segments_on()
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError) as exc:      # an allocator without them: fixed segments
+        logger.info("expandable segments unavailable (%s); the resident plan measures reserved memory", exc)
+        return False
+    _expandable_set = True
+    return True

@@ -17,6 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import SlideConfig
 from .engine import SlideEngine
+from .memory import enable_expandable_segments
 from .models import get_adapter
 from .optim import SlideOptimizer
 from .store import HostStore, ParamEntry, Unit
@@ -94,6 +95,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     config = config or SlideConfig()
     adapter = get_adapter(getattr(model.config, "model_type", None))
     adapter.check(model)
+    if config.expandable_segments and config.is_cuda:
+        enable_expandable_segments()
     if config.gpu_memory_limit is not None and config.is_cuda:
         total = torch.cuda.get_device_properties(config.torch_device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * 2 ** 30 / total),

@@ -23,13 +23,13 @@ import torch
 
 from . import optim as _optim
 from .errors import SlideStateError
-from .memory import release_pages
+from .memory import expandable_segments_on, release_pages
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResidentState", "ResidentUnits", "plan_resident"]
+__all__ = ["ResidentState", "ResidentUnits", "plan_resident", "measured_peak"]
 
 GiB = 1024 ** 3
 
@@ -70,6 +70,14 @@ class ResidentState:
     @staticmethod
     def bytes_per_param(dtype: torch.dtype) -> int:
         return 12 + (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0)
+
+
+def measured_peak(device) -> int:
+    """The GPU memory a training step needed: the reserved peak, or with expandable segments (whose
+    free pages any later size can reuse) the allocated peak plus 5% for rounding and splits."""
+    if expandable_segments_on():
+        return int(torch.cuda.max_memory_allocated(device) * 1.05)
+    return torch.cuda.max_memory_reserved(device)
 
 
 def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
@@ -122,7 +130,7 @@ class ResidentUnits:
         limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory)
         if self._plan_peak is None:      # the first step's peak, before any resident state was allocated
-            self._plan_peak = torch.cuda.max_memory_reserved(self.device)
+            self._plan_peak = measured_peak(self.device)
             self._plan_tokens = self._last_tokens
         plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
                              layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),

@@ -212,3 +212,25 @@ def test_model_load_state_dict_reaches_resident_units():
         assert torch.equal(results[0][k], results[1][k]), k
     with pytest.raises(ValueError, match="assign"):
         slid.load_state_dict(results[1], assign=True)
+
+
+def test_expandable_segments_follow_the_environment(monkeypatch):
+    from hf_slideformer import memory, resident
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(memory, "_expandable_set", False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:False")
+    assert memory.enable_expandable_segments() is False and calls == []        # the user's choice stands
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert memory.enable_expandable_segments() is True and calls == []
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    assert memory.expandable_segments_on() is False
+    assert memory.enable_expandable_segments() is True and calls == ["expandable_segments:True"]
+    assert memory.enable_expandable_segments() is True and len(calls) == 1      # once per process
+    # The resident plan then measures the allocated peak (+5%), else the reserved one.
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 10 * GiB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d=None: 16 * GiB)
+    assert resident.measured_peak("cuda") == int(10.5 * GiB)
+    monkeypatch.setattr(memory, "_expandable_set", False)
+    assert resident.measured_peak("cuda") == 16 * GiB

@@ -42,6 +42,7 @@ class RunSpec:
     checkpointing: str = field(default="auto", metadata={"help": "hf/resident gradient checkpointing: auto (on only after an OOM), on, off"})
     slide_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra SlideConfig fields"})
     seed: int = field(default=0, metadata={"help": "seed of the random tokens and weights"})
+    alloc_conf: str = field(default="", metadata={"help": "PYTORCH_CUDA_ALLOC_CONF of the provider's process"})
 
     def __post_init__(self) -> None:
         if self.checkpointing not in ("auto", "on", "off"):
