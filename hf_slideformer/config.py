@@ -54,9 +54,9 @@ class SlideConfig:
             process when the model is slid (unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
             already sets expandable_segments). The window, the activations and the head allocate
             and free buffers of many sizes; with fixed segments the reserved peak ran far above
-            the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated), memory
-            the resident units could not use. With them on, the resident plan measures the
-            allocated peak. See docs/engine.md.
+            the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated), and the
+            resident plan, which measures the reserved peak, had that much less room (with them
+            the 8B embedding became resident). See docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
