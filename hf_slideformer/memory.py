@@ -148,6 +148,14 @@ def _env_expandable() -> bool | None:
     return None
 
 
+def _set_allocator_settings(settings: str) -> None:
+    """The allocator's runtime settings call (torch >= 2.9 names it per accelerator)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
 def expandable_segments_on() -> bool:
     """Whether the CUDA caching allocator uses expandable segments (set by the environment or by us)."""
     env = _env_expandable()
@@ -164,7 +172,7 @@ def enable_expandable_segments() -> bool:
     if _env_expandable() is not None or _expandable_set:
         return expandable_segments_on()
     try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        _set_allocator_settings("expandable_segments:True")
     except (AttributeError, RuntimeError) as exc:      # an allocator without them: fixed segments
         logger.info("expandable segments unavailable (%s); the resident plan measures reserved memory", exc)
         return False

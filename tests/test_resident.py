@@ -215,9 +215,9 @@ def test_model_load_state_dict_reaches_resident_units():
 
 
 def test_expandable_segments_follow_the_environment(monkeypatch):
-    from hf_slideformer import memory, resident
+    from hf_slideformer import memory
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(memory, "_set_allocator_settings", calls.append)
     monkeypatch.setattr(memory, "_expandable_set", False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:False")
     assert memory.enable_expandable_segments() is False and calls == []        # the user's choice stands
