@@ -33,8 +33,8 @@ GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
 STAGING_ELEMENTS = 1 << 26   # fp32 elements of each on-GPU staging chunk (engine._CHUNK)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
-ENGINE_EFFICIENCY = {"gpu": 0.85, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
-RESERVED_VS_ALLOCATED = 2.0  # the allocator's reserved peak over the allocated one (H200 runs: 1.8-2.1)
+ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
+RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
 
 
 def _pinned(nbytes: int) -> int:
@@ -256,11 +256,13 @@ class _Estimator:
         return sum(fixed.values()) + max(phases.values())
 
     def flops_per_token(self, recompute: bool = True) -> float:
-        """Matmul FLOPs per token: layers 8 N (fwd, recompute, bwd) or 6 N, head 6 V H, causal attention
-        (forward 2 S d per layer, backward 2.5 x the forward)."""
+        """Matmul FLOPs per token: layers 6 N (fwd, bwd) plus the recompute's 2 N less down_proj's
+        2 I H (its product is not recomputed), head 6 V H, causal attention (forward 2 S d per
+        layer, backward 2.5 x the forward)."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
-        return (8 if recompute else 6) * s.layers * s.layer_params + 6 * s.vocab * s.hidden + attn
+        lin = 6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
+        return s.layers * lin + 6 * s.vocab * s.hidden + attn
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
@@ -274,10 +276,8 @@ class _Estimator:
         head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
         rows = 0 if embed_res else 4 * TH
         h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
-        # fp32 gradients (a resident unit's new master comes back instead: the same bytes), embedding rows
-        d2h = 4 * (s.layers * s.layer_params + s.head_slot_params) + rows + acts
-        if embed_res and not s.tied:
-            d2h += 4 * s.embed_params                              # the resident embedding's master
+        # fp32 gradients of the units updated on the host (resident ones stay), embedding rows
+        d2h = 4 * (sent * s.layer_params + head) + rows + acts
         return N * h2d, N * d2h
 
     def resident_params(self, res: tuple[bool, int]) -> int:

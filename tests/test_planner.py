@@ -26,11 +26,13 @@ MEASURED = [
 ]
 
 
-# The same machine with resident units (commit 1197c61): (shape, batch, cap, step s, GPU compute s, CPU AdamW s,
+# The same machine with resident units, expandable segments and the recompute without down_proj's
+# product (3B rows: commit 2132169; 8B: b89e2a2): (shape, batch, cap, step s, GPU compute s, CPU AdamW s,
 # GPU peak allocated GiB, host RSS GiB, resident embedding, resident layers the engine chose)
 MEASURED_RESIDENT = [
-    ("llama3-3b", 16, 24, 1.565, 1.497, 0.676, 18.1, 49.3, True, 4),
-    ("llama3-3b", 8, 24, 1.022, 0.717, 0.640, 20.0, 45.6, True, 7),
+    ("llama3-3b", 16, 24, 1.470, 1.438, 0.572, 20.7, 49.2, True, 6),
+    ("llama3-3b", 8, 24, 0.922, 0.684, 0.563, 21.3, 45.6, True, 8),
+    ("llama3-8b", 16, 24, 3.312, 3.176, 1.936, 17.2, 109.3, True, 0),
 ]
 
 
