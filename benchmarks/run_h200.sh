@@ -6,6 +6,7 @@
 #      soak + clipping timing; the kernel table with KERNELS=1
 #   c: GPU tests; the 3B rows at batch 16 and 8 with a step trace each (the quick check after a change)
 #   e: 8B batch 16 with a step trace; 8B batch 1 under an 8 GiB cap; 200-step soak + clipping timing
+#   f: 8B batch 16 with a step trace, then with update_order "hybrid"; 3B batch sweep 16..8
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -40,6 +41,14 @@ elif [ "$PART" = e ]; then
   tail -1 "$OUT/b8_cap8.log"
   timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
     --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
+elif [ "$PART" = f ]; then
+  B8="$B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 140"
+  SLIDE_TRACE=$OUT/tr_8b16.json timeout 145 $B8 --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
+  tail -1 "$OUT/b8_16.log"; summ "$OUT/tr_8b16.json"
+  timeout 145 $B8 --slide-config '{"update_order":"hybrid"}' --json "$OUT/b8_16h.json" > "$OUT/b8_16h.log" 2>&1
+  tail -1 "$OUT/b8_16h.log"
+  timeout 150 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8 --json "$OUT/sweep.json" \
+    2>&1 | tail -7
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7
