@@ -452,6 +452,7 @@ class SlideEngine(HostTasks, ResidentUnits):
         # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
         # per distinct token (far fewer in real text), and the worker's gather / scatter are
         # parallel copies instead of an index_add_ over every token.
+        t = self._span_start()
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), g, accumulate=True)
@@ -466,8 +467,10 @@ class SlideEngine(HostTasks, ResidentUnits):
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
             if self.in_backward:                 # else optimizer.step() clips and updates it
                 self._resident_step(self.embed_unit, r, self._embed_rgrad)
+            self._span_end(t)
             self.end_backward()
             return
+        self._span_end(t)
         done = self._d2h([S], [host])
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
@@ -729,7 +732,9 @@ class SlideEngine(HostTasks, ResidentUnits):
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
             self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev)
+            t = self._span_start()
             on_device = self._step_resident(hp)
+            self._span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
                     continue
