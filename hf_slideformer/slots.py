@@ -60,6 +60,7 @@ class SlotQueue:
         self.staging = staging
         self.clock = 0
         self.count = bytes_counter or (lambda n: None)
+        self.chunk = 1 << 26                    # elements per step of load_steps without a staging buffer
         self.wait_host = waiter or (lambda ev: ev.wait())
 
     @staticmethod
@@ -75,9 +76,20 @@ class SlotQueue:
 
     def load(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()) -> Slot:
         """Issue the h2d copy of `units` into a slot (the least recently used one not in `busy`)."""
-        hit = self.find(units)
-        if hit is not None:
-            return hit
+        for _ in self.load_steps(units, busy):
+            pass
+        return self.find(units)
+
+    def load_steps(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()):
+        """`load` one chunk at a time: a generator that issues one chunk of the h2d copy per step.
+
+        The slot holds `units` (and `find` / `acquire` see it) once the generator is exhausted;
+        one dropped half way leaves its slot empty, and the next load starts it over. This lets a
+        large unit's copy fill the h2d stream's idle time between several layers' copies instead
+        of arriving in one block when it is needed.
+        """
+        if self.find(units) is not None:
+            return
         candidates = [s for s in self.slots if all(s is not b for b in busy)]
         if not candidates:
             raise RuntimeError("no free slot: the window is too small for this schedule")
@@ -88,25 +100,27 @@ class SlotQueue:
         st.wait(slot.free, st.h2d)
         slot.key, slot.units = None, ()
         base = 0
-        with st.on(st.h2d):
-            for u in units:
-                # Note: [Why the copy waits for the update] the master must hold the finished update
-                # of the previous step before it is read: block until the CPU worker is done.
-                self.wait_host(u.updated)
-                dst = slot.flat[base:base + u.numel]
-                if self.staging is not None and dst.dtype != torch.float32:
-                    # Chunks through one fp32 staging buffer: every copy and cast is on the h2d
-                    # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
-                    cap = self.staging.numel()
-                    for a in range(0, u.numel, cap):
-                        b = min(a + cap, u.numel)
+        cast = self.staging is not None and self.dtype != torch.float32
+        cap = min(self.chunk, self.staging.numel()) if self.staging is not None else self.chunk
+        for u in units:
+            # Note: [Why the copy waits for the update] the master must hold the finished update
+            # of the previous step before it is read: block until the CPU worker is done.
+            self.wait_host(u.updated)
+            dst = slot.flat[base:base + u.numel]
+            for a in range(0, u.numel, cap):
+                b = min(a + cap, u.numel)
+                with st.on(st.h2d):        # entered per chunk: never held across a yield
+                    if cast:
+                        # Chunks through one fp32 staging buffer: every copy and cast is on the h2d
+                        # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
                         stage = self.staging[:b - a]
                         stage.copy_(u.master[a:b], non_blocking=True)
                         dst[a:b].copy_(stage)             # fp32 -> compute dtype on the GPU
-                else:
-                    dst.copy_(u.master, non_blocking=True)
-                self.count(u.numel * u.master.element_size())
-                base += u.numel
+                    else:
+                        dst[a:b].copy_(u.master[a:b], non_blocking=True)
+                yield
+            self.count(u.numel * u.master.element_size())
+            base += u.numel
         slot.ready = st.record(st.h2d)
         for u in units:
             # The CPU worker waits for this before it writes the master again.
@@ -114,7 +128,6 @@ class SlotQueue:
         slot.key, slot.units = self.key_of(units), units
         self.clock += 1
         slot.last_use = self.clock
-        return slot
 
     def acquire(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()) -> Slot:
         """A slot holding `units`, ready for the compute stream."""

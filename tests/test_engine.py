@@ -357,3 +357,39 @@ def test_output_projection_is_not_skipped_under_a_wrapper():
         pass
     layer.mlp.down_proj.__class__ = Wrapped
     assert ad.output_projection(layer) is None
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_slot_loaded_in_chunks_during_the_forward(tied):
+    """The head slot's copy is spread over the forward's layers: same bits as one copy at the head."""
+    data = batches(3, pad=True)
+    states = []
+    for chunk in (1 << 26, 97):
+        _, slid = make_pair("llama", tied)
+        eng = slid.slide_engine
+        eng.head_slots.chunk = chunk
+        layers_run, issued = [0], []
+        orig_steps, orig_layer = eng.head_slots.load_steps, eng.layer_forward
+
+        def counting(units, busy=()):
+            for _ in orig_steps(units, busy):
+                issued.append(layers_run[0])               # layers of this forward begun so far
+                yield
+
+        def layer_forward(i, *a, **k):
+            layers_run[0] = i + 1
+            return orig_layer(i, *a, **k)
+        eng.head_slots.load_steps, eng.layer_forward = counting, layer_forward
+        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+        for b in data:
+            slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+        stage = eng.head_slots.staging
+        cap = chunk if stage is None else min(chunk, stage.numel())
+        per_step = sum(-(-u.numel // cap) for u in eng._head_slot_units())
+        assert len(issued) == len(data) * per_step          # every chunk of every step, none twice
+        n = len(eng.layers)
+        if chunk == 97:                                     # one chunk per layer, the rest at the head
+            assert per_step > n and issued[:n] == list(range(1, n + 1))
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
