@@ -13,7 +13,6 @@ gradients are computed in its forward: the loss ends the graph).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -31,122 +30,14 @@ from .worker import CpuWorker
 from .errors import SlideStateError
 from .optim import sq_norm as _sq_norm
 from .resident import ResidentState, ResidentUnits
+from .functions import (EmbedFunction, GradOnlyLinear, HeadFunction, LayerFunction, grad_only,  # noqa: F401
+                        leaves as _leaves, swapped)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlideEngine", "SlideStateError"]
+__all__ = ["SlideEngine", "SlideStateError", "EmbedFunction", "LayerFunction", "HeadFunction", "GradOnlyLinear"]
 
 _CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
-
-
-@contextlib.contextmanager
-def swapped(unit: Unit, tensors: list[torch.Tensor]):
-    """Make the HF modules of `unit` compute with `tensors` instead of their host masters."""
-    for e, t in zip(unit.entries, tensors):
-        for mod, attr in e.holders:
-            mod._parameters[attr] = t
-    try:
-        yield
-    finally:
-        for e in unit.entries:
-            for mod, attr in e.holders:
-                mod._parameters[attr] = e.param
-
-
-class GradOnlyLinear(torch.autograd.Function):
-    """`nn.Linear` for a recompute that never reads the product: the forward returns zeros of the
-    output's shape; the backward is the linear's own (the same two matrix products as aten's)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return x.new_zeros(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w = ctx.saved_tensors
-        g2 = gy.reshape(-1, gy.shape[-1])
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = g2.mm(w).view(*gy.shape[:-1], w.shape[1])
-        if ctx.needs_input_grad[1]:
-            gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return gx, gw, gb
-
-
-@contextlib.contextmanager
-def grad_only(proj: torch.nn.Linear | None):
-    """While recomputing, `proj` skips its product (see `DecoderAdapter.output_projection`)."""
-    if proj is None:
-        yield
-        return
-    had = "forward" in proj.__dict__
-    prev = proj.__dict__.get("forward")
-    proj.forward = lambda x: GradOnlyLinear.apply(x, proj.weight, proj.bias)
-    try:
-        yield
-    finally:
-        if had:
-            proj.forward = prev
-        else:
-            del proj.forward
-
-
-def _leaves(tensors):
-    return [t.detach().requires_grad_() for t in tensors]
-
-
-class EmbedFunction(torch.autograd.Function):
-    """input_ids -> x_0 (B, S, H) gathered from the host table; backward scatters into it."""
-
-    @staticmethod
-    def forward(ctx, anchor, engine, input_ids):
-        ctx.engine, ctx.gen = engine, engine.generation
-        ctx.ids = input_ids
-        return engine.embed_forward(input_ids, with_grad=True)
-
-    @staticmethod
-    def backward(ctx, gx):
-        ctx.engine.check_generation(ctx.gen)
-        ctx.engine.embed_backward(ctx.ids, gx)
-        return None, None, None
-
-
-class LayerFunction(torch.autograd.Function):
-    """x_i -> x_{i+1} through decoder layer i; backward recomputes the layer from x_i."""
-
-    @staticmethod
-    def forward(ctx, x, engine, i, args, kwargs):
-        ctx.engine, ctx.i, ctx.args, ctx.kwargs, ctx.gen = engine, i, args, kwargs, engine.generation
-        return engine.layer_forward(i, x, args, kwargs, save=True)
-
-    @staticmethod
-    def backward(ctx, gy):
-        ctx.engine.check_generation(ctx.gen)
-        return ctx.engine.layer_backward(ctx.i, gy, ctx.args, ctx.kwargs), None, None, None, None
-
-
-class HeadFunction(torch.autograd.Function):
-    """h (B, S, H) -> loss; the head's gradients are computed here and sent to the host at once."""
-
-    @staticmethod
-    def forward(ctx, h, engine, labels, num_items_in_batch):
-        ctx.engine, ctx.gen = engine, engine.generation
-        loss, gh = engine.head_forward(h, labels, num_items_in_batch, with_grad=True)
-        ctx.gh = gh
-        return loss
-
-    @staticmethod
-    def backward(ctx, gloss):
-        eng = ctx.engine
-        eng.check_generation(ctx.gen)
-        eng.begin_backward()
-        eng.head_backward(gloss)
-        gh, ctx.gh = ctx.gh, None
-        return gh * gloss.to(gh.dtype), None, None, None
 
 
 class SlideEngine(HostTasks, ResidentUnits):

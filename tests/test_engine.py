@@ -322,7 +322,7 @@ def test_forward_with_gradients_before_the_step_is_refused_and_harmless():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_recompute_without_the_output_projection_is_bit_identical(family):
     """The recompute skips down_proj's product (its value is never read): same bits as recomputing it."""
-    from hf_slideformer.engine import GradOnlyLinear
+    from hf_slideformer.functions import GradOnlyLinear
     data = batches(3, pad=True)
     states, calls = [], []
     for skip in (False, True):
