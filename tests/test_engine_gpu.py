@@ -84,17 +84,23 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
     if slow:
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
         # copy streams slow on purpose; a buffer reused before its reader finished changes the result.
-        call, load, d2h = E.SlideEngine._call_layer, S.SlotQueue.load, E.SlideEngine._d2h
+        call, load_steps, d2h = E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h
         res = E.SlideEngine._resident_update
 
         def slow_call(self, *a, **k):
             torch.cuda._sleep(3_000_000)
             return call(self, *a, **k)
 
-        def slow_load(self, *a, **k):
-            with torch.cuda.stream(self.streams.h2d):
-                torch.cuda._sleep(2_000_000)
-            return load(self, *a, **k)
+        def slow_load_steps(self, *a, **k):       # every chunk of every slot copy (load() uses it)
+            steps = load_steps(self, *a, **k)
+            while True:
+                with torch.cuda.stream(self.streams.h2d):
+                    torch.cuda._sleep(1_000_000)
+                try:
+                    next(steps)
+                except StopIteration:
+                    return
+                yield
 
         def slow_d2h(self, *a, **k):
             with torch.cuda.stream(self.streams.d2h):
@@ -106,7 +112,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
                 torch.cuda._sleep(2_000_000)
             return res(self, *a, **k)
 
-        E.SlideEngine._call_layer, S.SlotQueue.load, E.SlideEngine._d2h = slow_call, slow_load, slow_d2h
+        E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = slow_call, slow_load_steps, slow_d2h
         E.SlideEngine._resident_update = slow_res
     try:
         for b in batches(steps, bsz=4, seq=128, vocab=1001, pad=True):
@@ -114,7 +120,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
             opt.step(); opt.zero_grad()
     finally:
         if slow:
-            E.SlideEngine._call_layer, S.SlotQueue.load, E.SlideEngine._d2h = call, load, d2h
+            E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = call, load_steps, d2h
             E.SlideEngine._resident_update = res
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
