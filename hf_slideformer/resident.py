@@ -174,6 +174,12 @@ class ResidentUnits:
             self._resident_target = self._plan_resident()
         embed, n = self._resident_target
         n = min(n, len(self.layer_units))
+        if not embed and self.embed_grad is not None and self.pinned.enabled and not self.embed_grad.is_pinned():
+            # The plan no longer keeps the embedding resident: its dense gradient is read by d2h
+            # copies every step again, so it is pinned again (after an eviction for a checkpoint
+            # the embedding comes back at once, and one step's pageable copy costs less than
+            # pinning 2 GB).
+            self.pinned.adopt(self.embed_grad)
         if embed and self.resident_embed is None:
             self.resident_embed = self._make_resident(self.embed_unit)
             if self.embed_grad is not None:
@@ -201,8 +207,6 @@ class ResidentUnits:
             torch.cuda.synchronize(self.device)
         for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
             r.store_to_host()
-        if self.resident_embed is not None and self.embed_grad is not None:
-            self.pinned.adopt(self.embed_grad)
         self.resident.clear()
         self.resident_embed = None
 
