@@ -295,9 +295,25 @@ def _finish(doc: dict, args: argparse.Namespace) -> None:
                 r[key + "_gib"] = r[key] / GIB
     resident = next((r for r in rows if r["provider"] == "resident" and r.get("status") == "ok"
                      and r.get("extra", {}).get("compute_s")), None)
+    if resident is None and getattr(args, "resident_from", None):
+        resident = _resident_row(args.resident_from, doc["shape"])
+        doc["resident_from"] = args.resident_from
     if doc["device"] == "cuda":  # the bound describes a GPU machine; on a CPU run it means nothing
         for r in rows:
             r.update(step_bound(r, resident, doc["hardware"]))
+
+
+def _resident_row(path: str, shape: dict) -> dict:
+    """The `resident` row of an earlier run's JSON, for this run's GPU term (same shape and seq)."""
+    with open(path) as f:
+        earlier = json.load(f)
+    if earlier.get("shape") != shape:
+        raise SystemExit(f"--resident-from {path}: its shape {earlier.get('shape')} is not this run's {shape}")
+    row = next((r for r in earlier.get("results", []) if r.get("provider") == "resident" and r.get("status") == "ok"
+                and (r.get("extra") or {}).get("compute_s") and r.get("tokens_per_step")), None)
+    if row is None:
+        raise SystemExit(f"--resident-from {path}: no successful `resident` row with its compute time")
+    return row
 
 
 def step_bound(row: dict, resident: dict | None, hardware: dict) -> dict:
@@ -406,6 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")
     ap.add_argument("--no-probe", action="store_true", help="skip measuring PCIe and CPU Adam (use DESIGN's figures)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--resident-from", default=None, help="JSON of an earlier run of the same shape whose "
+                    "`resident` row gives the bound's GPU term when this run has none")
     ap.add_argument("--commit", default=None, help="commit to record when the tree has no git metadata "
                     "(a copied tree on a GPU machine)")
     ap.add_argument("--worker-spec", default=None, help=argparse.SUPPRESS)

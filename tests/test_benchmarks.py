@@ -100,6 +100,26 @@ def test_step_bound_takes_the_largest_term():
     assert bench_train.step_bound(row, None, hardware)["bound_by"] == "cpu_adam (no gpu term)"
 
 
+def test_resident_row_from_an_earlier_run(tmp_path):
+    shape = {"name": "llama3-3b", "seq": 2048, "layers": 28}
+    res = {"provider": "resident", "status": "ok", "extra": {"compute_s": 1.0}, "tokens_per_step": 32768}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"shape": shape, "results": [{"provider": "hf", "status": "ok"}, res]}))
+    assert bench_train._resident_row(str(path), shape) == res
+    with pytest.raises(SystemExit, match="not this run's"):
+        bench_train._resident_row(str(path), {**shape, "seq": 1024})
+    path.write_text(json.dumps({"shape": shape, "results": [{"provider": "resident", "status": "oom"}]}))
+    with pytest.raises(SystemExit, match="no successful"):
+        bench_train._resident_row(str(path), shape)
+    doc = {"results": [{"provider": "slide", "capped": True, "step_s": 2.0, "batch": 16, "n_params": 3.2e9}],
+           "shape": shape, "device": "cuda", "hardware": {"h2d_gbs": 50.0, "d2h_gbs": 50.0, "adam_params_per_s": 3.5e9}}
+    path.write_text(json.dumps({"shape": shape, "results": [res]}))
+    args = bench_train.parse_args(["--resident-from", str(path), "--peak-tflops", "989.4"])
+    bench_train._finish(doc, args)
+    row = doc["results"][0]
+    assert row["bound_by"] == "gpu" and row["bound_s"] == pytest.approx(1.0) and row["efficiency"] == pytest.approx(0.5)
+
+
 def test_small_helpers():
     assert bench_train._halvings(16) == [16, 8, 4, 2, 1] and bench_train._halvings(1) == [1]
     assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("mystery card") is None
