@@ -143,6 +143,7 @@ class Plan:
     gpu_fixed: dict = field(default_factory=dict)  # name -> bytes, held all step
     gpu_phases: dict = field(default_factory=dict)  # name -> bytes, the larger one adds to the fixed part
     host_total: int = 0
+    host_steady: int = 0              # after the first step: the resident units' host pages released
     gpu_peak: int = 0
     gpu_limit: int = 0                # bytes the allocator may fill on this card
     max_batch_gpu: int = 0
@@ -430,6 +431,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
             held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)
         p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
         p.gpu_peak += held
+    # Once resident, a unit's host moments are released, and the embedding's dense gradient with it.
+    released = 8 * ((shape.embed_params if res[0] else 0) + res[1] * shape.layer_params)
+    if res[0]:
+        released += p.host.get("embedding gradient (fp32, pinned)", 0)
+    p.host_steady = p.host_total - released
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
     p.times = est.times(batch, N, tier, deferred, res)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (
@@ -539,6 +545,8 @@ def _format_report(p: Plan) -> str:
                    + ("fits" if p.host_fits else f"SHORT by {_gib(p.host_total - p.host_mem_bytes)}"))
     lines.append(f"host memory  {_gib(p.host_total)} {verdict}")
     lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.host.items() if v]
+    if p.host_steady < p.host_total:
+        lines.append(f"  peak in the first step; {_gib(p.host_steady)} once the resident units' host pages are released")
     gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
     lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
                  f"{_gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")

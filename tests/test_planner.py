@@ -195,3 +195,17 @@ def test_cli_runs_as_a_module():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["shape"]["n_params"] == 90_432
+
+
+# RSS at the end of the same runs (VmRSS after the timed steps: resident units' host pages released)
+MEASURED_RSS_END = [("llama3-3b", 16, 40.4), ("llama3-3b", 8, 35.2), ("llama3-8b", 16, 103.4)]
+
+
+@pytest.mark.parametrize("name, batch, rss_end", MEASURED_RSS_END)
+def test_steady_host_memory_after_the_resident_units_release_theirs(name, batch, rss_end):
+    p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, **H200)
+    assert p.host_steady < p.host_total
+    assert rel(p.host_steady / GiB, rss_end) < 0.10
+    assert "once the resident units' host pages are released" in p.report()
+    assert plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, resident=False, **H200).host_steady == \
+        plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, resident=False, **H200).host_total
