@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU measurements of docs/benchmarks.md, in two parts that each fit one 10-minute device call.
-# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh COMMIT [a|b]
+# The GPU measurements of docs/benchmarks.md, in parts that each fit one 10-minute device call.
+# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh COMMIT [a|b|c|d|e|f|g]
 #   a: GPU tests; 3B batch 16 slide vs DeepSpeed ZeRO-2 (capped, best batch; DS=0 skips it); 3B batch 8; 8B batch 16
 #   b: the 3B GPU-resident bound (RES_PROVIDERS=resident,hf adds HF); 8B batch 1 under 8 GiB; 200-step
 #      soak + clipping timing; the kernel table with KERNELS=1
@@ -15,6 +15,25 @@ C=${1:-unknown}; PART=${2:-a}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 B="python3 benchmarks/bench_train.py --steps 4 --warmup 2 --no-probe --commit $C"
 summ() { python3 benchmarks/trace_summary.py "$1" --gaps 3 | sed -n '4,9p'; }
+# 8B batch 16: $1 = directory of its log; $2 = 1 for a step trace ($OUT/tr_8b16.json)
+b8_16() {
+  local logdir=$1 traced=$2
+  if [ "$traced" = 1 ]; then export SLIDE_TRACE=$OUT/tr_8b16.json; fi
+  timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
+    --json "$OUT/b8_16.json" > "$logdir/b8_16.log" 2>&1
+  unset SLIDE_TRACE
+  tail -1 "$logdir/b8_16.log"; if [ "$traced" = 1 ]; then summ "$OUT/tr_8b16.json"; fi
+  grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$logdir/b8_16.log" | tail -3
+}
+# 8B batch 1 under an 8 GiB cap, then the 200-step soak with the clipping comparison
+cap8_and_soak() {
+  timeout 100 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b \
+    --providers slide --batch 1 --offload-batches 1 --cap-gib 8 --timeout 95 --json "$OUT/b8_cap8.json" \
+    > "$OUT/b8_cap8.log" 2>&1
+  tail -1 "$OUT/b8_cap8.log"
+  timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
+    --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
+}
 if [ "$PART" = a ]; then
   timeout 100 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
@@ -28,34 +47,21 @@ if [ "$PART" = a ]; then
   SLIDE_TRACE=$OUT/tr_3b8.json timeout 75 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 \
     --timeout 70 --json "$OUT/b3_8.json" > "$OUT/b3_8.log" 2>&1
   tail -1 "$OUT/b3_8.log"; summ "$OUT/tr_3b8.json"
-  timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
-    --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
-  tail -1 "$OUT/b8_16.log"; grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$OUT/b8_16.log" | tail -3
+  b8_16 "$OUT" 0
 elif [ "$PART" = e ]; then
-  SLIDE_TRACE=$OUT/tr_8b16.json timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 \
-    --timeout 145 --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
-  tail -1 "$OUT/b8_16.log"; summ "$OUT/tr_8b16.json"
-  grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$OUT/b8_16.log" | tail -3
-  timeout 100 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b \
-    --providers slide --batch 1 --offload-batches 1 --cap-gib 8 --timeout 95 --json "$OUT/b8_cap8.json" \
-    > "$OUT/b8_cap8.log" 2>&1
-  tail -1 "$OUT/b8_cap8.log"
-  timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
-    --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
+  b8_16 "$OUT" 1
+  cap8_and_soak
 elif [ "$PART" = f ]; then
-  B8="$B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 140"
-  SLIDE_TRACE=$OUT/tr_8b16.json timeout 145 $B8 --json "$OUT/b8_16.json" > "$OUT/b8_16.log" 2>&1
-  tail -1 "$OUT/b8_16.log"; summ "$OUT/tr_8b16.json"
-  timeout 145 $B8 --slide-config '{"update_order":"hybrid"}' --json "$OUT/b8_16h.json" > "$OUT/b8_16h.log" 2>&1
+  b8_16 "$OUT" 1
+  timeout 145 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 140 \
+    --slide-config '{"update_order":"hybrid"}' --json "$OUT/b8_16h.json" > "$OUT/b8_16h.log" 2>&1
   tail -1 "$OUT/b8_16h.log"
   timeout 150 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8 --json "$OUT/sweep.json" \
     2>&1 | tail -7
 elif [ "$PART" = g ]; then
   timeout 60 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
-  SLIDE_TRACE=$OUT/tr_8b16.json timeout 145 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 \
-    --timeout 140 --json "$OUT/b8_16.json" > /tmp/b8_16.log 2>&1
-  tail -1 /tmp/b8_16.log; summ "$OUT/tr_8b16.json"
+  b8_16 /tmp 1
   timeout 145 $B --model qwen2.5-7b --providers slide --batch 16 --offload-batches 16 --timeout 140 \
     --json "$OUT/q7_16.json" > /tmp/q7_16.log 2>&1
   tail -1 /tmp/q7_16.log
@@ -77,12 +83,7 @@ else
   timeout 110 $B --model llama3-3b --providers ${RES_PROVIDERS:-resident} --batch 16 --timeout 100 \
     --json "$OUT/b3_res.json" > "$OUT/b3_res.log" 2>&1
   tail -1 "$OUT/b3_res.log"
-  timeout 100 python3 benchmarks/bench_train.py --steps 2 --warmup 1 --no-probe --commit $C --model llama3-8b \
-    --providers slide --batch 1 --offload-batches 1 --cap-gib 8 --timeout 95 --json "$OUT/b8_cap8.json" \
-    > "$OUT/b8_cap8.log" 2>&1
-  tail -1 "$OUT/b8_cap8.log"
-  timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
-    --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
+  cap8_and_soak
   if [ -n "${KERNELS:-}" ]; then
     timeout 150 python3 benchmarks/bench_kernels.py > "$OUT/kernels.log" 2>&1; tail -12 "$OUT/kernels.log"
   fi
