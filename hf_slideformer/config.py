@@ -54,7 +54,7 @@ class SlideConfig:
             process when the model is slid (unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
             already sets expandable_segments). The window, the activations and the head allocate
             and free buffers of many sizes; with fixed segments the reserved peak ran far above
-            the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated), and the
+            the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated, 5d7ea7a), and the
             resident plan, which measures the reserved peak, had that much less room (with them
             the 8B embedding became resident). See docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.

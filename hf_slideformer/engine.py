@@ -8,7 +8,7 @@ worker update the layer's masters, while layer i-1's weights and input are alrea
 The HF model's own forward runs unchanged around the engine: the embedding, each decoder layer
 and the final norm get a proxy `forward` that hands the work to the engine, so masks, RoPE,
 GQA and sliding-window attention remain HF's code. Three autograd Functions connect the pieces:
-`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction` (norm + lm_head + loss, whose
+`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction` (`functions.py`; norm + lm_head + loss, whose
 gradients are computed in its forward: the loss ends the graph).
 """
 from __future__ import annotations
@@ -30,12 +30,11 @@ from .worker import CpuWorker
 from .errors import SlideStateError
 from .optim import sq_norm as _sq_norm
 from .resident import ResidentState, ResidentUnits
-from .functions import (EmbedFunction, GradOnlyLinear, HeadFunction, LayerFunction, grad_only,  # noqa: F401
-                        leaves as _leaves, swapped)
+from .functions import grad_only, leaves as _leaves, swapped
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlideEngine", "SlideStateError", "EmbedFunction", "LayerFunction", "HeadFunction", "GradOnlyLinear"]
+__all__ = ["SlideEngine", "SlideStateError"]
 
 _CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
 
@@ -515,7 +514,8 @@ class SlideEngine(HostTasks, ResidentUnits):
 
         Note: [Why the head slot is loaded in chunks during the forward] an untied lm_head is
         the largest unit (525M parameters at 8B: 2.1 GB of fp32, ~39 ms of h2d). Loaded when the
-        head runs, the GPU waited for it every step (a 37 ms idle at 8B, b89e2a2 trace). One
+        head runs, the GPU waits for it every step (the b89e2a2 trace has a 37 ms idle where
+        the forward ends, at 8B; our reading of its cause). One
         256 MiB chunk after each layer's own prefetch fits in the h2d stream's idle time while
         that layer computes. It starts only once the head's previous update has landed (never
         blocking the forward on the worker)."""

@@ -151,7 +151,7 @@ def _apply_kernels(model, config) -> None:
 
 
 def _install_proxies(model, adapter, engine) -> None:
-    from .engine import EmbedFunction, LayerFunction
+    from .functions import EmbedFunction, LayerFunction
 
     emb = adapter.embed(model)
 
@@ -249,7 +249,7 @@ class SlideModel:
         if labels is not None:
             labels = labels.to(dev)
         if torch.is_grad_enabled() and h.requires_grad:
-            from .engine import HeadFunction
+            from .functions import HeadFunction
             if shift_labels is not None:
                 raise NotImplementedError("shift_labels with gradients: pass labels instead")
             loss = HeadFunction.apply(h, eng, labels, num_items_in_batch)
