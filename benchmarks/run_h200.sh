@@ -8,6 +8,7 @@
 #   e: 8B batch 16 with a step trace; 8B batch 1 under an 8 GiB cap; 200-step soak + clipping timing
 #   f: 8B batch 16 with a step trace, then with update_order "hybrid"; 3B batch sweep 16..8
 #   g: GPU tests; 8B batch 16 traced; Qwen2.5-7B batch 16; ZeRO-3 on the 3B shape (at most 8 files under $OUT)
+#   h: GPU tests; 8B batch 16 traced; 3B batch 16 traced (the check after an engine change)
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -68,6 +69,13 @@ elif [ "$PART" = g ]; then
   timeout 200 $B --model llama3-3b --providers ds3 --batch 4 --offload-batches ${DS_BATCHES:-4,2,1} --timeout 190 \
     --json "$OUT/b3_ds3.json" > /tmp/b3_ds3.log 2>&1
   tail -1 /tmp/b3_ds3.log
+elif [ "$PART" = h ]; then
+  timeout 70 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  b8_16 "$OUT" 1
+  SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
+    --offload-batches 16 --timeout 75 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
+  tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

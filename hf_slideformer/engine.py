@@ -83,7 +83,7 @@ class SlideEngine(HostTasks, ResidentUnits):
                                    device=self.device) if cast else None
         self.d2h_stage = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
                                      device=self.device) if cast else None
-        count, waiter = self.stats.add_h2d, (lambda ev: self._wait(ev, "update"))
+        count, waiter = self.stats.add_h2d, self._wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter)
         self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         pin = config.pin_memory and config.is_cuda
@@ -193,6 +193,25 @@ class SlideEngine(HostTasks, ResidentUnits):
         t1 = time.perf_counter()
         self.stats.wait_s[reason] += t1 - t0
         self.stats.event(f"main_wait:{reason}", t0, t1)
+
+    def _wait_master(self, u: Unit, start: int) -> int:
+        """Main thread: block until element `start` of `u.master` holds the update in progress
+        (the worker reports finished prefixes, see `Unit.set_progress`); returns how many leading
+        elements are final (`u.numel` once the update is complete). Worker failures re-raised."""
+        if u.updated.is_set():
+            self.worker.raise_if_failed()
+            return u.numel
+        t0 = time.perf_counter()
+        with u.progress_cv:
+            while not u.updated.is_set() and u.progress <= start:
+                u.progress_cv.wait(0.05)
+                self.worker.check_alive()
+            ready = u.numel if u.updated.is_set() else u.progress
+        t1 = time.perf_counter()
+        self.stats.wait_s["update"] += t1 - t0
+        self.stats.event("main_wait:update", t0, t1)
+        self.worker.raise_if_failed()
+        return ready
 
     def _span_start(self):
         return self.streams.record(timing=True) if self.streams.cuda else None
@@ -635,6 +654,7 @@ class SlideEngine(HostTasks, ResidentUnits):
     def _schedule(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
         u.version += 1
+        u.set_progress(0)
         u.updated.clear()
 
     # ----------------------------------------------------------------- optimizer step

@@ -15,6 +15,12 @@ from .store import Unit
 
 __all__ = ["HostTasks"]
 
+# Elements per AdamW call of a host update (32 MiB of fp32 master). The worker reports each
+# finished prefix of the unit (`Unit.set_progress`), and the slot loader copies that prefix to
+# the GPU while the rest is updated: the next forward's first layer, whose gradient is the last
+# of the backward, then waits for its update plus one piece's copy instead of the whole copy.
+UPDATE_PIECE = 1 << 23
+
 
 class HostTasks:
     """Worker-side methods of SlideEngine."""
@@ -157,7 +163,7 @@ class HostTasks:
         for ev in readers:
             self._sync(ev, f"wait_readers:{u.name}")
         t0 = time.perf_counter()
-        optim.apply_adamw(u, g, *hp)
+        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=u.set_progress)
         t1 = time.perf_counter()
         self.stats.adam_s += t1 - t0
         self.stats.event(f"adam:{u.name}", t0, t1)

@@ -24,7 +24,8 @@ def sq_norm(tensors) -> torch.Tensor:
     return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
-def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None) -> None:
+def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
+                piece: int | None = None, on_piece=None) -> None:
     """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
 
     Args:
@@ -34,6 +35,12 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         group_of: id(parameter) -> index into `groups`; parameters absent are not updated.
         state: another holder of `master`, `exp_avg`, `exp_avg_sq`, `steps` in the unit's layout
             (a resident layer's device copies); default the unit's host store.
+        piece: update in offset order, about this many elements per call, and report each
+            finished prefix to `on_piece(n)` (the first n elements of the flat master are final),
+            so that a reader can copy the front of the unit while the back is being updated.
+            `piece` must be a power of two: every parameter is cut at multiples of it from its
+            own start, so the vectorized kernel sees the same alignment as in one call per group
+            and the result is bit-identical to it (an odd cut can move a rounding).
     """
     state = unit if state is None else state
     by_group: dict[int, list[int]] = {}
@@ -42,19 +49,48 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         if gi is None or not e.param.requires_grad:
             continue
         by_group.setdefault(gi, []).append(k)
-    for gi, ks in by_group.items():
-        hp = groups[gi]
-        es = [unit.entries[k] for k in ks]
-        params = [e.view(state.master) for e in es]
-        grads = [e.view(grad) for e in es]
-        m = [e.view(state.exp_avg) for e in es]
-        v = [e.view(state.exp_avg_sq) for e in es]
-        steps = [state.steps[k] for k in ks]
-        torch._foreach_add_(steps, 1)
-        beta1, beta2 = hp["betas"]
-        torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
-                            beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
-                            amsgrad=False, maximize=bool(hp.get("maximize", False)))
+    for ks in by_group.values():
+        torch._foreach_add_([state.steps[k] for k in ks], 1)
+    if piece is not None and (piece <= 0 or piece & (piece - 1)):
+        raise ValueError(f"piece must be a power of two, got {piece}")
+    if piece is None:
+        for gi, ks in by_group.items():
+            es = [unit.entries[k] for k in ks]
+            _fused(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
+                   [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
+                   [state.steps[k] for k in ks])
+        return
+    group_of_entry = {k: gi for gi, ks in by_group.items() for k in ks}
+    batch: dict[int, list[tuple]] = {}          # group -> [(entry index, start, end)] flat ranges
+    size = 0
+    for k in sorted(group_of_entry, key=lambda k: unit.entries[k].offset):
+        e = unit.entries[k]
+        for a in range(0, e.numel, piece):
+            b = min(a + piece, e.numel)
+            batch.setdefault(group_of_entry[k], []).append((k, e.offset + a, e.offset + b))
+            size += b - a
+            if size >= piece:
+                _flush(batch, unit, state, grad, groups)
+                if on_piece is not None:
+                    on_piece(e.offset + b)
+                batch, size = {}, 0
+    _flush(batch, unit, state, grad, groups)
+    if on_piece is not None:
+        on_piece(unit.numel)
+
+
+def _flush(batch, unit, state, grad, groups) -> None:
+    for gi, ranges in batch.items():
+        _fused(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
+               [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
+               [state.steps[k] for k, _, _ in ranges])
+
+
+def _fused(hp: dict, params, grads, m, v, steps) -> None:
+    beta1, beta2 = hp["betas"]
+    torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
+                        beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
+                        amsgrad=False, maximize=bool(hp.get("maximize", False)))
 
 
 class SlideOptimizer(torch.optim.Optimizer):

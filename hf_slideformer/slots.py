@@ -49,7 +49,9 @@ class SlotQueue:
         streams: the engine's streams.
         staging: optional device fp32 buffer of at least `numel` for the on-GPU cast.
         bytes_counter: callable(nbytes) accounting h2d traffic.
-        waiter: callable(threading.Event) that blocks until the event is set, re-raising worker failures.
+        waiter: callable(unit, start) -> n that blocks until element `start` of the unit's master
+            holds its pending update and returns how many leading elements do (worker failures
+            re-raised); default: wait for the whole update.
     """
 
     def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None,
@@ -61,7 +63,7 @@ class SlotQueue:
         self.clock = 0
         self.count = bytes_counter or (lambda n: None)
         self.chunk = 1 << 26                    # elements per step of load_steps without a staging buffer
-        self.wait_host = waiter or (lambda ev: ev.wait())
+        self.wait_host = waiter or _wait_updated
 
     @staticmethod
     def key_of(units: tuple[Unit, ...]) -> tuple:
@@ -103,21 +105,25 @@ class SlotQueue:
         cast = self.staging is not None and self.dtype != torch.float32
         cap = min(self.chunk, self.staging.numel()) if self.staging is not None else self.chunk
         for u in units:
-            # Note: [Why the copy waits for the update] the master must hold the finished update
-            # of the previous step before it is read: block until the CPU worker is done.
-            self.wait_host(u.updated)
             dst = slot.flat[base:base + u.numel]
             for a in range(0, u.numel, cap):
                 b = min(a + cap, u.numel)
-                with st.on(st.h2d):        # entered per chunk: never held across a yield
-                    if cast:
-                        # Chunks through one fp32 staging buffer: every copy and cast is on the h2d
-                        # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
-                        stage = self.staging[:b - a]
-                        stage.copy_(u.master[a:b], non_blocking=True)
-                        dst[a:b].copy_(stage)             # fp32 -> compute dtype on the GPU
-                    else:
-                        dst[a:b].copy_(u.master[a:b], non_blocking=True)
+                lo = a
+                while lo < b:
+                    # Note: [Why the copy waits for the update] the master must hold the finished
+                    # update of the previous step before it is read: block until the CPU worker
+                    # has finished element `lo` (it reports finished prefixes), copy what is final.
+                    hi = min(b, self.wait_host(u, lo))
+                    with st.on(st.h2d):        # entered per copy: never held across a yield
+                        if cast:
+                            # Through one fp32 staging buffer: every copy and cast is on the h2d
+                            # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
+                            stage = self.staging[lo - a:hi - a]
+                            stage.copy_(u.master[lo:hi], non_blocking=True)
+                            dst[lo:hi].copy_(stage)           # fp32 -> compute dtype on the GPU
+                        else:
+                            dst[lo:hi].copy_(u.master[lo:hi], non_blocking=True)
+                    lo = hi
                 yield
             self.count(u.numel * u.master.element_size())
             base += u.numel
@@ -144,3 +150,8 @@ class SlotQueue:
     def invalidate(self) -> None:
         for s in self.slots:
             s.key, s.units = None, ()
+
+
+def _wait_updated(u: Unit, start: int) -> int:
+    u.updated.wait()
+    return u.numel

@@ -55,9 +55,19 @@ class Unit:
     version: int = 0                            # bumped by every update: device copies check it
     updated: threading.Event = field(default_factory=threading.Event)
     readers: list = field(default_factory=list)  # device events of in-flight reads of `master`
+    # While `updated` is clear: how many leading elements of `master` already hold the update in
+    # progress (the worker updates a unit in offset order, piece by piece; see `set_progress`).
+    progress: int = 0
+    progress_cv: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self):
         self.updated.set()
+
+    def set_progress(self, n: int) -> None:
+        """Worker side: the first `n` elements of `master` are final for this update."""
+        with self.progress_cv:
+            self.progress = n
+            self.progress_cv.notify_all()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [e.view(flat) for e in self.entries]

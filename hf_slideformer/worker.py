@@ -142,10 +142,14 @@ class CpuWorker:
     def wait(self, event: threading.Event) -> None:
         """Block until `event` is set, re-raising a worker failure instead of hanging."""
         while not event.wait(0.05):
-            self.raise_if_failed()
-            if not self._thread.is_alive():
-                raise WorkerError("the CPU worker thread died")
+            self.check_alive()
         self.raise_if_failed()
+
+    def check_alive(self) -> None:
+        """Raise if the worker failed or its thread is gone (for callers polling a condition)."""
+        self.raise_if_failed()
+        if not self._thread.is_alive():
+            raise WorkerError("the CPU worker thread died")
 
     def join(self) -> None:
         """Wait until every submitted task has run; re-raise a failure."""

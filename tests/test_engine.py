@@ -393,3 +393,29 @@ def test_head_slot_loaded_in_chunks_during_the_forward(tied):
             assert per_step > n and issued[:n] == list(range(1, n + 1))
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_piecewise_update_is_bit_identical(monkeypatch):
+    """The worker updates each unit in pieces, reporting finished prefixes: same bits as one call.
+
+    (On the CPU the embedding's update, the last of the backward, precedes the next forward, so
+    no load overlaps an update here: tests/test_engine_gpu.py checks that with a resident embedding.)
+    """
+    from hf_slideformer import host_tasks
+    data = batches(3, pad=True)
+    states, reports = [], []
+    for piece in (1 << 23, 256):
+        monkeypatch.setattr(host_tasks, "UPDATE_PIECE", piece)
+        _, slid = make_pair("llama", False)
+        for u in slid.slide_engine.store.units:
+            orig = u.set_progress
+            u.set_progress = (lambda n, orig=orig, u=u: (reports.append((piece, u.name, n)), orig(n)))
+        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+        for b in data:
+            slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    big = [r for r in reports if r[0] == 1 << 23 and r[2] > 0]
+    small = [r for r in reports if r[0] == 256 and r[2] > 0]
+    assert len(small) > 3 * len(big) > 0           # many pieces per unit, each reported
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k

@@ -156,3 +156,29 @@ def test_resident_layers_track_host_updates_on_gpu():
     b = slid.state_dict()
     diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
     assert diffs.mean().item() < 0.01 * LR and diffs.max().item() < 2 * LR * 4, (diffs.mean(), diffs.max())
+
+
+def test_first_layer_loads_while_its_update_runs(monkeypatch):
+    """With the embedding on the GPU, the next forward's layer 0 is copied piece by piece while the
+    CPU worker still updates it (slowed down here): the copies read only finished pieces, so the
+    state is bit-identical to whole-unit updates."""
+    import time as _time
+    from hf_slideformer import host_tasks, optim
+    kw = {"resident_layers": 0, "resident_embedding": True}
+    ref = _train_state(False, **kw)
+    monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 1 << 12)
+    orig_fused = optim._fused
+    monkeypatch.setattr(optim, "_fused", lambda *a: (_time.sleep(0.001), orig_fused(*a))[1])
+    partial = []
+    import hf_slideformer.engine as E
+    orig_wait = E.SlideEngine._wait_master
+
+    def wait_master(self, u, start):
+        ready = orig_wait(self, u, start)
+        partial.append(ready < u.numel)
+        return ready
+    monkeypatch.setattr(E.SlideEngine, "_wait_master", wait_master)
+    got = _train_state(False, **kw)
+    assert any(partial), "no copy overlapped an update"
+    for k in ref:
+        assert torch.equal(ref[k], got[k]), k
