@@ -601,8 +601,12 @@ class SlideEngine(HostTasks, ResidentUnits):
                            **self._order(-1, update))
 
     # ----------------------------------------------------------------- gradients -> host -> update
-    def _d2h(self, grads: list, dsts: list[torch.Tensor]):
-        """Copy device gradients into host fp32 buffers (cast on the device) on the d2h stream."""
+    def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None):
+        """Copy device gradients into host fp32 buffers (cast on the device) on the d2h stream.
+
+        With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
+        gradient's copy: the worker can start on the front of a unit while the rest is in flight.
+        """
         st = self.streams
         if not st.cuda:
             for g, d in zip(grads, dsts):
@@ -618,6 +622,8 @@ class SlideEngine(HostTasks, ResidentUnits):
                 d = d.view(-1)
                 if g is None:
                     d.zero_()
+                    if marks is not None:
+                        marks.append((ends[len(marks)], st.record(st.d2h)))
                     continue
                 g.record_stream(st.d2h)
                 gf = g.reshape(-1)
@@ -632,6 +638,8 @@ class SlideEngine(HostTasks, ResidentUnits):
                         stage.copy_(gf[a:b])
                         d[a:b].copy_(stage, non_blocking=True)
                 self.stats.add_bytes("d2h", d.numel() * 4)
+                if marks is not None:
+                    marks.append((ends[len(marks)], st.record(st.d2h)))
         return st.record(st.d2h)
 
     def _send(self, u: Unit, grads: list) -> None:
@@ -643,11 +651,15 @@ class SlideEngine(HostTasks, ResidentUnits):
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
         buf = self.ring[k]
-        done = self._d2h(grads, [e.view(buf) for e in u.entries])
+        # Per-gradient events let the update start on the unit's front while its back is copied
+        # (the entries are laid out in copy order).
+        ends = [e.offset + e.numel for e in u.entries]
+        marks = [] if self.streams.cuda and ends == sorted(ends) else None
+        done = self._d2h(grads, [e.view(buf) for e in u.entries], ends, marks)
         update = self.in_backward
         if update:
             self._schedule(u)
-        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp,
+        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
                            **self._order(u.index, update))
 

@@ -135,7 +135,20 @@ class HostTasks:
         if update and touch is not None:
             self._embed_bulk_update(touch, hp)
 
-    def _layer_task(self, u, src, done, update, ends_step, hp):
+    def _layer_task(self, u, src, done, update, ends_step, hp, marks=None):
+        if marks and update and u.grad is None and (self.single_micro or not ends_step):
+            # The gradient is used as it lands (no accumulator, no norm to take first): each piece
+            # of the update waits only for the copies that cover it.
+            pending = list(marks)
+
+            def arrived(end: int) -> None:
+                while pending and pending[0][0] < end:
+                    self._sync(pending.pop(0)[1], f"wait_d2h:{u.name}")
+                if pending:
+                    self._sync(pending[0][1], f"wait_d2h:{u.name}")
+            self._update(u, src, hp, arrived)
+            self._sync(done, f"wait_d2h:{u.name}")
+            return
         self._sync(done, f"wait_d2h:{u.name}")
         self._consume(u, src, update, ends_step, hp)
 
@@ -156,14 +169,14 @@ class HostTasks:
             self._update(u, g, hp)
             u.grad_valid = False
 
-    def _update(self, u: Unit, g: torch.Tensor, hp) -> None:
+    def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None) -> None:
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
         readers, u.readers = u.readers, []
         for ev in readers:
             self._sync(ev, f"wait_readers:{u.name}")
         t0 = time.perf_counter()
-        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=u.set_progress)
+        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=u.set_progress, before_piece=arrived)
         t1 = time.perf_counter()
         self.stats.adam_s += t1 - t0
         self.stats.event(f"adam:{u.name}", t0, t1)

@@ -25,7 +25,7 @@ def sq_norm(tensors) -> torch.Tensor:
 
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
-                piece: int | None = None, on_piece=None) -> None:
+                piece: int | None = None, on_piece=None, before_piece=None) -> None:
     """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
 
     Args:
@@ -41,6 +41,8 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             `piece` must be a power of two: every parameter is cut at multiples of it from its
             own start, so the vectorized kernel sees the same alignment as in one call per group
             and the result is bit-identical to it (an odd cut can move a rounding).
+        before_piece: with `piece`, called with the end offset of each piece before it is
+            updated (to wait until the gradient of that prefix has arrived).
     """
     state = unit if state is None else state
     by_group: dict[int, list[int]] = {}
@@ -70,10 +72,14 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             batch.setdefault(group_of_entry[k], []).append((k, e.offset + a, e.offset + b))
             size += b - a
             if size >= piece:
+                if before_piece is not None:
+                    before_piece(e.offset + b)
                 _flush(batch, unit, state, grad, groups)
                 if on_piece is not None:
                     on_piece(e.offset + b)
                 batch, size = {}, 0
+    if before_piece is not None:
+        before_piece(unit.numel)
     _flush(batch, unit, state, grad, groups)
     if on_piece is not None:
         on_piece(unit.numel)
