@@ -8,7 +8,10 @@ Shapes (bf16): linear cross-entropy at T=16384, H=4096, V=128256 (the Llama-3 he
 rope and swiglu at Llama-3-8B layer shapes, batch 4 x 2048 tokens. Each measurement times one
 forward + backward with CUDA events (warm-up runs first, median of the timed runs) and records
 the peak memory allocated above what was allocated before the call (inputs excluded; outputs and
-gradients included). The hardware bound stated for the loss head is its three matmuls,
+gradients included). For the small ops it also times 20 calls issued back to back ("ms in a
+stream"): the per-call cost inside a model, where the host launches ahead of the GPU, as opposed
+to one call's wall time, which at these sizes is mostly the host's launch cost. The hardware
+bound stated for the loss head is its three matmuls,
 3 * 2 * T * H * V FLOP, at the GPU's dense bf16 peak and at the 790 TFLOP/s cuBLAS reaches.
 """
 from __future__ import annotations
@@ -42,8 +45,28 @@ def liger():
     return functional
 
 
-def measure(make, run, warmup: int, iters: int) -> dict:
-    """Median time (ms) and peak extra memory (GiB) of run(*make()) over `iters` timed calls."""
+def stream_ms(make, run, calls: int = 20, reps: int = 5) -> float:
+    """Milliseconds per call of `calls` calls issued back to back (inputs made beforehand), median
+    of `reps`: what one call costs inside a model, where the host runs ahead of the GPU: the
+    larger of its host launch cost and its GPU time."""
+    times = []
+    for _ in range(reps):
+        args = [make() for _ in range(calls)]
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for a in args:
+            run(*a)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+        del args
+    return statistics.median(times)
+
+
+def measure(make, run, warmup: int, iters: int, stream: bool = False) -> dict:
+    """Median time (ms) and peak extra memory (GiB) of run(*make()) over `iters` timed calls
+    (and, with `stream`, the per-call time of calls back to back: `stream_ms`)."""
     times, peaks = [], []
     for i in range(warmup + iters):
         args = make()
@@ -59,8 +82,11 @@ def measure(make, run, warmup: int, iters: int) -> dict:
             times.append(start.elapsed_time(end))
             peaks.append(torch.cuda.max_memory_allocated() - base)
         del args
-    return {"ms": statistics.median(times), "ms_min": min(times), "peak_gib": max(peaks) / GIB,
-            "gpu_ms": gpu_kernel_ms(make, run)}
+    out = {"ms": statistics.median(times), "ms_min": min(times), "peak_gib": max(peaks) / GIB,
+           "gpu_ms": gpu_kernel_ms(make, run)}
+    if stream:
+        out["stream_ms"] = stream_ms(make, run)
+    return out
 
 
 def gpu_kernel_ms(make, run) -> float | None:
@@ -245,7 +271,7 @@ def main(argv=None) -> int:
         make, cases = build()
         for name, run in cases:
             try:
-                r = measure(make, run, args.warmup, args.iters)
+                r = measure(make, run, args.warmup, args.iters, stream=op != "lce")
             except Exception as exc:  # an OOM or a missing feature of one provider
                 r = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
                 torch.cuda.empty_cache()
@@ -255,6 +281,8 @@ def main(argv=None) -> int:
             base = next((x for x in rows if x["op"] == op and x["provider"] == "liger" and "ms" in x), None)
             if row["op"] == op and base and "ms" in row:
                 row["vs_liger"] = row["ms"] / base["ms"]
+                if "stream_ms" in row and "stream_ms" in base:
+                    row["stream_vs_liger"] = row["stream_ms"] / base["stream_ms"]
         del make, cases
         torch.cuda.empty_cache()
     result = {"gpu": gpu, "environment": environment(), "rows": rows}
@@ -271,6 +299,7 @@ def main(argv=None) -> int:
     print(f"\n{gpu}; loss-head matmul bound: {result.get('lce_bound_ms')}")
     print(format_table(rows, [("op", "op", ""), ("shape", "shape", ""), ("provider", "provider", ""),
                               ("ms", "ms", ".2f"), ("vs_liger", "x Liger", ".3f"), ("gpu_ms", "kernel ms", ".2f"),
+                              ("stream_ms", "ms in a stream", ".3f"), ("stream_vs_liger", "x Liger", ".3f"),
                               ("peak_gib", "peak extra GiB", ".3f"),
                               ("error", "error", "")]))
     return 0
