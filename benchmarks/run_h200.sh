@@ -9,6 +9,7 @@
 #   f: 8B batch 16 with a step trace, then with update_order "hybrid"; 3B batch sweep 16..8
 #   g: GPU tests; 8B batch 16 traced; Qwen2.5-7B batch 16; ZeRO-3 on the 3B shape (at most 8 files under $OUT)
 #   h: GPU tests; 8B batch 16 traced; 3B batch 16 traced (the check after an engine change)
+#   i: 3B batch 16 with clipping (max_grad_norm 1.0: deferred updates); 3B batch 8; Qwen2.5-7B batch 16
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -76,6 +77,16 @@ elif [ "$PART" = h ]; then
   SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
     --offload-batches 16 --timeout 75 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
   tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
+elif [ "$PART" = i ]; then
+  timeout 80 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 75 \
+    --slide-config '{"max_grad_norm": 1.0}' --json "$OUT/b3_16clip.json" > "$OUT/b3_16clip.log" 2>&1
+  tail -1 "$OUT/b3_16clip.log"
+  timeout 75 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 --timeout 70 \
+    --json "$OUT/b3_8.json" > "$OUT/b3_8.log" 2>&1
+  tail -1 "$OUT/b3_8.log"
+  timeout 145 $B --model qwen2.5-7b --providers slide --batch 16 --offload-batches 16 --timeout 140 \
+    --json "$OUT/q7_16.json" > "$OUT/q7_16.log" 2>&1
+  tail -1 "$OUT/q7_16.log"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7
