@@ -25,7 +25,7 @@ def sq_norm(tensors) -> torch.Tensor:
 
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
-                piece: int | None = None, on_piece=None, before_piece=None) -> None:
+                piece: int | None = None, on_piece=None, before_piece=None, clip_coef=None) -> None:
     """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
 
     Args:
@@ -43,6 +43,9 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             and the result is bit-identical to it (an odd cut can move a rounding).
         before_piece: with `piece`, called with the end offset of each piece before it is
             updated (to wait until the gradient of that prefix has arrived).
+        clip_coef: the gradient-clipping factor (a float, or a scalar tensor on the state's
+            device), applied inside the fused kernel (its `grad_scale`, the reciprocal) instead
+            of a separate pass over the gradient; the gradient is left scaled.
     """
     state = unit if state is None else state
     by_group: dict[int, list[int]] = {}
@@ -53,6 +56,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         by_group.setdefault(gi, []).append(k)
     for ks in by_group.values():
         torch._foreach_add_([state.steps[k] for k in ks], 1)
+    scale = _grad_scale(clip_coef, state.master.device)
     if piece is not None and (piece <= 0 or piece & (piece - 1)):
         raise ValueError(f"piece must be a power of two, got {piece}")
     if piece is None:
@@ -60,7 +64,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             es = [unit.entries[k] for k in ks]
             _fused(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
                    [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
-                   [state.steps[k] for k in ks])
+                   [state.steps[k] for k in ks], scale)
         return
     group_of_entry = {k: gi for gi, ks in by_group.items() for k in ks}
     batch: dict[int, list[tuple]] = {}          # group -> [(entry index, start, end)] flat ranges
@@ -74,29 +78,40 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             if size >= piece:
                 if before_piece is not None:
                     before_piece(e.offset + b)
-                _flush(batch, unit, state, grad, groups)
+                _flush(batch, unit, state, grad, groups, scale)
                 if on_piece is not None:
                     on_piece(e.offset + b)
                 batch, size = {}, 0
     if before_piece is not None:
         before_piece(unit.numel)
-    _flush(batch, unit, state, grad, groups)
+    _flush(batch, unit, state, grad, groups, scale)
     if on_piece is not None:
         on_piece(unit.numel)
 
 
-def _flush(batch, unit, state, grad, groups) -> None:
+def _grad_scale(clip_coef, device) -> torch.Tensor | None:
+    """The fused kernel divides the gradient by `grad_scale`: the reciprocal of the clip factor."""
+    if clip_coef is None:
+        return None
+    if torch.is_tensor(clip_coef):
+        return clip_coef.to(device=device, dtype=torch.float32).reshape(()).reciprocal()
+    if clip_coef == 1.0:
+        return None
+    return torch.tensor(1.0 / clip_coef, dtype=torch.float32, device=device)
+
+
+def _flush(batch, unit, state, grad, groups, scale=None) -> None:
     for gi, ranges in batch.items():
         _fused(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
                [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
-               [state.steps[k] for k, _, _ in ranges])
+               [state.steps[k] for k, _, _ in ranges], scale)
 
 
-def _fused(hp: dict, params, grads, m, v, steps) -> None:
+def _fused(hp: dict, params, grads, m, v, steps, scale=None) -> None:
     beta1, beta2 = hp["betas"]
     torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
                         beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
-                        amsgrad=False, maximize=bool(hp.get("maximize", False)))
+                        amsgrad=False, maximize=bool(hp.get("maximize", False)), grad_scale=scale)
 
 
 class SlideOptimizer(torch.optim.Optimizer):

@@ -226,7 +226,7 @@ class ResidentUnits:
         if self.in_backward:
             self._resident_step(u, r, g32)
 
-    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None) -> None:
+    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
 
         Note: [Why the master is not copied back every step] the device master is the current
@@ -237,7 +237,7 @@ class ResidentUnits:
         (5d7ea7a). Host-side readers of the weights
         (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
-        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r)
+        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r, clip_coef=clip_coef)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         u.version += 1                                   # any slot copy of the old weights is stale
@@ -273,7 +273,5 @@ class ResidentUnits:
         else:                          # the host tasks' own arithmetic (see _clip_task): identical results
             coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
         for u, r, g in units:
-            if not isinstance(coef, float) or coef != 1.0:
-                g.mul_(coef)
-            self._resident_step(u, r, g, hp)
+            self._resident_step(u, r, g, hp, clip_coef=coef)   # applied in the fused AdamW, as on the host
         return {id(u) for u, _, _ in units}
