@@ -419,3 +419,44 @@ def test_piecewise_update_is_bit_identical(monkeypatch):
     assert len(small) > 3 * len(big) > 0           # many pieces per unit, each reported
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
+    """With one d2h event per gradient (CUDA), each piece of a layer's update first waits for the
+    copies covering it, and no later one: checked with stand-in events on the CPU."""
+    from hf_slideformer import host_tasks
+    monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 256)
+    results = []
+    for with_marks in (False, True):
+        _, slid = make_pair("llama", False)
+        eng = slid.slide_engine
+        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+        hp = opt.snapshot()
+        u = eng.layer_units[0]
+        src = torch.randn(u.numel, generator=torch.Generator().manual_seed(5))
+        log = []
+
+        class Ev:
+            def __init__(self, end):
+                self.end = end
+
+            def synchronize(self):
+                log.append(("sync", self.end))
+        ends = [e.offset + e.numel for e in u.entries]
+        marks = [(end, Ev(end)) for end in ends] if with_marks else None
+        orig = u.set_progress
+        u.set_progress = lambda n: (log.append(("done", n)), orig(n))
+        eng._schedule(u)
+        eng._layer_task(u, src, Ev(u.numel), True, True, hp, marks)
+        results.append(u.master.clone())
+        if with_marks:
+            synced = 0
+            for kind, n in log:
+                if kind == "sync":
+                    synced = max(synced, n)
+                elif n > 0:
+                    assert synced >= n, log          # a finished prefix never runs ahead of its copies
+            first_piece = next(n for kind, n in log if kind == "done" and n > 0)
+            early = [n for kind, n in log[:log.index(("done", first_piece))] if kind == "sync"]
+            assert max(early) < max(ends)            # it started before the last copy was waited for
+    assert torch.equal(results[0], results[1])
