@@ -71,7 +71,7 @@ def main():
         t2 = time.perf_counter()
         print(f"{name:22s} host {1e6 * (t1 - t0) / a.n:7.1f} us/call  wall {1e6 * (t2 - t0) / a.n:7.1f} us/call",
               flush=True)
-        if a.profile and "ours" in name or (a.profile and "liger" in name):
+        if a.profile and ("ours" in name or "liger" in name):
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(100):

@@ -622,22 +622,20 @@ class SlideEngine(HostTasks, ResidentUnits):
                 d = d.view(-1)
                 if g is None:
                     d.zero_()
-                    if marks is not None:
-                        marks.append((ends[len(marks)], st.record(st.d2h)))
-                    continue
-                g.record_stream(st.d2h)
-                gf = g.reshape(-1)
-                if gf.dtype == torch.float32:
-                    d.copy_(gf, non_blocking=True)
                 else:
-                    # Note: [Why the staging chunk is safe to reuse] every cast and copy below is on the
-                    # one d2h stream, so chunk k+1's cast runs after chunk k's copy has read the stage.
-                    for a in range(0, gf.numel(), _CHUNK):
-                        b = min(a + _CHUNK, gf.numel())
-                        stage = self.d2h_stage[:b - a]
-                        stage.copy_(gf[a:b])
-                        d[a:b].copy_(stage, non_blocking=True)
-                self.stats.add_bytes("d2h", d.numel() * 4)
+                    g.record_stream(st.d2h)
+                    gf = g.reshape(-1)
+                    if gf.dtype == torch.float32:
+                        d.copy_(gf, non_blocking=True)
+                    else:
+                        # Note: [Why the staging chunk is safe to reuse] every cast and copy below is on
+                        # the one d2h stream, so chunk k+1's cast runs after chunk k's copy has read the stage.
+                        for a in range(0, gf.numel(), _CHUNK):
+                            b = min(a + _CHUNK, gf.numel())
+                            stage = self.d2h_stage[:b - a]
+                            stage.copy_(gf[a:b])
+                            d[a:b].copy_(stage, non_blocking=True)
+                    self.stats.add_bytes("d2h", d.numel() * 4)
                 if marks is not None:
                     marks.append((ends[len(marks)], st.record(st.d2h)))
         return st.record(st.d2h)
@@ -652,10 +650,9 @@ class SlideEngine(HostTasks, ResidentUnits):
         self.ring_free[k].clear()
         buf = self.ring[k]
         # Per-gradient events let the update start on the unit's front while its back is copied
-        # (the entries are laid out in copy order).
-        ends = [e.offset + e.numel for e in u.entries]
-        marks = [] if self.streams.cuda and ends == sorted(ends) else None
-        done = self._d2h(grads, [e.view(buf) for e in u.entries], ends, marks)
+        # (HostStore lays the entries out in order, so copy order is offset order).
+        marks = [] if self.streams.cuda else None
+        done = self._d2h(grads, [e.view(buf) for e in u.entries], [e.offset + e.numel for e in u.entries], marks)
         update = self.in_backward
         if update:
             self._schedule(u)
