@@ -10,6 +10,7 @@
 #   g: GPU tests; 8B batch 16 traced; Qwen2.5-7B batch 16; ZeRO-3 on the 3B shape (at most 8 files under $OUT)
 #   h: GPU tests; 8B batch 16 traced; 3B batch 16 traced (the check after an engine change)
 #   i: 3B batch 16 with clipping (max_grad_norm 1.0: deferred updates); 3B batch 8; Qwen2.5-7B batch 16
+#   j: GPU tests; 8B batch 1 under 8 GiB; 200-step soak + clipping timing; 3B batch 16 with clipping, traced
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -87,6 +88,13 @@ elif [ "$PART" = i ]; then
   timeout 145 $B --model qwen2.5-7b --providers slide --batch 16 --offload-batches 16 --timeout 140 \
     --json "$OUT/q7_16.json" > "$OUT/q7_16.log" 2>&1
   tail -1 "$OUT/q7_16.log"
+elif [ "$PART" = j ]; then
+  timeout 70 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  cap8_and_soak
+  SLIDE_TRACE=$OUT/tr_clip.json timeout 90 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 \
+    --timeout 85 --slide-config '{"max_grad_norm": 1.0}' --json "$OUT/b3_16clip.json" > "$OUT/b3_16clip.log" 2>&1
+  tail -1 "$OUT/b3_16clip.log"; summ "$OUT/tr_clip.json"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7
