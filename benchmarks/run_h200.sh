@@ -11,6 +11,7 @@
 #   h: GPU tests; 8B batch 16 traced; 3B batch 16 traced (the check after an engine change)
 #   i: 3B batch 16 with clipping (max_grad_norm 1.0: deferred updates); 3B batch 8; Qwen2.5-7B batch 16
 #   j: GPU tests; 8B batch 1 under 8 GiB; 200-step soak + clipping timing; 3B batch 16 with clipping, traced
+#   k: GPU tests; 3B batch 16 with clipping, traced; 3B batch 16, traced (the check after a clipping-mode change)
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -95,6 +96,16 @@ elif [ "$PART" = j ]; then
   SLIDE_TRACE=$OUT/tr_clip.json timeout 90 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 \
     --timeout 85 --slide-config '{"max_grad_norm": 1.0}' --json "$OUT/b3_16clip.json" > "$OUT/b3_16clip.log" 2>&1
   tail -1 "$OUT/b3_16clip.log"; summ "$OUT/tr_clip.json"
+elif [ "$PART" = k ]; then
+  timeout 80 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  SLIDE_TRACE=$OUT/tr_clip.json timeout 100 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 \
+    --timeout 95 --slide-config "${CLIP_CONFIG:-{\"max_grad_norm\": 1.0\}}" --json "$OUT/b3_16clip.json" > "$OUT/b3_16clip.log" 2>&1
+  tail -1 "$OUT/b3_16clip.log"; summ "$OUT/tr_clip.json"
+  grep -o '"device_updated_layers": [0-9]*\|"resident_layers": [0-9]*' "$OUT/b3_16clip.log" | tail -2
+  SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
+    --offload-batches 16 --timeout 75 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
+  tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

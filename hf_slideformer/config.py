@@ -50,6 +50,12 @@ class SlideConfig:
             clipping each keeps its gradient on the GPU until optimizer.step(). See docs/engine.md.
         resident_embedding: Keep the input embedding's master and Adam state on the GPU too
             ("auto": when it fits, decided with resident_layers, before the layers; True/False).
+        device_update_share: With clipping (and one backward per optimizer step), the share of
+            the layers the GPU does not keep resident whose update runs on the GPU as they are
+            copied in for the next forward, in parallel with the CPU's updates of the others
+            (their master, moments and gradient cross PCIe both ways). "auto" (default): the share
+            that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA (about 0.45),
+            0 on the CPU device. A float in [0, 1] fixes it. See docs/engine.md.
         expandable_segments: Turn on the CUDA caching allocator's expandable segments for the
             process when the model is slid (unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
             already sets expandable_segments). The window, the activations and the head allocate
@@ -77,6 +83,7 @@ class SlideConfig:
     update_order: str = "arrival"
     resident_layers: int | str = "auto"
     resident_embedding: bool | str = "auto"
+    device_update_share: float | str = "auto"
     expandable_segments: bool = True
     check_host_memory: bool = True
     debug: bool = False
@@ -136,6 +143,12 @@ class SlideConfig:
             raise ValueError(f"SlideConfig.resident_layers must be 'auto' or an int >= 0, got {self.resident_layers!r}")
         if self.resident_embedding not in ("auto", True, False):
             raise ValueError(f"SlideConfig.resident_embedding must be 'auto', True or False, got {self.resident_embedding!r}")
+        if self.device_update_share != "auto":
+            share = self.device_update_share
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
+                raise ValueError("SlideConfig.device_update_share must be 'auto' or a number in [0, 1], "
+                                 f"got {share!r}")
+            self.device_update_share = float(share)
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 

@@ -28,8 +28,9 @@ from .telemetry import StepStats
 from .transfer import Streams
 from .worker import CpuWorker
 from .errors import SlideStateError
-from .optim import sq_norm as _sq_norm
+from .optim import sq_norm as _sq_norm, _grad_scale
 from .resident import ResidentState, ResidentUnits
+from .device_update import DeviceUpdates
 from .functions import grad_only, leaves as _leaves, swapped
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ __all__ = ["SlideEngine", "SlideStateError"]
 _CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
 
 
-class SlideEngine(HostTasks, ResidentUnits):
+class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
     """Runs an HF causal LM through a window of device slots, with its state on the host.
 
     Args:
@@ -84,7 +85,9 @@ class SlideEngine(HostTasks, ResidentUnits):
         self.d2h_stage = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
                                      device=self.device) if cast else None
         count, waiter = self.stats.add_h2d, self._wait_master
-        self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter)
+        self._init_device_updates()
+        self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
+                               filler=self._device_fill)
         self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         pin = config.pin_memory and config.is_cuda
         # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
@@ -171,8 +174,10 @@ class SlideEngine(HostTasks, ResidentUnits):
                                                          self.config.max_grad_norm)
         if changed:
             # Resident units are planned for one mode (a gradient per layer when clipping, none with
-            # accumulation): write them back; the next optimizer step plans again.
+            # accumulation): write them back; the next optimizer step plans again. So are the
+            # device-updated layers (clipping only).
             self.worker.join()
+            self._reset_device_updates()
             self.evict_resident()
             self._resident_target = None
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
@@ -295,6 +300,7 @@ class SlideEngine(HostTasks, ResidentUnits):
         then the complete state (resident layers are written back and re-made resident at the
         next optimizer step)."""
         self.worker.join()
+        self.flush_device_updates()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.worker.raise_if_failed()
@@ -646,6 +652,10 @@ class SlideEngine(HostTasks, ResidentUnits):
         self.ring_next = (k + 1) % len(self.ring)
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
+        if u.index in self._device_units and self.device_updates_on and not self.in_backward:
+            self.ring_next = k                       # the ring is not used
+            self._send_to_accumulator(u, grads)
+            return
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
         buf = self.ring[k]
@@ -674,6 +684,7 @@ class SlideEngine(HostTasks, ResidentUnits):
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
         if not self.updated_in_backward:
             hp = self.optimizer.snapshot()
+            self._prepare_device_updates()          # the first clipping step picks the device-updated layers
             norm_ev = None
             if self.single_micro:
                 if self.streams.cuda:
@@ -684,9 +695,13 @@ class SlideEngine(HostTasks, ResidentUnits):
             self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev)
             t = self._span_start()
             on_device = self._step_resident(hp)
+            scale, ready = self._device_scale() if self.device_updates_on else (None, None)
             self._span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
+                    continue
+                if u.index in self._device_units and self.device_updates_on:
+                    self._schedule_device(u, hp, scale, ready)
                     continue
                 self._schedule(u)
                 self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))
@@ -695,6 +710,17 @@ class SlideEngine(HostTasks, ResidentUnits):
         self.stats.mark_step()
         self.stats.fold()
         self._promote_resident()
+
+    def _device_scale(self):
+        """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
+        the compute-stream event after which it is valid. On CUDA it is computed on the device (no
+        sync), with resident units' arithmetic; on the CPU with the host tasks' (see _clip_task)."""
+        mx = self.config.max_grad_norm
+        if self.streams.cuda:
+            coef = (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
+        else:
+            coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
+        return _grad_scale(coef, self.device), self.streams.record()
 
     def zero_grad(self) -> None:
         if self.micro == 0:
@@ -718,6 +744,8 @@ class SlideEngine(HostTasks, ResidentUnits):
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
         self.worker.close()
+        for u in self.layer_units:
+            u.device_pending = None
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.tier.close()

@@ -267,12 +267,15 @@ class SlideModel:
         wait_other_s (main thread blocked on the worker); step_wall_s (time between optimizer
         steps), tokens_per_s and gpu_busy (GPU kernel time / wall time) from it; peak GPU memory
         and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
-        SlideConfig.resident_layers); worker_wait_s (the worker blocked on GPU copies).
+        SlideConfig.resident_layers); device_updated_layers (host-held layers whose clipping-mode
+        update runs on the GPU, see SlideConfig.device_update_share); worker_wait_s (the worker
+        blocked on GPU copies).
         """
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
         out["resident_layers"] = len(eng.resident)
         out["resident_embedding"] = eng.resident_embed is not None
+        out["device_updated_layers"] = len(eng._device_units)
         return out
 
     # ------------------------------------------------------------------ state

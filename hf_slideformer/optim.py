@@ -14,7 +14,7 @@ import torch
 
 from .store import Unit
 
-__all__ = ["SlideOptimizer", "apply_adamw", "sq_norm"]
+__all__ = ["SlideOptimizer", "apply_adamw", "apply_batch", "groups_of", "piece_batches", "sq_norm"]
 
 
 def sq_norm(tensors) -> torch.Tensor:
@@ -48,12 +48,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             of a separate pass over the gradient; the gradient is left scaled.
     """
     state = unit if state is None else state
-    by_group: dict[int, list[int]] = {}
-    for k, e in enumerate(unit.entries):
-        gi = group_of.get(id(e.param))
-        if gi is None or not e.param.requires_grad:
-            continue
-        by_group.setdefault(gi, []).append(k)
+    by_group = groups_of(unit, group_of)
     for ks in by_group.values():
         torch._foreach_add_([state.steps[k] for k in ks], 1)
     scale = _grad_scale(clip_coef, state.master.device)
@@ -66,27 +61,51 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
                    [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
                    [state.steps[k] for k in ks], scale)
         return
+    for _, end, batch in piece_batches(unit, by_group, piece):
+        if before_piece is not None:
+            before_piece(end)
+        _flush(batch, unit, state, grad, groups, scale)
+        if on_piece is not None:
+            on_piece(end)
+
+
+def groups_of(unit: Unit, group_of: dict[int, int]) -> dict[int, list[int]]:
+    """Param group -> indices of the unit's entries it updates (frozen or unlisted ones left out)."""
+    by_group: dict[int, list[int]] = {}
+    for k, e in enumerate(unit.entries):
+        gi = group_of.get(id(e.param))
+        if gi is None or not e.param.requires_grad:
+            continue
+        by_group.setdefault(gi, []).append(k)
+    return by_group
+
+
+def piece_batches(unit: Unit, by_group: dict[int, list[int]], piece: int, span: bool = False):
+    """The ranges of a piecewise update, in offset order: yields (start, end, batch).
+
+    batch maps a param group to [(entry index, lo, hi)] flat ranges; every entry is cut at
+    multiples of `piece` from its own start. A batch closes once it holds `piece` elements; the
+    last one (possibly empty) ends at `unit.numel`. With `span`, the entries outside every group
+    count too (they lie in [start, end) unchanged), so that [start, end) is at most
+    2 * piece - 1 elements: the flat range a copy of the batch has to move.
+    """
     group_of_entry = {k: gi for gi, ks in by_group.items() for k in ks}
-    batch: dict[int, list[tuple]] = {}          # group -> [(entry index, start, end)] flat ranges
-    size = 0
-    for k in sorted(group_of_entry, key=lambda k: unit.entries[k].offset):
+    batch: dict[int, list[tuple]] = {}
+    start, size = 0, 0
+    for k in sorted(range(len(unit.entries)), key=lambda k: unit.entries[k].offset):
+        gi = group_of_entry.get(k)
+        if gi is None and not span:
+            continue
         e = unit.entries[k]
         for a in range(0, e.numel, piece):
             b = min(a + piece, e.numel)
-            batch.setdefault(group_of_entry[k], []).append((k, e.offset + a, e.offset + b))
+            if gi is not None:
+                batch.setdefault(gi, []).append((k, e.offset + a, e.offset + b))
             size += b - a
             if size >= piece:
-                if before_piece is not None:
-                    before_piece(e.offset + b)
-                _flush(batch, unit, state, grad, groups, scale)
-                if on_piece is not None:
-                    on_piece(e.offset + b)
-                batch, size = {}, 0
-    if before_piece is not None:
-        before_piece(unit.numel)
-    _flush(batch, unit, state, grad, groups, scale)
-    if on_piece is not None:
-        on_piece(unit.numel)
+                yield start, e.offset + b, batch
+                start, batch, size = e.offset + b, {}, 0
+    yield start, unit.numel, batch
 
 
 def _grad_scale(clip_coef, device) -> torch.Tensor | None:
@@ -105,6 +124,17 @@ def _flush(batch, unit, state, grad, groups, scale=None) -> None:
         _fused(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
                [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
                [state.steps[k] for k, _, _ in ranges], scale)
+
+
+def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],
+                scale=None) -> None:
+    """AdamW of one `piece_batches` batch on copies of the flat range that starts at offset `lo`
+    (master, grad and moments index from `lo`); `steps` are the per-entry counters, already
+    advanced for this step."""
+    for gi, ranges in batch.items():
+        _fused(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges], [grad[a - lo:b - lo] for _, a, b in ranges],
+               [exp_avg[a - lo:b - lo] for _, a, b in ranges], [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
+               [steps[k] for k, _, _ in ranges], scale)
 
 
 def _fused(hp: dict, params, grads, m, v, steps, scale=None) -> None:

@@ -159,6 +159,8 @@ class ResidentUnits:
 
     def _make_resident(self, u: Unit, with_grad: bool = False) -> ResidentState:
         self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
+        self.flush_device_updates(u)                    # ... or its device update (written back on the d2h stream)
+        self.streams.wait(u.host_write)
         r = ResidentState(u, self.dtype, self.device, with_grad=with_grad)
         r.load_from_host()
         # The host moments are not read again until evict_resident() writes them back.

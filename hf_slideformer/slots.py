@@ -52,10 +52,13 @@ class SlotQueue:
         waiter: callable(unit, start) -> n that blocks until element `start` of the unit's master
             holds its pending update and returns how many leading elements do (worker failures
             re-raised); default: wait for the whole update.
+        filler: callable(unit, dst) -> an iterator that fills `dst` (the unit's part of the slot)
+            one step at a time, or None to copy the master: a unit whose pending update runs on
+            the device as it is copied in (see `device_update.py`).
     """
 
     def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None,
-                 waiter=None):
+                 waiter=None, filler=None):
         self.streams = streams
         self.dtype = dtype
         self.slots = [Slot(numel, dtype, streams.device) for _ in range(n)]
@@ -64,6 +67,7 @@ class SlotQueue:
         self.count = bytes_counter or (lambda n: None)
         self.chunk = 1 << 26                    # elements per step of load_steps without a staging buffer
         self.wait_host = waiter or _wait_updated
+        self.filler = filler
 
     @staticmethod
     def key_of(units: tuple[Unit, ...]) -> tuple:
@@ -106,6 +110,13 @@ class SlotQueue:
         cap = min(self.chunk, self.staging.numel()) if self.staging is not None else self.chunk
         for u in units:
             dst = slot.flat[base:base + u.numel]
+            fill = self.filler(u, dst) if self.filler is not None else None
+            if fill is not None:
+                yield from fill
+                base += u.numel
+                continue
+            # The host store's copy of a device update lands on the d2h stream (see device_update.py).
+            st.wait(u.host_write, st.h2d)
             for a in range(0, u.numel, cap):
                 b = min(a + cap, u.numel)
                 lo = a

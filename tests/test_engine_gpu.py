@@ -53,7 +53,9 @@ HOST_ONLY = {"resident_layers": 0, "resident_embedding": False}
 
 
 @pytest.mark.parametrize("tied,clip,resident", [(False, None, HOST_ONLY), (False, None, {}), (True, None, HOST_ONLY),
-                                                (True, None, {"resident_layers": 2}), (True, 0.5, {})])
+                                                (True, None, {"resident_layers": 2}), (True, 0.5, {}),
+                                                (False, 0.5, dict(HOST_ONLY, device_update_share=0.5)),
+                                                (True, 0.5, {"resident_layers": 1, "device_update_share": 1.0})])
 def test_fp32_cuda_matches_plain_pytorch(tied, clip, resident):
     ref, slid = _pair(torch.float32, tied, max_grad_norm=clip, use_kernels=False, **resident)
     losses = _run(ref, slid, batches(4, bsz=3, seq=67, vocab=1001, pad=True), clip)
@@ -76,10 +78,12 @@ def test_bf16_tracks_fp32_training(kernels):
     assert diffs.mean().item() < 0.05 * LR and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max())
 
 
-def _train_state(slow: bool, tier="cpu", steps=4, **kw):
+def _train_state(slow: bool, tier="cpu", steps=4, models=None, **kw):
     import hf_slideformer.engine as E
     import hf_slideformer.slots as S
     _, slid = _pair(torch.bfloat16, False, activation_tier=tier, **kw)
+    if models is not None:
+        models.append(slid)
     opt = slid.create_optimizer(lr=LR)
     if slow:
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
@@ -112,8 +116,17 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
                 torch.cuda._sleep(2_000_000)
             return res(self, *a, **k)
 
+        dev_run = E.SlideEngine._run_device_update
+
+        def slow_dev_run(self, *a, **k):          # each piece's write-back starts late
+            for _ in dev_run(self, *a, **k):
+                with torch.cuda.stream(self.streams.d2h):
+                    torch.cuda._sleep(1_000_000)
+                yield
+
         E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = slow_call, slow_load_steps, slow_d2h
         E.SlideEngine._resident_update = slow_res
+        E.SlideEngine._run_device_update = slow_dev_run
     try:
         for b in batches(steps, bsz=4, seq=128, vocab=1001, pad=True):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
@@ -122,6 +135,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
         if slow:
             E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = call, load_steps, d2h
             E.SlideEngine._resident_update = res
+            E.SlideEngine._run_device_update = dev_run
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
 
@@ -129,6 +143,21 @@ def _train_state(slow: bool, tier="cpu", steps=4, **kw):
                                 {"gradient_accumulation_steps": 1, "window": 3}])
 def test_slow_streams_bit_identical(kw):
     fast, slow = _train_state(False, **kw), _train_state(True, **kw)
+    for k in fast:
+        assert torch.equal(fast[k], slow[k]), k
+
+
+def test_device_updates_under_slow_streams(monkeypatch):
+    """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
+    elements through the two alternating sets of device buffers: with the compute, h2d and d2h
+    streams slowed down on purpose the result is bit-identical."""
+    from hf_slideformer import device_update
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
+    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5)
+    models = []
+    fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
+    for m in models:
+        assert m.slide_engine._device_units and m.slide_stats()["gpu_updated_params"] > 0
     for k in fast:
         assert torch.equal(fast[k], slow[k]), k
 

@@ -1,0 +1,230 @@
+"""Deferred updates on the device: with clipping, a share of the host-held layers is updated by
+the GPU as they are copied in for the next forward, in parallel with the CPU worker.
+
+Note: [Why part of the clipping-mode update runs on the GPU] the clip factor needs the global
+gradient norm, known only when the backward ends, so with clipping no host update can overlap
+the backward: the CPU AdamW of every host layer runs after it and paces the next forward
+(Llama-3.2-3B at 16 x 2048: 36 ms of CPU per layer against 10.5 ms of GPU work, 1.34x the step
+without clipping, ad9ed1f). Meanwhile the PCIe link and the GPU are mostly idle. A device layer's
+update is streamed through the GPU instead: its fp32 master, moments and gradient go in
+(16 bytes per parameter), torch's fused CUDA AdamW updates them, the new weights are cast
+straight into the layer's slot, and master and moments go back to the host store (12 bytes per
+parameter, on the other copy engine). The CPU updates the other layers meanwhile, 4 bytes per
+parameter of h2d each. With the CPU's rate r and the link's B (both ways at once), a share
+
+    f = (B - 4 r) / (B + 12 r)
+
+of the layers makes the two finish together: about 0.45 on the H200 host (B 43 GB/s, r 2.5 G
+parameters/s with the clip factor), where each layer then costs about 21 ms instead of 36.
+
+The device layers are picked once, at the first clipping step, spread evenly over the layers the
+GPU does not keep resident; their host moments and gradient accumulator are pinned in place
+(page-locked, as the masters already are), and their gradients are copied straight into the
+accumulator by the backward. The update runs in pieces cut like the CPU worker's (power-of-two
+multiples from each parameter's start), so on the CPU device the results are bit-identical to
+the host path's; on CUDA they are torch's fused CUDA AdamW's, as for resident units.
+
+While an update is pending (`Unit.device_pending`, from `optimizer.step()` until the unit is
+next copied in) the host store holds the previous step's state for that unit: everything that
+reads the host state flushes pending updates first (`engine.synchronize()`, making a unit
+resident, changing the clipping mode).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from . import optim as _optim
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeviceUpdates", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
+
+# Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
+DEVICE_PIECE = 1 << 22
+# The figures the automatic share balances (DESIGN.md, H200 host; the worker's rate with the clip
+# factor, which writes the gradient back, from the ad9ed1f trace).
+PCIE_BOTH_WAYS = 43e9
+CPU_ADAMW_RATE = 2.5e9
+
+
+def balanced_share(pcie_bytes_per_s: float = PCIE_BOTH_WAYS, cpu_params_per_s: float = CPU_ADAMW_RATE) -> float:
+    """The share f of layers updated on the device that makes the CPU, (1 - f) / r per parameter,
+    and the h2d link, (4 (1 - f) + 16 f) / B, take the same time."""
+    b, r = pcie_bytes_per_s, cpu_params_per_s
+    return min(1.0, max(0.0, (b - 4 * r) / (b + 12 * r)))
+
+
+def pick_device_units(candidates: list, share: float) -> list:
+    """Every 1/share-th of `candidates` (forward order), starting with the first: the device and
+    the CPU then work on alternate stretches of the next forward from its first layer on."""
+    eps = 1e-9
+    return [u for p, u in enumerate(candidates) if math.ceil((p + 1) * share - eps) > math.ceil(p * share - eps)]
+
+
+class _Pending:
+    """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
+    factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
+
+    def __init__(self, hp, scale, ready_ev, grad_ev):
+        self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
+        self.batches = None
+        self.steps = None
+        self.next = 0
+
+
+class DeviceUpdates:
+    """Engine-side methods of the device updates (a mixin of SlideEngine: they share its state)."""
+
+    def _init_device_updates(self) -> None:
+        self._device_units: set[int] = set()    # Unit.index of the device-updated layers
+        self._device_chosen = False
+        self._dev_sets: list[tuple[torch.Tensor, ...]] | None = None
+        self._dev_free: list = [None, None]
+        self._dev_turn = 0
+        self._grad_ev: dict[int, object] = {}
+
+    @property
+    def device_updates_on(self) -> bool:
+        return bool(self._device_units) and self.single_micro and self.config.max_grad_norm is not None
+
+    def _device_share(self) -> float:
+        c = self.config
+        if c.max_grad_norm is None or not self.single_micro:
+            return 0.0
+        if c.device_update_share == "auto":
+            return balanced_share() if self.streams.cuda else 0.0
+        return float(c.device_update_share)
+
+    def _prepare_device_updates(self) -> None:
+        """At the first clipping step: allocate the device buffers, plan the resident units (the
+        device layers are picked among the others), pick the layers and pin their host state."""
+        if self._device_chosen or self.optimizer is None:
+            return
+        share = self._device_share()
+        if share <= 0:
+            return
+        self._device_chosen = True
+        self.worker.join()                  # the backward's gradient copies into the accumulators have landed
+        n = min(2 * DEVICE_PIECE, max(u.numel for u in self.layer_units))
+        self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
+                          for _ in range(2)]
+        if self._resident_target is None:
+            self._resident_target = self._plan_resident()
+        first = self._resident_target[1]
+        chosen = pick_device_units(self.layer_units[first:], share)
+        if not chosen:
+            self._dev_sets = None
+            return
+        t0 = time.perf_counter()
+        self._pin_runs(chosen)
+        self._device_units = {u.index for u in chosen}
+        logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
+                    "%.1f s", len(chosen), len(self.layer_units), share, time.perf_counter() - t0)
+
+    def _pin_runs(self, units: list) -> None:
+        """Pin the moments and gradient accumulator of `units`, one registration per run of
+        neighbours (the masters are pinned already)."""
+        runs: list[list] = []
+        for u in units:
+            if runs and runs[-1][-1].index + 1 == u.index:
+                runs[-1].append(u)
+            else:
+                runs.append([u])
+        for run in runs:
+            for attr in ("exp_avg", "exp_avg_sq", "grad"):
+                a, b = getattr(run[0], attr), getattr(run[-1], attr)
+                n = (b.data_ptr() - a.data_ptr()) // a.element_size() + b.numel()
+                self.pinned.pin_span(torch.as_strided(a, (n,), (1,)))
+
+    def _reset_device_updates(self) -> None:
+        """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
+        self.flush_device_updates()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
+        self._device_units = set()
+        self._device_chosen = False
+        self._dev_sets = None
+        self._dev_free = [None, None]
+        self._grad_ev.clear()
+
+    def _send_to_accumulator(self, u, grads: list) -> None:
+        """Backward, clipping: a device layer's gradient goes straight into its pinned accumulator."""
+        if u.device_pending is not None:        # never the case in a well-formed step: a guard
+            self.flush_device_updates(u)
+        dsts = [e.view(u.grad) for e in u.entries]
+        self._grad_ev[u.index] = self._d2h(grads, dsts)
+        u.grad_valid = True
+
+    def _schedule_device(self, u, hp, scale, ready_ev) -> None:
+        """optimizer.step(): the update of device layer `u` runs when the unit is next copied in."""
+        self._schedule(u)
+        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None))
+        u.grad_valid = False                     # consumed by this update (the next backward overwrites it)
+        u.updated.set()                          # readers of the host state flush it (see the module note)
+
+    def _device_fill(self, u, dst):
+        """SlotQueue hook: the pending device update of `u` writing its weights into `dst`, one
+        piece per step, or None when there is none."""
+        if u.device_pending is None:
+            return None
+        return self._run_device_update(u, dst)
+
+    def flush_device_updates(self, unit=None) -> None:
+        """Run the pending device updates (of `unit`, else all) without a slot."""
+        for u in ([unit] if unit is not None else self.layer_units):
+            if u.device_pending is not None:
+                for _ in self._run_device_update(u, None):
+                    pass
+
+    def _run_device_update(self, u, dst):
+        p = u.device_pending
+        st = self.streams
+        groups, group_of = p.hp
+        if p.batches is None:
+            by_group = _optim.groups_of(u, group_of)
+            # The host counters are the state (the optimizer's state_dict reads them).
+            torch._foreach_add_([u.steps[k] for ks in by_group.values() for k in ks], 1)
+            p.batches = list(_optim.piece_batches(u, by_group, DEVICE_PIECE, span=True))
+            if st.cuda:
+                with st.on(st.h2d):
+                    p.steps = list(torch.stack(u.steps).to(self.device).unbind())
+            else:
+                p.steps = u.steps
+        # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
+        # write-backs wait for these copies: stream order covers the readers.
+        u.readers = []
+        for ev in (p.ready_ev, p.grad_ev, u.host_write):
+            st.wait(ev, st.h2d)
+        if st.cuda and torch.is_tensor(p.scale):
+            p.scale.record_stream(st.h2d)
+        while p.next < len(p.batches):
+            lo, hi, batch = p.batches[p.next]
+            n = hi - lo
+            if n:
+                k = self._dev_turn
+                self._dev_turn ^= 1
+                # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of
+                # device buffers alternate: set k is overwritten once its last d2h copy has read it.
+                st.wait(self._dev_free[k], st.h2d)
+                w, g, m, v = (t[:n] for t in self._dev_sets[k])
+                with st.on(st.h2d):
+                    for d, s in ((w, u.master), (g, u.grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
+                        d.copy_(s[lo:hi], non_blocking=True)
+                    _optim.apply_batch(batch, lo, w, g, m, v, p.steps, groups, p.scale)
+                    if dst is not None:
+                        dst[lo:hi].copy_(w)                 # the new weights, cast on the device
+                st.wait(st.record(st.h2d), st.d2h)
+                with st.on(st.d2h):
+                    for d, s in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
+                        d[lo:hi].copy_(s, non_blocking=True)
+                self._dev_free[k] = u.host_write = st.record(st.d2h)
+                self.stats.add_h2d(n * 16)
+                self.stats.add_bytes("d2h", n * 12)
+                self.stats.gpu_adam_params += n
+            p.next += 1
+            yield
+        u.device_pending = None

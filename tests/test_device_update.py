@@ -1,0 +1,90 @@
+"""Clipping-mode updates of part of the layers on the device, as they are copied in for the next
+forward (device_update.py). On the CPU device the same code path runs with CPU tensors and the
+CPU's fused AdamW, cut into the same pieces as the worker's: results are bit-identical to the
+host path, which is what these tests hold it to."""
+import math
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from hf_slideformer import device_update
+from hf_slideformer.device_update import balanced_share, pick_device_units
+from helpers import batches, make_pair
+from test_engine import PARAM_TOL, train_both
+
+
+def _state(slid):
+    return {k: v.clone() for k, v in slid.state_dict().items()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_device_updates_bit_identical_to_host_updates(tied, monkeypatch):
+    data = batches(4, pad=True)
+    ref, host = make_pair("llama", tied, max_grad_norm=0.3, device_update_share=0.0)
+    assert train_both(ref, host, data, clip=0.3) < PARAM_TOL
+    assert not host.slide_engine._device_units
+    # Small pieces: several per layer, through both sets of device buffers.
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    for share, expect in ((0.5, [1, 3]), (1.0, [1, 2, 3])):
+        ref2, dev = make_pair("llama", tied, max_grad_norm=0.3, device_update_share=share)
+        assert train_both(ref2, dev, data, clip=0.3) < PARAM_TOL
+        eng = dev.slide_engine
+        assert sorted(eng._device_units) == expect       # unit indices: the embedding is unit 0
+        assert eng.stats.gpu_adam_params > 0
+        a, b = _state(host), _state(dev)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_pending_device_updates_are_flushed_before_the_state_is_read():
+    """After optimizer.step() the device layers' updates wait for the next forward; the state dict,
+    a checkpoint or a mode change must see them applied."""
+    data = batches(3, pad=True)
+    _, host = make_pair("llama", False, max_grad_norm=0.3, device_update_share=0.0)
+    _, dev = make_pair("llama", False, max_grad_norm=0.3, device_update_share=1.0)
+    opts = [m.create_optimizer(lr=1e-2) for m in (host, dev)]
+    for b in data[:2]:
+        for m, o in zip((host, dev), opts):
+            m(**b).loss.backward(); o.step(); o.zero_grad()
+    eng = dev.slide_engine
+    assert any(u.device_pending is not None for u in eng.layer_units)
+    a, b = _state(host), _state(dev)                 # flushes
+    assert all(u.device_pending is None for u in eng.layer_units)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa, sb = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for i in sa:
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
+    # Switching clipping off flushes and drops the device layers; training goes on identically.
+    for m, o in zip((host, dev), opts):
+        m(**data[2]).loss.backward(); o.step(); o.zero_grad()
+        m.slide_engine.configure_steps(1, None)
+        m(**data[0]).loss.backward(); o.step(); o.zero_grad()
+    assert not eng._device_units
+    a, b = _state(host), _state(dev)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_balanced_share_and_pick():
+    # The H200 host: 43 GB/s both ways, 2.5 G parameters/s of CPU AdamW with the clip factor.
+    assert math.isclose(balanced_share(43e9, 2.5e9), 33 / 73)
+    assert balanced_share(10e9, 5e9) == 0.0 and balanced_share(1e12, 1e6) == pytest.approx(1.0, abs=1e-4)
+    units = list(range(10))
+    assert pick_device_units(units, 0.5) == [0, 2, 4, 6, 8]
+    assert pick_device_units(units, 0.4) == [0, 2, 5, 7]
+    assert pick_device_units(units, 1.0) == units and pick_device_units(units, 0.0) == []
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "half", True])
+def test_device_update_share_validated(bad):
+    with pytest.raises(ValueError, match="device_update_share"):
+        hs.SlideConfig(device="cpu", device_update_share=bad)
+
+
+def test_no_device_updates_with_accumulation():
+    ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5, device_update_share=1.0)
+    assert train_both(ref, slid, batches(4, pad=True), ga=2, clip=0.5) < PARAM_TOL
+    assert not slid.slide_engine._device_units
