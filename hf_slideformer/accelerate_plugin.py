@@ -24,7 +24,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from .config import ACTIVATION_TIERS, SlideConfig, resident_layers_value, resident_embedding_value
+from .config import (ACTIVATION_TIERS, SlideConfig, device_update_share_value, resident_embedding_value,
+                     resident_layers_value)
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class SlidePlugin:
         "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
     resident_embedding: str = field(default="auto", metadata={
         "help": "Keep the embedding's state on the GPU: 'auto', 'true' or 'false' (see SlideConfig.resident_embedding)."})
+    device_update_share: str = field(default="auto", metadata={
+        "help": "With clipping, the share of host-held layers updated on the GPU: 'auto' or a number in [0, 1] "
+                "(see SlideConfig.device_update_share)."})
     check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
     gradient_accumulation_steps: int = field(default=1, metadata={
         "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
@@ -141,6 +145,9 @@ class SlidePlugin:
             raise ValueError(f"slideformer.cpu_threads must be an int >= 1, got {self.cpu_threads!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             self.max_grad_norm = None
+        share = device_update_share_value(self.device_update_share)
+        if share != "auto" and (isinstance(share, (str, bool)) or not 0.0 <= share <= 1.0):
+            raise ValueError(f"slideformer.device_update_share must be 'auto' or a number in [0, 1], got {share!r}")
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "settings") -> "SlidePlugin":
@@ -183,6 +190,7 @@ class SlidePlugin:
                            head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
                            update_order=self.update_order, resident_layers=resident_layers_value(self.resident_layers),
                            resident_embedding=resident_embedding_value(self.resident_embedding),
+                           device_update_share=device_update_share_value(self.device_update_share),
                            check_host_memory=self.check_host_memory, debug=self.debug)
 
 

@@ -54,7 +54,7 @@ class SlideConfig:
             the layers the GPU does not keep resident whose update runs on the GPU as they are
             copied in for the next forward, in parallel with the CPU's updates of the others
             (their master, moments and gradient cross PCIe both ways). "auto" (default): the share
-            that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA (about 0.45),
+            that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host),
             0 on the CPU device. A float in [0, 1] fixes it. See docs/engine.md.
         expandable_segments: Turn on the CUDA caching allocator's expandable segments for the
             process when the model is slid (unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
@@ -170,6 +170,16 @@ def resident_layers_value(value):
     """'auto' or a count, from a command-line / yaml string or an int."""
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
         return int(value)
+    return value
+
+
+def device_update_share_value(value):
+    """'auto' or a share in [0, 1], from a command-line / yaml string or a number."""
+    if isinstance(value, str) and value.strip().lower() != "auto":
+        try:
+            return float(value)
+        except ValueError:
+            return value
     return value
 
 

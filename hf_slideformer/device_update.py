@@ -14,11 +14,12 @@ parameter of h2d each. With the CPU's rate r and the link's B (both ways at once
 
     f = (B - 4 r) / (B + 12 r)
 
-of the layers makes the two finish together: about 0.45 on the H200 host (B 43 GB/s, r 2.5 G
-parameters/s with the clip factor), where each layer then costs about 21 ms instead of 36.
+of the layers makes the two finish together: about 0.32 on the H200 host (B 35 GB/s measured on
+the h2d stream of such a forward, r 3.0 G parameters/s with the clip factor), where each layer
+then costs about 22 ms instead of 33.
 
 The device layers are picked once, at the first clipping step, spread evenly over the layers the
-GPU does not keep resident; their host moments and gradient accumulator are pinned in place
+GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
 (page-locked, as the masters already are), and their gradients are copied straight into the
 accumulator by the backward. The update runs in pieces cut like the CPU worker's (power-of-two
 multiples from each parameter's start), so on the CPU device the results are bit-identical to
@@ -38,6 +39,7 @@ import time
 import torch
 
 from . import optim as _optim
+from .memory import release_pages
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,12 @@ __all__ = ["DeviceUpdates", "balanced_share", "pick_device_units", "DEVICE_PIECE
 
 # Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
 DEVICE_PIECE = 1 << 22
-# The figures the automatic share balances (DESIGN.md, H200 host; the worker's rate with the clip
-# factor, which writes the gradient back, from the ad9ed1f trace).
-PCIE_BOTH_WAYS = 43e9
-CPU_ADAMW_RATE = 2.5e9
+# The figures the automatic share balances, measured on the H200 host in a clipping forward of the
+# 3B shape (aa214a3 trace): the h2d stream moved 35 GB/s while the d2h stream carried the
+# write-backs and the activations (43 GB/s each way is the copy engines' own figure, DESIGN.md),
+# and the worker's fused AdamW with the clip factor ran 3.0 G parameters/s (33 ms per layer).
+PCIE_BOTH_WAYS = 35e9
+CPU_ADAMW_RATE = 3.0e9
 
 
 def balanced_share(pcie_bytes_per_s: float = PCIE_BOTH_WAYS, cpu_params_per_s: float = CPU_ADAMW_RATE) -> float:
@@ -120,25 +124,32 @@ class DeviceUpdates:
             self._dev_sets = None
             return
         t0 = time.perf_counter()
-        self._pin_runs(chosen)
+        self._pin_units(chosen)
         self._device_units = {u.index for u in chosen}
         logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
                     "%.1f s", len(chosen), len(self.layer_units), share, time.perf_counter() - t0)
 
-    def _pin_runs(self, units: list) -> None:
-        """Pin the moments and gradient accumulator of `units`, one registration per run of
-        neighbours (the masters are pinned already)."""
-        runs: list[list] = []
+    def _pin_units(self, units: list) -> None:
+        """Move the moments and gradient accumulator of `units` into pinned buffers of their own
+        (the masters are pinned already); the pageable pages they leave are given back.
+
+        Note: [Why the state moves instead of being pinned in place] registering the pages of a
+        unit's range inside the shared slab also registers the boundary pages it shares with its
+        neighbours, and a copy of a neighbour's range that is then partly pinned and partly
+        pageable fails (cudaErrorInvalidValue, seen when a neighbouring layer was made resident).
+        """
+        opt_state = self.optimizer.state if self.optimizer is not None else {}
         for u in units:
-            if runs and runs[-1][-1].index + 1 == u.index:
-                runs[-1].append(u)
-            else:
-                runs.append([u])
-        for run in runs:
             for attr in ("exp_avg", "exp_avg_sq", "grad"):
-                a, b = getattr(run[0], attr), getattr(run[-1], attr)
-                n = (b.data_ptr() - a.data_ptr()) // a.element_size() + b.numel()
-                self.pinned.pin_span(torch.as_strided(a, (n,), (1,)))
+                old = getattr(u, attr)
+                new = self.pinned.empty(u.numel)
+                new.copy_(old)
+                setattr(u, attr, new)
+                release_pages(old)
+            for e in u.entries:
+                st = opt_state.get(e.param)
+                if st is not None:                       # the optimizer's state views the new buffers
+                    st["exp_avg"], st["exp_avg_sq"] = e.view(u.exp_avg), e.view(u.exp_avg_sq)
 
     def _reset_device_updates(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""

@@ -80,30 +80,6 @@ class PinnedBuffers:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._held: list[torch.Tensor] = []
-        self._spans: list[tuple[int, int]] = []      # (page-aligned start, end) registered by pin_span
-
-    def pin_span(self, t: torch.Tensor) -> bool:
-        """Pin the pages under a view of a larger pageable tensor (e.g. one unit's range of a slab).
-
-        The whole pages that hold `t` are registered, so a neighbour sharing its first or last
-        page is pinned with it; spans that would overlap an earlier one are merged by the caller
-        (one call per contiguous run). Returns whether `t` is now pinned."""
-        if not self.enabled or t.numel() == 0:
-            return False
-        import mmap
-        page = mmap.PAGESIZE
-        start = t.data_ptr() // page * page
-        end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
-        if any(a < end and start < b for a, b in self._spans):
-            return all(a <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= b
-                       for a, b in self._spans if a < end and start < b)
-        err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
-        if int(err) != 0:
-            logger.warning("cudaHostRegister of %.2f GiB failed (error %s); transfers will be slower",
-                           (end - start) / GiB, err)
-            return False
-        self._spans.append((start, end))
-        return True
 
     def empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
         t = torch.empty(*shape, dtype=dtype)
@@ -129,9 +105,6 @@ class PinnedBuffers:
         for h in self._held:
             unpin_slab(h)
         self._held.clear()
-        for a, _ in self._spans:
-            torch.cuda.cudart().cudaHostUnregister(a)
-        self._spans.clear()
 
 
 def release_pages(t: torch.Tensor) -> int:

@@ -102,6 +102,9 @@ def test_the_yaml_is_valid_for_accelerate_and_for_the_plugin():
         SlidePlugin.from_dict({"windw": 3})
     with pytest.raises(ValueError, match="activation_tier"):
         SlidePlugin(activation_tier="disk")
+    assert SlidePlugin.from_dict({"device_update_share": "0.5"}).to_slide_config("cpu").device_update_share == 0.5
+    with pytest.raises(ValueError, match="device_update_share"):
+        SlidePlugin.from_dict({"device_update_share": "most"}).to_slide_config("cpu")
 
 
 def test_accelerate_launch_runs_the_example(tmp_path):

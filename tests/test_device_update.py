@@ -88,3 +88,19 @@ def test_no_device_updates_with_accumulation():
     ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5, device_update_share=1.0)
     assert train_both(ref, slid, batches(4, pad=True), ga=2, clip=0.5) < PARAM_TOL
     assert not slid.slide_engine._device_units
+
+
+def test_device_layers_beside_resident_layers(monkeypatch):
+    """Layer 0 resident (updated on the device from its own copy), the others device-updated from
+    pinned host buffers: the same state as the host path with the same resident layer."""
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 512)
+    data = batches(4, pad=True)
+    states = []
+    for share in (0.0, 1.0):
+        ref, slid = make_pair("llama", True, max_grad_norm=0.3, resident_layers=1, resident_embedding=True,
+                              device_update_share=share)
+        assert train_both(ref, slid, data, clip=0.3) < PARAM_TOL
+        assert sorted(slid.slide_engine._device_units) == ([] if share == 0 else [2, 3])
+        states.append(_state(slid))
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k

@@ -208,9 +208,10 @@ def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_hf_argument_parser_exposes_slide_fields(tmp_path):
     (args,) = HfArgumentParser(hs.SlideArgs).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--use_cpu", "--slide_window", "3", "--slide_use_kernels", "false",
-         "--slide_cpu_threads", "2", "--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5"])
+         "--slide_cpu_threads", "2", "--gradient_accumulation_steps", "4", "--max_grad_norm", "0.5",
+         "--slide_device_update_share", "0.25"])
     cfg = args.to_slide_config()
-    assert (cfg.window, cfg.use_kernels, cfg.cpu_threads) == (3, False, 2)
+    assert (cfg.window, cfg.use_kernels, cfg.cpu_threads, cfg.device_update_share) == (3, False, 2, 0.25)
     assert (cfg.gradient_accumulation_steps, cfg.max_grad_norm, cfg.device) == (4, 0.5, "cpu")
     assert args.mixed_precision == "no" and args.place_model_on_device is False
 
