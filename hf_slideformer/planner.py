@@ -16,6 +16,7 @@ import torch
 
 from .memory import available_host_bytes
 from .resident import ResidentState, plan_resident
+from .device_update import balanced_share
 from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -35,6 +36,7 @@ STAGING_ELEMENTS = 1 << 26   # fp32 elements of each on-GPU staging chunk (engin
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
+DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (aa214a3 trace) / one-way
 RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
 
 
@@ -448,8 +450,16 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     if clip is not None:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
         # needs the global norm); their AdamW then paces the next forward (measured at 3B batch 16,
-        # ad9ed1f: 1.964 s against 1.463 s without clipping).
-        adam_after = (shape.n_params - est.resident_params(res)) / (adam_gps * 1e9)
+        # ad9ed1f: 1.964 s against 1.463 s without clipping). With one backward per step a share of
+        # the host-held layers is updated by the GPU as it is copied in (device_update.py): the CPU
+        # and the link share that work (d131342: 1.672 s).
+        host_params = shape.n_params - est.resident_params(res)
+        adam_after = host_params / (adam_gps * 1e9)
+        if N == 1:
+            f = balanced_share()
+            layers = (shape.layers - res[1]) * shape.layer_params
+            link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
+            adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
         serial = max(serial, (1 - FORWARD_SHARE) * p.times["gpu"] + max(FORWARD_SHARE * p.times["gpu"], adam_after))
     p.expected_step_s = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
     p.advice = _advise(p, est, deferred)
