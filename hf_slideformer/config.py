@@ -50,8 +50,8 @@ class SlideConfig:
             clipping each keeps its gradient on the GPU until optimizer.step(). See docs/engine.md.
         resident_embedding: Keep the input embedding's master and Adam state on the GPU too
             ("auto": when it fits, decided with resident_layers, before the layers; True/False).
-        device_update_share: With clipping (and one backward per optimizer step), the share of
-            the layers the GPU does not keep resident whose update runs on the GPU as they are
+        device_update_share: With clipping (with or without accumulation), the share of the
+            layers the GPU does not keep resident whose update runs on the GPU as they are
             copied in for the next forward, in parallel with the CPU's updates of the others
             (their master, moments and gradient cross PCIe both ways). "auto" (default): the share
             that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host),

@@ -21,7 +21,8 @@ then costs about 22 ms instead of 33.
 The device layers are picked once, at the first clipping step, spread evenly over the layers the
 GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
 (page-locked, as the masters already are), and their gradients are copied straight into the
-accumulator by the backward. The update runs in pieces cut like the CPU worker's (power-of-two
+accumulator by the backward (with accumulation the worker folds every micro-batch in, as for the
+other layers, and the update waits for the worker's clip factor). The update runs in pieces cut like the CPU worker's (power-of-two
 multiples from each parameter's start), so on the CPU device the results are bit-identical to
 the host path's; on CUDA they are torch's fused CUDA AdamW's, as for resident units.
 
@@ -73,8 +74,10 @@ class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
     factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
 
-    def __init__(self, hp, scale, ready_ev, grad_ev):
+    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None):
         self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
+        # With accumulation the clip factor comes from the worker's norms (its clip task sets this).
+        self.clip_done = clip_done
         self.batches = None
         self.steps = None
         self.next = 0
@@ -93,11 +96,11 @@ class DeviceUpdates:
 
     @property
     def device_updates_on(self) -> bool:
-        return bool(self._device_units) and self.single_micro and self.config.max_grad_norm is not None
+        return bool(self._device_units) and self.config.max_grad_norm is not None
 
     def _device_share(self) -> float:
         c = self.config
-        if c.max_grad_norm is None or not self.single_micro:
+        if c.max_grad_norm is None:
             return 0.0
         if c.device_update_share == "auto":
             return balanced_share() if self.streams.cuda else 0.0
@@ -116,9 +119,11 @@ class DeviceUpdates:
         n = min(2 * DEVICE_PIECE, max(u.numel for u in self.layer_units))
         self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
                           for _ in range(2)]
-        if self._resident_target is None:
-            self._resident_target = self._plan_resident()
-        first = self._resident_target[1]
+        first = 0
+        if self.single_micro:                   # resident units exist only with one backward per step
+            if self._resident_target is None:
+                self._resident_target = self._plan_resident()
+            first = self._resident_target[1]
         chosen = pick_device_units(self.layer_units[first:], share)
         if not chosen:
             self._dev_sets = None
@@ -163,18 +168,18 @@ class DeviceUpdates:
         self._grad_ev.clear()
 
     def _send_to_accumulator(self, u, grads: list) -> None:
-        """Backward, clipping: a device layer's gradient goes straight into its pinned accumulator."""
+        """Backward, clipping, one backward per step: a device layer's gradient goes straight into
+        its pinned accumulator (with accumulation the worker adds it there, as for the others)."""
         if u.device_pending is not None:        # never the case in a well-formed step: a guard
             self.flush_device_updates(u)
         dsts = [e.view(u.grad) for e in u.entries]
         self._grad_ev[u.index] = self._d2h(grads, dsts)
         u.grad_valid = True
 
-    def _schedule_device(self, u, hp, scale, ready_ev) -> None:
+    def _schedule_device(self, u, hp, scale, ready_ev, clip_done=None) -> None:
         """optimizer.step(): the update of device layer `u` runs when the unit is next copied in."""
         self._schedule(u)
-        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None))
-        u.grad_valid = False                     # consumed by this update (the next backward overwrites it)
+        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None), clip_done)
         u.updated.set()                          # readers of the host state flush it (see the module note)
 
     def _device_fill(self, u, dst):
@@ -196,6 +201,14 @@ class DeviceUpdates:
         st = self.streams
         groups, group_of = p.hp
         if p.batches is None:
+            if p.clip_done is not None:
+                # The worker has folded every micro-batch in and taken the norm: the factor is known.
+                self._wait(p.clip_done, "update")
+                with st.on(st.h2d):
+                    p.scale = _optim._grad_scale(self._clip_coef, self.device)
+            # This update consumes the accumulator: the next backward overwrites it (the worker is
+            # done with it, see above; with one backward per step it never touches it).
+            u.grad_valid = False
             by_group = _optim.groups_of(u, group_of)
             # The host counters are the state (the optimizer's state_dict reads them).
             torch._foreach_add_([u.steps[k] for ks in by_group.values() for k in ks], 1)

@@ -652,7 +652,7 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
         self.ring_next = (k + 1) % len(self.ring)
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
-        if u.index in self._device_units and self.device_updates_on and not self.in_backward:
+        if u.index in self._device_units and self.device_updates_on and self.single_micro and not self.in_backward:
             self.ring_next = k                       # the ring is not used
             self._send_to_accumulator(u, grads)
             return
@@ -692,16 +692,19 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
                 else:
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
-            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev)
+            clip_done = threading.Event() if self.device_updates_on and not self.single_micro else None
+            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev,
+                               done=(clip_done,) if clip_done is not None else ())
             t = self._span_start()
             on_device = self._step_resident(hp)
-            scale, ready = self._device_scale() if self.device_updates_on else (None, None)
+            scale, ready = (self._device_scale() if self.device_updates_on and self.single_micro
+                            else (None, None))
             self._span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
                     continue
                 if u.index in self._device_units and self.device_updates_on:
-                    self._schedule_device(u, hp, scale, ready)
+                    self._schedule_device(u, hp, scale, ready, clip_done)
                     continue
                 self._schedule(u)
                 self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))

@@ -157,6 +157,8 @@ class HostTasks:
         if u.grad is None:                      # no accumulator: GA == 1, no clipping
             g = src
         else:
+            if u.host_write is not None:        # a device update's copies have read it (device_update.py)
+                self._sync(u.host_write, f"wait_readers:{u.name}")
             if u.grad_valid:
                 u.grad.add_(src)
             else:

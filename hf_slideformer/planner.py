@@ -450,16 +450,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     if clip is not None:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
         # needs the global norm); their AdamW then paces the next forward (measured at 3B batch 16,
-        # ad9ed1f: 1.964 s against 1.463 s without clipping). With one backward per step a share of
-        # the host-held layers is updated by the GPU as it is copied in (device_update.py): the CPU
-        # and the link share that work (d131342: 1.672 s).
+        # ad9ed1f: 1.964 s against 1.463 s without clipping). A share of the host-held layers is
+        # updated by the GPU as it is copied in (device_update.py): the CPU and the link share that
+        # work (d131342: 1.672 s).
         host_params = shape.n_params - est.resident_params(res)
-        adam_after = host_params / (adam_gps * 1e9)
-        if N == 1:
-            f = balanced_share()
-            layers = (shape.layers - res[1]) * shape.layer_params
-            link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
-            adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
+        f = balanced_share()
+        layers = (shape.layers - res[1]) * shape.layer_params
+        link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
+        adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
         serial = max(serial, (1 - FORWARD_SHARE) * p.times["gpu"] + max(FORWARD_SHARE * p.times["gpu"], adam_after))
     p.expected_step_s = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
     p.advice = _advise(p, est, deferred)

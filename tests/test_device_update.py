@@ -84,10 +84,26 @@ def test_device_update_share_validated(bad):
         hs.SlideConfig(device="cpu", device_update_share=bad)
 
 
-def test_no_device_updates_with_accumulation():
-    ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5, device_update_share=1.0)
-    assert train_both(ref, slid, batches(4, pad=True), ga=2, clip=0.5) < PARAM_TOL
-    assert not slid.slide_engine._device_units
+@pytest.mark.parametrize("tied", [False, True])
+def test_device_updates_with_accumulation(tied, monkeypatch):
+    """Accumulation and clipping: the worker folds each micro-batch into the device layers' pinned
+    accumulators and takes the norm; the device update waits for its clip factor. The worker is
+    slowed down so that optimizer.step() returns before it has folded the last micro-batch in."""
+    import time
+    from hf_slideformer.host_tasks import HostTasks
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    consume = HostTasks._consume
+    monkeypatch.setattr(HostTasks, "_consume", lambda *a: (time.sleep(0.01), consume(*a))[1])
+    data = batches(6, pad=True)
+    states = []
+    for share in (0.0, 0.5):
+        ref, slid = make_pair("llama", tied, gradient_accumulation_steps=3, max_grad_norm=0.5,
+                              device_update_share=share)
+        assert train_both(ref, slid, data, ga=3, clip=0.5) < PARAM_TOL
+        assert sorted(slid.slide_engine._device_units) == ([] if share == 0 else [1, 3])
+        states.append(_state(slid))
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
 
 
 def test_device_layers_beside_resident_layers(monkeypatch):

@@ -78,10 +78,10 @@ def test_bf16_tracks_fp32_training(kernels):
     assert diffs.mean().item() < 0.05 * LR and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max())
 
 
-def _train_state(slow: bool, tier="cpu", steps=4, models=None, **kw):
+def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
     import hf_slideformer.engine as E
     import hf_slideformer.slots as S
-    _, slid = _pair(torch.bfloat16, False, activation_tier=tier, **kw)
+    _, slid = _pair(torch.bfloat16, False, activation_tier=tier, gradient_accumulation_steps=ga, **kw)
     if models is not None:
         models.append(slid)
     opt = slid.create_optimizer(lr=LR)
@@ -128,9 +128,10 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, **kw):
         E.SlideEngine._resident_update = slow_res
         E.SlideEngine._run_device_update = slow_dev_run
     try:
-        for b in batches(steps, bsz=4, seq=128, vocab=1001, pad=True):
+        for n, b in enumerate(batches(steps, bsz=4, seq=128, vocab=1001, pad=True)):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
-            opt.step(); opt.zero_grad()
+            if (n + 1) % ga == 0:
+                opt.step(); opt.zero_grad()
     finally:
         if slow:
             E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = call, load_steps, d2h
@@ -147,13 +148,15 @@ def test_slow_streams_bit_identical(kw):
         assert torch.equal(fast[k], slow[k]), k
 
 
-def test_device_updates_under_slow_streams(monkeypatch):
+@pytest.mark.parametrize("ga", [1, 2])
+def test_device_updates_under_slow_streams(monkeypatch, ga):
     """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
-    elements through the two alternating sets of device buffers: with the compute, h2d and d2h
-    streams slowed down on purpose the result is bit-identical."""
+    elements through the two alternating sets of device buffers (and with accumulation, the
+    worker folding the micro-batches into the pinned accumulators): with the compute, h2d and
+    d2h streams slowed down on purpose the result is bit-identical."""
     from hf_slideformer import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
-    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5)
+    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5, ga=ga, steps=4 * ga)
     models = []
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:

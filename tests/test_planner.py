@@ -216,8 +216,8 @@ def test_steady_host_memory_after_the_resident_units_release_theirs(name, batch,
 def test_clipping_step_waits_for_the_host_updates():
     """With clipping the host AdamW starts only after the backward and paces the next forward, a
     share of it moved to the GPU and the link: measured at the 3B shape, batch 16, 24 GiB
-    (d131342): 1.672 s against 1.446 s without (aa214a3). With accumulation every host unit is
-    updated by the CPU after the last backward."""
+    (d131342): 1.672 s against 1.446 s without (aa214a3). With accumulation there are no resident
+    units and twice the GPU work."""
     clipped = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, max_grad_norm=1.0, **H200)
     free = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, **H200)
     assert rel(clipped.expected_step_s, 1.672) < 0.10
