@@ -284,7 +284,7 @@ def _finish(doc: dict, args: argparse.Namespace) -> None:
     seq = doc["shape"]["seq"]
     for r in rows:
         if r.get("step_s") and r.get("batch"):
-            tokens = r["batch"] * seq
+            tokens = r["batch"] * seq * ((r.get("extra") or {}).get("micro_batches") or 1)
             r["tokens_per_step"] = tokens
             r["tokens_per_s"] = tokens / r["step_s"]
             if r.get("n_linear"):

@@ -12,6 +12,7 @@
 #   i: 3B batch 16 with clipping (max_grad_norm 1.0: deferred updates); 3B batch 8; Qwen2.5-7B batch 16
 #   j: GPU tests; 8B batch 1 under 8 GiB; 200-step soak + clipping timing; 3B batch 16 with clipping, traced
 #   k: GPU tests; 3B batch 16 with clipping, traced; 3B batch 16, traced (the check after a clipping-mode change)
+#   l: GPU tests; 3B batch 16 x 2 micro-batches with clipping: all updates on the CPU, then device updates
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -106,6 +107,16 @@ elif [ "$PART" = k ]; then
   SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
     --offload-batches 16 --timeout 75 --json "$OUT/b3_16.json" > "$OUT/b3_16.log" 2>&1
   tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
+elif [ "$PART" = l ]; then
+  timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  for share in 0.0 auto; do
+    [ $share = auto ] && q='"auto"' || q=$share
+    SLIDE_TRACE=$OUT/tr_ga_$share.json timeout 110 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 \
+      --timeout 105 --slide-config "{\"max_grad_norm\": 1.0, \"gradient_accumulation_steps\": 2, \"device_update_share\": $q}" \
+      --json "$OUT/b3_ga_$share.json" > "$OUT/b3_ga_$share.log" 2>&1
+    tail -1 "$OUT/b3_ga_$share.log"; summ "$OUT/tr_ga_$share.json" | head -3
+  done
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

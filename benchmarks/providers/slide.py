@@ -39,8 +39,10 @@ class SlideProvider(Provider):
         self.optimizer = self.model.create_optimizer(lr=self.spec.lr)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.model(input_ids=input_ids, labels=labels).loss
-        loss.backward()
+        # With gradient_accumulation_steps in --slide-config, one step is that many micro-batches.
+        for _ in range(self.slide_config.gradient_accumulation_steps):
+            loss = self.model(input_ids=input_ids, labels=labels).loss
+            loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss.detach()
@@ -63,7 +65,8 @@ class SlideProvider(Provider):
         return False
 
     def report(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"slide_config": {k: str(v) for k, v in vars(self.slide_config).items()}}
+        out: dict[str, Any] = {"slide_config": {k: str(v) for k, v in vars(self.slide_config).items()},
+                               "micro_batches": self.slide_config.gradient_accumulation_steps}
         try:
             stats = self._stats()
         except Exception as exc:  # the stats are a report, never a reason to lose the row
