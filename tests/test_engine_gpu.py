@@ -141,7 +141,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
 
 
 @pytest.mark.parametrize("kw", [HOST_ONLY, {"resident_layers": 2}, {"max_grad_norm": 1.0},
-                                {"gradient_accumulation_steps": 1, "window": 3}])
+                                {"window": 3}])
 def test_slow_streams_bit_identical(kw):
     fast, slow = _train_state(False, **kw), _train_state(True, **kw)
     for k in fast:
