@@ -147,6 +147,8 @@ class DeviceUpdates:
         for u in units:
             for attr in ("exp_avg", "exp_avg_sq", "grad"):
                 old = getattr(u, attr)
+                if self.pinned.enabled and old.is_pinned():  # the accumulators with accumulation (accumulate.py)
+                    continue
                 new = self.pinned.empty(u.numel)
                 new.copy_(old)
                 setattr(u, attr, new)

@@ -31,6 +31,7 @@ from .errors import SlideStateError
 from .optim import sq_norm as _sq_norm, _grad_scale
 from .resident import ResidentState, ResidentUnits
 from .device_update import DeviceUpdates
+from .accumulate import DeviceAccumulation
 from .functions import grad_only, leaves as _leaves, swapped
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ __all__ = ["SlideEngine", "SlideStateError"]
 _CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
 
 
-class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
+class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
     """Runs an HF causal LM through a window of device slots, with its state on the host.
 
     Args:
@@ -86,6 +87,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
                                      device=self.device) if cast else None
         count, waiter = self.stats.add_h2d, self._wait_master
         self._init_device_updates()
+        self._init_device_accumulation()
+        self._dev_norm_valid = False       # norm_dev holds the layers' part of an accumulated step's norm
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
                                filler=self._device_fill)
         self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
@@ -280,7 +283,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
             self.worker.new_group()
         if self.ends_step:
             self._norm_sq = []
-        if self.single_micro:
+            self._dev_norm_valid = not self.single_micro
+        if self.single_micro or self.ends_step:
             self.norm_dev.zero_()
         self._bwd_t0 = time.perf_counter()
         self.stats.event("backward_begin", self._bwd_t0)
@@ -440,6 +444,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
         u = self.layer_units[i]
         r = self.resident.get(i)
         slot = self.slots.acquire((u,)) if r is None else None
+        if r is None:
+            self._prefetch_accumulator(u)         # accumulation: the running sum comes in during the recompute
         if i > 0:
             if self.config.window > 1 and (i - 1) not in self.resident:
                 self.slots.load((self.layer_units[i - 1],), busy=(slot,) if slot is not None else ())
@@ -656,6 +662,14 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
             self.ring_next = k                       # the ring is not used
             self._send_to_accumulator(u, grads)
             return
+        if self._accumulates_on_device(u):          # accumulation: the GPU adds (accumulate.py)
+            self.ring_next = k
+            done = self._accumulate(u, grads)
+            if self.in_backward:
+                self._schedule(u)
+                self.worker.submit(self._accumulated_update_task, u, done, self.hp, done=(u.updated,),
+                                   **self._order(u.index, True))
+            return
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
         buf = self.ring[k]
@@ -686,14 +700,18 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
             hp = self.optimizer.snapshot()
             self._prepare_device_updates()          # the first clipping step picks the device-updated layers
             norm_ev = None
-            if self.single_micro:
+            early = self.micro < self.config.gradient_accumulation_steps
+            grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
+            if early:
+                self._dev_norm_valid = False
+            if self.single_micro or self._dev_norm_valid:
                 if self.streams.cuda:
                     self.norm_host.copy_(self.norm_dev.reshape(1), non_blocking=True)
                 else:
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
             clip_done = threading.Event() if self.device_updates_on and not self.single_micro else None
-            self.worker.submit(self._clip_task, self.micro < self.config.gradient_accumulation_steps, norm_ev,
+            self.worker.submit(self._clip_task, early, norm_ev, grads_ev,
                                done=(clip_done,) if clip_done is not None else ())
             t = self._span_start()
             on_device = self._step_resident(hp)
@@ -707,7 +725,7 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
                     self._schedule_device(u, hp, scale, ready, clip_done)
                     continue
                 self._schedule(u)
-                self.worker.submit(self._deferred_task, u, hp, done=(u.updated,))
+                self.worker.submit(self._deferred_task, u, hp, grads_ev, done=(u.updated,))
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
@@ -734,6 +752,7 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
         self.worker.join()
         for u in self.store.units:
             u.grad_valid = False
+        self._reset_accumulator()
         self._reset_embed_grad()
         self.micro = 0
 
@@ -742,7 +761,9 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates):
             self.worker.raise_if_failed()
             return float(self.norm_dev) ** 0.5
         self.worker.join()
-        return sum(self._norm_sq) ** 0.5 if self._norm_sq else float("nan")
+        if not self._norm_sq and not self._dev_norm_valid:
+            return float("nan")
+        return (sum(self._norm_sq) + (float(self.norm_dev) if self._dev_norm_valid else 0.0)) ** 0.5
 
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""

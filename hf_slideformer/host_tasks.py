@@ -185,14 +185,21 @@ class HostTasks:
         self.stats.event(f"adam:{u.name}", t0, t1)
         self.stats.updated_params += u.numel
 
-    def _clip_task(self, early: bool, norm_ev) -> None:
-        if norm_ev is not None:
+    def _clip_task(self, early: bool, norm_ev, grads_ev=None) -> None:
+        if self.single_micro:
             self._sync(norm_ev, "wait_d2h:norm")
             norm = float(self.norm_host[0]) ** 0.5
-        else:
-            if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
-                self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
+        elif early:     # the step ends before gradient_accumulation_steps: norms were not taken yet
+            if grads_ev is not None:
+                self._sync(grads_ev, "wait_d2h:grads")
+            self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
             norm = sum(self._norm_sq) ** 0.5
+        else:           # the layers' part was taken on the device (accumulate.py), the others' here
+            dev = 0.0
+            if norm_ev is not None:
+                self._sync(norm_ev, "wait_d2h:norm")
+                dev = float(self.norm_host[0])
+            norm = (sum(self._norm_sq) + dev) ** 0.5
         self._clip_norm = norm
         mx = self.config.max_grad_norm
         self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
@@ -200,9 +207,17 @@ class HostTasks:
     def _grad_of(self, u: Unit) -> torch.Tensor:
         return self.embed_grad if u is self.embed_unit else u.grad
 
-    def _deferred_task(self, u: Unit, hp) -> None:
+    def _accumulated_update_task(self, u: Unit, done, hp) -> None:
+        """The last micro-batch's update in backward of a layer whose sum the device accumulated."""
+        self._sync(done, f"wait_d2h:{u.name}")
+        self._update(u, u.grad, hp)
+        u.grad_valid = False
+
+    def _deferred_task(self, u: Unit, hp, grads_ev=None) -> None:
         # The clip factor is applied inside the fused AdamW (its grad_scale): a separate multiply
         # was a full pass over the gradient, 8 ms per 3B layer on the path of the next forward.
+        if grads_ev is not None:           # the device's last copy into the accumulator (accumulate.py)
+            self._sync(grads_ev, f"wait_d2h:{u.name}")
         self._update(u, self._grad_of(u), hp, clip_coef=self._clip_coef)
         if u is self.embed_unit:
             self._reset_embed_grad()

@@ -141,7 +141,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
 
 
 @pytest.mark.parametrize("kw", [HOST_ONLY, {"resident_layers": 2}, {"max_grad_norm": 1.0},
-                                {"window": 3}])
+                                {"window": 3}, {"ga": 2, "steps": 6}, {"ga": 3, "steps": 6, "max_grad_norm": 1.0}])
 def test_slow_streams_bit_identical(kw):
     fast, slow = _train_state(False, **kw), _train_state(True, **kw)
     for k in fast:
@@ -171,6 +171,25 @@ def test_offload_tiers_bit_identical_on_gpu(tier, tmp_path):
     b = _train_state(False, tier=tier, nvme_path=str(tmp_path))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_fp32_accumulation_on_cuda_matches_plain_pytorch(clip):
+    """Gradient accumulation through the device (accumulate.py), with and without clipping."""
+    ref, slid = _pair(torch.float32, True, gradient_accumulation_steps=2, max_grad_norm=clip, use_kernels=False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.01)
+    for n, b in enumerate(batches(6, bsz=3, seq=67, vocab=1001, pad=True)):
+        b = {k: v.cuda() for k, v in b.items()}
+        (ref(**b).loss / 2).backward()
+        (slid(**b).loss / 2).backward()
+        if n % 2 == 1:
+            norm = (torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else
+                    torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])))
+            ropt.step(); ropt.zero_grad()
+            opt.step(); opt.zero_grad()
+            assert math.isclose(opt.last_grad_norm, float(norm), rel_tol=1e-4)
+    assert max_param_diff(ref.cpu(), slid) < 0.05 * LR
 
 
 def test_resident_layers_track_host_updates_on_gpu():
