@@ -282,7 +282,8 @@ class _Estimator:
         h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
         # fp32 gradients of the units updated on the host (resident ones stay), embedding rows
         d2h = 4 * (sent * s.layer_params + head) + rows + acts
-        return N * h2d, N * d2h
+        # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
+        return N * h2d + (N - 1) * 4 * layers, N * d2h
 
     def resident_params(self, res: tuple[bool, int]) -> int:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
@@ -299,8 +300,11 @@ class _Estimator:
         out = {
             "gpu": N * B * self.seq * self.flops_per_token() / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]),
             "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
-            # deferred mode: each micro-batch's gradients are copied (first) or added into the accumulator
-            "cpu": on_cpu / adam + (N if deferred else 0) * layers_on_cpu / (adam * ADD_VS_ADAM),
+            # deferred mode: each micro-batch's gradients are copied (first) or added into the host
+            # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
+            # alone the device-updated layers' land there directly (device_update.py)
+            "cpu": on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
+                                    (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM),
         }
         if tier == "nvme":
             acts = N * 2 * s.layers * B * self.seq * s.hidden
@@ -458,7 +462,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         layers = (shape.layers - res[1]) * shape.layer_params
         link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
         adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
-        serial = max(serial, (1 - FORWARD_SHARE) * p.times["gpu"] + max(FORWARD_SHARE * p.times["gpu"], adam_after))
+        # Only the first micro-batch's forward overlaps it.
+        first_forward = FORWARD_SHARE * p.times["gpu"] / N
+        serial = max(serial, p.times["gpu"] - first_forward + max(first_forward, adam_after))
     p.expected_step_s = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
     p.advice = _advise(p, est, deferred)
     return p
