@@ -146,3 +146,36 @@ def test_accumulation_through_the_device_with_a_short_window(clip):
         assert math.isclose(opt.last_grad_norm, float(rn), rel_tol=1e-3), (len(window), opt.last_grad_norm, float(rn))
     sd, rsd = slid.state_dict(), ref.state_dict()
     assert max((sd[k] - rsd[k]).abs().max().item() for k in rsd) < 2 * PARAM_TOL
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_checkpoint_with_pending_device_updates_resumes_bit_identically(tmp_path, ga, monkeypatch):
+    """A training checkpoint taken right after optimizer.step(), with the device layers' updates
+    still pending, holds them applied; a fresh process resumes from it to the same weights."""
+    from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 512)
+    data = batches(4 * ga, pad=True)
+    kw = dict(gradient_accumulation_steps=ga, max_grad_norm=0.3, device_update_share=1.0)
+
+    def train(model, opt, chunk):
+        for n, b in enumerate(chunk):
+            (model(**b).loss / ga).backward()
+            if (n + 1) % ga == 0:
+                opt.step(); opt.zero_grad()
+
+    _, full = make_pair("llama", False, **kw)
+    opt = full.create_optimizer(lr=1e-2, weight_decay=0.1)
+    train(full, opt, data)
+    _, first = make_pair("llama", False, **kw)
+    opt1 = first.create_optimizer(lr=1e-2, weight_decay=0.1)
+    train(first, opt1, data[:2 * ga])
+    assert any(u.device_pending is not None for u in first.slide_engine.layer_units)
+    save_training_state(str(tmp_path / "ck"), first, opt1)
+    _, second = make_pair("llama", False, seed=7, **kw)
+    opt2 = second.create_optimizer(lr=1e-2, weight_decay=0.1)
+    load_training_state(str(tmp_path / "ck"), second, opt2)
+    train(second, opt2, data[2 * ga:])
+    assert second.slide_engine._device_units
+    a, b = _state(full), _state(second)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
