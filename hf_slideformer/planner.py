@@ -16,7 +16,7 @@ import torch
 
 from .memory import available_host_bytes
 from .resident import ResidentState, plan_resident
-from .device_update import balanced_share
+from .device_update import DEVICE_PIECE, balanced_share
 from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -411,7 +411,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         host_bytes, host_source = int(host_mem * GiB), "given"
     est = _Estimator(shape, seq, window, grad_buffers, rates)
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
-    max_gpu = _largest(lambda b: est.gpu_peak(b, tier) <= gpu_limit)
+    # Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
+    # (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py).
+    extras = {}
+    if N > 1:
+        extras["accumulation buffer (fp32, one layer)"] = 4 * shape.layer_params
+    if clip is not None:
+        extras["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, shape.layer_params)
+    max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
     max_host = None if not host_bytes else _largest(lambda b: sum(est.host(b, tier, deferred).values()) <= host_bytes)
     chosen = batch is None
     if chosen:
@@ -423,7 +430,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     p.host = est.host(batch, tier, deferred)
     p.host_total = sum(p.host.values())
     p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)
-    p.gpu_peak = est.gpu_peak(batch, tier)
+    p.gpu_fixed.update(extras)
+    p.gpu_peak = est.gpu_peak(batch, tier) + sum(extras.values())
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
     if resident and N == 1:
