@@ -6,7 +6,9 @@ maximum. Also times the step with clipping on (deferred updates) against the in-
 mode when --compare-clipping is given.
 
 Usage: python benchmarks/soak.py --model llama3-3b --layers 4 --batch 4 --seq 2048 --steps 200 \
-           [--cap-gib 24] [--compare-clipping 20] [--json out.json]
+           [--cap-gib 24] [--compare-clipping 20] [--slide-config '{"max_grad_norm": 1.0}'] [--json out.json]
+
+With gradient_accumulation_steps in --slide-config, each step is that many micro-batches.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ def rss_bytes() -> int:
 def train_step(model, opt, ids, device) -> float:
     """One optimizer step on `ids` (labels = ids); its wall time, the GPU drained."""
     t0 = time.perf_counter()
-    model(input_ids=ids, labels=ids).loss.backward()
+    for _ in range(model.slide_config.gradient_accumulation_steps):
+        model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     opt.zero_grad()
     if device.type == "cuda":
@@ -73,6 +76,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--compare-clipping", type=int, default=0, help="then time this many steps with clipping on")
     ap.add_argument("--tolerance-mib", type=float, default=64, help="allowed growth of GPU allocated and of RSS")
+    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -83,7 +87,8 @@ def main() -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(config, "cpu", dtype, fill="tiled")
     sc = hs.SlideConfig(device=args.device, dtype=dtype,
-                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None)
+                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None,
+                        **json.loads(args.slide_config or "{}"))
     model = hs.slide(model, sc)
     ids, _ = random_batch(config.vocab_size, args.batch, args.seq, device)
     out = run(model, ids, args.steps, device)
@@ -94,7 +99,8 @@ def main() -> int:
               "gpu_reserved_growth_mib": g_res / 2 ** 20, "rss_growth_mib": g_rss / 2 ** 20,
               "gpu_allocated_first_last_gib": [rows[5][1] / GIB, rows[-1][1] / GIB],
               "rss_first_last_gib": [rows[5][3] / GIB, rows[-1][3] / GIB],
-              "resident_layers": out["stats"].get("resident_layers")}
+              "resident_layers": out["stats"].get("resident_layers"),
+              "device_updated_layers": out["stats"].get("device_updated_layers")}
     if args.compare_clipping:
         model.slide_engine.configure_steps(1, 1.0)
         clip = run(model, ids, args.compare_clipping, device)["rows"]
