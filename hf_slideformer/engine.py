@@ -181,6 +181,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             # device-updated layers (clipping only).
             self.worker.join()
             self._reset_device_updates()
+            self._acc_buf = None                     # the accumulation buffer, if any (a plan measures after this)
+            self._reset_accumulator()
             self.evict_resident()
             self._resident_target = None
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
