@@ -16,7 +16,7 @@ import torch
 
 from .memory import available_host_bytes
 from .resident import ResidentState, plan_resident
-from .device_update import DEVICE_PIECE, balanced_share
+from .device_update import DEVICE_PIECE, balanced_share, pick_device_units
 from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -591,6 +591,12 @@ def _format_report(p: Plan) -> str:
             [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
         lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
                      f"{res_params / 1e9:.2f} B parameters (the engine decides after its first step)")
+    if p.max_grad_norm:
+        host_layers = list(range(s.layers - p.resident_layers))
+        n = len(pick_device_units(host_layers, balanced_share()))
+        lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
+                     f"host-held layers on the GPU as they are copied in (device_update_share 'auto': "
+                     f"{balanced_share():.2f})")
     lines.append("")
     eff = p.rates["gpu_tflops"] * p.rates["gpu_efficiency"]
     lines.append(f"step time    bound {p.bound_s:.3f} s by {p.bound_by} ({p.tokens_per_s / 1e3:.1f} k tokens/s); "

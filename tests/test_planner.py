@@ -223,6 +223,8 @@ def test_clipping_step_waits_for_the_host_updates():
     assert rel(clipped.expected_step_s, 1.672) < 0.10
     assert rel(free.expected_step_s, 1.446) < 0.10
     assert clipped.bound_s <= 1.672
+    assert "host-held layers on the GPU as they are copied in" in clipped.report()
+    assert "copied in" not in free.report()
     # Two micro-batches, the GPU adding the layers' gradients (067b074): 3.572 s.
     accumulated = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, max_grad_norm=1.0,
                        gradient_accumulation_steps=2, **H200)
