@@ -226,6 +226,12 @@ class DeviceUpdates:
         u.readers = []
         for ev in (p.ready_ev, p.grad_ev, u.host_write):
             st.wait(ev, st.h2d)
+        if dst is not None and p.next:
+            # Resumed after an error stopped an earlier fill half way (its slot was dropped): the
+            # pieces done then are final in the host store; copy them into this slot.
+            done = p.batches[p.next][0] if p.next < len(p.batches) else u.numel
+            with st.on(st.h2d):
+                dst[:done].copy_(u.master[:done].to(self.device, non_blocking=True))
         if st.cuda and torch.is_tensor(p.scale):
             p.scale.record_stream(st.h2d)
         while p.next < len(p.batches):

@@ -179,3 +179,37 @@ def test_checkpoint_with_pending_device_updates_resumes_bit_identically(tmp_path
     a, b = _state(full), _state(second)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_a_device_update_stopped_half_way_resumes(monkeypatch):
+    """An error in the middle of a device update (here: the third piece's AdamW call) leaves its
+    slot unfilled; the next forward finishes the update and loads the whole layer, so training
+    goes on as if nothing had happened."""
+    from hf_slideformer import optim
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    data = batches(4, pad=True)
+    _, host = make_pair("llama", False, max_grad_norm=0.3, device_update_share=0.0)
+    _, dev = make_pair("llama", False, max_grad_norm=0.3, device_update_share=1.0)
+    opts = [m.create_optimizer(lr=1e-2) for m in (host, dev)]
+    for m, o in zip((host, dev), opts):
+        for b in data[:2]:
+            m(**b).loss.backward(); o.step(); o.zero_grad()
+    calls, real = [0], optim.apply_batch
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected")
+        return real(*a, **k)
+    monkeypatch.setattr(optim, "apply_batch", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        dev(**data[2]).loss.backward()
+    assert any(u.device_pending is not None and u.device_pending.next for u in dev.slide_engine.layer_units)
+    for slot in dev.slide_engine.slots.slots:       # what the stopped fill wrote there must not count
+        slot.flat.zero_()
+    for m, o in zip((host, dev), opts):
+        for b in data[2:]:
+            m(**b).loss.backward(); o.step(); o.zero_grad()
+    a, b = _state(host), _state(dev)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
