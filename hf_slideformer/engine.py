@@ -656,22 +656,20 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
 
     def _send(self, u: Unit, grads: list) -> None:
         """Gradients of layer unit `u` -> a host ring buffer -> accumulate and/or update on the worker."""
-        k = self.ring_next
-        self.ring_next = (k + 1) % len(self.ring)
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
         if u.index in self._device_units and self.device_updates_on and self.single_micro and not self.in_backward:
-            self.ring_next = k                       # the ring is not used
-            self._send_to_accumulator(u, grads)
+            self._send_to_accumulator(u, grads)     # straight into its pinned accumulator (device_update.py)
             return
         if self._accumulates_on_device(u):          # accumulation: the GPU adds (accumulate.py)
-            self.ring_next = k
             done = self._accumulate(u, grads)
             if self.in_backward:
                 self._schedule(u)
                 self.worker.submit(self._accumulated_update_task, u, done, self.hp, done=(u.updated,),
                                    **self._order(u.index, True))
             return
+        k = self.ring_next
+        self.ring_next = (k + 1) % len(self.ring)
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
         buf = self.ring[k]
@@ -736,14 +734,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
 
     def _device_scale(self):
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
-        the compute-stream event after which it is valid. On CUDA it is computed on the device (no
-        sync), with resident units' arithmetic; on the CPU with the host tasks' (see _clip_task)."""
-        mx = self.config.max_grad_norm
-        if self.streams.cuda:
-            coef = (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
-        else:
-            coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
-        return _grad_scale(coef, self.device), self.streams.record()
+        the compute-stream event after which it is valid (the resident units' clip factor)."""
+        return _grad_scale(self._device_clip_coef(), self.device), self.streams.record()
 
     def zero_grad(self) -> None:
         if self.micro == 0:

@@ -263,17 +263,22 @@ class ResidentUnits:
         if prev is not None:
             prev.synchronize()
 
+    def _device_clip_coef(self):
+        """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
+        sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
+        arithmetic (see _clip_task), so that the results are identical there."""
+        mx = self.config.max_grad_norm
+        if self.streams.cuda:
+            return (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
+        return min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
+
     def _step_resident(self, hp) -> set[int]:
         """Clip and update the resident units at optimizer.step() (clipping mode); their unit ids."""
         units = ([(self.embed_unit, self.resident_embed, self._embed_rgrad)] if self.resident_embed is not None else [])
         units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
         if not units:
             return set()
-        mx = self.config.max_grad_norm
-        if self.streams.cuda:          # on the device, no sync: torch's clip_grad_norm_ arithmetic
-            coef = (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
-        else:                          # the host tasks' own arithmetic (see _clip_task): identical results
-            coef = min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
+        coef = self._device_clip_coef()
         for u, r, g in units:
             self._resident_step(u, r, g, hp, clip_coef=coef)   # applied in the fused AdamW, as on the host
         return {id(u) for u, _, _ in units}
