@@ -14,9 +14,9 @@ parameter of h2d each. With the CPU's rate r and the link's B (both ways at once
 
     f = (B - 4 r) / (B + 12 r)
 
-of the layers makes the two finish together: about 0.32 on the H200 host (B 35 GB/s measured on
+of the layers makes the two finish together: about 0.32 on the H200 host (B 35 GB/s averaged over
 the h2d stream of such a forward, r 3.0 G parameters/s with the clip factor), where each layer
-then costs about 22 ms instead of 33.
+then costs about 22 ms instead of 33 (estimated; measured: 1.672 s against 1.754 s at 0.45).
 
 The device layers are picked once, at the first clipping step, spread evenly over the layers the
 GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
@@ -49,8 +49,9 @@ __all__ = ["DeviceUpdates", "balanced_share", "pick_device_units", "DEVICE_PIECE
 # Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
 DEVICE_PIECE = 1 << 22
 # The figures the automatic share balances, measured on the H200 host in a clipping forward of the
-# 3B shape (aa214a3 trace): the h2d stream moved 35 GB/s while the d2h stream carried the
-# write-backs and the activations (43 GB/s each way is the copy engines' own figure, DESIGN.md),
+# 3B shape (aa214a3 trace): the forward's h2d copies (about 23 GB, counted from its 11 device and
+# 13 CPU layers) took the 0.67 s before the backward began, about 35 GB/s, while the d2h stream
+# carried the write-backs and the activations (43 GB/s each way is the copy engines' own figure, DESIGN.md),
 # and the worker's fused AdamW with the clip factor ran 3.0 G parameters/s (33 ms per layer).
 PCIE_BOTH_WAYS = 35e9
 CPU_ADAMW_RATE = 3.0e9
