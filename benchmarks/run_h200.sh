@@ -13,6 +13,7 @@
 #   j: GPU tests; 8B batch 1 under 8 GiB; 200-step soak + clipping timing; 3B batch 16 with clipping, traced
 #   k: GPU tests; 3B batch 16 with clipping, traced; 3B batch 16, traced (the check after a clipping-mode change)
 #   l: GPU tests; 3B batch 16 x 2 micro-batches with clipping: all updates on the CPU, then device updates
+#   m: GPU tests; 8B batch 16 traced, then with grad_buffers 3 (host memory); 3B batch 16 traced
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -21,14 +22,15 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 B="python3 benchmarks/bench_train.py --steps 4 --warmup 2 --no-probe --commit $C"
 summ() { python3 benchmarks/trace_summary.py "$1" --gaps 3 | sed -n '4,9p'; }
 # 8B batch 16: $1 = directory of its log; $2 = 1 for a step trace ($OUT/tr_8b16.json)
+# $3 (optional): a SlideConfig JSON and a name suffix for the log ($4)
 b8_16() {
-  local logdir=$1 traced=$2
+  local logdir=$1 traced=$2 cfg=${3:-"{}"} name=b8_16${4:-}
   if [ "$traced" = 1 ]; then export SLIDE_TRACE=$OUT/tr_8b16.json; fi
   timeout 150 $B --model llama3-8b --providers slide --batch 16 --offload-batches 16 --timeout 145 \
-    --json "$OUT/b8_16.json" > "$logdir/b8_16.log" 2>&1
+    --slide-config "$cfg" --json "$logdir/$name.json" > "$logdir/$name.log" 2>&1
   unset SLIDE_TRACE
-  tail -1 "$logdir/b8_16.log"; if [ "$traced" = 1 ]; then summ "$OUT/tr_8b16.json"; fi
-  grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$logdir/b8_16.log" | tail -3
+  tail -1 "$logdir/$name.log"; if [ "$traced" = 1 ]; then summ "$OUT/tr_8b16.json"; fi
+  grep -o '"host_rss_end": [0-9]*\|"resident_layers": [0-9]*\|"resident_embedding": [a-z]*' "$logdir/$name.log" | tail -3
 }
 # 8B batch 1 under an 8 GiB cap, then the 200-step soak with the clipping comparison
 cap8_and_soak() {
@@ -117,6 +119,14 @@ elif [ "$PART" = l ]; then
       --json "$OUT/b3_ga_$share.json" > "$OUT/b3_ga_$share.log" 2>&1
     tail -1 "$OUT/b3_ga_$share.log"; summ "$OUT/tr_ga_$share.json" | head -3
   done
+elif [ "$PART" = m ]; then
+  timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  b8_16 "$OUT" 1
+  b8_16 /tmp 0 '{"grad_buffers": 3}' _g3; cp /tmp/b8_16_g3.log "$OUT/"
+  SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
+    --offload-batches 16 --timeout 75 --json /tmp/b3_16.json > "$OUT/b3_16.log" 2>&1
+  tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

@@ -63,6 +63,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
         self.layer_units: list[Unit] = [u for u in units if u.kind == "layer"]
         self.head_unit: Unit = units[-1]
         self.layers = list(adapter.layers(model))
+        cfg = getattr(model, "config", None)
+        self._model_config = cfg.to_dict() if hasattr(cfg, "to_dict") else None   # for the first plan
         # Note: [Why the recompute skips the last projection] backward needs the input of a
         # layer's closing down_proj, never its output (it only feeds the residual add), so the
         # recompute returns zeros there: a quarter of a Llama layer's linear FLOPs saved on
@@ -101,7 +103,15 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
         for ev in self.ring_free:
             ev.set()
         self.ring_next = 0
-        self.head_host = self.pinned.empty(head_numel)
+        self.ring_size = max_layer
+        # Note: [Why the head's gradient borrows the ring] the head's gradients are copied out at
+        # the end of the forward, while the ring is idle, and the layers' backward needs it only
+        # after: the head's gradient lands in the first ring buffers when they hold it, and each
+        # buffer goes back to the ring as the head's update passes it. An untied 8B lm_head's
+        # own buffer was 2.1 GB of pinned host memory.
+        self.head_in_ring = head_numel <= max_layer * config.grad_buffers
+        self.head_host = self.ring_slab[:head_numel] if self.head_in_ring else self.pinned.empty(head_numel)
+        self.head_ring: tuple[int, ...] = ()    # the ring buffers the pending head gradient holds
         self.head_host_free = threading.Event()
         self.head_host_free.set()
         self.head_pending = False
@@ -149,10 +159,6 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:
         self.optimizer = optimizer
-        if self.embed_grad is None:
-            # Dense (V, H) fp32 gradient of the embedding, pinned: a tied lm_head's gradient lands
-            # here straight from the GPU.
-            self.embed_grad = self.pinned.adopt(torch.zeros(self.embed_unit.numel, dtype=torch.float32))
 
     def _order(self, position: int, update: bool) -> dict:
         """Worker ordering of an in-backward update task (see CpuWorker's note)."""
@@ -333,6 +339,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
         T = ids.numel()
         if with_grad:
             self._fit_resident(T)
+            if self.resident_embed is None:
+                self._ensure_embed_grad()
         table = u.master.view(self.vocab, self.hidden)
         first = next((i for i in range(len(self.layer_units)) if i not in self.resident), None)
         if first is not None:
@@ -363,13 +371,6 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
         rows = self._fwd_touch
         uniq, inv, keep = self._fwd_rows
         n = rows.numel()
-        self._wait(self.embed_host_free, "other")  # the worker is done with the previous gradient
-        if self.embed_host is None or self.embed_host.shape[0] < n:
-            if self.embed_host is not None:
-                self.pinned.release(self.embed_host)
-            self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
-        host = self.embed_host[:n]
-        self.embed_host_free.clear()
         # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
         # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
         # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
@@ -383,7 +384,6 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self._embed_norm(S)
         r = self.resident_embed
         if r is not None:
-            self.embed_host_free.set()
             G = self._embed_rgrad.view(self.vocab, self.hidden)
             if not self.tied:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
@@ -394,6 +394,13 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self.end_backward()
             return
         self._span_end(t)
+        self._wait(self.embed_host_free, "other")  # the worker is done with the previous gradient
+        if self.embed_host is None or self.embed_host.shape[0] < n:
+            if self.embed_host is not None:
+                self.pinned.release(self.embed_host)
+            self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
+        host = self.embed_host[:n]
+        self.embed_host_free.clear()
         done = self._d2h([S], [host])
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
@@ -513,9 +520,11 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self.head_done.synchronize()
             self.head_pending = False
             self.head_host_free.set()
+            self._return_head_ring()
         self._wait(self.head_host_free, "other")
         self.head_host_free.clear()
         dsts = [e.view(self.head_host) for e in hu.entries]
+        need = hu.numel
         if self.tied and self.resident_embed is not None:
             # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
             # the loss gradient in head_backward, the batch rows added in embed_backward).
@@ -525,9 +534,29 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             # With one backward per step the tied gradient goes straight into the embedding's
             # pinned gradient buffer (which the previous step's update has released).
             dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
+            if not self.single_micro:
+                need += self.embed_unit.numel
+        self._take_head_ring(need)
         self.head_done = self._d2h(pgrads, dsts)
         self.head_pending = True
         return loss.detach(), grads[0]
+
+    def _take_head_ring(self, numel: int) -> None:
+        """Claim the ring buffers under head_host[:numel] (see [Why the head's gradient borrows
+        the ring]); the layers' next gradients take the buffers after them first."""
+        if not self.head_in_ring:
+            return
+        n = -(-numel // self.ring_size)
+        for k in range(n):
+            self._wait(self.ring_free[k], "grad_buffer")
+            self.ring_free[k].clear()
+        self.head_ring = tuple(range(n))
+        self.ring_next = n % len(self.ring)
+
+    def _return_head_ring(self) -> None:
+        for k in self.head_ring:
+            self.ring_free[k].set()
+        self.head_ring = ()
 
     def _lm_index(self) -> int:
         for k, e in enumerate(self.head_unit.entries):
@@ -610,8 +639,11 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self._schedule(hu)
             if embed_on_host:
                 self._schedule(self.embed_unit)      # its bulk update starts in the head task
+        ring, self.head_ring = self.head_ring, ()
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
-                           self._fwd_touch if embed_on_host else None, embed_on_host, done=(self.head_host_free,) + ((hu.updated,) if update else ()),
+                           self._fwd_touch if embed_on_host else None, embed_on_host, ring,
+                           done=(self.head_host_free,) + tuple(self.ring_free[k] for k in ring)
+                           + ((hu.updated,) if update else ()),
                            **self._order(-1, update))
 
     # ----------------------------------------------------------------- gradients -> host -> update

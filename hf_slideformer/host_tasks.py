@@ -100,6 +100,10 @@ class HostTasks:
             dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
 
     def _reset_embed_grad(self):
+        if self.embed_grad is None:                  # never on the host since it was made
+            self.touched = []
+            self.embed_unit.grad_valid = False
+            return
         g = self.embed_grad.view(self.vocab, self.hidden)
         if self.tied:
             pass  # the head's contribution overwrites every row first at the next step
@@ -109,7 +113,7 @@ class HostTasks:
         self.touched = []
         self.embed_unit.grad_valid = False
 
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True):
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=()):
         self._sync(done, "wait_d2h:head")
         self._sync(scale_ev, "wait_d2h:scale")
         scale = float(self.scale_host[0])
@@ -131,7 +135,15 @@ class HostTasks:
                 else:
                     self.embed_grad.copy_(tied)
                     eu.grad_valid = True
-        self._consume(hu, src, update, ends_step, hp)
+        returned = None
+        if ring and hu.grad is None:
+            # Read by the update alone, front to back: each ring buffer goes back once it is passed.
+            pending = list(ring)
+
+            def returned(n: int) -> None:
+                while pending and (pending[0] + 1) * self.ring_size <= n:
+                    self.ring_free[pending.pop(0)].set()
+        self._consume(hu, src, update, ends_step, hp, returned)
         if update and touch is not None:
             self._embed_bulk_update(touch, hp)
 
@@ -152,7 +164,7 @@ class HostTasks:
         self._sync(done, f"wait_d2h:{u.name}")
         self._consume(u, src, update, ends_step, hp)
 
-    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp) -> None:
+    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None) -> None:
         """Worker side: fold this micro-batch's gradient of `u` in, and update when the step ends here."""
         if u.grad is None:                      # no accumulator: GA == 1, no clipping
             g = src
@@ -168,17 +180,22 @@ class HostTasks:
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
         if update:
-            self._update(u, g, hp)
+            self._update(u, g, hp, on_progress=on_progress)
             u.grad_valid = False
 
-    def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None) -> None:
+    def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None) -> None:
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
         readers, u.readers = u.readers, []
         for ev in readers:
             self._sync(ev, f"wait_readers:{u.name}")
         t0 = time.perf_counter()
-        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=u.set_progress, before_piece=arrived,
+        on_piece = u.set_progress
+        if on_progress is not None:
+            def on_piece(n: int) -> None:
+                u.set_progress(n)
+                on_progress(n)
+        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
                           clip_coef=clip_coef)
         t1 = time.perf_counter()
         self.stats.adam_s += t1 - t0

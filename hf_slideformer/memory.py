@@ -9,7 +9,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "unpin_slab",
-           "PinnedBuffers", "HostMemoryError", "release_pages", "enable_expandable_segments",
+           "PinnedBuffers", "HostMemoryError", "release_pages", "lazy_zeros", "enable_expandable_segments",
            "expandable_segments_on"]
 
 GiB = 1024 ** 3
@@ -105,6 +105,23 @@ class PinnedBuffers:
         for h in self._held:
             unpin_slab(h)
         self._held.clear()
+
+
+def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero-filled CPU tensor whose pages take host memory only once written.
+
+    Note: [Why the moments are mapped, not zeroed] torch.zeros writes every page, so all the
+    moments were resident from the start, also those of units that are updated on the GPU only
+    (a resident embedding: 4.2 GB at 8B that the first step's peak carried). A private anonymous
+    mapping reads as zeros and is backed page by page as the updates write it.
+    """
+    import mmap
+
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(numel, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype)        # the tensor keeps the mapping alive
 
 
 def release_pages(t: torch.Tensor) -> int:

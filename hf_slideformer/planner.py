@@ -227,7 +227,9 @@ class _Estimator:
         out.update({
             "embedding gradient (fp32, pinned)": 4 * s.embed_params,
             f"gradient ring ({self.grad_buffers} x largest layer, fp32)": 4 * self.grad_buffers * s.layer_params,
-            "head host buffer (fp32, pinned)": _pinned(4 * s.head_slot_params),
+            # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring])
+            "head host buffer (fp32, pinned)": (0 if s.head_slot_params <= self.grad_buffers * s.layer_params
+                                                else _pinned(4 * s.head_slot_params)),
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * _pinned(4 * tok_h),
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
@@ -446,11 +448,17 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
             held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)
         p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
         p.gpu_peak += held
-    # Once resident, a unit's host moments are released, and the embedding's dense gradient with it.
-    released = 8 * ((shape.embed_params if res[0] else 0) + res[1] * shape.layer_params)
     if res[0]:
-        released += p.host.get("embedding gradient (fp32, pinned)", 0)
-    p.host_steady = p.host_total - released
+        # Resident from the first step (engine: [Why the embedding can be resident before the first
+        # step]): its moments are never written, its master is given back, its dense gradient and
+        # row buffers are never made.
+        key = "fp32 masters + Adam m, v (12 B/param)"
+        p.host[key + ", the resident embedding's given back"] = p.host.pop(key) - 12 * shape.embed_params
+        for k in ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)"):
+            p.host.pop(k, None)
+        p.host_total = sum(p.host.values())
+    # Resident layers are updated by the CPU in the first step: their host moments are released after it.
+    p.host_steady = p.host_total - 8 * res[1] * shape.layer_params
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
     p.times = est.times(batch, N, tier, deferred, res)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (

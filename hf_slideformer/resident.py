@@ -23,7 +23,7 @@ import torch
 
 from . import optim as _optim
 from .errors import SlideStateError
-from .memory import release_pages
+from .memory import lazy_zeros, release_pages
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
@@ -133,8 +133,8 @@ class ResidentUnits:
             return embed, layers
         limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory)
-        if self._plan_peak is None:      # the first step's peak, before any resident state was allocated
-            self._plan_peak = measured_peak(self.device)
+        if self._plan_peak is None:      # the first step's peak, less the resident state it began with
+            self._plan_peak = max(0, measured_peak(self.device) - self._resident_bytes())
             self._plan_tokens = self._last_tokens
         plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
                              layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
@@ -143,12 +143,76 @@ class ResidentUnits:
         logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
         return plan
 
+    def _first_embed_plan(self, tokens: int) -> bool:
+        """Before the first training step: is the embedding resident from the start?
+
+        Note: [Why the embedding can be resident before the first step] the plan measures a step
+        first, and a step with the embedding on the host touches its moments, dense gradient and
+        row buffers (9 GB at 8B, batch 16) only for them to be given back when it goes resident:
+        that first step set the run's peak host memory. When the option says so, or when the
+        planner's estimate (`planner.plan`, the same one `hf-slideformer plan` prints) already
+        finds room for it, the embedding is resident from the first step; the measured plan then
+        confirms it or writes it back (`_promote_resident`).
+        """
+        c = self.config
+        if c.resident_embedding != "auto":
+            return bool(c.resident_embedding)
+        if not self.streams.cuda or self._model_config is None:
+            return False
+        from .planner import plan
+        limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
+                 else torch.cuda.get_device_properties(self.device).total_memory / GiB)
+        try:
+            p = plan(self._model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
+                     max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
+                     grad_buffers=c.grad_buffers)
+        except (ValueError, KeyError, TypeError) as e:     # a config the planner cannot read: measure first
+            logger.info("no estimate before the first step (%s); the embedding waits for the measured plan", e)
+            return False
+        return bool(p.resident_embedding)
+
+    def _resident_bytes(self) -> int:
+        """Device bytes the resident units hold now (outside any step's own peak)."""
+        ts = [self._embed_rgrad, self._resident_grad]
+        for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
+            ts += [r.master, r.exp_avg, r.exp_avg_sq, r.grad] + ([r.weights] if r.weights is not r.master else [])
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def _make_embed_resident(self) -> None:
+        eu = self.embed_unit
+        self.resident_embed = self._make_resident(eu)
+        if self.embed_grad is not None:
+            # The host's dense (V, H) gradient is unused while the embedding is resident
+            # (2.1 GB at 8B): unpinned and given back; it reads as zeros, its reset state.
+            self.pinned.release(self.embed_grad)
+            release_pages(self.embed_grad)
+        self._release_embed_host()
+        if self._embed_rgrad is None:
+            self._embed_rgrad = torch.zeros(eu.numel, dtype=torch.float32, device=self.device)
+
+    def _ensure_embed_grad(self) -> None:
+        """The host's dense (V, H) fp32 gradient of an embedding on the host, made on first use.
+        Pinned (a tied lm_head's gradient lands there straight from the GPU), unless the embedding
+        is only out for a while (written back for a checkpoint, resident again after this step)."""
+        if self.embed_grad is not None:
+            return
+        self.embed_grad = lazy_zeros(self.embed_unit.numel)
+        target = self._resident_target
+        if target is None or not target[0]:
+            self.pinned.adopt(self.embed_grad)
+
     def _fit_resident(self, tokens: int) -> None:
         """Before a training forward: a batch larger than the one the plan measured may need the
         memory the resident units hold, so they go back to the host for it, and the next plan
         scales the measured peak by the new size (an over-estimate: part of the peak is fixed).
-        The plan only grows, so a run settles at its longest batch."""
+        The plan only grows, so a run settles at its longest batch.
+
+        Before the first step, the embedding may go resident at once ([Why the embedding can be
+        resident before the first step])."""
         self._last_tokens = tokens
+        if (self._plan_peak is None and self._resident_target is None and self.resident_embed is None
+                and self.single_micro and self.optimizer is not None and self._first_embed_plan(tokens)):
+            self._make_embed_resident()
         if self._plan_peak is None or not self._plan_tokens or tokens <= self._plan_tokens:
             return
         if self.resident or self.resident_embed is not None:
@@ -182,15 +246,13 @@ class ResidentUnits:
             # the embedding comes back at once, and one step's pageable copy costs less than
             # pinning 2 GB).
             self.pinned.adopt(self.embed_grad)
+        eu = self.embed_unit
+        if not embed and self.pinned.enabled and not eu.master.is_pinned():
+            self.pinned.adopt(eu.master)             # a tied head slot copies it in again
+        if not embed and self.resident_embed is not None:
+            self.evict_resident()                    # resident from the first step, not in the measured plan
         if embed and self.resident_embed is None:
-            self.resident_embed = self._make_resident(self.embed_unit)
-            if self.embed_grad is not None:
-                # The host's dense (V, H) gradient is unused while the embedding is resident
-                # (2.1 GB at 8B): unpinned and given back; it reads as zeros, its reset state.
-                self.pinned.release(self.embed_grad)
-                release_pages(self.embed_grad)
-            if self._embed_rgrad is None:
-                self._embed_rgrad = torch.zeros(self.embed_unit.numel, dtype=torch.float32, device=self.device)
+            self._make_embed_resident()
         if len(self.resident) >= n:
             return
         if self._resident_grad is None and self.config.max_grad_norm is None:
@@ -200,6 +262,24 @@ class ResidentUnits:
         for i in range(n):
             if i not in self.resident:
                 self.resident[i] = self._make_resident(self.layer_units[i], with_grad=clipping)
+
+    def _release_embed_host(self) -> None:
+        """Give back the host memory of an embedding that went resident (2.1 GB of master and
+        ~2.7 GB of row buffers at 8B, batch 16): the device holds the current master, and
+        `evict_resident()` writes it back into the same (then re-faulted) pages."""
+        u = self.embed_unit
+        self.pinned.release(u.master)                # no copy reads it: load_from_host copied synchronously
+        release_pages(u.master)
+        if self.embed_fwd_ev is not None:
+            self.embed_fwd_ev.synchronize()          # the last forward's rows have left the buffer
+            self.embed_fwd_ev = None
+        self._wait(self.embed_host_free, "other")    # the worker is done with the last gradient rows
+        for name in ("embed_fwd_buf", "embed_host"):
+            buf = getattr(self, name)
+            if buf is not None:
+                self.pinned.release(buf)
+                setattr(self, name, None)
+        self._row_bufs = [None] * len(self._row_bufs)   # the worker's (idle: the embedding's update has landed)
 
     def evict_resident(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""

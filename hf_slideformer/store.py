@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .memory import PinnedBuffers, check_host_memory
+from .memory import PinnedBuffers, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -102,13 +102,20 @@ class HostStore:
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
         self.pinned = PinnedBuffers(bool(config.pin_memory and config.is_cuda))
-        self.master_slab = self.pinned.empty(self.numel)
-        self._carve(self.master_slab, "master")
+        # The embedding's master is a buffer of its own: a resident embedding gives its host pages
+        # back (unpinned, then released), and a registration can only be undone whole.
+        own = [u for u in units if u.kind == "embed"]
+        self.master_slab = self.pinned.empty(self.numel - sum(u.numel for u in own))
+        self._carve(self.master_slab, "master", skip=own)
+        for u in own:
+            u.master = self.pinned.empty(u.numel)
         self.optimizer_ready = False
 
-    def _carve(self, slab: torch.Tensor, attr: str) -> None:
+    def _carve(self, slab: torch.Tensor, attr: str, skip=()) -> None:
         off = 0
         for u in self.units:
+            if any(u is x for x in skip):
+                continue
             setattr(u, attr, slab[off:off + u.numel])
             off += u.numel
 
@@ -116,8 +123,8 @@ class HostStore:
         """Allocate zeroed Adam moments (and the gradient accumulator in deferred mode)."""
         if self.optimizer_ready:
             return
-        self.exp_avg_slab = torch.zeros(self.numel, dtype=torch.float32)
-        self.exp_avg_sq_slab = torch.zeros(self.numel, dtype=torch.float32)
+        self.exp_avg_slab = lazy_zeros(self.numel)
+        self.exp_avg_sq_slab = lazy_zeros(self.numel)
         self._carve(self.exp_avg_slab, "exp_avg")
         self._carve(self.exp_avg_sq_slab, "exp_avg_sq")
         for u in self.units:

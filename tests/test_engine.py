@@ -460,3 +460,58 @@ def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
             early = [n for kind, n in log[:log.index(("done", first_piece))] if kind == "sync"]
             assert max(early) < max(ends)            # it started before the last copy was waited for
     assert torch.equal(results[0], results[1])
+
+
+def _wide_head_pair(**slide_kw):
+    """(reference, slid) llama whose lm_head (301 x 32) is about two layers' worth of parameters."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    from hf_slideformer.demo import tiny_config
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", vocab_size=301, hidden_size=32, intermediate_size=16, num_hidden_layers=3)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    ref.config.use_cache = False
+    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
+    return ref, slid
+
+
+@pytest.mark.parametrize("buffers,in_ring", [(2, False), (3, True), (4, True)])
+@pytest.mark.parametrize("slow_head", [False, True])
+def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch):
+    """The head's gradient lands in the first ring buffers when they hold it (else in a buffer of
+    its own); the layers' gradients take the other buffers first, then wait for the head's update to
+    hand its buffers back. A slowed head update must not see its gradient overwritten."""
+    import time
+    from hf_slideformer.host_tasks import HostTasks
+    if slow_head:
+        real = HostTasks._head_task
+
+        def slow(self, *a, **k):
+            time.sleep(0.05)
+            return real(self, *a, **k)
+        monkeypatch.setattr(HostTasks, "_head_task", slow)
+    ref, slid = _wide_head_pair(grad_buffers=buffers)
+    eng = slid.slide_engine
+    assert eng.head_in_ring is in_ring
+    n = eng.head_unit.numel
+    assert -(-n // eng.ring_size) == 3            # the head spans three ring buffers
+    assert (eng.head_host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
+    data = batches(4, pad=True, vocab=301)
+    assert train_both(ref, slid, data) < PARAM_TOL
+    assert all(ev.is_set() for ev in eng.ring_free) and eng.head_ring == ()
+    # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
+    ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
+    assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
+
+
+def test_head_ring_buffers_come_back_after_a_forward_without_backward():
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    opt = slid.create_optimizer(lr=LR)
+    data = batches(3, vocab=301)
+    slid(**data[0])                                # gradients copied out, never consumed
+    assert slid.slide_engine.head_ring == (0, 1, 2)
+    loss = slid(**data[1]).loss                    # the stale ones are dropped, the ring reclaimed
+    loss.backward()
+    opt.step()
+    slid.slide_engine.synchronize()                # every queued update has run
+    assert all(ev.is_set() for ev in slid.slide_engine.ring_free)

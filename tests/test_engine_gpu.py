@@ -233,3 +233,21 @@ def test_first_layer_loads_while_its_update_runs(monkeypatch):
     assert any(partial), "no copy overlapped an update"
     for k in ref:
         assert torch.equal(ref[k], got[k]), k
+
+
+def test_embedding_resident_from_the_first_step():
+    """With room on the card (the planner's estimate), "auto" makes the embedding resident before
+    the first update: its host gradient is never made, and the measured plan that follows the
+    first step leaves out what the resident embedding held."""
+    _, slid = _pair(torch.bfloat16, False)
+    opt = slid.create_optimizer(lr=LR)
+    eng = slid.slide_engine
+    data = batches(2, bsz=4, seq=128, vocab=1001)
+    slid(**{k: v.cuda() for k, v in data[0].items()}).loss.backward()
+    assert eng.resident_embed is not None and eng.embed_grad is None
+    held = eng._resident_bytes()
+    opt.step(); opt.zero_grad()
+    assert eng._plan_peak is not None and eng._plan_peak <= torch.cuda.max_memory_reserved() - held
+    slid(**{k: v.cuda() for k, v in data[1].items()}).loss.backward()
+    opt.step(); opt.zero_grad()
+    assert eng.resident_embed is not None and eng.embed_grad is None

@@ -206,9 +206,10 @@ MEASURED_RSS_END = [("llama3-3b", 16, 40.4), ("llama3-3b", 8, 35.2), ("llama3-8b
 @pytest.mark.parametrize("name, batch, rss_end", MEASURED_RSS_END)
 def test_steady_host_memory_after_the_resident_units_release_theirs(name, batch, rss_end):
     p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, **H200)
-    assert p.host_steady < p.host_total
     assert rel(p.host_steady / GiB, rss_end) < 0.10
-    assert "once the resident units' host pages are released" in p.report()
+    # resident layers give their host moments back after the first step; the embedding never takes them
+    assert (p.host_steady < p.host_total) is (p.resident_layers > 0)
+    assert ("once the resident units' host pages are released" in p.report()) is (p.resident_layers > 0)
     assert plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, resident=False, **H200).host_steady == \
         plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=24, resident=False, **H200).host_total
 

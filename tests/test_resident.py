@@ -228,3 +228,66 @@ def test_expandable_segments_follow_the_environment(monkeypatch):
     assert memory.expandable_segments_on() is False
     assert memory.enable_expandable_segments() is True and calls == ["expandable_segments:True"]
     assert memory.enable_expandable_segments() is True and len(calls) == 1      # once per process
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
+    """Once the embedding is resident, its host master, moments, dense gradient and row buffers are
+    given back; an eviction writes the master back, and training goes on as on the host."""
+    import hf_slideformer.resident as R
+    released = []
+    real = R.release_pages
+    monkeypatch.setattr(R, "release_pages", lambda t: released.append(t.data_ptr()) or real(t))
+    data = batches(4, pad=True)
+    _, host = make_pair("llama", tied, resident_layers=0, resident_embedding=False)
+    _train(host, data[:1])
+    eng = host.slide_engine
+    assert eng.embed_host is not None and any(b is not None for b in eng._row_bufs)   # what the resident one drops
+    _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=True)
+    opt = _train(slid, data[:1])          # resident from the first step (the option says so)
+    eng, u = slid.slide_engine, slid.slide_engine.embed_unit
+    assert eng.resident_embed is not None
+    assert {u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr()} <= set(released)
+    assert eng.embed_host is None and eng.embed_fwd_buf is None and all(b is None for b in eng._row_bufs)
+    assert int((u.master == 0).sum()) >= 1024     # its whole pages read as zeros: nothing holds them
+    _train(slid, data[1:2], opt, sync_every=1)      # evicts: the master is written back
+    assert u.master.any()
+    _train(slid, data[2:], opt)
+    _train(host, data[1:])
+    a, b = host.state_dict(), slid.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_first_plan_decides_the_embedding_from_the_estimate(monkeypatch):
+    """Before any step, "auto" asks the planner: 8B at 16 x 2048 under 24 GiB has room for the
+    embedding (as the measured plan finds), 8B at 1 x 2048 under 8 GiB has not; without CUDA, no."""
+    import json
+    import os
+    _, slid = make_pair("llama", False)
+    eng = slid.slide_engine
+    assert eng._first_embed_plan(32768) is False                 # a CPU device: measure first
+    with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "llama3-8b.json")) as f:
+        eng._model_config = json.load(f)
+    monkeypatch.setattr(eng.streams, "cuda", True)
+    monkeypatch.setattr(eng.config, "activation_tier", "cpu")    # what "auto" is on CUDA
+    for cap, tokens, want in ((24, 16 * 2048, True), (8, 2048, False)):
+        monkeypatch.setattr(eng.config, "gpu_memory_limit", cap)
+        assert eng._first_embed_plan(tokens) is want, (cap, tokens)
+    monkeypatch.setattr(eng.config, "resident_embedding", False)
+    assert eng._first_embed_plan(16 * 2048) is False             # the option decides when set
+    eng._model_config = {"model_type": "llama"}                  # unreadable: measure first
+    monkeypatch.setattr(eng.config, "resident_embedding", "auto")
+    assert eng._first_embed_plan(16 * 2048) is False
+
+
+def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
+    data = batches(3, pad=True)
+    _, slid = make_pair("llama", True, resident_layers=0, resident_embedding=True)
+    opt = slid.create_optimizer(lr=1e-2)
+    slid(**data[0]).loss.backward()
+    eng = slid.slide_engine
+    assert eng.resident_embed is not None            # before the first update
+    opt.step()
+    opt.zero_grad()
+    assert eng.embed_grad is None and eng.embed_host is None and all(b is None for b in eng._row_bufs)
