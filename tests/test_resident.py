@@ -242,6 +242,7 @@ def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
     _, host = make_pair("llama", tied, resident_layers=0, resident_embedding=False)
     _train(host, data[:1])
     eng = host.slide_engine
+    eng.worker.join()                       # the worker's embedding task has run
     assert eng.embed_host is not None and any(b is not None for b in eng._row_bufs)   # what the resident one drops
     _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=True)
     opt = _train(slid, data[:1])          # resident from the first step (the option says so)
