@@ -247,8 +247,8 @@ class ResidentUnits:
             # pinning 2 GB).
             self.pinned.adopt(self.embed_grad)
         eu = self.embed_unit
-        if not embed and self.pinned.enabled and not eu.master.is_pinned():
-            self.pinned.adopt(eu.master)             # a tied head slot copies it in again
+        if not embed and self.tied and self.pinned.enabled and not eu.master.is_pinned():
+            self.pinned.adopt(eu.master)             # the head slot copies a tied one in again
         if not embed and self.resident_embed is not None:
             self.evict_resident()                    # resident from the first step, not in the measured plan
         if embed and self.resident_embed is None:
