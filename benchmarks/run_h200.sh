@@ -14,6 +14,7 @@
 #   k: GPU tests; 3B batch 16 with clipping, traced; 3B batch 16, traced (the check after a clipping-mode change)
 #   l: GPU tests; 3B batch 16 x 2 micro-batches with clipping: all updates on the CPU, then device updates
 #   m: GPU tests; 8B batch 16 traced, then with grad_buffers 3 (host memory); 3B batch 16 traced
+#   n: GPU tests; 8B batch 16 traced; 3B batch 16 and 8 (the defaults' check)
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -127,6 +128,15 @@ elif [ "$PART" = m ]; then
   SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
     --offload-batches 16 --timeout 75 --json /tmp/b3_16.json > "$OUT/b3_16.log" 2>&1
   tail -1 "$OUT/b3_16.log"; summ "$OUT/tr_3b16.json"
+elif [ "$PART" = n ]; then
+  timeout 90 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  b8_16 "$OUT" 1
+  for b in 16 8; do
+    timeout 80 $B --model llama3-3b --providers slide --batch $b --offload-batches $b --timeout 75 \
+      --json /tmp/b3_$b.json > "$OUT/b3_$b.log" 2>&1
+    tail -1 "$OUT/b3_$b.log"
+  done
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

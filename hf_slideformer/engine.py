@@ -109,8 +109,8 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
         # after: the head's gradient lands in the first ring buffers when they hold it, and each
         # buffer goes back to the ring as the head's update passes it. An untied 8B lm_head's
         # own buffer was 2.1 GB of pinned host memory.
-        self.head_in_ring = head_numel <= max_layer * config.grad_buffers
-        self.head_host = self.ring_slab[:head_numel] if self.head_in_ring else self.pinned.empty(head_numel)
+        self.head_host: torch.Tensor | None = None    # where the pending head gradient lands
+        self._head_own: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
         self.head_ring: tuple[int, ...] = ()    # the ring buffers the pending head gradient holds
         self.head_host_free = threading.Event()
         self.head_host_free.set()
@@ -523,8 +523,10 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self._return_head_ring()
         self._wait(self.head_host_free, "other")
         self.head_host_free.clear()
+        # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
+        extra = self.tied and self.resident_embed is None and not self.single_micro
+        self.head_host = self._head_buffer(hu.numel + (self.embed_unit.numel if extra else 0))
         dsts = [e.view(self.head_host) for e in hu.entries]
-        need = hu.numel
         if self.tied and self.resident_embed is not None:
             # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
             # the loss gradient in head_backward, the batch rows added in embed_backward).
@@ -534,24 +536,27 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             # With one backward per step the tied gradient goes straight into the embedding's
             # pinned gradient buffer (which the previous step's update has released).
             dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
-            if not self.single_micro:
-                need += self.embed_unit.numel
-        self._take_head_ring(need)
         self.head_done = self._d2h(pgrads, dsts)
         self.head_pending = True
         return loss.detach(), grads[0]
 
-    def _take_head_ring(self, numel: int) -> None:
-        """Claim the ring buffers under head_host[:numel] (see [Why the head's gradient borrows
-        the ring]); the layers' next gradients take the buffers after them first."""
-        if not self.head_in_ring:
-            return
-        n = -(-numel // self.ring_size)
-        for k in range(n):
-            self._wait(self.ring_free[k], "grad_buffer")
-            self.ring_free[k].clear()
-        self.head_ring = tuple(range(n))
-        self.ring_next = n % len(self.ring)
+    def _head_buffer(self, numel: int) -> torch.Tensor:
+        """Host buffer of `numel` fp32 for the head's gradient: the front of the ring when the ring
+        holds it (see [Why the head's gradient borrows the ring]; the layers' next gradients take
+        the buffers after it first), else a pinned buffer of its own, made when first needed."""
+        if numel <= self.ring_size * len(self.ring):
+            n = -(-numel // self.ring_size)
+            for k in range(n):
+                self._wait(self.ring_free[k], "grad_buffer")
+                self.ring_free[k].clear()
+            self.head_ring = tuple(range(n))
+            self.ring_next = n % len(self.ring)
+            return self.ring_slab[:numel]
+        if self._head_own is None or self._head_own.numel() < numel:
+            if self._head_own is not None:
+                self.pinned.release(self._head_own)   # idle: head_host_free was waited for
+            self._head_own = self.pinned.empty(numel)
+        return self._head_own[:numel]
 
     def _return_head_ring(self) -> None:
         for k in self.head_ring:

@@ -222,14 +222,15 @@ class _Estimator:
         acts = {"cpu": s.layers * _pinned(2 * tok_h), "device": 0,
                 "nvme": 2 * _pinned(2 * tok_h)}[tier]              # nvme: a bounce buffer each way
         out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
+        head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
         out.update({
             "embedding gradient (fp32, pinned)": 4 * s.embed_params,
             f"gradient ring ({self.grad_buffers} x largest layer, fp32)": 4 * self.grad_buffers * s.layer_params,
-            # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring])
-            "head host buffer (fp32, pinned)": (0 if s.head_slot_params <= self.grad_buffers * s.layer_params
-                                                else _pinned(4 * s.head_slot_params)),
+            # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring]);
+            # a tied lm_head's gradient joins it with accumulation only
+            "head host buffer (fp32, pinned)": (0 if head <= self.grad_buffers * s.layer_params else _pinned(4 * head)),
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * _pinned(4 * tok_h),
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
@@ -354,7 +355,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
          host_mem: float | None = None, pcie_gbs: float = 54.6, adam_gps: float = 3.5,
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
-         activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
+         activation_tier: str = "cpu", grad_buffers: int = 3, nvme_write_gbs: float = 1.2,
          nvme_read_gbs: float = 0.9, resident: bool = True) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 

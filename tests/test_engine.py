@@ -492,12 +492,12 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
         monkeypatch.setattr(HostTasks, "_head_task", slow)
     ref, slid = _wide_head_pair(grad_buffers=buffers)
     eng = slid.slide_engine
-    assert eng.head_in_ring is in_ring
     n = eng.head_unit.numel
     assert -(-n // eng.ring_size) == 3            # the head spans three ring buffers
-    assert (eng.head_host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
     data = batches(4, pad=True, vocab=301)
     assert train_both(ref, slid, data) < PARAM_TOL
+    assert (eng.head_host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
+    assert (eng._head_own is None) is in_ring
     assert all(ev.is_set() for ev in eng.ring_free) and eng.head_ring == ()
     # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
