@@ -454,9 +454,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         # step]): its moments are never written, its master is given back, its dense gradient and
         # row buffers are never made.
         key = "fp32 masters + Adam m, v (12 B/param)"
-        p.host[key + ", the resident embedding's given back"] = p.host.pop(key) - 12 * shape.embed_params
-        for k in ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)"):
-            p.host.pop(k, None)
+        dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)")
+        p.host = {(k + ", the resident embedding's given back" if k == key else k):
+                  (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items() if k not in dropped}
         p.host_total = sum(p.host.values())
     # Resident layers are updated by the CPU in the first step: their host moments are released after it.
     p.host_steady = p.host_total - 8 * res[1] * shape.layer_params
