@@ -16,6 +16,7 @@
 #   m: GPU tests; 8B batch 16 traced, then with grad_buffers 3 (host memory); 3B batch 16 traced
 #   n: GPU tests; 8B batch 16 traced; 3B batch 16 and 8 (the defaults' check)
 #   o: the CPU AdamW rate; 8B batch 16 with 3 and with 4 gradient buffers
+#   p: the CPU AdamW rate; 3B batch 8 with 3 and with 4 gradient buffers; 3B batch 16 with clipping
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -138,7 +139,7 @@ elif [ "$PART" = n ]; then
       --json /tmp/b3_$b.json > "$OUT/b3_$b.log" 2>&1
     tail -1 "$OUT/b3_$b.log"
   done
-elif [ "$PART" = o ]; then
+elif [ "$PART" = o ] || [ "$PART" = p ]; then
   # the host's fused CPU AdamW rate before and after (a slow host shows here), 8B batch 16 with 3 and 4 buffers
   adam_rate() { python3 -c "
 import time, torch
@@ -146,8 +147,19 @@ n = 218_103_808; p, g, m, v = (torch.rand(n) for _ in range(4)); s = [torch.zero
 f = lambda: torch._fused_adamw_([p], [g], [m], [v], [], s, lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 f(); t = time.perf_counter(); [f() for _ in range(5)]; print(f'CPU fused AdamW: {5 * n / (time.perf_counter() - t) / 1e9:.2f} G params/s')"; }
   adam_rate
-  b8_16 "$OUT" 0 '{"grad_buffers": 3}' _g3
-  b8_16 "$OUT" 0 '{"grad_buffers": 4}' _g4
+  if [ "$PART" = o ]; then
+    b8_16 "$OUT" 0 '{"grad_buffers": 3}' _g3
+    b8_16 "$OUT" 0 '{"grad_buffers": 4}' _g4
+  else    # p: 3B batch 8 (the CPU-bound batch) with 3 and 4 buffers; 3B batch 16 with clipping
+    for g in 3 4; do
+      timeout 80 $B --model llama3-3b --providers slide --batch 8 --offload-batches 8 --timeout 75 \
+        --slide-config "{\"grad_buffers\": $g}" --json /tmp/b3_8_g$g.json > "$OUT/b3_8_g$g.log" 2>&1
+      tail -1 "$OUT/b3_8_g$g.log"
+    done
+    timeout 100 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 95 \
+      --slide-config '{"max_grad_norm": 1.0}' --json /tmp/b3_16clip.json > "$OUT/b3_16clip.log" 2>&1
+    tail -1 "$OUT/b3_16clip.log"
+  fi
   adam_rate
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
