@@ -17,6 +17,7 @@
 #   n: GPU tests; 8B batch 16 traced; 3B batch 16 and 8 (the defaults' check)
 #   o: the CPU AdamW rate; 8B batch 16 with 3 and with 4 gradient buffers
 #   p: the CPU AdamW rate; 3B batch 8 with 3 and with 4 gradient buffers; 3B batch 16 with clipping
+#   q: 3B batch 16 with clipping (untraced; the short check)
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -161,6 +162,10 @@ f(); t = time.perf_counter(); [f() for _ in range(5)]; print(f'CPU fused AdamW: 
     tail -1 "$OUT/b3_16clip.log"
   fi
   adam_rate
+elif [ "$PART" = q ]; then
+  timeout 100 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 95 \
+    --slide-config '{"max_grad_norm": 1.0}' --json /tmp/b3_16clip.json > "$OUT/b3_16clip.log" 2>&1
+  tail -1 "$OUT/b3_16clip.log"
 elif [ "$PART" = d ]; then
   timeout 200 python3 benchmarks/batch_sweep.py --model llama3-3b --batches 16,12,10,8,6 --json "$OUT/sweep.json" \
     2>&1 | tail -7

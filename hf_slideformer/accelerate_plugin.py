@@ -114,7 +114,7 @@ class SlidePlugin:
     dtype: Optional[str] = field(default=None, metadata={
         "help": "Compute dtype; default: the yaml's mixed_precision (bf16 / fp16), else the engine's default."})
     head_chunk_tokens: Optional[int] = field(default=None, metadata={"help": "Tokens per fused-head chunk."})
-    grad_buffers: int = field(default=3, metadata={"help": "Pinned host gradient staging buffers."})
+    grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
     update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
     resident_layers: str = field(default="auto", metadata={

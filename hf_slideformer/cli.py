@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int, default=2, help="GPU layer slots (default: 2)")
     p.add_argument("--activation-tier", choices=TIERS, default="cpu",
                    help="where the layer inputs wait for backward (default: cpu)")
-    p.add_argument("--grad-buffers", type=int, default=3, help="pinned host gradient buffers (default: 3)")
+    p.add_argument("--grad-buffers", type=int, default=4, help="pinned host gradient buffers (default: 4)")
     p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
     p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
     p.add_argument("--no-resident", action="store_true",

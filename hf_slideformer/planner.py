@@ -355,7 +355,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
          host_mem: float | None = None, pcie_gbs: float = 54.6, adam_gps: float = 3.5,
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
-         activation_tier: str = "cpu", grad_buffers: int = 3, nvme_write_gbs: float = 1.2,
+         activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
          nvme_read_gbs: float = 0.9, resident: bool = True) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 

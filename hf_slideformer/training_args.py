@@ -62,7 +62,7 @@ class SlideArgs(TrainingArguments):
                 "else bfloat16 on CUDA and float32 on CPU. Masters and Adam moments are always float32."})
     slide_head_chunk_tokens: Optional[int] = field(default=None, metadata={
         "help": "Tokens per chunk of the fused linear-cross-entropy head (default: chosen by the engine)."})
-    slide_grad_buffers: int = field(default=3, metadata={
+    slide_grad_buffers: int = field(default=4, metadata={
         "help": "Pinned host gradient staging buffers, each one layer large."})
     slide_update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
