@@ -523,20 +523,27 @@ class SlideEngine(HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
             self._return_head_ring()
         self._wait(self.head_host_free, "other")
         self.head_host_free.clear()
-        # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
-        extra = self.tied and self.resident_embed is None and not self.single_micro
-        self.head_host = self._head_buffer(hu.numel + (self.embed_unit.numel if extra else 0))
-        dsts = [e.view(self.head_host) for e in hu.entries]
-        if self.tied and self.resident_embed is not None:
-            # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
-            # the loss gradient in head_backward, the batch rows added in embed_backward).
-            dw = pgrads.pop()
-            self._embed_rgrad.view(self.vocab, self.hidden).copy_(dw)
-        elif self.tied:
-            # With one backward per step the tied gradient goes straight into the embedding's
-            # pinned gradient buffer (which the previous step's update has released).
-            dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
-        self.head_done = self._d2h(pgrads, dsts)
+        try:
+            # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
+            extra = self.tied and self.resident_embed is None and not self.single_micro
+            self.head_host = self._head_buffer(hu.numel + (self.embed_unit.numel if extra else 0))
+            dsts = [e.view(self.head_host) for e in hu.entries]
+            if self.tied and self.resident_embed is not None:
+                # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
+                # the loss gradient in head_backward, the batch rows added in embed_backward).
+                dw = pgrads.pop()
+                self._embed_rgrad.view(self.vocab, self.hidden).copy_(dw)
+            elif self.tied:
+                # With one backward per step the tied gradient goes straight into the embedding's
+                # pinned gradient buffer (which the previous step's update has released).
+                dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
+            self.head_done = self._d2h(pgrads, dsts)
+        except BaseException:
+            # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
+            # free again, so the next forward does not wait for them forever.
+            self._return_head_ring()
+            self.head_host_free.set()
+            raise
         self.head_pending = True
         return loss.detach(), grads[0]
 

@@ -515,3 +515,24 @@ def test_head_ring_buffers_come_back_after_a_forward_without_backward():
     opt.step()
     slid.slide_engine.synchronize()                # every queued update has run
     assert all(ev.is_set() for ev in slid.slide_engine.ring_free)
+
+
+def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch):
+    """An error (or Ctrl-C) while the head's gradients are being sent gives the ring buffers back:
+    the next step runs instead of waiting for them forever."""
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    opt = slid.create_optimizer(lr=LR)
+    eng = slid.slide_engine
+    data = batches(2, vocab=301)
+    real = type(eng)._d2h
+
+    def broken(self, grads, dsts, *a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(eng), "_d2h", broken)
+    with pytest.raises(KeyboardInterrupt):
+        slid(**data[0])
+    monkeypatch.setattr(type(eng), "_d2h", real)
+    assert eng.head_ring == () and all(ev.is_set() for ev in eng.ring_free) and eng.head_host_free.is_set()
+    slid(**data[1]).loss.backward()
+    opt.step()
+    eng.synchronize()
