@@ -466,13 +466,14 @@ def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
     assert torch.equal(results[0], results[1])
 
 
-def _wide_head_pair(**slide_kw):
+def _wide_head_pair(tied=False, **slide_kw):
     """(reference, slid) llama whose lm_head (301 x 32) is about two layers' worth of parameters."""
     import copy
     from transformers import AutoModelForCausalLM
     from hf_slideformer.demo import tiny_config
     torch.manual_seed(0)
-    cfg = tiny_config("llama", vocab_size=301, hidden_size=32, intermediate_size=16, num_hidden_layers=3)
+    cfg = tiny_config("llama", vocab_size=301, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+                      tie_word_embeddings=tied)
     ref = AutoModelForCausalLM.from_config(cfg).float()
     ref.config.use_cache = False
     slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
@@ -540,3 +541,14 @@ def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch
     slid(**data[1]).loss.backward()
     opt.step()
     eng.synchronize()
+
+
+@pytest.mark.parametrize("buffers,in_ring", [(2, False), (3, True)])
+def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buffers, in_ring):
+    """With accumulation a tied lm_head's gradient joins the head's (norm + the (V, H) table): three
+    ring buffers hold it, two do not and the head gets a buffer of its own; the same training either way."""
+    ref, slid = _wide_head_pair(tied=True, grad_buffers=buffers, gradient_accumulation_steps=2, max_grad_norm=0.5)
+    assert train_both(ref, slid, batches(4, pad=True, vocab=301), ga=2, clip=0.5) < PARAM_TOL
+    eng = slid.slide_engine
+    assert (eng._head_own is None) is in_ring
+    assert eng.head_host.numel() == eng.head_unit.numel + eng.embed_unit.numel
