@@ -6,6 +6,7 @@ host fp32 masters, and its forward runs through the sliding engine.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -75,6 +76,11 @@ def _slid_class(cls: type) -> type:
     if cls not in _CLASSES:
         _CLASSES[cls] = type(f"Slide{cls.__name__}", (SlideModel, cls), {"_slide_base_class": cls})
     return _CLASSES[cls]
+
+
+def _cache_key(base) -> str:
+    """The name under which this transformers version passes the KV cache to a decoder stack."""
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
 
 
 def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = True) -> nn.Module:
@@ -226,10 +232,16 @@ class SlideModel:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        if use_cache:
-            raise NotImplementedError("generation with a KV cache is not supported on a slid model; save it with "
-                                      "save_pretrained() and generate with AutoModelForCausalLM")
-        for k in ("past_key_values", "cache", "output_attentions", "output_hidden_states"):
+        key = _cache_key(eng.adapter.base(self))     # "past_key_values", or "cache" in newer transformers
+        past = kwargs.pop("past_key_values", None)
+        past = kwargs.pop("cache", None) if past is None else past
+        if use_cache or past is not None:
+            # Generation: each call slides the layers once for the new tokens, and every decoder
+            # layer appends its keys and values to the cache on the device (HF's own cache object).
+            if torch.is_grad_enabled() and (labels is not None or shift_labels is not None):
+                raise NotImplementedError("a KV cache is for generation: train without use_cache / past_key_values")
+            use_cache = True
+        for k in ("output_attentions", "output_hidden_states"):
             if kwargs.pop(k, None):
                 raise NotImplementedError(f"{k} is not supported by the sliding engine")
         dev = eng.device
@@ -239,6 +251,12 @@ class SlideModel:
             position_ids = position_ids.to(dev)
         base = eng.adapter.base(self)
         t0 = time.perf_counter()
+        if use_cache:
+            with torch.no_grad():
+                out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
+                           use_cache=True, **{key: past}, **kwargs)
+            logits = eng.head_logits(out.last_hidden_state, logits_to_keep)
+            return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
         h = out.last_hidden_state

@@ -1,0 +1,53 @@
+"""The slid model's HF surface (`model.py`): generation through the sliding engine."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import FAMILIES, batches, make_pair
+
+
+def _prompts(pad_left=False):
+    b = batches(1, bsz=3, seq=9, pad=pad_left, pad_left=pad_left, seed=5)[0]
+    return b["input_ids"], b["attention_mask"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_a_kv_cache_matches_plain_hf(family):
+    """Greedy decoding with HF's KV cache: each new token slides the layers once, every layer
+    appending its keys and values to the cache; the tokens equal the plain model's."""
+    ref, slid = make_pair(family, False)
+    ids, mask = _prompts()
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = slid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(want, got)
+    nocache = slid.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                            use_cache=False)
+    assert torch.equal(want, nocache)
+
+
+def test_generate_left_padded_after_training():
+    """Sample from the model being trained (the updates in flight are waited for), left padding."""
+    _, slid = make_pair("llama", True)
+    opt = slid.create_optimizer(lr=1e-2)
+    for b in batches(3, pad=True):
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ids, mask = _prompts(pad_left=True)
+    got = slid.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    plain = AutoModelForCausalLM.from_config(slid.config).float()
+    plain.load_state_dict(slid.state_dict())
+    plain.config.use_cache = True
+    with torch.no_grad():
+        want = plain.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(want, got)
+    slid(**batches(1)[0]).loss.backward()           # training goes on after sampling
+    opt.step()
+
+
+def test_a_kv_cache_is_refused_for_training():
+    _, slid = make_pair("llama", False)
+    b = batches(1)[0]
+    with pytest.raises(NotImplementedError, match="KV cache is for generation"):
+        slid(**b, use_cache=True)
