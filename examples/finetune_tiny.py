@@ -48,11 +48,10 @@ def main():
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {loss.item():.4f}  grad_norm {opt.last_grad_norm:.3f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}  {time.time() - t0:.1f}s")
-    with torch.no_grad():
-        prompt = tok("The lighthouse keeper", return_tensors="pt")["input_ids"]
-        logits = model(input_ids=prompt).logits
-        nxt = tok.decode(logits[0, -1].argmax().item())
-    print(f"done in {time.time() - t0:.1f}s; next token after 'The lighthouse keeper': {nxt!r}")
+    prompt = tok("The lighthouse keeper", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    print(f"done in {time.time() - t0:.1f}s; greedy continuation: {text!r}")
     if args.save:
         model.save_pretrained(args.save)
         tok.save_pretrained(args.save)
