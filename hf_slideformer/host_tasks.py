@@ -22,6 +22,13 @@ __all__ = ["HostTasks"]
 UPDATE_PIECE = 1 << 23
 
 
+def _both(f, g):
+    def call(n: int) -> None:
+        f(n)
+        g(n)
+    return call
+
+
 class HostTasks:
     """Worker-side methods of SlideEngine."""
 
@@ -135,17 +142,20 @@ class HostTasks:
                 else:
                     self.embed_grad.copy_(tied)
                     eu.grad_valid = True
-        returned = None
-        if ring and hu.grad is None:
-            # Read by the update alone, front to back: each ring buffer goes back once it is passed.
-            pending = list(ring)
-
-            def returned(n: int) -> None:
-                while pending and (pending[0] + 1) * self.ring_size <= n:
-                    self.ring_free[pending.pop(0)].set()
+        # Read by the update alone, front to back: each ring buffer goes back once it is passed.
+        returned = self._ring_returner(ring) if ring and hu.grad is None else None
         self._consume(hu, src, update, ends_step, hp, returned)
         if update and touch is not None:
             self._embed_bulk_update(touch, hp)
+
+    def _ring_returner(self, ring: tuple):
+        """on_progress callback: give ring buffer k back once an update has passed its end."""
+        pending = list(ring)
+
+        def returned(n: int) -> None:
+            while pending and (pending[0] + 1) * self.ring_size <= n:
+                self.ring_free[pending.pop(0)].set()
+        return returned
 
     def _layer_task(self, u, src, done, update, ends_step, hp, marks=None):
         if marks and update and u.grad is None and (self.single_micro or not ends_step):
@@ -190,11 +200,7 @@ class HostTasks:
         for ev in readers:
             self._sync(ev, f"wait_readers:{u.name}")
         t0 = time.perf_counter()
-        on_piece = u.set_progress
-        if on_progress is not None:
-            def on_piece(n: int) -> None:
-                u.set_progress(n)
-                on_progress(n)
+        on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
         optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
                           clip_coef=clip_coef)
         t1 = time.perf_counter()

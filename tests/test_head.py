@@ -1,0 +1,95 @@
+"""The loss head (`head.py`): its gradient borrows the gradient ring, or a buffer of its own."""
+import pytest
+import torch
+
+import hf_slideformer as hs
+from helpers import batches
+from test_engine import LR, PARAM_TOL, train_both
+
+
+def _wide_head_pair(tied=False, **slide_kw):
+    """(reference, slid) llama whose lm_head (301 x 32) is about two layers' worth of parameters."""
+    import copy
+    from transformers import AutoModelForCausalLM
+    from hf_slideformer.demo import tiny_config
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", vocab_size=301, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+                      tie_word_embeddings=tied)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    ref.config.use_cache = False
+    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
+    return ref, slid
+
+
+@pytest.mark.parametrize("buffers,in_ring", [(2, False), (3, True), (4, True)])
+@pytest.mark.parametrize("slow_head", [False, True])
+def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch):
+    """The head's gradient lands in the first ring buffers when they hold it (else in a buffer of
+    its own); the layers' gradients take the other buffers first, then wait for the head's update to
+    hand its buffers back. A slowed head update must not see its gradient overwritten."""
+    import time
+    from hf_slideformer.host_tasks import HostTasks
+    if slow_head:
+        real = HostTasks._head_task
+
+        def slow(self, *a, **k):
+            time.sleep(0.05)
+            return real(self, *a, **k)
+        monkeypatch.setattr(HostTasks, "_head_task", slow)
+    ref, slid = _wide_head_pair(grad_buffers=buffers)
+    eng = slid.slide_engine
+    n = eng.head_unit.numel
+    assert -(-n // eng.ring_size) == 3            # the head spans three ring buffers
+    data = batches(4, pad=True, vocab=301)
+    assert train_both(ref, slid, data) < PARAM_TOL
+    assert (eng.head_host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
+    assert (eng._head_own is None) is in_ring
+    assert all(ev.is_set() for ev in eng.ring_free) and eng.head_ring == ()
+    # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
+    ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
+    assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
+
+
+def test_head_ring_buffers_come_back_after_a_forward_without_backward():
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    opt = slid.create_optimizer(lr=LR)
+    data = batches(3, vocab=301)
+    slid(**data[0])                                # gradients copied out, never consumed
+    assert slid.slide_engine.head_ring == (0, 1, 2)
+    loss = slid(**data[1]).loss                    # the stale ones are dropped, the ring reclaimed
+    loss.backward()
+    opt.step()
+    slid.slide_engine.synchronize()                # every queued update has run
+    assert all(ev.is_set() for ev in slid.slide_engine.ring_free)
+
+
+def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch):
+    """An error (or Ctrl-C) while the head's gradients are being sent gives the ring buffers back:
+    the next step runs instead of waiting for them forever."""
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    opt = slid.create_optimizer(lr=LR)
+    eng = slid.slide_engine
+    data = batches(2, vocab=301)
+    real = type(eng)._d2h
+
+    def broken(self, grads, dsts, *a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(eng), "_d2h", broken)
+    with pytest.raises(KeyboardInterrupt):
+        slid(**data[0])
+    monkeypatch.setattr(type(eng), "_d2h", real)
+    assert eng.head_ring == () and all(ev.is_set() for ev in eng.ring_free) and eng.head_host_free.is_set()
+    slid(**data[1]).loss.backward()
+    opt.step()
+    eng.synchronize()
+
+
+@pytest.mark.parametrize("buffers,in_ring", [(2, False), (3, True)])
+def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buffers, in_ring):
+    """With accumulation a tied lm_head's gradient joins the head's (norm + the (V, H) table): three
+    ring buffers hold it, two do not and the head gets a buffer of its own; the same training either way."""
+    ref, slid = _wide_head_pair(tied=True, grad_buffers=buffers, gradient_accumulation_steps=2, max_grad_norm=0.5)
+    assert train_both(ref, slid, batches(4, pad=True, vocab=301), ga=2, clip=0.5) < PARAM_TOL
+    eng = slid.slide_engine
+    assert (eng._head_own is None) is in_ring
+    assert eng.head_host.numel() == eng.head_unit.numel + eng.embed_unit.numel
