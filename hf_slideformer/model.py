@@ -6,6 +6,7 @@ host fp32 masters, and its forward runs through the sliding engine.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -80,7 +81,12 @@ def _slid_class(cls: type) -> type:
 
 def _cache_key(base) -> str:
     """The name under which this transformers version passes the KV cache to a decoder stack."""
-    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    return _cache_key_of(type(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_key_of(cls) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
 def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = True) -> nn.Module:
