@@ -255,13 +255,17 @@ class SlideModel:
             attention_mask = attention_mask.to(dev)
         if position_ids is not None:
             position_ids = position_ids.to(dev)
+        # Tensors among the rest (generate's cache_position, made on the prompt's device) go to the compute device.
+        kwargs = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         base = eng.adapter.base(self)
         t0 = time.perf_counter()
         if use_cache:
             with torch.no_grad():
                 out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=True, **{key: past}, **kwargs)
-            logits = eng.head_logits(out.last_hidden_state, logits_to_keep)
+            # The logits go back to the prompt's device, where generate() appends the next tokens
+            # (the cache stays on the compute device).
+            logits = eng.head_logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
             return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)

@@ -251,3 +251,21 @@ def test_embedding_resident_from_the_first_step():
     slid(**{k: v.cuda() for k, v in data[1].items()}).loss.backward()
     opt.step(); opt.zero_grad()
     assert eng.resident_embed is not None and eng.embed_grad is None
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_generate_on_cuda(kernels):
+    """generate() with the KV cache on the GPU, the prompt on the CPU (as from a tokenizer): in fp32
+    without the kernels the tokens equal plain HF's on the GPU; with the kernels (bf16) it runs and
+    returns the prompt plus the new tokens on the prompt's device."""
+    dtype = torch.bfloat16 if kernels else torch.float32
+    ref, slid = _pair(dtype, False, use_kernels=kernels)
+    b = batches(1, bsz=2, seq=17, vocab=1001, seed=3)[0]
+    ids, mask = b["input_ids"], b["attention_mask"]
+    got = slid.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert got.device.type == "cpu" and got.shape == (2, 25) and torch.equal(got[:, :17], ids)
+    if not kernels:
+        with torch.no_grad():
+            want = ref.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False,
+                                pad_token_id=0)
+        assert torch.equal(got, want.cpu())
