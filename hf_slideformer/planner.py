@@ -458,8 +458,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         p.host = {(k + ", the resident embedding's given back" if k == key else k):
                   (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items() if k not in dropped}
         p.host_total = sum(p.host.values())
-    # Resident layers are updated by the CPU in the first step: their host moments are released after it.
-    p.host_steady = p.host_total - 8 * res[1] * shape.layer_params
+    # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
+    # accumulators) are released after it.
+    p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
     p.times = est.times(batch, N, tier, deferred, res)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (

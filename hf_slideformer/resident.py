@@ -227,9 +227,13 @@ class ResidentUnits:
         self.streams.wait(u.host_write)
         r = ResidentState(u, self.dtype, self.device, with_grad=with_grad)
         r.load_from_host()
-        # The host moments are not read again until evict_resident() writes them back.
+        # The host moments are not read again until evict_resident() writes them back; a clipping
+        # layer's host accumulator is not used while its gradient stays on the device (it reads as
+        # zeros, its reset state).
         release_pages(u.exp_avg)
         release_pages(u.exp_avg_sq)
+        if u.grad is not None and not u.grad_valid:
+            release_pages(u.grad)
         return r
 
     def _promote_resident(self) -> None:

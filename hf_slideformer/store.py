@@ -138,7 +138,9 @@ class HostStore:
         if getattr(self, "grad_slab", None) is not None:
             return
         layers = [u for u in self.units if u.kind != "embed"]
-        self.grad_slab = torch.zeros(sum(u.numel for u in layers), dtype=torch.float32)
+        # Mapped like the moments: a resident layer's accumulator (it keeps its gradient on the GPU)
+        # is never written and takes no host memory.
+        self.grad_slab = lazy_zeros(sum(u.numel for u in layers))
         off = 0
         for u in layers:
             u.grad = self.grad_slab[off:off + u.numel]

@@ -292,3 +292,39 @@ def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
     opt.step()
     opt.zero_grad()
     assert eng.embed_grad is None and eng.embed_host is None and all(b is None for b in eng._row_bufs)
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """Pages of the whole pages inside CPU tensor `t` that are backed by memory (mincore)."""
+    import ctypes
+    import mmap
+    page = mmap.PAGESIZE
+    a = (t.data_ptr() + page - 1) // page * page
+    b = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    n = max(0, (b - a) // page)
+    if n == 0:
+        return 0
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(a), ctypes.c_size_t(b - a), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+def test_resident_units_never_touch_their_host_moments_and_accumulators():
+    """With clipping, resident layers keep their gradient on the device: their host accumulators
+    and moments are never written, so (mapped, not zeroed) they take no host memory; the host-held
+    layers' do."""
+    from transformers import AutoModelForCausalLM
+    import copy
+    from hf_slideformer.demo import tiny_config
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=3)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    slid = hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu", dtype=torch.float32, max_grad_norm=1.0,
+                                                         resident_layers=1, resident_embedding=True))
+    _train(slid, batches(2, pad=True))
+    eng = slid.slide_engine
+    assert 0 in eng.resident
+    res, host = eng.layer_units[0], eng.layer_units[2]
+    assert _resident_pages(res.grad) == 0 and _resident_pages(host.grad) > 0
+    assert _resident_pages(eng.embed_unit.exp_avg) == 0 and _resident_pages(host.exp_avg) > 0
