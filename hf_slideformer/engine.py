@@ -530,8 +530,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             return
         k = self.ring_next
         self.ring_next = (k + 1) % len(self.ring)
-        self._wait(self.ring_free[k], "grad_buffer")
-        self.ring_free[k].clear()
+        self._claim_ring(k)
         buf = self.ring[k]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
@@ -543,6 +542,11 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
                            **self._order(u.index, update))
+
+    def _claim_ring(self, k: int) -> None:
+        """Main thread: wait until ring buffer k is free, then hold it (its task's `done` frees it)."""
+        self._wait(self.ring_free[k], "grad_buffer")
+        self.ring_free[k].clear()
 
     def _schedule(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""

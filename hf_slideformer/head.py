@@ -103,8 +103,7 @@ class LossHead:
         if numel <= self.ring_size * len(self.ring):
             n = -(-numel // self.ring_size)
             for k in range(n):
-                self._wait(self.ring_free[k], "grad_buffer")
-                self.ring_free[k].clear()
+                self._claim_ring(k)
             self.head_ring = tuple(range(n))
             self.ring_next = n % len(self.ring)
             return self.ring_slab[:numel]

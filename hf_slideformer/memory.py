@@ -117,7 +117,7 @@ def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """
     import mmap
 
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):      # no anonymous mappings (not POSIX)
         return torch.zeros(numel, dtype=dtype)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

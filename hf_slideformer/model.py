@@ -79,13 +79,9 @@ def _slid_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _cache_key(base) -> str:
-    """The name under which this transformers version passes the KV cache to a decoder stack."""
-    return _cache_key_of(type(base))
-
-
 @functools.lru_cache(maxsize=None)
-def _cache_key_of(cls) -> str:
+def _cache_key(cls: type) -> str:
+    """The name under which this transformers version passes the KV cache to decoder stack `cls`."""
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
@@ -238,7 +234,6 @@ class SlideModel:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        key = _cache_key(eng.adapter.base(self))     # "past_key_values", or "cache" in newer transformers
         past = kwargs.pop("past_key_values", None)
         past = kwargs.pop("cache", None) if past is None else past
         if use_cache or past is not None:
@@ -260,6 +255,7 @@ class SlideModel:
         base = eng.adapter.base(self)
         t0 = time.perf_counter()
         if use_cache:
+            key = _cache_key(type(base))         # "past_key_values", or "cache" in newer transformers
             with torch.no_grad():
                 out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                            use_cache=True, **{key: past}, **kwargs)

@@ -181,11 +181,6 @@ class ResidentUnits:
     def _make_embed_resident(self) -> None:
         eu = self.embed_unit
         self.resident_embed = self._make_resident(eu)
-        if self.embed_grad is not None:
-            # The host's dense (V, H) gradient is unused while the embedding is resident
-            # (2.1 GB at 8B): unpinned and given back; it reads as zeros, its reset state.
-            self.pinned.release(self.embed_grad)
-            release_pages(self.embed_grad)
         self._release_embed_host()
         if self._embed_rgrad is None:
             self._embed_rgrad = torch.zeros(eu.numel, dtype=torch.float32, device=self.device)
@@ -268,12 +263,15 @@ class ResidentUnits:
                 self.resident[i] = self._make_resident(self.layer_units[i], with_grad=clipping)
 
     def _release_embed_host(self) -> None:
-        """Give back the host memory of an embedding that went resident (2.1 GB of master and
-        ~2.7 GB of row buffers at 8B, batch 16): the device holds the current master, and
-        `evict_resident()` writes it back into the same (then re-faulted) pages."""
+        """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB
+        of master, 2.1 GB of dense gradient, ~2.7 GB of row buffers): the device holds the current
+        master, and `evict_resident()` writes it back into the same (then re-faulted) pages; the
+        dense gradient reads as zeros, its reset state."""
         u = self.embed_unit
-        self.pinned.release(u.master)                # no copy reads it: load_from_host copied synchronously
-        release_pages(u.master)
+        for t in (u.master, self.embed_grad):      # no copy reads them: load_from_host copied synchronously
+            if t is not None:
+                self.pinned.release(t)
+                release_pages(t)
         if self.embed_fwd_ev is not None:
             self.embed_fwd_ev.synchronize()          # the last forward's rows have left the buffer
             self.embed_fwd_ev = None
