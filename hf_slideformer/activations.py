@@ -23,8 +23,22 @@ class ActivationTier:
         self.streams = streams
         self.count = counter or (lambda kind, n: None)
         self.pinned = pinned or PinnedBuffers(False)
+        # Note: [Why the last layer's input stays on the device] backward starts with the layer
+        # whose forward ran last, right after the head: its input would leave for the host and come
+        # straight back. It stays where it is (B*S*H bf16 of device memory over the head's phase,
+        # 0.27 GB at 8B, batch 16), which saves its copies both ways and its host buffer.
+        self.keep_index: int | None = None
+        self.kept: dict[int, torch.Tensor] = {}
+        # Note: [Why the first layer's input can be gathered again] with the embedding resident on
+        # the device, x_0 is a gather from its master, which nothing changes before layer 0's
+        # backward (its update comes after): the tier keeps the recipe instead of the tensor
+        # (`save(0, x, remake=...)`), one more B*S*H of host memory and copies saved. The engine
+        # calls `materialize()` before the master leaves the device.
+        self.remade: dict = {}
 
-    def save(self, i: int, x: torch.Tensor) -> None:
+    def save(self, i: int, x: torch.Tensor, remake=None) -> None:
+        """Keep x_i for backward; `remake` (optional): a function that makes x_i again, exactly,
+        on the compute stream (the tier may keep it instead of x_i)."""
         raise NotImplementedError
 
     def prefetch(self, i: int) -> None:
@@ -38,6 +52,9 @@ class ActivationTier:
 
     def clear(self) -> None:
         pass
+
+    def materialize(self) -> None:
+        """Save the inputs held as recipes as tensors (what they are made from is about to go)."""
 
     def close(self) -> None:
         """Release what the tier holds outside memory (files)."""
@@ -60,7 +77,7 @@ class DeviceTier(ActivationTier):
         super().__init__(streams, counter, pinned)
         self.saved: dict[int, torch.Tensor] = {}
 
-    def save(self, i, x):
+    def save(self, i, x, remake=None):
         self.saved[i] = x
 
     def load(self, i):
@@ -107,18 +124,35 @@ class PinnedCpuTier(ActivationTier):
         self.count("act_h2d", shape.numel() * x.element_size())
         return x, st.record(st.h2d)
 
-    def save(self, i, x):
+    def _keep(self, i, x, remake) -> bool:
+        """Held without a host copy: as a recipe, or on the device (the last layer's)."""
+        if remake is not None:
+            self.remade[i] = remake
+        elif i == self.keep_index:
+            self.kept[i] = x
+        else:
+            return False
+        self.meta[i] = (x.shape, x.dtype)
+        return True
+
+    def save(self, i, x, remake=None):
+        if self._keep(i, x, remake):
+            return
         self.host[i] = buf = self._host_buffer(self.host.get(i), x.numel(), x.dtype)
         self.saved_ev[i] = self._d2h(x, buf[:x.numel()])
         self.meta[i] = (x.shape, x.dtype)
 
     def prefetch(self, i):
-        if i in self.loaded or i not in self.meta:
+        if i in self.loaded or i in self.kept or i in self.remade or i not in self.meta:
             return
         self.streams.wait(self.saved_ev[i], self.streams.h2d)
         self.loaded[i] = self._h2d(i, self.host[i])
 
     def load(self, i):
+        if i in self.kept:
+            return self.kept[i]            # made on the compute stream: no event to wait for
+        if i in self.remade:
+            return self.remade[i]()
         self.prefetch(i)
         x, ev = self.loaded.pop(i)
         st = self.streams
@@ -129,9 +163,18 @@ class PinnedCpuTier(ActivationTier):
 
     def drop(self, i):
         self.loaded.pop(i, None)
+        self.kept.pop(i, None)
+        self.remade.pop(i, None)
 
     def clear(self):
         self.loaded.clear()
+        self.kept.clear()
+        self.remade.clear()
+
+    def materialize(self):
+        for i, remake in list(self.remade.items()):
+            del self.remade[i]
+            self.save(i, remake())
 
 
 class FileTier(PinnedCpuTier):
@@ -163,7 +206,9 @@ class FileTier(PinnedCpuTier):
         self._k = k
         return self.bounce[k][:numel]
 
-    def save(self, i, x):
+    def save(self, i, x, remake=None):
+        if self._keep(i, x, remake):
+            return
         buf = self._take(x.numel(), x.dtype)
         self._d2h(x, buf).synchronize()
         with open(self._file(i), "wb") as f:
@@ -172,7 +217,7 @@ class FileTier(PinnedCpuTier):
         self.saved_ev[i] = None
 
     def prefetch(self, i):
-        if i in self.loaded or i not in self.meta:
+        if i in self.loaded or i in self.kept or i in self.remade or i not in self.meta:
             return
         shape, dtype = self.meta[i]
         buf = self._take(shape.numel(), dtype)

@@ -119,6 +119,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.embed_grad: torch.Tensor | None = None
         self.touched: list[torch.Tensor] = []
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
+        self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
         # With one backward per step, this backward's gradients are the step's: their norm is
         # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
         self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -128,6 +129,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._dw_rows = None
         self._fwd_rows = None
         self._fwd_touch = None
+        self._embed_out = None         # (x_0, its version, its gather) while layer 0's forward is ahead
         self._bulk = None
         self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
         self._backward_open = False
@@ -319,6 +321,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         u = self.embed_unit
         self.stats.event("forward_begin", time.perf_counter())
         self._head_prefetch = None                   # a forward that stopped half way left it
+        self._embed_out = None
         self._wait(u.updated, "update")
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
@@ -343,8 +346,18 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             self.slots.load((self.layer_units[first],))     # its h2d overlaps the gather below
         r = self.resident_embed
         if r is not None:                            # gathered on the device from the resident master
-            x = r.master.view(self.vocab, self.hidden).index_select(0, ids.to(self.device, non_blocking=True))
-            return x.to(self.dtype).view(*input_ids.shape, self.hidden)
+            ids_dev = ids.to(self.device, non_blocking=True)
+
+            def gather():
+                if self.resident_embed is not r:
+                    raise SlideStateError("internal: the resident embedding left the device before the first "
+                                          "layer's input was saved")
+                x = r.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
+                return x.to(self.dtype).view(*input_ids.shape, self.hidden)
+            out = gather()
+            # activations.py: [Why the first layer's input can be gathered again]
+            self._embed_out = (out, out._version, gather) if with_grad else None
+            return out
         if not self.streams.cuda:
             x = table.index_select(0, ids).to(self.dtype)
             return x.view(*input_ids.shape, self.hidden)
@@ -429,7 +442,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 self.slots.load((self.layer_units[j],), busy=busy)
         self._prefetch_head()
         if save:
-            self.tier.save(i, x)
+            self.tier.save(i, x, self._remake_input(i, x))
         t = self._span_start()
         with torch.no_grad(), swapped(u, slot.views(u) if r is None else r.views()):
             y = self._call_layer(i, x, args, kwargs)
@@ -439,6 +452,17 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         else:
             self._pace()
         return y
+
+    def _remake_input(self, i: int, x: torch.Tensor):
+        """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
+        product of it, as Gemma's scaled embedding is) and unchanged since."""
+        if i != 0 or self._embed_out is None:
+            return None
+        out, version, gather = self._embed_out
+        self._embed_out = None
+        same = (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
+                and x.dtype == out.dtype and x._version == version)
+        return gather if same else None
 
     def _call_layer(self, i, x, args, kwargs):
         layer = self.layers[i]

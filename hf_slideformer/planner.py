@@ -219,7 +219,8 @@ class _Estimator:
 
     def host(self, B: int, tier: str, deferred: bool) -> dict:
         s, tok_h = self.s, B * self.seq * self.s.hidden
-        acts = {"cpu": s.layers * _pinned(2 * tok_h), "device": 0,
+        # the last layer's input stays on the device (activations.py)
+        acts = {"cpu": (s.layers - 1) * _pinned(2 * tok_h), "device": 0,
                 "nvme": 2 * _pinned(2 * tok_h)}[tier]              # nvme: a bounce buffer each way
         out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
@@ -254,7 +255,9 @@ class _Estimator:
         phases = {
             f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16)":
                 2 * T * (ACT_HIDDEN * H + ACT_INTER * s.intermediate),
-            "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (6 * H + 4),
+            # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
+            # loss-gradient rows, and the last layer's input, kept for its backward
+            "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (8 * H + 4),
         }
         return fixed, phases
 
@@ -278,7 +281,8 @@ class _Estimator:
         embed_res, k = res
         sent = s.layers - k
         layers = sent * s.layer_params
-        acts = 2 * s.layers * TH if tier in ("cpu", "nvme") else 0
+        # the last layer's input stays on the device, the first is gathered again from a resident embedding
+        acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
         resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
         head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
         rows = 0 if embed_res else 4 * TH
@@ -457,6 +461,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)")
         p.host = {(k + ", the resident embedding's given back" if k == key else k):
                   (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items() if k not in dropped}
+        acts = f"layer inputs ({tier} tier)"
+        if tier == "cpu" and shape.layers > 1:
+            # the first layer's input is gathered again from the resident embedding (activations.py)
+            p.host[acts] -= _pinned(2 * batch * seq * shape.hidden)
         p.host_total = sum(p.host.values())
     # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
     # accumulators) are released after it.

@@ -287,8 +287,17 @@ class ResidentUnits:
         """Write the resident units' state back to the host store and drop the device copies."""
         if not self.resident and self.resident_embed is None:
             return
+        embed_mid_step = self.resident_embed is not None and self.live_generation is not None
+        if self.resident_embed is not None:
+            self.tier.materialize()      # a layer input gathered from the embedding's master
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
+        if embed_mid_step:
+            # A forward's backward is still to come and takes the host path: the host gradient it
+            # needs, holding what the head put in the resident one (a tied lm_head's gradient).
+            self._ensure_embed_grad()
+            if self.tied and self._embed_rgrad is not None:
+                self.embed_grad.copy_(self._embed_rgrad)
         for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
             r.store_to_host()
         self.resident.clear()

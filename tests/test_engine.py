@@ -172,6 +172,24 @@ def test_activation_tiers_bit_identical(tier, tmp_path):
         assert torch.equal(results[0][k], results[1][k]), k
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+def test_last_layer_input_stays_on_the_device(tier, tmp_path):
+    """activations.py: [Why the last layer's input stays on the device]: only L-1 inputs leave."""
+    ref, slid = make_pair("llama", False, activation_tier=tier, nvme_path=str(tmp_path))
+    eng = slid.slide_engine
+    L, (b,) = len(eng.layer_units), batches(1)
+    opt = slid.create_optimizer(lr=LR)
+    loss = slid(**b).loss
+    assert set(eng.tier.kept) == {L - 1} and eng.tier.kept[L - 1].device.type == "cpu"
+    if tier == "cpu":
+        assert set(eng.tier.host) == set(range(L - 1))
+    loss.backward(); opt.step()
+    assert not eng.tier.kept                              # dropped once its backward has run
+    tokens_h = b["input_ids"].numel() * eng.hidden
+    # fp32 on this device: each of the L-1 offloaded inputs goes out and comes back once
+    assert slid.slide_stats()["activation_bytes"] == 2 * (L - 1) * tokens_h * 4
+
+
 def test_forward_update_order_matches_arrival_order():
     data = batches(3, pad=True)
     states = []

@@ -328,3 +328,42 @@ def test_resident_units_never_touch_their_host_moments_and_accumulators():
     res, host = eng.layer_units[0], eng.layer_units[2]
     assert _resident_pages(res.grad) == 0 and _resident_pages(host.grad) > 0
     assert _resident_pages(eng.embed_unit.exp_avg) == 0 and _resident_pages(host.exp_avg) > 0
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_first_layer_input_gathered_again_from_the_resident_embedding(tied):
+    """activations.py: [Why the first layer's input can be gathered again]: the cpu tier keeps a
+    recipe for x_0, not a copy; training is bit-identical to the host embedding's, also when the
+    embedding leaves the device between a forward and its backward (state_dict() mid-step)."""
+    data = batches(4, pad=True)
+    states = []
+    for embed, evict_at in ((False, None), (True, None), (True, 1)):
+        _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=embed, activation_tier="cpu")
+        eng, opt = slid.slide_engine, slid.create_optimizer(lr=LR, weight_decay=0.1)
+        for k, b in enumerate(data):
+            loss = slid(**b).loss
+            assert (0 in eng.tier.remade) == embed
+            if embed and evict_at is None:
+                assert 0 not in eng.tier.host
+            if k == evict_at:
+                slid.state_dict()                  # writes the embedding back: x_0 is saved first
+                assert not eng.tier.remade and 0 in eng.tier.host
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for s in states[1:]:
+        for k in states[0]:
+            assert torch.equal(states[0][k], s[k]), k
+
+
+def test_scaled_embedding_input_is_saved_as_a_tensor(monkeypatch):
+    """A model that changes the embedding's output before layer 0 (Gemma scales it) gets x_0 saved."""
+    _, slid = make_pair("llama", False, resident_layers=0, resident_embedding=True, activation_tier="cpu")
+    eng = slid.slide_engine
+    real = eng.embed_forward
+    monkeypatch.setattr(eng, "embed_forward", lambda *a, **k: real(*a, **k) * 2.0)
+    slid.create_optimizer(lr=LR)
+    (b,) = batches(1)
+    slid(**b).loss.backward()
+    assert 0 in eng.tier.host and not eng.tier.remade
