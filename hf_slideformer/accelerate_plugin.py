@@ -117,6 +117,8 @@ class SlidePlugin:
     grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
     update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
+    head_update: str = field(default="auto", metadata={
+        "help": "Where the head's AdamW runs with updates in backward: 'auto', 'device' or 'cpu' (see SlideConfig)."})
     resident_layers: str = field(default="auto", metadata={
         "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
     resident_embedding: str = field(default="auto", metadata={
@@ -188,7 +190,8 @@ class SlidePlugin:
                            nvme_path=self.nvme_path, cpu_threads=self.cpu_threads, pin_memory=self.pin_memory,
                            use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
                            head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
-                           update_order=self.update_order, resident_layers=resident_layers_value(self.resident_layers),
+                           update_order=self.update_order, head_update=self.head_update,
+                           resident_layers=resident_layers_value(self.resident_layers),
                            resident_embedding=resident_embedding_value(self.resident_embedding),
                            device_update_share=device_update_share_value(self.device_update_share),
                            check_host_memory=self.check_host_memory, debug=self.debug)

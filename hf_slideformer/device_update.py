@@ -94,6 +94,126 @@ class DeviceUpdates:
         self._dev_free: list = [None, None]
         self._dev_turn = 0
         self._grad_ev: dict[int, object] = {}
+        self._head_dev = None                   # the head's device update in progress (a generator)
+        self._head_dev_held: list[int] = []     # the ring buffers its gradient still occupies
+        self._head_pinned = False
+        # per ring buffer: the last h2d copy that reads it (a device update of the head); the next
+        # d2h into the buffer waits for it on the d2h stream
+        self.ring_read_ev: list = []
+
+    def _ensure_dev_sets(self, numel: int) -> None:
+        """Two sets of four fp32 device buffers (master, gradient, moments) for pieces of `numel`."""
+        n = min(2 * DEVICE_PIECE, numel)
+        if self._dev_sets is None or self._dev_sets[0][0].numel() < n:
+            if self.streams.cuda and self._dev_sets is not None:
+                torch.cuda.synchronize(self.device)
+            self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
+                              for _ in range(2)]
+            self._dev_free = [None, None]
+
+    # Note: [Why the head is updated on the device] with updates in backward the CPU worker's
+    # chain is the head's AdamW, then every layer's as its gradient lands; at 8B (untied lm_head of
+    # 525 M) the layers' updates alone take about as long as the GPU's backward (72 ms per layer
+    # against 75), so the head's 170 ms at the front made the worker lag all the backward and the
+    # next forward wait for the last layers' updates (a8ff7e6 trace: 167 ms per step). The head's
+    # update is streamed through the GPU instead, like the clipping mode's device layers: its
+    # fp32 master, moments and gradient (from the ring, where head_forward put it) go in, a
+    # piece at a time after each layer's own prefetch in backward, and the master and moments go
+    # back (16 + 12 bytes per parameter on copy engines that the backward uses at about a third
+    # of their rate). The CPU is left with the layers.
+    def _head_update_on_device(self, embed_on_host: bool) -> bool:
+        mode = self.config.head_update
+        hu = self.head_unit
+        if mode == "cpu" or hu.grad is not None or (self.tied and embed_on_host):
+            return False
+        return mode == "device" or (self.streams.cuda and self.pinned.enabled)
+
+    def _start_head_update(self, hp, ring: tuple) -> None:
+        """head_backward: schedule the head's update on the device, from its gradient in the ring
+        (`head_host`, copied by head_forward), scaled by the loss gradient."""
+        hu, st = self.head_unit, self.streams
+        if not self._head_pinned:
+            self._pin_units([hu])
+            self._head_pinned = True
+        self._ensure_dev_sets(hu.numel)
+        if len(self.ring_read_ev) < len(self.ring):
+            self.ring_read_ev += [None] * (len(self.ring) - len(self.ring_read_ev))
+        groups, group_of = hp
+        by_group = _optim.groups_of(hu, group_of)
+        torch._foreach_add_([hu.steps[k] for ks in by_group.values() for k in ks], 1)
+        batches = list(_optim.piece_batches(hu, by_group, DEVICE_PIECE, span=True))
+        src = self.head_host[:hu.numel]
+        with st.on(st.h2d):
+            steps = list(torch.stack(hu.steps).to(self.device).unbind()) if st.cuda else hu.steps
+            scale = self._scale_dev.to(self.device, torch.float32).reshape(())
+        if st.cuda:
+            scale.record_stream(st.h2d)
+        st.wait(self.head_done, st.h2d)             # the gradient has landed in the ring
+        st.wait(self.streams.record(), st.h2d)      # the loss gradient (scale) is computed
+        self._head_dev_held = list(ring)
+        self._head_dev = self._head_update_pieces(hu, src, batches, steps, groups, scale)
+
+    def _head_update_pieces(self, hu, src, batches, steps, groups, scale):
+        st = self.streams
+        hu.readers = []          # earlier h2d reads of the master are ahead on the h2d stream
+        for ev in (hu.host_write,):
+            st.wait(ev, st.h2d)
+        for lo, hi, batch in batches:
+            n = hi - lo
+            if n:
+                k = self._dev_turn
+                self._dev_turn ^= 1
+                st.wait(self._dev_free[k], st.h2d)   # see [Why a piece waits for the write-back two pieces earlier]
+                w, g, m, v = (t[:n] for t in self._dev_sets[k])
+                with st.on(st.h2d):
+                    for d, s in ((w, hu.master), (g, src), (m, hu.exp_avg), (v, hu.exp_avg_sq)):
+                        d.copy_(s[lo:hi], non_blocking=True)
+                    read = st.record(st.h2d)
+                    g.mul_(scale)                   # as the CPU path: the loss gradient times dL/dW
+                    _optim.apply_batch(batch, lo, w, g, m, v, steps, groups)
+                st.wait(st.record(st.h2d), st.d2h)
+                with st.on(st.d2h):
+                    for d, s in ((hu.master, w), (hu.exp_avg, m), (hu.exp_avg_sq, v)):
+                        d[lo:hi].copy_(s, non_blocking=True)
+                self._dev_free[k] = hu.host_write = st.record(st.d2h)
+                self.stats.add_h2d(n * 16)
+                self.stats.add_bytes("d2h", n * 12)
+                self.stats.gpu_adam_params += n
+                self._release_head_ring(hi, read)
+            yield
+        self._release_head_ring(hu.numel + len(self.ring) * self.ring_size, st.record(st.h2d))
+        hu.set_progress(hu.numel)
+        hu.updated.set()
+        self.head_host_free.set()
+
+    def _release_head_ring(self, passed: int, read_ev) -> None:
+        """Give back the ring buffers whose part of the head's gradient has been read (up to
+        element `passed`); the next copy into one waits for `read_ev` on the d2h stream."""
+        held = self._head_dev_held
+        while held and (held[0] + 1) * self.ring_size <= passed:
+            k = held.pop(0)
+            self.ring_read_ev[k] = read_ev
+            self.ring_free[k].set()
+
+    def _advance_head_update(self, pieces: int | None = None) -> None:
+        """Enqueue the next `pieces` of the head's device update (all with None)."""
+        gen = self._head_dev
+        if gen is None:
+            return
+        n = 0
+        while pieces is None or n < pieces:
+            if next(gen, StopIteration) is StopIteration:
+                self._head_dev = None
+                return
+            n += 1
+
+    def _ring_read_wait(self, k: int) -> None:
+        """Main thread, before a d2h copy into ring buffer k: the device update reading it goes first."""
+        while self._head_dev is not None and k in self._head_dev_held:
+            self._advance_head_update(1)
+        if k < len(self.ring_read_ev) and self.ring_read_ev[k] is not None:
+            self.streams.wait(self.ring_read_ev[k], self.streams.d2h)
+            self.ring_read_ev[k] = None
 
     @property
     def device_updates_on(self) -> bool:
@@ -118,9 +238,7 @@ class DeviceUpdates:
             return
         self._device_chosen = True
         self.worker.join()                  # the backward's gradient copies into the accumulators have landed
-        n = min(2 * DEVICE_PIECE, max(u.numel for u in self.layer_units))
-        self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
-                          for _ in range(2)]
+        self._ensure_dev_sets(max(u.numel for u in self.layer_units))
         first = 0
         if self.single_micro:                   # resident units exist only with one backward per step
             if self._resident_target is None:
@@ -149,8 +267,8 @@ class DeviceUpdates:
         for u in units:
             for attr in ("exp_avg", "exp_avg_sq", "grad"):
                 old = getattr(u, attr)
-                if self.pinned.enabled and old.is_pinned():  # the accumulators with accumulation (accumulate.py)
-                    continue
+                if old is None or (self.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
+                    continue                                               # with accumulation (accumulate.py)
                 new = self.pinned.empty(u.numel)
                 new.copy_(old)
                 setattr(u, attr, new)
@@ -162,6 +280,7 @@ class DeviceUpdates:
 
     def _reset_device_updates(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
+        self._advance_head_update()
         self.flush_device_updates()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)

@@ -133,6 +133,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._bulk = None
         self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
         self._backward_open = False
+        # The head's device update is spread over the backward of its first layers (device_update.py).
+        self._head_pieces_per_layer = 16
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
@@ -296,6 +298,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
+        self._advance_head_update()      # the rest of a device update of the head (few layers)
         if self.in_backward and self.config.update_order == "hybrid":
             self.worker.promote_group()
         self._backward_open = False
@@ -310,6 +313,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         then the complete state (resident layers are written back and re-made resident at the
         next optimizer step)."""
         self.worker.join()
+        self._advance_head_update()
         self.flush_device_updates()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
@@ -479,6 +483,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             if self.config.window > 1 and (i - 1) not in self.resident:
                 self.slots.load((self.layer_units[i - 1],), busy=(slot,) if slot is not None else ())
             self.tier.prefetch(i - 1)
+        self._advance_head_update(self._head_pieces_per_layer)   # after this layer's own copies
         x = self.tier.load(i).detach().requires_grad_()
         ws = _leaves(slot.views(u) if r is None else r.views())
         t = self._span_start()
@@ -569,6 +574,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
 
     def _claim_ring(self, k: int) -> None:
         """Main thread: wait until ring buffer k is free, then hold it (its task's `done` frees it)."""
+        self._ring_read_wait(k)
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
 
@@ -649,6 +655,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
 
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
+        self._head_dev = None
         self.worker.close()
         for u in self.layer_units:
             u.device_pending = None

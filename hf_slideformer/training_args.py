@@ -68,6 +68,10 @@ class SlideArgs(TrainingArguments):
         "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
                 "in the order the next forward needs them; helps CPU-bound small batches) or 'hybrid' (arrival during "
                 "the backward, forward order for what is left)."})
+    slide_head_update: str = field(default="auto", metadata={
+        "help": "Where the head's (final norm + lm_head) AdamW runs when updates happen in backward: 'device' "
+                "(streamed through the GPU during the first layers' backward), 'cpu' (the CPU worker) or 'auto' "
+                "(device on CUDA)."})
     slide_resident_layers: str = field(default="auto", metadata={
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
                 "in what the first step left free under the cap, less a margin) or a number (0: none). Not with "
@@ -162,7 +166,8 @@ class SlideArgs(TrainingArguments):
                 cpu_threads=self.slide_cpu_threads, pin_memory=self.slide_pin_memory,
                 use_kernels=self.slide_use_kernels, gpu_memory_limit=self.slide_gpu_memory_limit,
                 head_chunk_tokens=self.slide_head_chunk_tokens, grad_buffers=self.slide_grad_buffers,
-                update_order=self.slide_update_order, resident_layers=resident_layers_value(self.slide_resident_layers),
+                update_order=self.slide_update_order, head_update=self.slide_head_update,
+                resident_layers=resident_layers_value(self.slide_resident_layers),
                 resident_embedding=resident_embedding_value(self.slide_resident_embedding),
                 device_update_share=device_update_share_value(self.slide_device_update_share),
                 check_host_memory=self.slide_check_host_memory, debug=self.slide_debug)
