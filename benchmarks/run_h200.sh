@@ -18,6 +18,7 @@
 #   o: the CPU AdamW rate; 8B batch 16 with 3 and with 4 gradient buffers
 #   p: the CPU AdamW rate; 3B batch 8 with 3 and with 4 gradient buffers; 3B batch 16 with clipping
 #   q: 3B batch 16 with clipping (untraced; the short check)
+#   s: GPU tests; 8B batch 16 (the defaults); 8B batch 1 under 8 GiB; 200-step soak + clipping timing
 #   r: GPU tests; 8B batch 16 traced (the head updated on the GPU), then with head_update "cpu"; 3B batch 16
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
@@ -171,6 +172,11 @@ elif [ "$PART" = r ]; then
   timeout 80 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 75 \
     --json /tmp/b3_16.json > "$OUT/b3_16.log" 2>&1
   tail -1 "$OUT/b3_16.log"
+elif [ "$PART" = s ]; then
+  timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -3 "$OUT/gpu_tests.log"
+  b8_16 "$OUT" 0
+  cap8_and_soak
 elif [ "$PART" = q ]; then
   timeout 100 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 95 \
     --slide-config '{"max_grad_norm": 1.0}' --json /tmp/b3_16clip.json > "$OUT/b3_16clip.log" 2>&1

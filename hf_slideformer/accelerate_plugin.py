@@ -117,8 +117,8 @@ class SlidePlugin:
     grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
     update_order: str = field(default="arrival", metadata={
         "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
-    head_update: str = field(default="auto", metadata={
-        "help": "Where the head's AdamW runs with updates in backward: 'auto', 'device' or 'cpu' (see SlideConfig)."})
+    head_update: str = field(default="cpu", metadata={
+        "help": "Where the head's AdamW runs with updates in backward: 'cpu' or 'device' (see SlideConfig)."})
     resident_layers: str = field(default="auto", metadata={
         "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
     resident_embedding: str = field(default="auto", metadata={

@@ -274,8 +274,7 @@ class _Estimator:
         lin = 6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
         return s.layers * lin + 6 * s.vocab * s.hidden + attn
 
-    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0),
-                deferred: bool | None = None) -> tuple[int, int]:
+    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
         (res: resident embedding?, resident layers)."""
         s, TH = self.s, B * self.seq * self.s.hidden
@@ -290,16 +289,8 @@ class _Estimator:
         h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
         # fp32 gradients of the units updated on the host (resident ones stay), embedding rows
         d2h = 4 * (sent * s.layer_params + head) + rows + acts
-        # the head's update through the GPU (master, gradient, moments in; master, moments out)
-        hd = self.head_on_device(N > 1 if deferred is None else deferred, res)
-        h2d, d2h = h2d + 16 * hd, d2h + 12 * hd
         # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
         return N * h2d + (N - 1) * 4 * layers, N * d2h
-
-    def head_on_device(self, deferred: bool, res: tuple[bool, int]) -> int:
-        """Parameters of the head updated on the device: with updates in backward, unless a tied
-        lm_head's embedding is on the host (SlideConfig.head_update "auto")."""
-        return 0 if deferred or (self.s.tied and not res[0]) else self.s.head_params
 
     def resident_params(self, res: tuple[bool, int]) -> int:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
@@ -309,11 +300,10 @@ class _Estimator:
         """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
         r, s = self.rates, self.s
-        h2d, d2h = self.traffic(B, N, tier, res, deferred)
+        h2d, d2h = self.traffic(B, N, tier, res)
         bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
         on_cpu = s.n_params - self.resident_params(res)
         layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
-        on_cpu -= self.head_on_device(deferred, res)
         out = {
             "gpu": N * B * self.seq * self.flops_per_token() / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]),
             "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
@@ -435,9 +425,6 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         extras["accumulation buffer (fp32, one layer)"] = 4 * shape.layer_params
     if clip is not None:
         extras["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, shape.layer_params)
-    elif N == 1 and not shape.tied:
-        # the head's update streamed through the GPU (SlideConfig.head_update "auto", device_update.py)
-        extras["head-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, shape.head_params)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
     max_host = None if not host_bytes else _largest(lambda b: sum(est.host(b, tier, deferred).values()) <= host_bytes)
     chosen = batch is None
@@ -482,7 +469,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
     # accumulators) are released after it.
     p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
-    p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res, deferred)
+    p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
     p.times = est.times(batch, N, tier, deferred, res)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (
         gpu_tflops * 1e12 * gpu_efficiency)

@@ -68,10 +68,9 @@ class SlideArgs(TrainingArguments):
         "help": "Order of the CPU updates of one backward: 'arrival' (as gradients come), 'forward' (pending ones "
                 "in the order the next forward needs them; helps CPU-bound small batches) or 'hybrid' (arrival during "
                 "the backward, forward order for what is left)."})
-    slide_head_update: str = field(default="auto", metadata={
-        "help": "Where the head's (final norm + lm_head) AdamW runs when updates happen in backward: 'device' "
-                "(streamed through the GPU during the first layers' backward), 'cpu' (the CPU worker) or 'auto' "
-                "(device on CUDA)."})
+    slide_head_update: str = field(default="cpu", metadata={
+        "help": "Where the head's (final norm + lm_head) AdamW runs when updates happen in backward: 'cpu' (the "
+                "CPU worker) or 'device' (streamed through the GPU during the first layers' backward)."})
     slide_resident_layers: str = field(default="auto", metadata={
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
                 "in what the first step left free under the cap, less a margin) or a number (0: none). Not with "

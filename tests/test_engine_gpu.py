@@ -189,7 +189,7 @@ def test_head_device_update_under_slow_streams(monkeypatch, buffers):
     from hf_slideformer import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
     models = []
-    kw = dict(HOST_ONLY, grad_buffers=buffers, pieces_per_layer=1)
+    kw = dict(HOST_ONLY, grad_buffers=buffers, pieces_per_layer=1, head_update="device")
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:
         assert m.slide_engine._head_pinned and m.slide_stats()["gpu_updated_params"] > 0
