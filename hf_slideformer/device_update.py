@@ -163,24 +163,8 @@ class DeviceUpdates:
         for lo, hi, batch in batches:
             n = hi - lo
             if n:
-                k = self._dev_turn
-                self._dev_turn ^= 1
-                st.wait(self._dev_free[k], st.h2d)   # see [Why a piece waits for the write-back two pieces earlier]
-                w, g, m, v = (t[:n] for t in self._dev_sets[k])
-                with st.on(st.h2d):
-                    for d, s in ((w, hu.master), (g, src), (m, hu.exp_avg), (v, hu.exp_avg_sq)):
-                        d.copy_(s[lo:hi], non_blocking=True)
-                    read = st.record(st.h2d)
-                    g.mul_(scale)                   # as the CPU path: the loss gradient times dL/dW
-                    _optim.apply_batch(batch, lo, w, g, m, v, steps, groups)
-                st.wait(st.record(st.h2d), st.d2h)
-                with st.on(st.d2h):
-                    for d, s in ((hu.master, w), (hu.exp_avg, m), (hu.exp_avg_sq, v)):
-                        d[lo:hi].copy_(s, non_blocking=True)
-                self._dev_free[k] = hu.host_write = st.record(st.d2h)
-                self.stats.add_h2d(n * 16)
-                self.stats.add_bytes("d2h", n * 12)
-                self.stats.gpu_adam_params += n
+                # as the CPU path: the loss gradient times dL/dW
+                read = self._update_piece(hu, lo, hi, batch, src, steps, groups, mul=scale)
                 self._release_head_ring(hi, read)
             yield
         self._release_head_ring(hu.numel + len(self.ring) * self.ring_size, st.record(st.h2d))
@@ -360,26 +344,38 @@ class DeviceUpdates:
             lo, hi, batch = p.batches[p.next]
             n = hi - lo
             if n:
-                k = self._dev_turn
-                self._dev_turn ^= 1
-                # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of
-                # device buffers alternate: set k is overwritten once its last d2h copy has read it.
-                st.wait(self._dev_free[k], st.h2d)
-                w, g, m, v = (t[:n] for t in self._dev_sets[k])
-                with st.on(st.h2d):
-                    for d, s in ((w, u.master), (g, u.grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
-                        d.copy_(s[lo:hi], non_blocking=True)
-                    _optim.apply_batch(batch, lo, w, g, m, v, p.steps, groups, p.scale)
-                    if dst is not None:
-                        dst[lo:hi].copy_(w)                 # the new weights, cast on the device
-                st.wait(st.record(st.h2d), st.d2h)
-                with st.on(st.d2h):
-                    for d, s in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
-                        d[lo:hi].copy_(s, non_blocking=True)
-                self._dev_free[k] = u.host_write = st.record(st.d2h)
-                self.stats.add_h2d(n * 16)
-                self.stats.add_bytes("d2h", n * 12)
-                self.stats.gpu_adam_params += n
+                self._update_piece(u, lo, hi, batch, u.grad, p.steps, groups, scale=p.scale, dst=dst)
             p.next += 1
             yield
         u.device_pending = None
+
+    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, mul=None, dst=None):
+        """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`, times
+        `mul` if given) and moments in on the h2d stream, fused AdamW there (the gradient divided
+        by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
+        stream. Returns the h2d event after the copies in."""
+        st, n = self.streams, hi - lo
+        k = self._dev_turn
+        self._dev_turn ^= 1
+        # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
+        # buffers alternate: set k is overwritten once its last d2h copy has read it.
+        st.wait(self._dev_free[k], st.h2d)
+        w, g, m, v = (t[:n] for t in self._dev_sets[k])
+        with st.on(st.h2d):
+            for d, s in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
+                d.copy_(s[lo:hi], non_blocking=True)
+            read = st.record(st.h2d)
+            if mul is not None:
+                g.mul_(mul)
+            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
+            if dst is not None:
+                dst[lo:hi].copy_(w)                 # the new weights, cast on the device
+        st.wait(st.record(st.h2d), st.d2h)
+        with st.on(st.d2h):
+            for d, s in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
+                d[lo:hi].copy_(s, non_blocking=True)
+        self._dev_free[k] = u.host_write = st.record(st.d2h)
+        self.stats.add_h2d(n * 16)
+        self.stats.add_bytes("d2h", n * 12)
+        self.stats.gpu_adam_params += n
+        return read
