@@ -29,6 +29,8 @@ PEAK_TFLOPS = 989.4          # dense bf16 peak of an H100 / H200 SXM, as benchma
 GPU_EFFICIENCY = 0.61        # achieved / peak FLOPs of the layer and head kernels (H200: 0.60-0.62)
 ACT_HIDDEN, ACT_INTER = 11, 4  # bf16 tensors per token live while one layer is recomputed + backpropagated
 PROCESS_HOST_BYTES = int(1.7 * GiB)   # torch, the CUDA runtime, Python and transformers, resident (17839ee, 8B)
+# Pinned bounce buffers of the nvme activation tier (activations.FileTier).
+NVME_BUFFERS = 4
 GPU_USABLE = 0.85            # share of the card the caching allocator can fill (fragmentation)
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
@@ -221,7 +223,7 @@ class _Estimator:
         s, tok_h = self.s, B * self.seq * self.s.hidden
         # the last layer's input stays on the device (activations.py)
         acts = {"cpu": (s.layers - 1) * _pinned(2 * tok_h), "device": 0,
-                "nvme": 2 * _pinned(2 * tok_h)}[tier]              # nvme: a bounce buffer each way
+                "nvme": NVME_BUFFERS * _pinned(2 * tok_h)}[tier]   # nvme: the I/O thread's bounce buffers
         out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
@@ -475,8 +477,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         gpu_tflops * 1e12 * gpu_efficiency)
     p.bound_by = max(p.times, key=p.times.get)
     p.bound_s = p.times[p.bound_by]
-    # The file tier reads and writes on the main thread: its time adds to the GPU's instead of hiding.
-    serial = p.times["gpu"] + p.times.get("disk", 0.0)
+    # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
+    # other terms (activations.py: [Why the nvme tier's file work is on its own thread]).
+    serial = p.times["gpu"]
     if clip is not None:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
         # needs the global norm); their AdamW then paces the next forward (measured at 3B batch 16,
@@ -567,7 +570,7 @@ def _advise(p: Plan, est: _Estimator, deferred: bool) -> list[str]:
     elif p.bound_by == "disk":
         need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
         out.append(f"disk-bound: the nvme tier writes and reads {_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} "
-                   f"per step, on the main thread; activation_tier='cpu' needs {_gib(need)} of host memory instead")
+                   f"per step; activation_tier='cpu' needs {_gib(need)} of host memory instead")
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")

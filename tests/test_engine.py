@@ -158,9 +158,8 @@ def test_worker_failure_surfaces_without_hang(monkeypatch):
             opt.step()
 
 
-@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
-def test_activation_tiers_bit_identical(tier, tmp_path):
-    data = batches(2, pad=True)
+def _assert_tier_equals_device_tier(tier, tmp_path, steps):
+    data = batches(steps, pad=True)
     results = []
     for t in ("device", tier):
         ref, slid = make_pair("llama", True, activation_tier=t, nvme_path=str(tmp_path))
@@ -170,6 +169,11 @@ def test_activation_tiers_bit_identical(tier, tmp_path):
         results.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+@pytest.mark.parametrize("tier", ["device", "cpu", "nvme"])
+def test_activation_tiers_bit_identical(tier, tmp_path):
+    _assert_tier_equals_device_tier(tier, tmp_path, 2)
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])
@@ -188,6 +192,54 @@ def test_last_layer_input_stays_on_the_device(tier, tmp_path):
     tokens_h = b["input_ids"].numel() * eng.hidden
     # fp32 on this device: each of the L-1 offloaded inputs goes out and comes back once
     assert slid.slide_stats()["activation_bytes"] == 2 * (L - 1) * tokens_h * 4
+
+
+def test_nvme_tier_file_work_on_its_own_thread(tmp_path, monkeypatch):
+    """activations.py: [Why the nvme tier's file work is on its own thread]: with the disk slowed
+    down (every write and read late), the result equals the device tier's, bit for bit."""
+    import time
+    from hf_slideformer.activations import FileTier
+    for name in ("_write", "_read"):
+        real = getattr(FileTier, name)
+
+        def slow(self, *a, _real=real, **k):
+            time.sleep(0.01)
+            return _real(self, *a, **k)
+        monkeypatch.setattr(FileTier, name, slow)
+    _assert_tier_equals_device_tier("nvme", tmp_path, 3)
+
+
+def test_nvme_tier_reads_ahead_and_gives_back_its_buffers(tmp_path):
+    from hf_slideformer.activations import FileTier
+    from hf_slideformer.transfer import Streams
+    tier = FileTier(Streams(torch.device("cpu")), str(tmp_path), buffers=4)
+    xs = [torch.randn(3, 5 + i) for i in range(6)]          # sizes differ: buffers grow as needed
+    for i, x in enumerate(xs):
+        tier.save(i, x)
+    tier.jobs.join()                                        # every file written, every buffer free
+    tier.prefetch(5)
+    assert sorted(tier.reads) == [3, 4, 5]                  # two ahead; one buffer left for a request
+    for i in reversed(range(6)):
+        assert torch.equal(tier.load(i), xs[i]), i
+        tier.drop(i)
+    tier.jobs.join()
+    assert not tier.reads and tier.free.qsize() == 4
+    tier.clear()
+    tier.close()
+    assert not any(tmp_path.iterdir())
+
+
+def test_nvme_tier_disk_failure_is_a_clear_error(tmp_path, monkeypatch):
+    from hf_slideformer.activations import FileTier
+
+    def full(self, *a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(FileTier, "_write", full)
+    ref, slid = make_pair("llama", False, activation_tier="nvme", nvme_path=str(tmp_path))
+    slid.create_optimizer(lr=LR)
+    (b,) = batches(1)
+    with pytest.raises(RuntimeError, match="nvme activation tier failed.*No space left"):
+        slid(**b).loss.backward()
 
 
 def test_forward_update_order_matches_arrival_order():
