@@ -330,15 +330,16 @@ def test_resident_units_never_touch_their_host_moments_and_accumulators():
     assert _resident_pages(eng.embed_unit.exp_avg) == 0 and _resident_pages(host.exp_avg) > 0
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_first_layer_input_gathered_again_from_the_resident_embedding(tied):
+@pytest.mark.parametrize("tied,layers", [(False, 0), (True, 0), (False, 1)])
+def test_first_layer_input_gathered_again_from_the_resident_embedding(tied, layers):
     """activations.py: [Why the first layer's input can be gathered again]: the cpu tier keeps a
     recipe for x_0, not a copy; training is bit-identical to the host embedding's, also when the
     embedding leaves the device between a forward and its backward (state_dict() mid-step)."""
     data = batches(4, pad=True)
     states = []
     for embed, evict_at in ((False, None), (True, None), (True, 1)):
-        _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=embed, activation_tier="cpu")
+        _, slid = make_pair("llama", tied, resident_layers=layers if embed else 0, resident_embedding=embed,
+                            activation_tier="cpu")
         eng, opt = slid.slide_engine, slid.create_optimizer(lr=LR, weight_decay=0.1)
         for k, b in enumerate(data):
             loss = slid(**b).loss
