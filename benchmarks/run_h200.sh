@@ -19,6 +19,7 @@
 #   p: the CPU AdamW rate; 3B batch 8 with 3 and with 4 gradient buffers; 3B batch 16 with clipping
 #   q: 3B batch 16 with clipping (untraced; the short check)
 #   s: GPU tests; 8B batch 16 (the defaults); 8B batch 1 under 8 GiB; 200-step soak + clipping timing
+#   t: the 8B step's GPU memory phase by phase (allocated against reserved), with an allocator snapshot
 #   r: GPU tests; 8B batch 16 traced (the head updated on the GPU), then with head_update "cpu"; 3B batch 16
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
 set -uo pipefail
@@ -177,6 +178,10 @@ elif [ "$PART" = s ]; then
   tail -3 "$OUT/gpu_tests.log"
   b8_16 "$OUT" 0
   cap8_and_soak
+elif [ "$PART" = t ]; then
+  # where the 8B step's reserved memory goes (the plan reads the reserved peak)
+  timeout 300 python3 benchmarks/memory_profile.py --model llama3-8b --batch 16 --steps 3 \
+    --snapshot "$OUT/mem8b.pickle" --json "$OUT/mem8b.json" 2>&1 | tail -14
 elif [ "$PART" = q ]; then
   timeout 100 $B --model llama3-3b --providers slide --batch 16 --offload-batches 16 --timeout 95 \
     --slide-config '{"max_grad_norm": 1.0}' --json /tmp/b3_16clip.json > "$OUT/b3_16clip.log" 2>&1

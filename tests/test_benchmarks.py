@@ -254,6 +254,16 @@ def test_soak_reports_flat_memory_on_cpu(tmp_path):
     assert result["clipping_median_step_s"] > 0
 
 
+def test_memory_profile_on_cpu(tmp_path):
+    out = subprocess.run([sys.executable, "benchmarks/memory_profile.py", "--device", "cpu", "--model", "tiny",
+                          "--batch", "2", "--seq", "32", "--steps", "2", "--json", str(tmp_path / "m.json")],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    result = json.loads((tmp_path / "m.json").read_text())
+    assert [r["phase"] for r in result["rows"]] == ["start"] + ["forward", "backward", "optimizer step"] * 2
+    assert all(r["host_rss_gib"] > 0 for r in result["rows"])
+
+
 def test_batch_sweep_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "benchmarks/batch_sweep.py", "--device", "cpu", "--model", "tiny",
                           "--batches", "2,4", "--seq", "32", "--steps", "2", "--warmup", "1",
