@@ -275,6 +275,8 @@ class FileTier(PinnedCpuTier):
                     return None
                 if self.thread is None or not self.thread.is_alive():
                     raise RuntimeError("the nvme activation tier's I/O thread has stopped")
+                if len(self.reads) >= len(self.bounce):      # would wait forever: a bug, not the disk
+                    raise RuntimeError("internal: every nvme bounce buffer holds a layer input not yet loaded")
         old = self.bounce[k]
         if old is None or old.numel() < numel or old.dtype != dtype:
             if self.bounce_ev[k] is not None:
