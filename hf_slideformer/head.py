@@ -202,7 +202,7 @@ class LossHead:
                 self._schedule(self.embed_unit)      # its bulk update starts in the head task
         ring, self.head_ring = self.head_ring, ()
         if update and self._head_update_on_device(embed_on_host):
-            # device_update.py: [Why the head is updated on the device]
+            # device_update.py: [Why the head's update stays on the CPU by default]
             self._start_head_update(self.hp, ring)
             return
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,

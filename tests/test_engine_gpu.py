@@ -182,7 +182,7 @@ def test_device_updates_under_slow_streams(monkeypatch, ga):
 
 @pytest.mark.parametrize("buffers", [2, 4])
 def test_head_device_update_under_slow_streams(monkeypatch, buffers):
-    """device_update.py: [Why the head is updated on the device]: the head's update in pieces of
+    """device_update.py: [Why the head's update stays on the CPU by default]: the head's update in pieces of
     16 k elements, one piece per layer's backward, the ring buffer it reads claimed again by a layer
     before its last piece (2 buffers): with the streams slowed down on purpose, bit-identical; and
     the head moved as the worker's update moves it."""

@@ -98,7 +98,7 @@ def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buff
 @pytest.mark.parametrize("tied,embed", [(False, False), (False, True), (True, True)])
 @pytest.mark.parametrize("buffers", [3, 4])
 def test_head_update_on_the_device_is_bit_identical_to_the_cpu_path(tied, embed, buffers, monkeypatch):
-    """device_update.py: [Why the head is updated on the device]. On the CPU device the streamed
+    """device_update.py: [Why the head's update stays on the CPU by default]. On the CPU device the streamed
     update runs the same fused AdamW as the worker: equal bits, with a loss gradient other than 1
     once, the pieces spread over the layers' backward (one per layer here), the ring buffers it
     held given back in order and the layers' gradients copied into them only after."""
