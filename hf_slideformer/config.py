@@ -56,8 +56,10 @@ class SlideConfig:
             (layers 0..k-1). "auto" (default) measures the first optimizer step and keeps as many
             as fit in the memory it left free under the cap (after the embedding, see
             resident_embedding), less a margin (10%, at least 2 GiB);
-            0 turns them off. Only with one backward per optimizer step (no accumulation); with
-            clipping each keeps its gradient on the GPU until optimizer.step(). See docs/engine.md.
+            0 turns them off. With clipping each keeps its gradient on the GPU until
+            optimizer.step(). With gradient accumulation only a number takes effect (each sums its
+            micro-batches on the GPU; "auto" keeps none there, the embedding stays on the host).
+            See docs/engine.md.
         resident_embedding: Keep the input embedding's master and Adam state on the GPU too
             ("auto": when it fits, decided with resident_layers, before the layers; True/False).
         device_update_share: With clipping (with or without accumulation), the share of the

@@ -225,11 +225,9 @@ class DeviceUpdates:
         self._device_chosen = True
         self.worker.join()                  # the backward's gradient copies into the accumulators have landed
         self._ensure_dev_sets(max(u.numel for u in self.layer_units))
-        first = 0
-        if self.single_micro:                   # resident units exist only with one backward per step
-            if self._resident_target is None:
-                self._resident_target = self._plan_resident()
-            first = self._resident_target[1]
+        if self._resident_target is None:
+            self._resident_target = self._plan_resident()
+        first = self._resident_target[1]
         chosen = pick_device_units(self.layer_units[first:], share)
         if not chosen:
             self._dev_sets = None

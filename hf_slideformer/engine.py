@@ -598,17 +598,25 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
             if early:
                 self._dev_norm_valid = False
+                if self.resident and self.config.max_grad_norm is not None:
+                    # The norm is taken from every unit's sum now; the resident layers' sums are
+                    # on the device (the host accumulators of resident layers read as zeros).
+                    self.norm_dev.zero_()
+                    self.norm_dev += _sq_norm([r.grad for r in self.resident.values() if r.grad_valid])
+                    self._dev_norm_valid = True
             if self.single_micro or self._dev_norm_valid:
                 if self.streams.cuda:
                     self.norm_host.copy_(self.norm_dev.reshape(1), non_blocking=True)
                 else:
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
-            clip_done = threading.Event() if self.device_updates_on and not self.single_micro else None
+            clip_done = (threading.Event() if (self.device_updates_on or self.resident) and not self.single_micro
+                         else None)
             self.worker.submit(self._clip_task, early, norm_ev, grads_ev,
+                               frozenset(id(r.unit) for r in self.resident.values()),
                                done=(clip_done,) if clip_done is not None else ())
             t = self._span_start()
-            on_device = self._step_resident(hp)
+            on_device = self._step_resident(hp, clip_done)
             scale, ready = (self._device_scale() if self.device_updates_on and self.single_micro
                             else (None, None))
             self._span_end(t)
@@ -640,6 +648,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.worker.join()
         for u in self.store.units:
             u.grad_valid = False
+        for r in self.resident.values():
+            r.grad_valid = False
         self._reset_accumulator()
         self._reset_embed_grad()
         self.micro = 0

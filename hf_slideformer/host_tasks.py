@@ -208,15 +208,22 @@ class HostTasks:
         self.stats.event(f"adam:{u.name}", t0, t1)
         self.stats.updated_params += u.numel
 
-    def _clip_task(self, early: bool, norm_ev, grads_ev=None) -> None:
+    def _clip_task(self, early: bool, norm_ev, grads_ev=None, on_device=frozenset()) -> None:
+        """The clip factor of this step; `on_device`: ids of the units whose gradient sums are on the
+        device (resident layers), whose norms `norm_ev`'s value holds."""
         if self.single_micro:
             self._sync(norm_ev, "wait_d2h:norm")
             norm = float(self.norm_host[0]) ** 0.5
         elif early:     # the step ends before gradient_accumulation_steps: norms were not taken yet
             if grads_ev is not None:
                 self._sync(grads_ev, "wait_d2h:grads")
-            self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units]
-            norm = sum(self._norm_sq) ** 0.5
+            self._norm_sq = [float(torch.linalg.vector_norm(self._grad_of(u))) ** 2 for u in self.store.units
+                             if id(u) not in on_device]
+            dev = 0.0
+            if norm_ev is not None:          # the resident layers' sums, taken on the device
+                self._sync(norm_ev, "wait_d2h:norm")
+                dev = float(self.norm_host[0])
+            norm = (sum(self._norm_sq) + dev) ** 0.5
         else:           # the layers' part was taken on the device (accumulate.py), the others' here
             dev = 0.0
             if norm_ev is not None:

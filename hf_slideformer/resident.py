@@ -22,7 +22,6 @@ import logging
 import torch
 
 from . import optim as _optim
-from .errors import SlideStateError
 from .memory import lazy_zeros, release_pages
 from .optim import sq_norm as _sq_norm
 from .store import Unit
@@ -44,8 +43,10 @@ class ResidentState:
         self.exp_avg_sq = torch.empty_like(self.master)
         self.weights = torch.empty(u.numel, dtype=dtype, device=device) if dtype != torch.float32 else self.master
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in u.entries]
-        # The step's gradient, kept until optimizer.step() when it clips (layers in-backward share one).
+        # The step's gradient, kept until optimizer.step() when it clips, or summed over the
+        # micro-batches with accumulation (layers in-backward with one backward share one).
         self.grad = torch.empty_like(self.master) if with_grad else None
+        self.grad_valid = False           # with accumulation: `grad` holds this step's running sum
 
     def _pairs(self):
         """(device tensor, host tensor) of the master, the moments and each step counter."""
@@ -125,6 +126,14 @@ class ResidentUnits:
 
     def _plan_resident(self) -> tuple[bool, int]:
         c = self.config
+        if not self.single_micro:
+            # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
+            # layer sums its micro-batches' gradients on the GPU and is updated there when the step
+            # ends (`_resident_update`); the embedding stays on the host (its tied head gradient
+            # and per-row folding have no device path across micro-batches). The layers are taken
+            # only as many as `resident_layers` asks: "auto" keeps none here until the mode has
+            # been measured on a GPU.
+            return False, (0 if c.resident_layers == "auto" else int(c.resident_layers))
         embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
         layers = None if c.resident_layers == "auto" else int(c.resident_layers)
         if not self.streams.cuda:                       # nothing to gain on a CPU device unless asked
@@ -232,8 +241,8 @@ class ResidentUnits:
         return r
 
     def _promote_resident(self) -> None:
-        """Make the embedding and layers 0..k-1 resident (between optimizer steps; one backward per step)."""
-        if not self.single_micro or self.optimizer is None:
+        """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
+        if self.optimizer is None:
             return
         if self._resident_target is None:
             self._resident_target = self._plan_resident()
@@ -254,13 +263,13 @@ class ResidentUnits:
             self._make_embed_resident()
         if len(self.resident) >= n:
             return
-        if self._resident_grad is None and self.config.max_grad_norm is None:
+        own_grad = self.config.max_grad_norm is not None or not self.single_micro   # a gradient per layer
+        if self._resident_grad is None and not own_grad:
             self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
                                               device=self.device)
-        clipping = self.config.max_grad_norm is not None
         for i in range(n):
             if i not in self.resident:
-                self.resident[i] = self._make_resident(self.layer_units[i], with_grad=clipping)
+                self.resident[i] = self._make_resident(self.layer_units[i], with_grad=own_grad)
 
     def _release_embed_host(self) -> None:
         """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB
@@ -300,24 +309,42 @@ class ResidentUnits:
                 self.embed_grad.copy_(self._embed_rgrad)
         for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
             r.store_to_host()
+            if r.grad_valid:
+                # Between micro-batches: the running sum goes on in the host accumulator.
+                u = r.unit
+                u.grad.copy_(r.grad)
+                u.grad_valid = True
+                r.grad_valid = False
         self.resident.clear()
         self.resident_embed = None
 
     def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
         """AdamW of a resident layer on the compute stream right after its backward; with clipping,
-        its gradient waits on the device for optimizer.step()."""
-        if not self.single_micro:
-            raise SlideStateError("internal: a resident layer with gradient accumulation")
-        self.norm_dev += _sq_norm([g for g in grads if g is not None])
-        g32 = self._resident_grad[:u.numel] if self.in_backward else r.grad
+        its gradient waits on the device for optimizer.step(). With accumulation the gradient is
+        summed on the device over the micro-batches, and the last one updates (or, with clipping,
+        leaves the sum for optimizer.step()); the squared norm is the sum's."""
+        if self.single_micro:
+            self.norm_dev += _sq_norm([g for g in grads if g is not None])
+            g32 = self._resident_grad[:u.numel] if self.in_backward else r.grad
+            first = True
+        else:
+            g32, first = r.grad, not r.grad_valid
         for e, g in zip(u.entries, grads):
             d = e.view(g32)
             if g is None:
-                d.zero_()
-            else:
+                if first:
+                    d.zero_()
+            elif first:
                 d.copy_(g.reshape(d.shape))
+            else:
+                d.add_(g.reshape(d.shape))
+        if not self.single_micro:
+            r.grad_valid = True
+            if self.ends_step:
+                self.norm_dev += _sq_norm([g32])
         if self.in_backward:
             self._resident_step(u, r, g32)
+            r.grad_valid = False
 
     def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
@@ -363,13 +390,22 @@ class ResidentUnits:
             return (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
         return min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
 
-    def _step_resident(self, hp) -> set[int]:
-        """Clip and update the resident units at optimizer.step() (clipping mode); their unit ids."""
+    def _step_resident(self, hp, clip_done=None) -> set[int]:
+        """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
+        before its last micro-batch); their unit ids. With accumulation the clip factor is the
+        worker's (`clip_done`: its clip task has run), from the host units' norms and the device's."""
         units = ([(self.embed_unit, self.resident_embed, self._embed_rgrad)] if self.resident_embed is not None else [])
         units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
         if not units:
             return set()
-        coef = self._device_clip_coef()
+        if self.config.max_grad_norm is None:
+            coef = None
+        elif self.single_micro:
+            coef = self._device_clip_coef()
+        else:
+            self._wait(clip_done, "update")
+            coef = self._clip_coef
         for u, r, g in units:
             self._resident_step(u, r, g, hp, clip_coef=coef)   # applied in the fused AdamW, as on the host
+            r.grad_valid = False
         return {id(u) for u, _, _ in units}

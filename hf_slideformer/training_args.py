@@ -73,8 +73,8 @@ class SlideArgs(TrainingArguments):
                 "CPU worker) or 'device' (streamed through the GPU during the first layers' backward)."})
     slide_resident_layers: str = field(default="auto", metadata={
         "help": "Layers whose master and Adam state stay on the GPU and are updated there: 'auto' (as many as fit "
-                "in what the first step left free under the cap, less a margin) or a number (0: none). Not with "
-                "gradient accumulation."})
+                "in what the first step left free under the cap, less a margin) or a number (0: none). With "
+                "gradient accumulation only a number takes effect."})
     slide_resident_embedding: str = field(default="auto", metadata={
         "help": "Keep the input embedding's master and Adam state on the GPU: 'auto' (when it fits, before the "
                 "layers), 'true' or 'false'."})

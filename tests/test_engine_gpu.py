@@ -210,10 +210,12 @@ def test_offload_tiers_bit_identical_on_gpu(tier, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("clip", [None, 0.5])
-def test_fp32_accumulation_on_cuda_matches_plain_pytorch(clip):
-    """Gradient accumulation through the device (accumulate.py), with and without clipping."""
-    ref, slid = _pair(torch.float32, True, gradient_accumulation_steps=2, max_grad_norm=clip, use_kernels=False)
+@pytest.mark.parametrize("clip,resident", [(None, "auto"), (0.5, "auto"), (None, 2), (0.5, 2)])
+def test_fp32_accumulation_on_cuda_matches_plain_pytorch(clip, resident):
+    """Gradient accumulation through the device (accumulate.py), with and without clipping, and
+    with two resident layers summing their micro-batches on the device (resident.py)."""
+    ref, slid = _pair(torch.float32, True, gradient_accumulation_steps=2, max_grad_norm=clip, use_kernels=False,
+                      resident_layers=resident)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     opt = slid.create_optimizer(lr=LR, weight_decay=0.01)
     for n, b in enumerate(batches(6, bsz=3, seq=67, vocab=1001, pad=True)):

@@ -96,11 +96,68 @@ def test_resident_units_with_clipping_match_plain_training(tied):
     assert slid.slide_stats()["gpu_updated_params"] > 0
 
 
-def test_no_resident_units_with_accumulation():
-    ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5, resident_layers=2,
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_resident_layers_with_accumulation_match_plain_training(tied, clip):
+    """resident.py: [Why accumulation keeps resident layers opt-in]: the layers asked for sum
+    their micro-batches on the device; the embedding stays on the host."""
+    ref, slid = make_pair("llama", tied, gradient_accumulation_steps=2, max_grad_norm=clip, resident_layers=2,
                           resident_embedding=True)
-    assert train_both(ref, slid, batches(4, pad=True), ga=2, clip=0.5) < PARAM_TOL
-    assert slid.slide_stats()["gpu_updated_params"] == 0 and not slid.slide_engine.resident
+    eng = slid.slide_engine
+    made = []
+    real = type(eng)._make_resident
+    eng._make_resident = lambda u, **k: made.append(u.name) or real(eng, u, **k)
+    assert train_both(ref, slid, batches(6, pad=True), ga=2, clip=clip) < PARAM_TOL
+    assert made and set(made) == {eng.layer_units[0].name, eng.layer_units[1].name}, made   # never the embedding
+    assert slid.slide_stats()["gpu_updated_params"] > 0
+
+
+def test_resident_layers_with_accumulation_bit_identical_to_host_updates():
+    """Without clipping the sums and the updates are the host path's, bit for bit; also with an
+    eviction between micro-batches (the running sum moves to the host accumulator) and a step
+    that ends before its last micro-batch."""
+    data = batches(7, pad=True)
+    states = []
+    for layers, evict in ((0, False), (2, False), (3, True)):
+        _, slid = make_pair("qwen3", False, gradient_accumulation_steps=2, resident_layers=layers)
+        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+        for k, b in enumerate(data):
+            slid(**b).loss.backward()
+            if evict and k == 2:
+                slid.state_dict()                 # mid-step: layers written back with their sums
+            if k % 2 == 1 or k == len(data) - 1:  # the last step has one micro-batch of two
+                opt.step()
+                opt.zero_grad()
+        assert len(slid.slide_engine.resident) == min(layers, 3) or evict
+        states.append({k: v.clone() for k, v in slid.state_dict().items()})
+    for s in states[1:]:
+        for k in states[0]:
+            assert torch.equal(states[0][k], s[k]), k
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resident_layers_clip_an_early_accumulated_step_like_torch(tied):
+    """A step that ends before its last micro-batch (a Trainer's epoch end) with clipping: the
+    global norm takes the resident layers' sums from the device and the host units' from theirs."""
+    from helpers import max_param_diff
+    ref, slid = make_pair("llama", tied, gradient_accumulation_steps=2, max_grad_norm=0.05, resident_layers=2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
+    for k, b in enumerate(batches(5, pad=True)):     # steps after micro-batches 2, 4 and (early) 5
+        (ref(**b).loss / 2).backward()
+        (slid(**b).loss / 2).backward()
+        if k % 2 == 1 or k == 4:
+            rn = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05))
+            ropt.step(); ropt.zero_grad()
+            opt.step(); opt.zero_grad()
+            assert abs(slid.slide_engine.last_grad_norm() - rn) < 1e-4 * max(1.0, rn), (k, rn)
+    assert slid.slide_stats()["gpu_updated_params"] > 0
+    assert max_param_diff(ref, slid) < PARAM_TOL
+
+
+def test_accumulation_keeps_resident_units_opt_in():
+    ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5)
+    assert slid.slide_engine._plan_resident() == (False, 0)
 
 
 def test_plan_resident_layers_from_the_measured_peak():
