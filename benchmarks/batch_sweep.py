@@ -15,36 +15,22 @@ import os
 import statistics
 import sys
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def main(argv: list[str] | None = None) -> int:
-    import hf_slideformer as hs
-    from providers.base import build_model, load_config, random_batch
-    from soak import train_step
+    from providers.base import random_batch
+    from soak import common_args, slid_model, train_step
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-3b")
+    common_args(ap, "llama3-3b")
     ap.add_argument("--batches", default="16,12,10,8,6", help="comma-separated, run largest first")
-    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--cap-gib", type=float, default=24)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    device = torch.device(args.device)
-    config = load_config(args.model)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(config, "cpu", dtype, fill="tiled")
-    extra = json.loads(args.slide_config) if args.slide_config else {}
-    sc = hs.SlideConfig(device=args.device, dtype=dtype,
-                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None, **extra)
-    model = hs.slide(model, sc)
+    config, device, model = slid_model(args)
     opt = model.create_optimizer(lr=1e-5)
     rows = []
     for batch in sorted({int(b) for b in args.batches.split(",")}, reverse=True):

@@ -28,16 +28,9 @@ KEYS = ("allocated_bytes.all.peak", "active_bytes.all.peak", "inactive_split_byt
         "reserved_bytes.all.peak", "num_alloc_retries", "num_device_alloc", "num_device_free")
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def phase(device: torch.device, name: str) -> dict:
     """The allocator's counters since the last phase (peaks reset after reading)."""
+    from soak import rss_bytes
     row = {"phase": name, "host_rss_gib": rss_bytes() / GIB}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -50,31 +43,17 @@ def phase(device: torch.device, name: str) -> dict:
 
 
 def main() -> int:
-    import hf_slideformer as hs
-    from providers.base import build_model, load_config, random_batch
+    from providers.base import random_batch
+    from soak import common_args, slid_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-8b")
-    ap.add_argument("--layers", type=int, default=None, help="truncate the shape to this many layers")
+    common_args(ap, "llama3-8b")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--cap-gib", type=float, default=24)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--snapshot", default=None, help="dump the allocator's history of the last step here")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    device = torch.device(args.device)
-    config = load_config(args.model)
-    if args.layers:
-        config.num_hidden_layers = args.layers
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(config, "cpu", dtype, fill="tiled")
-    model = hs.slide(model, hs.SlideConfig(device=args.device, dtype=dtype,
-                                           gpu_memory_limit=args.cap_gib if device.type == "cuda" else None,
-                                           **json.loads(args.slide_config or "{}")))
+    config, device, model = slid_model(args)
     ids, _ = random_batch(config.vocab_size, args.batch, args.seq, device)
     opt = model.create_optimizer(lr=1e-5)
     rows = [phase(device, "start")]

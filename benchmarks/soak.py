@@ -33,6 +33,34 @@ def rss_bytes() -> int:
     return 0
 
 
+def common_args(ap: argparse.ArgumentParser, model: str) -> None:
+    """The options every sliding run script shares: the shape, the device and its cap, extra settings."""
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--layers", type=int, default=None, help="truncate the shape to this many layers")
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--cap-gib", type=float, default=24)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
+    ap.add_argument("--json", default=None)
+
+
+def slid_model(args):
+    """(config, device, slid random-init model) for `common_args`' options; bf16 on CUDA, fp32 on the CPU."""
+    import hf_slideformer as hs
+    from providers.base import build_model, load_config
+
+    device = torch.device(args.device)
+    config = load_config(args.model)
+    if args.layers:
+        config.num_hidden_layers = args.layers
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(config, "cpu", dtype, fill="tiled")
+    sc = hs.SlideConfig(device=args.device, dtype=dtype,
+                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None,
+                        **json.loads(args.slide_config or "{}"))
+    return config, device, hs.slide(model, sc)
+
+
 def train_step(model, opt, ids, device) -> float:
     """One optimizer step on `ids` (labels = ids); its wall time, the GPU drained."""
     t0 = time.perf_counter()
@@ -63,33 +91,17 @@ def growth(rows, k: int) -> float:
 
 
 def main() -> int:
-    import hf_slideformer as hs
-    from providers.base import build_model, load_config, random_batch
+    from providers.base import random_batch
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="llama3-3b")
-    ap.add_argument("--layers", type=int, default=None, help="truncate the shape to this many layers")
+    common_args(ap, "llama3-3b")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--cap-gib", type=float, default=24)
-    ap.add_argument("--device", default="cuda")
     ap.add_argument("--compare-clipping", type=int, default=0, help="then time this many steps with clipping on")
     ap.add_argument("--tolerance-mib", type=float, default=64, help="allowed growth of GPU allocated and of RSS")
-    ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    device = torch.device(args.device)
-    config = load_config(args.model)
-    if args.layers:
-        config.num_hidden_layers = args.layers
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(config, "cpu", dtype, fill="tiled")
-    sc = hs.SlideConfig(device=args.device, dtype=dtype,
-                        gpu_memory_limit=args.cap_gib if device.type == "cuda" else None,
-                        **json.loads(args.slide_config or "{}"))
-    model = hs.slide(model, sc)
+    config, device, model = slid_model(args)
     ids, _ = random_batch(config.vocab_size, args.batch, args.seq, device)
     out = run(model, ids, args.steps, device)
     rows = out["rows"]
