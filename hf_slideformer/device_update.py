@@ -158,8 +158,7 @@ class DeviceUpdates:
     def _head_update_pieces(self, hu, src, batches, steps, groups, scale):
         st = self.streams
         hu.readers = []          # earlier h2d reads of the master are ahead on the h2d stream
-        for ev in (hu.host_write,):
-            st.wait(ev, st.h2d)
+        st.wait(hu.host_write, st.h2d)
         for lo, hi, batch in batches:
             n = hi - lo
             if n:
@@ -167,16 +166,16 @@ class DeviceUpdates:
                 read = self._update_piece(hu, lo, hi, batch, src, steps, groups, mul=scale)
                 self._release_head_ring(hi, read)
             yield
-        self._release_head_ring(hu.numel + len(self.ring) * self.ring_size, st.record(st.h2d))
+        self._release_head_ring(None, st.record(st.h2d))
         hu.set_progress(hu.numel)
         hu.updated.set()
         self.head_host_free.set()
 
     def _release_head_ring(self, passed: int, read_ev) -> None:
         """Give back the ring buffers whose part of the head's gradient has been read (up to
-        element `passed`); the next copy into one waits for `read_ev` on the d2h stream."""
+        element `passed`, None: all); the next copy into one waits for `read_ev` on the d2h stream."""
         held = self._head_dev_held
-        while held and (held[0] + 1) * self.ring_size <= passed:
+        while held and (passed is None or (held[0] + 1) * self.ring_size <= passed):
             k = held.pop(0)
             self.ring_read_ev[k] = read_ev
             self.ring_free[k].set()
