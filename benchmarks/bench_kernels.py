@@ -140,6 +140,8 @@ def lce_cases(T: int, H: int, V: int, sweep: bool):
                 cases.append((f"liger chunk_mem_const={c}", lambda h, w, c=c: lg.liger_fused_linear_cross_entropy(
                     h, w, labels, chunk_mem_const=c).backward()))
     cases.append(("ours", lambda h, w: triton_ops.linear_cross_entropy(h, w, labels).backward()))
+    cases.append(("ours gemm=cublas", lambda h, w: triton_ops.linear_cross_entropy(
+        h, w, labels, gemm="cublas").backward()))
     if sweep:
         for chunk in (1024, 2048):
             cases.append((f"ours chunk_tokens={chunk}", ours(chunk)))
@@ -147,8 +149,10 @@ def lce_cases(T: int, H: int, V: int, sweep: bool):
 
 
 def lce_breakdown(T: int, H: int, V: int, chunk: int, iters: int = 5) -> dict:
-    """Milliseconds per stage summed over the chunks: projection, softmax kernel, dh, dW."""
+    """Milliseconds per stage summed over the chunks: projection (cuBLAS, ours), softmax kernel,
+    dh, dW (cuBLAS addmm, ours)."""
     from triton_ops.kernels.cross_entropy import cross_entropy_rows_
+    from triton_ops.kernels.lce_matmul import accumulate_dw_, project_
 
     hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(V, H, device="cuda") * H ** -0.5).to(torch.bfloat16)
@@ -159,16 +163,18 @@ def lce_breakdown(T: int, H: int, V: int, chunk: int, iters: int = 5) -> dict:
     inv = torch.full((1,), 1.0 / T, device="cuda")
     stages = {
         "project": lambda s: torch.mm(hidden[s:s + chunk], weight.t(), out=buf),
+        "project (triton)": lambda s: project_(hidden[s:s + chunk], weight, buf),
         "softmax": lambda s: cross_entropy_rows_(buf, labels[s:s + chunk], loss_rows[s:s + chunk], inv),
         "dh": lambda s: torch.mm(buf, weight, out=dh[s:s + chunk]),
         "dW": lambda s: dw.addmm_(buf.t(), hidden[s:s + chunk]),
+        "dW (triton, TMA reduction)": lambda s: accumulate_dw_(buf, hidden[s:s + chunk], dw, True, a_transposed=True),
     }
     out = {}
     for name, fn in stages.items():
         times = []
         for _ in range(iters + 1):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if name == "softmax":
+            if name == "softmax":       # then dh and dW read the softmax's gradients, as in the op
                 torch.mm(hidden[:chunk], weight.t(), out=buf)
             start.record()
             for s in range(0, T, chunk):

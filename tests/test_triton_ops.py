@@ -27,7 +27,7 @@ ON_GPU = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if ON_GPU else ("cpu" if INTERPRET and triton_ops.is_triton_available() else None)
 needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None,
                                    reason="kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (child run)")
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -77,7 +77,7 @@ def _check_lce(hidden, weight, labels, dtype, kwargs, grad_scale=1.0):
     assert loss.dtype == torch.float32 and loss.dim() == 0
     (loss * grad_scale).backward()
     hr, wr = _fp64(hidden), _fp64(weight)
-    ref_kwargs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items() if k != "chunk_tokens"}
+    ref_kwargs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items() if k not in ("chunk_tokens", "gemm")}
     ref = reference.linear_cross_entropy(hr, wr, labels.cpu(), **ref_kwargs)
     (ref * grad_scale).backward()
     assert_close(loss, ref, dtype, "loss", scale=0.25)
@@ -118,6 +118,69 @@ def test_linear_cross_entropy_kernel_all_ignored(reduction):
     # As F.cross_entropy: the mean over no tokens is NaN, the sum is 0; no gradient either way.
     assert torch.isnan(loss).item() if reduction == "mean" else loss.item() == 0.0
     assert torch.count_nonzero(h.grad).item() == 0 and torch.count_nonzero(w.grad).item() == 0
+
+
+def _triton_gemms_usable() -> bool:
+    if KERNEL_DEVICE == "cuda":
+        return torch.cuda.get_device_capability()[0] >= 9
+    return KERNEL_DEVICE == "cpu"
+
+
+needs_triton_gemms = pytest.mark.skipif(not _triton_gemms_usable(),
+                                        reason="the loss head's Triton GEMMs need TMA (Hopper or newer) or the interpreter")
+
+
+@needs_kernels
+@needs_triton_gemms
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", LCE_OPTIONS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "mean")
+def test_linear_cross_entropy_kernel_triton_gemms(dtype, options):
+    # H a multiple of 8 (TMA rows), V = 1001 not (the logits buffer's rows are padded), 40-token
+    # chunks: a partial last chunk (K tail of the dW update) and an all-ignored chunk.
+    hidden, weight, labels = _lce_inputs(123, 264, 1001, dtype, KERNEL_DEVICE)
+    _check_lce(hidden, weight, labels, dtype, {"chunk_tokens": 40, "gemm": "triton", **options})
+
+
+@needs_kernels
+@needs_triton_gemms
+@pytest.mark.parametrize("a_transposed", [True, False])
+def test_lce_matmul_kernels_against_torch(a_transposed):
+    from triton_ops.kernels.lce_matmul import GemmConfig, accumulate_dw_, project_
+
+    g = torch.Generator().manual_seed(3)
+    C, H, V = 72, 48, 200                                     # tails in every dimension for 32x64x16 tiles
+    cfg = GemmConfig(32, 64, 16, 2, 4)
+    dev, dt = KERNEL_DEVICE, torch.bfloat16
+    h = torch.randn(C, H, generator=g).to(dev, dt)
+    w = torch.randn(V, H, generator=g).to(dev, dt)
+    out = torch.full((C, V + 8), 7.0, device=dev, dtype=dt)  # padded rows: the pad must stay untouched
+    project_(h, w, out[:, :V], cfg)
+    assert_close(out[:, :V], h.double() @ w.double().t(), dt, "projection")
+    assert bool((out[:, V:] == 7).all()), "the projection wrote past its columns"
+    outT = torch.empty(V, C, device=dev, dtype=dt)
+    project_(w, h, outT, cfg, m_fastest=False)
+    assert_close(outT, w.double() @ h.double().t(), dt, "projection, transposed, column tiles fastest")
+    grad = (torch.randn(C, V, generator=g) * 0.1).to(dev, dt)
+    a = grad if a_transposed else grad.t().contiguous()
+    dw = torch.randn(V, H, generator=g).to(dev, dt)
+    first = grad.double().t() @ h.double()
+    accumulate_dw_(a, h, dw, accumulate=False, config=cfg, a_transposed=a_transposed)
+    assert_close(dw, first, dt, "dW, first chunk")
+    for reduce in (True, False):
+        before = dw.clone()
+        accumulate_dw_(a, h, dw, accumulate=True, config=cfg, a_transposed=a_transposed, reduce=reduce)
+        assert_close(dw, before.double() + first, dt, f"dW += (reduce={reduce})")
+
+
+@needs_kernels
+def test_linear_cross_entropy_gemm_choice_is_checked():
+    hidden, weight, labels = _lce_inputs(20, 16, 30, torch.float32, KERNEL_DEVICE)
+    with pytest.raises(ValueError, match="gemm='auto'"):
+        triton_ops.linear_cross_entropy(hidden, weight, labels, gemm="triton")   # fp32: no TMA path
+    with pytest.raises(ValueError, match="gemm must be"):
+        triton_ops.linear_cross_entropy(hidden, weight, labels, gemm="cutlass")
+    with pytest.raises(ValueError, match="reference"):
+        reference.linear_cross_entropy(hidden.cpu(), weight.cpu(), labels.cpu(), gemm="triton")
 
 
 def test_linear_cross_entropy_dispatch_keeps_reference_signature():
@@ -266,10 +329,11 @@ def test_kernels_under_interpreter():
 # ---------------------------------------------------------------- GPU: real shapes
 
 @pytest.mark.gpu
-def test_linear_cross_entropy_llama3_head_bf16():
+@pytest.mark.parametrize("gemm", ["auto", "cublas"])
+def test_linear_cross_entropy_llama3_head_bf16(gemm):
     hidden, weight, labels = _lce_inputs(4096, 4096, 128256, torch.bfloat16, "cuda")
     h, w = _leaf(hidden), _leaf(weight)
-    loss = triton_ops.linear_cross_entropy(h, w, labels)
+    loss = triton_ops.linear_cross_entropy(h, w, labels, gemm=gemm)
     loss.backward()
     hr, wr = _leaf(hidden.float()), _leaf(weight.float())
     ref = reference.linear_cross_entropy(hr, wr, labels, chunk_tokens=1024)
