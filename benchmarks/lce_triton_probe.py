@@ -21,7 +21,7 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from triton_ops.kernels.lce_matmul import GemmConfig, accumulate_dw_, project_  # noqa: E402
+from benchmarks.lce_triton_gemms import GemmConfig, accumulate_dw_, project_  # noqa: E402
 
 
 def timed(fn, starts, iters=5):

@@ -27,7 +27,7 @@ ON_GPU = torch.cuda.is_available()
 KERNEL_DEVICE = "cuda" if ON_GPU else ("cpu" if INTERPRET and triton_ops.is_triton_available() else None)
 needs_kernels = pytest.mark.skipif(KERNEL_DEVICE is None,
                                    reason="kernels run on CUDA, or on CPU under TRITON_INTERPRET=1 (child run)")
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -77,7 +77,7 @@ def _check_lce(hidden, weight, labels, dtype, kwargs, grad_scale=1.0):
     assert loss.dtype == torch.float32 and loss.dim() == 0
     (loss * grad_scale).backward()
     hr, wr = _fp64(hidden), _fp64(weight)
-    ref_kwargs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items() if k not in ("chunk_tokens", "gemm")}
+    ref_kwargs = {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in kwargs.items() if k != "chunk_tokens"}
     ref = reference.linear_cross_entropy(hr, wr, labels.cpu(), **ref_kwargs)
     (ref * grad_scale).backward()
     assert_close(loss, ref, dtype, "loss", scale=0.25)
@@ -120,6 +120,25 @@ def test_linear_cross_entropy_kernel_all_ignored(reduction):
     assert torch.count_nonzero(h.grad).item() == 0 and torch.count_nonzero(w.grad).item() == 0
 
 
+@needs_kernels
+def test_cross_entropy_kernel_rounds_its_bf16_gradient_to_nearest():
+    # The GPU rounds fp32 -> bf16 to nearest-even; Triton's interpreter truncates, so the kernel
+    # rounds on the bits there (cast_rne). Either way the stored gradient is torch's rounding of
+    # the fp32 gradient (truncation would match about half of the entries).
+    from triton_ops.kernels.cross_entropy import cross_entropy_rows_
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 999, generator=g) * 3).to(KERNEL_DEVICE, torch.bfloat16)
+    labels = torch.tensor([0, 5, 998, 17, 400, 3], device=KERNEL_DEVICE)
+    grad = logits.clone()
+    loss = torch.empty(6, device=KERNEL_DEVICE)
+    cross_entropy_rows_(grad, labels, loss, torch.full((1,), 0.25, device=KERNEL_DEVICE))
+    x = logits.float()
+    expect = (torch.softmax(x, -1) - torch.nn.functional.one_hot(labels, 999)) * 0.25
+    same = (grad == expect.to(torch.bfloat16)).float().mean().item()
+    assert same > 0.98, f"only {same:.1%} of the bf16 gradient matches round-to-nearest"
+
+
 def _triton_gemms_usable() -> bool:
     if KERNEL_DEVICE == "cuda":
         return torch.cuda.get_device_capability()[0] >= 9
@@ -127,25 +146,16 @@ def _triton_gemms_usable() -> bool:
 
 
 needs_triton_gemms = pytest.mark.skipif(not _triton_gemms_usable(),
-                                        reason="the loss head's Triton GEMMs need TMA (Hopper or newer) or the interpreter")
-
-
-@needs_kernels
-@needs_triton_gemms
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("options", LCE_OPTIONS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "mean")
-def test_linear_cross_entropy_kernel_triton_gemms(dtype, options):
-    # H a multiple of 8 (TMA rows), V = 1001 not (the logits buffer's rows are padded), 40-token
-    # chunks: a partial last chunk (K tail of the dW update) and an all-ignored chunk.
-    hidden, weight, labels = _lce_inputs(123, 264, 1001, dtype, KERNEL_DEVICE)
-    _check_lce(hidden, weight, labels, dtype, {"chunk_tokens": 40, "gemm": "triton", **options})
+                                        reason="the experimental TMA GEMMs need Hopper or newer, or the interpreter")
 
 
 @needs_kernels
 @needs_triton_gemms
 @pytest.mark.parametrize("a_transposed", [True, False])
-def test_lce_matmul_kernels_against_torch(a_transposed):
-    from triton_ops.kernels.lce_matmul import GemmConfig, accumulate_dw_, project_
+def test_lce_triton_gemms_against_torch(a_transposed):
+    # The loss head's experimental GEMMs (benchmarks/lce_triton_gemms.py, measured against cuBLAS
+    # in docs/benchmarks.md): kept correct so that the measurement can be repeated.
+    from benchmarks.lce_triton_gemms import GemmConfig, accumulate_dw_, project_
 
     g = torch.Generator().manual_seed(3)
     C, H, V = 72, 48, 200                                     # tails in every dimension for 32x64x16 tiles
@@ -170,17 +180,6 @@ def test_lce_matmul_kernels_against_torch(a_transposed):
         before = dw.clone()
         accumulate_dw_(a, h, dw, accumulate=True, config=cfg, a_transposed=a_transposed, reduce=reduce)
         assert_close(dw, before.double() + first, dt, f"dW += (reduce={reduce})")
-
-
-@needs_kernels
-def test_linear_cross_entropy_gemm_choice_is_checked():
-    hidden, weight, labels = _lce_inputs(20, 16, 30, torch.float32, KERNEL_DEVICE)
-    with pytest.raises(ValueError, match="gemm='auto'"):
-        triton_ops.linear_cross_entropy(hidden, weight, labels, gemm="triton")   # fp32: no TMA path
-    with pytest.raises(ValueError, match="gemm must be"):
-        triton_ops.linear_cross_entropy(hidden, weight, labels, gemm="cutlass")
-    with pytest.raises(ValueError, match="reference"):
-        reference.linear_cross_entropy(hidden.cpu(), weight.cpu(), labels.cpu(), gemm="triton")
 
 
 def test_linear_cross_entropy_dispatch_keeps_reference_signature():
@@ -329,11 +328,10 @@ def test_kernels_under_interpreter():
 # ---------------------------------------------------------------- GPU: real shapes
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["auto", "cublas"])
-def test_linear_cross_entropy_llama3_head_bf16(gemm):
+def test_linear_cross_entropy_llama3_head_bf16():
     hidden, weight, labels = _lce_inputs(4096, 4096, 128256, torch.bfloat16, "cuda")
     h, w = _leaf(hidden), _leaf(weight)
-    loss = triton_ops.linear_cross_entropy(h, w, labels, gemm=gemm)
+    loss = triton_ops.linear_cross_entropy(h, w, labels)
     loss.backward()
     hr, wr = _leaf(hidden.float()), _leaf(weight.float())
     ref = reference.linear_cross_entropy(hr, wr, labels, chunk_tokens=1024)

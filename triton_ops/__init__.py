@@ -65,7 +65,6 @@ def linear_cross_entropy(
     softcap: float | None = None,
     z_loss: float = 0.0,
     chunk_tokens: int | None = None,
-    gemm: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without materializing the logits.
 
@@ -82,8 +81,6 @@ def linear_cross_entropy(
         softcap: optional logit soft-capping (Gemma-style).
         z_loss: coefficient of the auxiliary lse**2 term.
         chunk_tokens: tokens per chunk (default: chosen from the sizes and the free memory).
-        gemm: (kernel only) "auto", "triton" or "cublas": who runs the projection and the weight
-            gradient's update; "auto" takes the Triton GEMMs on Hopper and newer (docs/kernels.md).
 
     Returns:
         Scalar fp32 loss.
@@ -92,7 +89,7 @@ def linear_cross_entropy(
                   softcap=softcap, z_loss=z_loss, chunk_tokens=chunk_tokens)
     if kernels_apply(hidden):
         from .kernels.cross_entropy import linear_cross_entropy as fused
-        return fused(hidden, weight, labels, gemm=gemm, **kwargs)
+        return fused(hidden, weight, labels, **kwargs)
     return reference.linear_cross_entropy(hidden, weight, labels, **kwargs)
 
 

@@ -110,7 +110,6 @@ def linear_cross_entropy(
     softcap: float | None = None,
     z_loss: float = 0.0,
     chunk_tokens: int | None = None,
-    gemm: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without materializing the logits.
 
@@ -123,15 +122,10 @@ def linear_cross_entropy(
         softcap: optional logit soft-capping, logits = softcap * tanh(logits / softcap).
         z_loss: coefficient of the auxiliary lse**2 term.
         chunk_tokens: tokens per chunk (default: 4096 rows at a time).
-        gemm: the kernel's GEMM choice; the reference always uses torch's matmul, so only
-            "auto" and "cublas" are accepted here ("triton" needs the kernels).
 
     Returns:
         Scalar fp32 loss; its backward yields the gradients already computed in forward.
     """
-    if gemm not in ("auto", "cublas"):
-        raise ValueError(f"gemm={gemm!r}: the reference implementation runs torch's matmul; pass 'auto' or "
-                         "'cublas', or give CUDA tensors on a Hopper-or-newer GPU for 'triton'")
     if chunk_tokens is None:
         chunk_tokens = 4096
     return LinearCrossEntropyFunction.apply(

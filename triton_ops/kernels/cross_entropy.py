@@ -18,11 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
-from .lce_matmul import accumulate_dw_, cast_rne, project_, tma_compatible
-
-__all__ = ["LinearCrossEntropyFunction", "default_chunk_tokens", "linear_cross_entropy", "triton_gemms_apply"]
+__all__ = ["LinearCrossEntropyFunction", "cast_rne", "default_chunk_tokens", "linear_cross_entropy"]
 
 _MAX_BLOCK = 16384
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
+    """x (fp32) rounded to `dtype` to nearest-even. Triton's interpreter truncates fp32 -> bf16
+    (Triton 3.9); with EMULATE the rounding is done on the bits first, so that CPU runs round as
+    the GPU does."""
+    if EMULATE and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -176,57 +186,31 @@ def _inv_denominator(labels, ignore_index, reduction, num_items_in_batch, device
     return (1.0 / denom).reshape(1)
 
 
-def triton_gemms_apply(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the chunk loop can use `lce_matmul`'s GEMMs: TMA (Hopper or newer, or Triton's
-    interpreter on the CPU), 16-bit operands, and rows TMA can address (H a multiple of 8)."""
-    if hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype != hidden.dtype:
-        return False
-    if hidden.is_cuda and torch.cuda.get_device_capability(hidden.device)[0] < 9:
-        return False
-    return tma_compatible(hidden, weight)
-
-
 def chunked_loss_and_grads(hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-                           need_dh, need_dw, gemm="auto"):
+                           need_dh, need_dw):
     """The chunk loop. Returns loss_rows (T,) fp32, dh (T, H) or None, dW (V, H) or None.
 
-    Every matmul writes into preallocated memory, the first chunk writes dW and the others add to
-    it, and the chunk's logits buffer is reused in place. `gemm` picks who computes the
-    projection and the dW update: "triton" (`lce_matmul`: the update's read-modify-write done by
-    TMA reductions while the tensor cores work), "cublas" (torch.mm / addmm with beta = 1), or
-    "auto" (Triton where `triton_gemms_apply`). dh is cuBLAS's in both.
+    Every matmul writes into preallocated memory (`out=`), dW is updated by `addmm_` with
+    beta = 1 (the first chunk writes it), and the chunk's logits buffer is reused in place.
     """
     T, H = hidden.shape
     V = weight.shape[0]
     device = hidden.device
-    if gemm not in ("auto", "triton", "cublas"):
-        raise ValueError(f"gemm must be 'auto', 'triton' or 'cublas', got {gemm!r}")
-    own = triton_gemms_apply(hidden, weight) if gemm != "cublas" else False
-    if gemm == "triton" and not own:
-        raise ValueError("gemm='triton' needs a Hopper-or-newer GPU (TMA), bf16/fp16 operands and a hidden "
-                         "size that is a multiple of 8; use gemm='auto' to fall back to cuBLAS")
     loss_rows = torch.empty(T, dtype=torch.float32, device=device)           # (T,)
-    # (C, V); with our GEMMs the rows are padded to 16 bytes so that TMA can address them.
-    pad = (-V) % 8 if own else 0
-    logits_buf = torch.empty((chunk, V + pad), dtype=weight.dtype, device=device)[:, :V]
+    logits_buf = torch.empty((chunk, V), dtype=weight.dtype, device=device)  # (C, V), reused
     dh = torch.empty_like(hidden) if need_dh else None                       # (T, H)
     dw = torch.empty_like(weight) if need_dw else None                       # (V, H)
     for i, start in enumerate(range(0, T, chunk)):
         end = min(start + chunk, T)
         h_c = hidden[start:end]                                              # (c, H)
         buf = logits_buf[: end - start]                                      # (c, V)
-        if own:
-            project_(h_c, weight, buf)
-        else:
-            torch.mm(h_c, weight.t(), out=buf)
+        torch.mm(h_c, weight.t(), out=buf)
         cross_entropy_rows_(buf, labels[start:end], loss_rows[start:end], inv_denom,
                             ignore_index, softcap, z_loss, write_grad=need_dh or need_dw)
         if need_dh:
             torch.mm(buf, weight, out=dh[start:end])
         if need_dw:
-            if own:
-                accumulate_dw_(buf, h_c, dw, accumulate=i > 0, a_transposed=True)
-            elif i == 0:
+            if i == 0:
                 torch.mm(buf.t(), h_c, out=dw)
             else:
                 dw.addmm_(buf.t(), h_c)
@@ -243,7 +227,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss,
-                chunk_tokens, gemm="auto"):
+                chunk_tokens):
         T, H = hidden.shape
         V = weight.shape[0]
         out_dtype = hidden.dtype
@@ -255,7 +239,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         chunk = max(1, min(chunk, T))
         loss_rows, dh, dw = chunked_loss_and_grads(
             hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1], gemm)
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         loss = loss_rows.sum() * inv_denom.squeeze(0)
         ctx.dh = dh.to(out_dtype) if dh is not None else None
         ctx.dw = dw
@@ -273,7 +257,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh.mul_(g.to(dh.dtype))
         if dw is not None:
             dw.mul_(g.to(dw.dtype))
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -287,7 +271,6 @@ def linear_cross_entropy(
     softcap: float | None = None,
     z_loss: float = 0.0,
     chunk_tokens: int | None = None,
-    gemm: str = "auto",
 ) -> torch.Tensor:
     """Triton/cuBLAS cross-entropy of `hidden @ weight.T`; see `triton_ops.linear_cross_entropy`.
 
@@ -299,12 +282,10 @@ def linear_cross_entropy(
         softcap: logit soft-capping c (logits = c * tanh(logits / c)), or None.
         z_loss: coefficient of the auxiliary lse**2 term.
         chunk_tokens: tokens per chunk (default: `default_chunk_tokens`).
-        gemm: "auto", "triton" or "cublas": who computes the projection and the dW update
-            (`chunked_loss_and_grads`).
 
     Returns:
         Scalar fp32 loss.
     """
     return LinearCrossEntropyFunction.apply(
-        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens, gemm
+        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens
     )

@@ -1,4 +1,4 @@
-"""The loss head's own GEMMs: the chunk's projection and the weight-gradient update.
+"""Experimental Triton GEMMs for the loss head's projection and weight-gradient update.
 
 Two persistent Triton kernels that load their operands through TMA descriptors (Hopper and
 newer; Triton's interpreter runs them on the CPU):
@@ -6,16 +6,16 @@ newer; Triton's interpreter runs them on the CPU):
     logits = h_c @ W.T        (C, V) = (C, H) x (V, H).T   `project_`
     dW    += G_c.T @ h_c      (V, H) = (C, V).T x (C, H)   `accumulate_dw_`
 
-Why not cuBLAS for these two (docs/kernels.md, "The loss head's GEMMs"): the dW update has a
-reduction of only K = C tokens per chunk, so every chunk reads and writes the whole (V, H)
-gradient; cuBLAS's addmm (beta = 1) reads the old tile in its epilogue, after the mainloop, and
-leaves that read exposed. Here each tile's old value is requested before the mainloop starts and
-arrives while the tensor cores work. The projection's tile order keeps a weight tile in L2 while
-all the chunk's row tiles use it.
+The question they answer (benchmarks/lce_triton_probe.py; docs/benchmarks.md, "The loss head's
+GEMMs"): can the chunked loss head beat cuBLAS where cuBLAS is weakest, the dW update with a
+reduction of only K = C tokens per chunk, which reads and writes the whole (V, H) gradient once
+per chunk? The update's read-modify-write is tried three ways: the old tile loaded before the
+mainloop (into registers or through TMA), and a TMA reduction (`cp.reduce.async.bulk`) that adds
+the rounded tile in L2 while the SM moves on. Measured on the H200, none is faster than cuBLAS's
+addmm, and the projection is within the run-to-run spread of cuBLAS's; the op therefore keeps
+cuBLAS, and these kernels stay here as the measured alternative.
 
-Both need the operands' rows 16-byte aligned (H and the logits buffer's row stride multiples of
-8 elements for bf16/fp16); `tma_compatible` says whether a set of tensors qualifies, and the
-caller falls back to cuBLAS otherwise.
+All operands need rows TMA can address: 16-byte aligned base and row stride (`tma_compatible`).
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from triton_ops.kernels.cross_entropy import cast_rne
 
 __all__ = ["GemmConfig", "accumulate_dw_", "project_", "tma_compatible"]
 
@@ -73,17 +75,6 @@ def _desc(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
-
-
-@triton.jit
-def cast_rne(x, dtype: tl.constexpr, EMULATE: tl.constexpr):
-    """x (fp32) rounded to `dtype` to nearest-even. Triton's interpreter truncates fp32 -> bf16
-    (Triton 3.9); with EMULATE the rounding is done on the bits first, so CPU runs round as the GPU."""
-    if EMULATE and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
 
 
 @triton.jit
