@@ -117,25 +117,12 @@ class PinnedCpuTier(ActivationTier):
         self.count("act_d2h", x.numel() * x.element_size())
         return st.record(st.d2h)
 
-    def _h2d(self, i: int, src: torch.Tensor, compute_pool: bool = False):
+    def _h2d(self, i: int, src: torch.Tensor):
         st = self.streams
         shape, dtype = self.meta[i]
-        if compute_pool:
-            # Note: [Why a reloaded input comes from the compute stream's pool] the caching
-            # allocator keeps one pool per stream: inputs allocated on the h2d stream could only
-            # ever serve later reloads, and at 8B that pool held 1.5 GiB the compute stream could
-            # not use (docs/benchmarks.md). Allocated for the compute stream, the block may still
-            # be read by compute work queued before its last free, so the copy waits for the
-            # compute stream's work queued so far; `prefetch` runs before the layer above starts
-            # its backward, so that wait ends while that layer computes, not at its end.
+        with st.on(st.h2d):
             x = torch.empty(shape, dtype=dtype, device=st.device)
-            st.wait(st.record(), st.h2d)
-            with st.on(st.h2d):
-                x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
-        else:
-            with st.on(st.h2d):
-                x = torch.empty(shape, dtype=dtype, device=st.device)
-                x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
+            x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
         self.count("act_h2d", shape.numel() * x.element_size())
         return x, st.record(st.h2d)
 
@@ -161,7 +148,7 @@ class PinnedCpuTier(ActivationTier):
         if i in self.loaded or i in self.kept or i in self.remade or i not in self.meta:
             return
         self.streams.wait(self.saved_ev[i], self.streams.h2d)
-        self.loaded[i] = self._h2d(i, self.host[i], compute_pool=True)
+        self.loaded[i] = self._h2d(i, self.host[i])
 
     def load(self, i):
         if i in self.kept:
