@@ -10,7 +10,6 @@ ms) with TFLOP/s. Every Triton config is checked against torch before it is time
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,22 +20,8 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks.lce_gemm_probe import timed  # noqa: E402
 from benchmarks.lce_triton_gemms import GemmConfig, accumulate_dw_, project_  # noqa: E402
-
-
-def timed(fn, starts, iters=5):
-    for s in starts[:2]:
-        fn(s)
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for s in starts:
-            fn(s)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _proj(a, b, m, n, cfg, m_fastest=True, stats=None):
