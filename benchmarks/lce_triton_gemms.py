@@ -71,6 +71,12 @@ def _dot_f32(t: torch.Tensor) -> bool:
     return not t.is_cuda
 
 
+def _check(*tensors: torch.Tensor) -> None:
+    if not tma_compatible(*tensors):
+        raise ValueError("the TMA GEMMs need 2-D bf16/fp16 tensors with a unit last stride and 16-byte aligned "
+                         "base and rows (a hidden size and logits row stride that are multiples of 8)")
+
+
 def _desc(t: torch.Tensor, block: list[int]):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -191,6 +197,7 @@ def project_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, config: GemmCo
     With `stats` = (m, s), two fp32 (cdiv(M, bm), N) buffers: each column's max and sum of exp
     per row tile (see `_project_kernel`).
     """
+    _check(a, b, out)
     cfg = config or PROJECT_CONFIG
     M, K = a.shape
     N = b.shape[0]
@@ -209,6 +216,7 @@ def accumulate_dw_(a: torch.Tensor, b: torch.Tensor, dw: torch.Tensor, accumulat
                    config: GemmConfig | None = None, a_transposed: bool = False, reduce: bool = True,
                    old_ptr: bool = True, prefetch: bool = True) -> None:
     """dw (V, H) = [dw +] a (V, C) @ b (C, H), or a.T @ b for `a_transposed` a (C, V); all `tma_compatible`."""
+    _check(a, b, dw)
     cfg = config or DW_CONFIG
     M, N = dw.shape
     K = b.shape[0]

@@ -144,18 +144,26 @@ class PinnedCpuTier(ActivationTier):
         self.saved_ev[i] = self._d2h(x, buf[:x.numel()])
         self.meta[i] = (x.shape, x.dtype)
 
+    def _on_host(self, i) -> bool:
+        """x_i went to the host and is not on its way back yet."""
+        return i in self.meta and i not in self.loaded and i not in self.kept and i not in self.remade
+
     def prefetch(self, i):
-        if i in self.loaded or i in self.kept or i in self.remade or i not in self.meta:
+        if not self._on_host(i):
             return
         self.streams.wait(self.saved_ev[i], self.streams.h2d)
         self.loaded[i] = self._h2d(i, self.host[i])
+
+    def _bring(self, i) -> None:
+        """Make sure `loaded[i]` holds x_i's device copy and its h2d event."""
+        self.prefetch(i)
 
     def load(self, i):
         if i in self.kept:
             return self.kept[i]            # made on the compute stream: no event to wait for
         if i in self.remade:
             return self.remade[i]()
-        self.prefetch(i)
+        self._bring(i)
         x, ev = self.loaded.pop(i)
         st = self.streams
         st.wait(ev)
@@ -310,41 +318,32 @@ class FileTier(PinnedCpuTier):
         return True
 
     def prefetch(self, i):
-        if i in self.loaded or i in self.kept or i in self.remade or i not in self.meta:
+        if not self._on_host(i):
             return
         if i not in self.reads:
             self._request(i, block=True)
         # Read ahead while buffers are free, one always left for a blocking request.
         j = i - 1
         while j >= 0 and len(self.reads) < len(self.bounce) - 1:
-            if j in self.meta and j not in self.reads and j not in self.loaded and j not in self.kept \
-                    and j not in self.remade:
+            if self._on_host(j) and j not in self.reads:
                 if self.free.qsize() <= 1 or not self._request(j, block=False):
                     break
             j -= 1
 
-    def load(self, i):
-        if i in self.kept:
-            return self.kept[i]
-        if i in self.remade:
-            return self.remade[i]()
-        if i not in self.loaded:
-            self.prefetch(i)
-            done, k = self.reads.pop(i)
-            try:
-                self._wait(done)
-            except BaseException:
-                self.free.put(k)
-                raise
-            x, ev = self._h2d(i, self.bounce[k])
-            self.bounce_ev[k] = ev
+    def _bring(self, i) -> None:
+        if i in self.loaded:
+            return
+        self.prefetch(i)
+        done, k = self.reads.pop(i)
+        try:
+            self._wait(done)
+        except BaseException:
             self.free.put(k)
-            self.loaded[i] = (x, ev)
-        x, ev = self.loaded.pop(i)
-        self.streams.wait(ev)
-        if self.streams.cuda:
-            x.record_stream(self.streams.compute)
-        return x
+            raise
+        x, ev = self._h2d(i, self.bounce[k])
+        self.bounce_ev[k] = ev
+        self.free.put(k)
+        self.loaded[i] = (x, ev)
 
     def clear(self):
         """A new forward: the file work of the last one is finished and its unread inputs let go."""

@@ -174,9 +174,7 @@ class DeviceUpdates:
     def _release_head_ring(self, passed: int, read_ev) -> None:
         """Give back the ring buffers whose part of the head's gradient has been read (up to
         element `passed`, None: all); the next copy into one waits for `read_ev` on the d2h stream."""
-        held = self._head_dev_held
-        while held and (passed is None or (held[0] + 1) * self.ring_size <= passed):
-            k = held.pop(0)
+        for k in self._ring_passed(self._head_dev_held, passed):
             self.ring_read_ev[k] = read_ev
             self.ring_free[k].set()
 

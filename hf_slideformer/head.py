@@ -114,6 +114,12 @@ class LossHead:
             self._head_own = self.pinned.empty(numel)
         return self._head_own[:numel]
 
+    def _ring_passed(self, held: list, passed: int | None):
+        """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
+        a front-to-back reader has passed: up to element `passed` of the gradient, or all (None)."""
+        while held and (passed is None or (held[0] + 1) * self.ring_size <= passed):
+            yield held.pop(0)
+
     def _return_head_ring(self) -> None:
         for k in self.head_ring:
             self.ring_free[k].set()

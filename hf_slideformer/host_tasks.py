@@ -153,8 +153,8 @@ class HostTasks:
         pending = list(ring)
 
         def returned(n: int) -> None:
-            while pending and (pending[0] + 1) * self.ring_size <= n:
-                self.ring_free[pending.pop(0)].set()
+            for k in self._ring_passed(pending, n):
+                self.ring_free[k].set()
         return returned
 
     def _layer_task(self, u, src, done, update, ends_step, hp, marks=None):
