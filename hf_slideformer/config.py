@@ -75,6 +75,12 @@ class SlideConfig:
             the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated, 5d7ea7a), and the
             resident plan, which measures the reserved peak, had that much less room (with them
             the 8B embedding became resident). See docs/engine.md.
+        host_adam: The kernel of the host AdamW: "native" (a vectorised, threaded C kernel compiled
+            for this CPU on first use and cached: one pass per chunk that reads the compute-dtype
+            gradient, the fp32 master and moments and writes them back), "torch" (torch's fused
+            CPU AdamW, which needs an fp32 gradient: a bf16 gradient is widened first), or "auto"
+            (default: "native" where a C compiler is found, else "torch" with a notice). Both
+            follow torch.optim.AdamW; see docs/engine.md.
         check_host_memory: Refuse to start when the host store cannot fit in available memory.
         debug: Verbose logging of the schedule.
     """
@@ -98,6 +104,7 @@ class SlideConfig:
     resident_embedding: bool | str = "auto"
     device_update_share: float | str = "auto"
     expandable_segments: bool = True
+    host_adam: str = "auto"
     check_host_memory: bool = True
     debug: bool = False
     extra: dict = field(default_factory=dict, repr=False)
@@ -164,6 +171,8 @@ class SlideConfig:
                 raise ValueError("SlideConfig.device_update_share must be 'auto' or a number in [0, 1], "
                                  f"got {share!r}")
             self.device_update_share = float(share)
+        if self.host_adam not in ("auto", "native", "torch"):
+            raise ValueError(f"SlideConfig.host_adam must be 'auto', 'native' or 'torch', got {self.host_adam!r}")
         if self.grad_buffers < 1:
             raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 
