@@ -3,10 +3,13 @@
     python examples/train_trainer.py --output_dir out --max_steps 50 --per_device_train_batch_size 4 \\
         --gradient_accumulation_steps 2 --bf16 --slide_window 2 --slide_gpu_memory_limit 24 [--model_dir DIR]
 
-Every TrainingArguments flag works, plus the `--slide_*` flags of SlideArgs (docs/options.md).
+Every TrainingArguments flag works, plus the `--slide_*` flags of SlideArgs (docs/options.md);
+`--resume_from_checkpoint out/checkpoint-20` (or `true`: the last checkpoint in --output_dir)
+continues a run exactly where that checkpoint left it.
 Without --model_dir it trains a random-init Llama of the shape --shape (tiny by default) on the
 bundled corpus, bytes as tokens (or random tokens for large vocabularies). It prints one JSON line
-at the end: losses, tokens/s, peak GPU memory.
+at the end: the logged losses (one per --logging_steps; none in a run shorter than that), the
+mean training loss, tokens/s, peak GPU memory.
 """
 import json
 from dataclasses import dataclass, field
@@ -59,16 +62,20 @@ def main():
                                              max_position_embeddings=max(data.seq_len, 128)))
     train = dataset(data.seq_len, data.samples, model.config.vocab_size)
     trainer = hs.SlideTrainer(model=model, args=args, train_dataset=train, eval_dataset=train[:8])
-    result = trainer.train()
+    resume = args.resume_from_checkpoint
+    if resume is not None and resume.lower() == "true":
+        resume = True                                   # the Trainer's own: the last checkpoint in output_dir
+    result = trainer.train(resume_from_checkpoint=resume)
     metrics = trainer.evaluate()
     if args.output_dir and args.should_save:
         trainer.save_model(args.output_dir)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     peak = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
     print(json.dumps({"losses": [h["loss"] for h in logs], "grad_norms": [h.get("grad_norm") for h in logs],
-                      "tokens_per_s": [h.get("tokens_per_s") for h in logs], "eval_loss": metrics["eval_loss"],
+                      "tokens_per_s": [h.get("tokens_per_s") for h in logs], "train_loss": result.training_loss,
+                      "eval_loss": metrics["eval_loss"], "global_step": result.global_step,
                       "train_runtime": result.metrics["train_runtime"], "peak_gpu_GiB": peak,
-                      "breakdown": {k: v for k, v in logs[-1].items() if k.startswith("slide/")},
+                      "breakdown": {k: v for k, v in (logs[-1] if logs else {}).items() if k.startswith("slide/")},
                       "params": sum(p.numel() for p in model.parameters())}))
 
 
