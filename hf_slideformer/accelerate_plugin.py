@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -24,8 +24,8 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 
-from .config import (ACTIVATION_TIERS, SlideConfig, device_update_share_value, resident_embedding_value,
-                     resident_layers_value)
+from .config import FLOAT16_REFUSED, SETTINGS, SlideConfig
+from .options import check_fields, option_fields
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +34,6 @@ __all__ = ["SlidePlugin", "SlideAccelerator", "LaunchEnvironment", "launch_envir
 
 SECTION = "slideformer"
 _HOST_SECTION = "mpirun_config"
-_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None, None: None}
-_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-           "float32": torch.float32, "fp32": torch.float32}
 
 
 def multi_process_message(n: int) -> str:
@@ -96,60 +93,18 @@ def _launcher_config_file() -> Optional[str]:
 
 
 @dataclass
+@option_fields(SETTINGS, surface="plugin")
 class SlidePlugin:
-    """The sliding settings of an Accelerate run; every field mirrors a `SlideConfig` knob.
+    """The sliding settings of an Accelerate run: one field per `SlideConfig` option (the settings table).
 
     Written in the accelerate config yaml under `mpirun_config: {slideformer: {...}}` (see the
-    module docstring for why there), or built in code.
+    module docstring for why there), or built in code. Values are checked and normalized as
+    `SlideConfig` does (`'24'` -> 24, `'true'` -> True); an error names `slideformer.<key>`.
+    `dtype` unset follows the launch's mixed_precision (bf16; fp16 is refused).
     """
 
-    window: int = field(default=2, metadata={"help": "GPU layer slots (1-16)."})
-    activation_tier: str = field(default="auto", metadata={"help": f"Layer-input tier, one of {ACTIVATION_TIERS}."})
-    nvme_path: Optional[str] = field(default=None, metadata={"help": "Directory for the 'nvme' activation tier."})
-    cpu_threads: Optional[int] = field(default=None, metadata={
-        "help": "CPU optimizer threads (default: all cores, whatever OMP_NUM_THREADS says)."})
-    gpu_memory_limit: Optional[float] = field(default=None, metadata={"help": "GPU memory cap in GiB."})
-    use_kernels: Optional[bool] = field(default=None, metadata={"help": "Use the Triton kernels (default: on CUDA)."})
-    pin_memory: Optional[bool] = field(default=None, metadata={"help": "Pin host buffers (default: on CUDA)."})
-    dtype: Optional[str] = field(default=None, metadata={
-        "help": "Compute dtype; default: the yaml's mixed_precision (bf16 / fp16), else the engine's default."})
-    head_chunk_tokens: Optional[int] = field(default=None, metadata={"help": "Tokens per fused-head chunk."})
-    grad_buffers: int = field(default=4, metadata={"help": "Pinned host gradient staging buffers."})
-    update_order: str = field(default="arrival", metadata={
-        "help": "Order of the CPU updates of one backward: 'arrival', 'forward' or 'hybrid' (see SlideConfig)."})
-    head_update: str = field(default="cpu", metadata={
-        "help": "Where the head's AdamW runs with updates in backward: 'cpu' or 'device' (see SlideConfig)."})
-    resident_layers: str = field(default="auto", metadata={
-        "help": "Layers kept and updated on the GPU: 'auto' or a number (see SlideConfig.resident_layers)."})
-    resident_embedding: str = field(default="auto", metadata={
-        "help": "Keep the embedding's state on the GPU: 'auto', 'true' or 'false' (see SlideConfig.resident_embedding)."})
-    device_update_share: str = field(default="auto", metadata={
-        "help": "With clipping, the share of host-held layers updated on the GPU: 'auto' or a number in [0, 1] "
-                "(see SlideConfig.device_update_share)."})
-    check_host_memory: bool = field(default=True, metadata={"help": "Refuse to start when host RAM is short."})
-    gradient_accumulation_steps: int = field(default=1, metadata={
-        "help": "Backward passes per optimizer step; also given to the Accelerator (accelerator.accumulate)."})
-    max_grad_norm: Optional[float] = field(default=None, metadata={
-        "help": "Global gradient-norm clipping, applied by the engine at optimizer.step() (must be known before "
-                "backward, so it is a setting, not an accelerator.clip_grad_norm_ call)."})
-    debug: bool = field(default=False, metadata={"help": "Verbose logging of the sliding schedule."})
-
     def __post_init__(self):
-        if self.activation_tier not in ACTIVATION_TIERS:
-            raise ValueError(f"slideformer.activation_tier must be one of {ACTIVATION_TIERS}, got {self.activation_tier!r}")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"slideformer.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-        for name in ("window", "grad_buffers", "gradient_accumulation_steps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"slideformer.{name} must be an int >= 1, got {value!r}")
-        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
-            raise ValueError(f"slideformer.cpu_threads must be an int >= 1, got {self.cpu_threads!r}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            self.max_grad_norm = None
-        share = device_update_share_value(self.device_update_share)
-        if share != "auto" and (isinstance(share, (str, bool)) or not 0.0 <= share <= 1.0):
-            raise ValueError(f"slideformer.device_update_share must be 'auto' or a number in [0, 1], got {share!r}")
+        check_fields(self, SETTINGS, surface="plugin", label=SECTION + ".{}")
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "settings") -> "SlidePlugin":
@@ -182,19 +137,11 @@ class SlidePlugin:
         return cls.from_yaml(path) if path else cls()
 
     def to_slide_config(self, device: str | torch.device, mixed_precision: Optional[str] = None) -> SlideConfig:
-        """The `SlideConfig` for `device`; `mixed_precision` ("bf16", "fp16", "no") picks the dtype when unset."""
-        dtype = _DTYPES[self.dtype] if self.dtype else _PRECISION.get(mixed_precision)
-        return SlideConfig(device=str(device), dtype=dtype, window=self.window,
-                           gradient_accumulation_steps=self.gradient_accumulation_steps,
-                           max_grad_norm=self.max_grad_norm, activation_tier=self.activation_tier,
-                           nvme_path=self.nvme_path, cpu_threads=self.cpu_threads, pin_memory=self.pin_memory,
-                           use_kernels=self.use_kernels, gpu_memory_limit=self.gpu_memory_limit,
-                           head_chunk_tokens=self.head_chunk_tokens, grad_buffers=self.grad_buffers,
-                           update_order=self.update_order, head_update=self.head_update,
-                           resident_layers=resident_layers_value(self.resident_layers),
-                           resident_embedding=resident_embedding_value(self.resident_embedding),
-                           device_update_share=device_update_share_value(self.device_update_share),
-                           check_host_memory=self.check_host_memory, debug=self.debug)
+        """The `SlideConfig` for `device`; `mixed_precision` ("bf16", "no") picks the dtype when unset."""
+        values = {name: getattr(self, name) for name, opt in SETTINGS.items() if "plugin" in opt.surfaces}
+        if values["dtype"] is None and mixed_precision not in (None, "no"):
+            values["dtype"] = mixed_precision
+        return SlideConfig(device=str(device), **values)
 
 
 def wrap_optimizer(optimizer) -> AcceleratedOptimizer:
@@ -228,8 +175,10 @@ class SlideAccelerator(Accelerator):
                              "distributed_type: 'NO' in the accelerate config, or train without sliding.")
         plugin = slide_plugin if slide_plugin is not None else SlidePlugin.from_launch()
         precision = kwargs.pop("mixed_precision", None) or env.mixed_precision or "no"
-        if precision not in ("no", "bf16", "fp16"):
-            raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16, fp16 or no)")
+        if precision == "fp16":
+            raise ValueError(f"mixed_precision 'fp16' is refused with sliding: {FLOAT16_REFUSED}")
+        if precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16 or no)")
         ga = kwargs.get("gradient_accumulation_steps")
         if ga not in (None, 1) and plugin.gradient_accumulation_steps not in (1, ga):
             raise ValueError(f"gradient_accumulation_steps={ga} contradicts the slideformer setting "

@@ -1,180 +1,149 @@
-"""SlideConfig: every knob of the sliding engine, validated once and passed whole to each part."""
+"""SlideConfig: every knob of the sliding engine, validated once and passed whole to each part.
+
+The fields below are the settings table (see `options.py`): each carries its help, what it
+accepts and where users write it. `SlideArgs`, `SlidePlugin` and docs/options.md are derived
+from them. After `slide()`, `model.slide_config` is a read-only view (`ReadOnlySlideConfig`).
+"""
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SlideConfig"]
+from .options import (DTYPES, FLOAT16_REFUSED, Auto, Bool, Choice, ClipNorm, Device, Directory, DType, Float, Int,
+                      option, settings_of)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+__all__ = ["SlideConfig", "ReadOnlySlideConfig", "SETTINGS", "DTYPES", "ACTIVATION_TIERS", "FLOAT16_REFUSED",
+           "configure_logging"]
+
 ACTIVATION_TIERS = ("auto", "device", "cpu", "nvme")
+PACKAGE_LOGGER = "hf_slideformer"
+
+
+def _host_cores() -> int:
+    return os.cpu_count() or 1
 
 
 @dataclass
 class SlideConfig:
-    """Settings of the sliding engine.
+    """Settings of the sliding engine; one field per option (help and accepted values: docs/options.md).
 
-    Args:
-        device: Compute device, "cuda" (or "cuda:N") or "cpu". Default: "cuda" when available.
-        dtype: Compute and transfer dtype of the layers on the device. Default: bfloat16 on CUDA,
-            float32 on CPU. Master weights and Adam moments are always float32 on the host.
-        window: Number of GPU layer slots (1-16). More slots prefetch further ahead.
-        gradient_accumulation_steps: Backward passes per optimizer step.
-        max_grad_norm: Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_.
-        activation_tier: Where each layer's input is kept between forward and backward:
-            "device" (GPU memory), "cpu" (pinned host memory), "nvme" (files under `nvme_path`),
-            or "auto" ("cpu" on CUDA, "device" on CPU).
-        nvme_path: Directory for the "nvme" activation tier.
-        cpu_threads: Threads for the CPU optimizer (default: all cores but one, which the main
-            thread needs to keep the GPU fed). Set explicitly because
-            launchers such as `accelerate launch` export OMP_NUM_THREADS=1.
-        pin_memory: Pin the host masters and staging buffers (default: True on CUDA).
-        use_kernels: Use the Triton kernels of `triton_ops` (default: True on CUDA with Triton).
-        gpu_memory_limit: Cap on this process's GPU memory, in GiB (emulates a smaller card).
-        head_chunk_tokens: Tokens per chunk of the fused linear-cross-entropy head (default: auto).
-        grad_buffers: Pinned host gradient staging buffers, each one layer large; the head's
-            gradient borrows them between forward and backward. 4 by default: where the CPU
-            paces the step (3B, batch 8) 3 buffers were 5% slower; where the GPU does (8B, batch
-            16) 3 were as fast and save one layer's fp32 gradient of host memory (0.87 GB at 8B).
-        update_order: Order of the CPU updates of one backward: "arrival" (as the gradients come,
-            L-1 .. 0) or "forward" (those still pending run in the order the next forward needs
-            them). "forward" helps when the CPU is the bound (small batches); "hybrid" keeps
-            arrival order during the backward and forward order for what is left when it ends
-            (measured on the H200: no faster than "arrival" once resident units take the CPU's
-            critical work); see docs/engine.md.
-        head_update: Where the head's (final norm + lm_head) AdamW runs when updates happen in
-            backward (no clipping, no accumulation): "cpu" (default) on the worker, first;
-            "device" streams its fp32 master, moments and gradient through the GPU during the
-            first layers' backward, in pieces, and leaves the worker to the layers (not for a tied
-            lm_head whose embedding is on the host: its update joins the embedding's there).
-            Measured slower at 8B (9.6 k against 10.0 k tokens/s): the streamed pieces share the
-            copy engines with the layers' gradients. See docs/engine.md.
-        resident_layers: Layers whose master and Adam state live on the GPU and are updated there
-            (layers 0..k-1). "auto" (default) measures the first optimizer step and keeps as many
-            as fit in the memory it left free under the cap (after the embedding, see
-            resident_embedding), less a margin (10%, at least 2 GiB);
-            0 turns them off. With clipping each keeps its gradient on the GPU until
-            optimizer.step(). With gradient accumulation only a number takes effect (each sums its
-            micro-batches on the GPU; "auto" keeps none there, the embedding stays on the host).
-            See docs/engine.md.
-        resident_embedding: Keep the input embedding's master and Adam state on the GPU too
-            ("auto": when it fits, decided with resident_layers, before the layers; True/False).
-        device_update_share: With clipping (with or without accumulation), the share of the
-            layers the GPU does not keep resident whose update runs on the GPU as they are
-            copied in for the next forward, in parallel with the CPU's updates of the others
-            (their master, moments and gradient cross PCIe both ways). "auto" (default): the share
-            that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host),
-            0 on the CPU device. A float in [0, 1] fixes it. See docs/engine.md.
-        expandable_segments: Turn on the CUDA caching allocator's expandable segments for the
-            process when the model is slid (unless PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF
-            already sets expandable_segments). The window, the activations and the head allocate
-            and free buffers of many sizes; with fixed segments the reserved peak ran far above
-            the allocated one (8B under 24 GiB: 23.8 GiB reserved for 14.8 allocated, 5d7ea7a), and the
-            resident plan, which measures the reserved peak, had that much less room (with them
-            the 8B embedding became resident). See docs/engine.md.
-        host_adam: The kernel of the host AdamW: "native" (a vectorised, threaded C kernel compiled
-            for this CPU on first use and cached: one pass per chunk that reads the compute-dtype
-            gradient, the fp32 master and moments and writes them back), "torch" (torch's fused
-            CPU AdamW, which needs an fp32 gradient: a bf16 gradient is widened first), or "auto"
-            (default: "native" where a C compiler is found, else "torch" with a notice). Both
-            follow torch.optim.AdamW; see docs/engine.md.
-        check_host_memory: Refuse to start when the host store cannot fit in available memory.
-        debug: Verbose logging of the schedule.
+    Every value is checked by type and range at construction (`ValueError` naming the field and
+    saying what to use); None and "auto" are resolved for the device here, so the engine reads
+    plain values. float16 is refused: the engine applies each update inside backward, where
+    `torch.amp.GradScaler` can neither unscale nor skip it; use bfloat16.
     """
 
-    device: str | None = None
-    dtype: torch.dtype | str | None = None
-    window: int = 2
-    gradient_accumulation_steps: int = 1
-    max_grad_norm: float | None = None
-    activation_tier: str = "auto"
-    nvme_path: str | None = None
-    cpu_threads: int | None = None
-    pin_memory: bool | None = None
-    use_kernels: bool | None = None
-    gpu_memory_limit: float | None = None
-    head_chunk_tokens: int | None = None
-    grad_buffers: int = 4
-    update_order: str = "arrival"
-    head_update: str = "cpu"
-    resident_layers: int | str = "auto"
-    resident_embedding: bool | str = "auto"
-    device_update_share: float | str = "auto"
-    expandable_segments: bool = True
-    host_adam: str = "auto"
-    check_host_memory: bool = True
-    debug: bool = False
-    extra: dict = field(default_factory=dict, repr=False)
+    device: str | None = option(None, Device(), "Compute device.", none="'cuda' when available, else 'cpu'",
+                                surfaces=(), elsewhere="SlideArgs: the Trainer's device (use_cpu); "
+                                                       "yaml: the Accelerator's device")
+    dtype: torch.dtype | str | None = option(
+        None, DType(),
+        "Compute and transfer dtype of the layers on the device. Master weights and Adam moments are always "
+        "float32 on the host. float16 is refused (updates run inside backward, where GradScaler cannot unscale "
+        "or skip them): use bfloat16.",
+        none="bfloat16 on CUDA, float32 on CPU (SlideArgs: --bf16 picks bfloat16; yaml: mixed_precision)")
+    window: int = option(2, Int(1, 16), "GPU layer slots: how many decoder layers are on the device at once; more "
+                                        "slots prefetch further ahead.")
+    gradient_accumulation_steps: int = option(
+        1, Int(1), "Backward passes per optimizer step (yaml: also given to the Accelerator).",
+        surfaces=("plugin",), elsewhere="SlideArgs: the Trainer's gradient_accumulation_steps")
+    max_grad_norm: float | None = option(
+        None, ClipNorm(), "Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_, applied by "
+                          "the engine at optimizer.step() (it must be known before backward: with Accelerate it is this "
+                          "setting, not an accelerator.clip_grad_norm_ call); 0 or less turns clipping off.",
+        none="no clipping", surfaces=("plugin",), elsewhere="SlideArgs: the Trainer's max_grad_norm")
+    activation_tier: str = option(
+        "auto", Choice(*ACTIVATION_TIERS),
+        "Where each layer's input waits between forward and backward: 'device' (GPU memory), 'cpu' (pinned host "
+        "memory), 'nvme' (files under nvme_path), or 'auto' ('cpu' on CUDA, 'device' on CPU).")
+    nvme_path: str | None = option(
+        None, Directory(), "Directory on a fast disk for the 'nvme' activation tier. Its parent must exist; the "
+                           "directory itself is created if missing.", none="unset (the 'nvme' tier needs it)")
+    cpu_threads: int | None = option(
+        None, Int(1, _host_cores, "at most the cores of this host"),
+        "Threads of the CPU optimizer. Set explicitly because launchers such as `accelerate launch` export "
+        "OMP_NUM_THREADS=1. More threads than the host has cores are refused (the OpenMP runtime fails on them).",
+        none="all cores; all but one (the main thread's) on hosts of more than 4 cores")
+    pin_memory: bool | None = option(None, Bool(), "Pin the host masters and staging buffers.", none="True on CUDA")
+    use_kernels: bool | None = option(None, Bool(), "Use the Triton kernels of `triton_ops`.",
+                                      none="True on CUDA (with Triton)")
+    gpu_memory_limit: float | None = option(
+        None, Float(0.0, lo_open=True, unit="GiB"), "Cap on this process's GPU memory, in GiB (e.g. 24 to emulate "
+                                                    "a consumer card).", none="no cap")
+    head_chunk_tokens: int | None = option(None, Int(1), "Tokens per chunk of the fused linear-cross-entropy head.",
+                                           none="chosen by the engine")
+    grad_buffers: int = option(
+        4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
+                   "between forward and backward. 3 saves one layer's fp32 gradient of host memory and is as fast "
+                   "where the GPU is the bound; where the CPU paces the step it was slower (docs/benchmarks.md).")
+    update_order: str = option(
+        "arrival", Choice("arrival", "forward", "hybrid"),
+        "Order of the CPU updates of one backward: 'arrival' (as the gradients come, L-1 .. 0), 'forward' (those "
+        "still pending in the order the next forward needs them) or 'hybrid' (arrival order during the backward, "
+        "forward order for what is left). See docs/engine.md.")
+    head_update: str = option(
+        "cpu", Choice("cpu", "device"),
+        "Where the head's (final norm + lm_head) AdamW runs when updates happen in backward (no clipping, no "
+        "accumulation): 'cpu' on the worker, first; 'device' streams its master, moments and gradient through the "
+        "GPU during the first layers' backward (not for a tied lm_head whose embedding is on the host). "
+        "See docs/engine.md.")
+    resident_layers: int | str = option(
+        "auto", Auto(Int(0)),
+        "Layers whose master and Adam state live on the GPU and are updated there (layers 0..k-1). 'auto' measures "
+        "the first optimizer step and keeps as many as fit in what it left free under the cap, less a margin (10%, "
+        "at least 2 GiB), after the embedding; 0 turns them off. With gradient accumulation only a number takes "
+        "effect. See docs/engine.md.")
+    resident_embedding: bool | str = option(
+        "auto", Auto(Bool()), "Keep the input embedding's master and Adam state on the GPU too ('auto': when it "
+                              "fits, decided with resident_layers, before the layers).")
+    device_update_share: float | str = option(
+        "auto", Auto(Float(0.0, 1.0)),
+        "With clipping, the share of the host-held layers whose update runs on the GPU as they are copied in for "
+        "the next forward, beside the CPU's updates of the others. 'auto': the share that balances the CPU's AdamW "
+        "rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host), 0 on the CPU device. "
+        "See docs/engine.md.")
+    expandable_segments: bool = option(
+        True, Bool(),
+        "Turn on the CUDA caching allocator's expandable segments for the process when the model is slid, unless "
+        "PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF sets expandable_segments. With fixed segments the reserved "
+        "peak runs far above the allocated one, and the resident plan, which measures it, has that much less room.")
+    host_adam: str = option(
+        "auto", Choice("auto", "native", "torch"),
+        "The kernel of the host AdamW: 'native' (a vectorised, threaded C kernel compiled for this CPU on first "
+        "use: one pass that reads the compute-dtype gradient and the fp32 master and moments), 'torch' (torch's "
+        "fused CPU AdamW; a bf16 gradient is widened first) or 'auto' ('native' where a C compiler is found). "
+        "Both follow torch.optim.AdamW.")
+    check_host_memory: bool = option(True, Bool(), "Refuse to start when the host store (12 bytes per parameter "
+                                                   "and more) cannot fit in available memory.")
+    debug: bool = option(False, Bool(), "Log the package's messages (logger 'hf_slideformer') at DEBUG level.")
 
     def __post_init__(self):
+        for name, opt in SETTINGS.items():
+            setattr(self, name, opt.check(getattr(self, name), f"SlideConfig.{name}"))
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(self.device)
-        if dev.type not in ("cuda", "cpu"):
-            raise ValueError(f"SlideConfig.device must be 'cuda' or 'cpu', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("SlideConfig.device='cuda' but CUDA is not available; use device='cpu'")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = str(dev)
-        if isinstance(self.dtype, str):
-            if self.dtype not in _DTYPES:
-                raise ValueError(f"SlideConfig.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
-            self.dtype = _DTYPES[self.dtype]
-        if self.dtype is None:
-            self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"SlideConfig.dtype must be float32, bfloat16 or float16, got {self.dtype}")
-        if not isinstance(self.window, int) or not 1 <= self.window <= 16:
-            raise ValueError(f"SlideConfig.window must be an int in [1, 16], got {self.window!r}")
-        if not isinstance(self.gradient_accumulation_steps, int) or self.gradient_accumulation_steps < 1:
-            raise ValueError("SlideConfig.gradient_accumulation_steps must be an int >= 1, "
-                             f"got {self.gradient_accumulation_steps!r}")
-        if self.max_grad_norm is not None:
-            if self.max_grad_norm <= 0:
-                self.max_grad_norm = None  # HF's convention: 0 disables clipping
-            else:
-                self.max_grad_norm = float(self.max_grad_norm)
-        if self.activation_tier not in ACTIVATION_TIERS:
-            raise ValueError(f"SlideConfig.activation_tier must be one of {ACTIVATION_TIERS}, got {self.activation_tier!r}")
+        self.dtype = DTYPES[self.dtype] if self.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
         if self.activation_tier == "auto":
             self.activation_tier = "cpu" if dev.type == "cuda" else "device"
         if self.activation_tier == "nvme" and not self.nvme_path:
             raise ValueError("SlideConfig.activation_tier='nvme' needs nvme_path (a directory on a fast disk)")
         if self.cpu_threads is None:
-            # On larger hosts one core stays with the main thread, which issues the GPU work.
-            cores = os.cpu_count() or 1
+            cores = _host_cores()       # on larger hosts one core stays with the main thread, which feeds the GPU
             self.cpu_threads = cores - 1 if cores > 4 else cores
-        if self.cpu_threads < 1:
-            raise ValueError(f"SlideConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.pin_memory is None:
             self.pin_memory = dev.type == "cuda"
         if self.use_kernels is None:
             self.use_kernels = dev.type == "cuda"
-        if self.gpu_memory_limit is not None and self.gpu_memory_limit <= 0:
-            raise ValueError(f"SlideConfig.gpu_memory_limit must be a positive number of GiB, got {self.gpu_memory_limit}")
-        if self.head_update not in ("cpu", "device"):
-            raise ValueError(f"SlideConfig.head_update must be 'cpu' or 'device', got {self.head_update!r}")
-        if self.update_order not in ("arrival", "forward", "hybrid"):
-            raise ValueError(f"SlideConfig.update_order must be 'arrival', 'forward' or 'hybrid', got {self.update_order!r}")
-        if self.resident_layers != "auto" and (isinstance(self.resident_layers, bool)
-                                               or not isinstance(self.resident_layers, int) or self.resident_layers < 0):
-            raise ValueError(f"SlideConfig.resident_layers must be 'auto' or an int >= 0, got {self.resident_layers!r}")
-        if self.resident_embedding not in ("auto", True, False):
-            raise ValueError(f"SlideConfig.resident_embedding must be 'auto', True or False, got {self.resident_embedding!r}")
-        if self.device_update_share != "auto":
-            share = self.device_update_share
-            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 <= share <= 1.0:
-                raise ValueError("SlideConfig.device_update_share must be 'auto' or a number in [0, 1], "
-                                 f"got {share!r}")
-            self.device_update_share = float(share)
-        if self.host_adam not in ("auto", "native", "torch"):
-            raise ValueError(f"SlideConfig.host_adam must be 'auto', 'native' or 'torch', got {self.host_adam!r}")
-        if self.grad_buffers < 1:
-            raise ValueError(f"SlideConfig.grad_buffers must be >= 1, got {self.grad_buffers}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -189,30 +158,55 @@ class SlideConfig:
         """Whether updates may have to wait for optimizer.step() (accumulation or clipping)."""
         return self.gradient_accumulation_steps > 1 or self.max_grad_norm is not None
 
-
-def resident_layers_value(value):
-    """'auto' or a count, from a command-line / yaml string or an int."""
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return value
-
-
-def device_update_share_value(value):
-    """'auto' or a share in [0, 1], from a command-line / yaml string or a number."""
-    if isinstance(value, str) and value.strip().lower() != "auto":
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
+    def read_only(self) -> "ReadOnlySlideConfig":
+        """A view of this config that refuses assignment and shows later changes the engine makes."""
+        view = object.__new__(ReadOnlySlideConfig)
+        object.__setattr__(view, "__dict__", self.__dict__)
+        return view
 
 
-def resident_embedding_value(value):
-    """'auto', True or False, from a command-line / yaml string or a bool."""
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "yes", "1", "on"):
-            return True
-        if low in ("false", "no", "0", "off"):
-            return False
-    return value
+SETTINGS = settings_of(SlideConfig)
+
+
+class ReadOnlySlideConfig(SlideConfig):
+    """`model.slide_config` after `slide()`: the engine's settings, read-only.
+
+    The engine was built for these values (slots, buffers, resident plan, accumulation), so a
+    field set directly would change the math behind its back. Between optimizer steps,
+    accumulation and clipping change through `model.slide_engine.configure_steps(...)` (the
+    Trainer does this from its arguments); anything else needs a fresh `slide()`. Copies
+    (`copy.copy`, `dataclasses.replace`, pickling) are plain, writable `SlideConfig`s.
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # dataclasses.replace() and copy/pickle construct through the class: give them a SlideConfig.
+        return SlideConfig(*args, **kwargs) if args or kwargs else object.__new__(SlideConfig)
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(
+            f"model.slide_config is read-only after slide() (setting {name}={value!r}): the engine was built for "
+            "these settings. Change accumulation or clipping between optimizer steps with "
+            "model.slide_engine.configure_steps(gradient_accumulation_steps, max_grad_norm); for anything else "
+            "slide a fresh model with a new SlideConfig.")
+
+    def __delattr__(self, name):
+        self.__setattr__(name, None)
+
+    def __eq__(self, other):
+        if not isinstance(other, SlideConfig):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in SETTINGS)
+
+    __hash__ = None
+
+
+def configure_logging(config: SlideConfig) -> None:
+    """`config.debug`: the package logger logs at DEBUG (with a stderr handler if logging is unconfigured)."""
+    if not config.debug:
+        return
+    pkg = logging.getLogger(PACKAGE_LOGGER)
+    pkg.setLevel(logging.DEBUG)
+    if not pkg.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        pkg.addHandler(handler)

@@ -6,6 +6,7 @@ host fp32 masters, and its forward runs through the sliding engine.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import logging
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import SlideConfig
+from .config import SlideConfig, configure_logging
 from .engine import SlideEngine
 from .memory import enable_expandable_segments
 from .models import get_adapter
@@ -93,14 +94,17 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
 
     Args:
         model: an HF `*ForCausalLM` of a supported family (llama, qwen2, qwen3, mistral).
-        config: the SlideConfig (default: SlideConfig()).
+        config: the SlideConfig (default: SlideConfig()). The engine keeps a copy: changing `config`
+            afterwards does not reach the model, and `model.slide_config` is a read-only view of
+            the engine's settings (see `ReadOnlySlideConfig`).
 
     Returns:
         The same model object, now a `SlideModel`.
     """
     if is_slid(model):
         raise ValueError("this model is already slid")
-    config = config or SlideConfig()
+    config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
+    configure_logging(config)
     adapter = get_adapter(getattr(model.config, "model_type", None))
     adapter.check(model)
     if config.expandable_segments and config.is_cuda:
@@ -139,7 +143,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     engine = SlideEngine(model, adapter, config, store)
     model.__class__ = _slid_class(type(model))
     model.slide_engine = engine
-    model.slide_config = config
+    model.slide_config = config.read_only()
     _install_proxies(model, adapter, engine)
     closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
     closer.atexit = False                             # at exit the process tears everything down anyway
@@ -234,6 +238,10 @@ class SlideModel:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:
             raise ValueError("input_ids is required")
+        if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
+                or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be an integer tensor of token ids (torch.long), got "
+                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}; a float would be truncated")
         past = kwargs.pop("past_key_values", None)
         past = kwargs.pop("cache", None) if past is None else past
         if use_cache or past is not None:

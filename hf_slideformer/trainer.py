@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import os
 import time
 
@@ -157,11 +158,18 @@ class SlideTrainer(Trainer):
         return grad_norm
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the engine's pre-clip grad norm, tokens/s and per-step breakdown to training logs."""
+        """Add the engine's pre-clip grad norm, tokens/s and per-step breakdown to training logs.
+
+        The grad norm is logged as it is, NaN or inf included (as the plain Trainer logs it), with a
+        warning naming the step; the loss is the Trainer's (its `logging_nan_inf_filter`, on by
+        default, replaces a non-finite step loss by the window's mean: set it False to see it).
+        """
         if "loss" in logs and self.slide_optimizer is not None and is_slid(self.model):
             norm = self.slide_optimizer.last_grad_norm      # waits for the queued updates: logging steps only
-            if norm == norm:
-                logs["grad_norm"] = norm
+            logs["grad_norm"] = norm
+            if not math.isfinite(norm):
+                logger.warning("step %d: the gradient norm is %s (loss %s): the weights may now hold non-finite "
+                               "values", self.state.global_step, norm, logs["loss"])
             now, stats = time.perf_counter(), self.model.slide_stats()
             if self._slide_mark is not None:
                 t0, tok0, s0 = self._slide_mark
