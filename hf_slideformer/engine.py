@@ -20,6 +20,7 @@ import time
 import torch
 
 from .activations import make_tier
+from .host_adam import HostAdam
 from .host_tasks import HostTasks
 from .slots import SlotQueue
 from .store import HostStore, Unit
@@ -97,7 +98,13 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         pin = config.pin_memory and config.is_cuda
         # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
         self.pinned = store.pinned
-        self.ring_slab = self.pinned.empty(max_layer * config.grad_buffers)
+        # Note: [Why gradients cross in the compute dtype] a layer's parameter gradients are
+        # computed in the compute dtype (its weights' dtype), so widening them to fp32 on the GPU
+        # adds no information: they cross PCIe and land in the ring as they are (bf16: half the
+        # bytes), and the host AdamW widens them in registers (`HostAdam`), exactly.
+        self.grad_dtype = self.dtype if self.dtype == torch.bfloat16 else torch.float32
+        self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
+        self.ring_slab = self.pinned.empty(max_layer * config.grad_buffers, dtype=self.grad_dtype)
         self.ring = list(self.ring_slab.split(max_layer))
         self.ring_free = [threading.Event() for _ in self.ring]
         for ev in self.ring_free:
@@ -132,6 +139,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._embed_out = None         # (x_0, its version, its gather) while layer 0's forward is ahead
         self._bulk = None
         self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
+        self._fold_buf: torch.Tensor | None = None                # see HostTasks._fold
         self._backward_open = False
         # The head's device update is spread over the backward of its first layers (device_update.py).
         self._head_pieces_per_layer = 16
@@ -505,7 +513,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
 
     # ----------------------------------------------------------------- gradients -> host -> update
     def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None):
-        """Copy device gradients into host fp32 buffers (cast on the device) on the d2h stream.
+        """Copy device gradients into host buffers on the d2h stream: as they are where the buffer
+        has their dtype, else widened to the buffer's fp32 on the device (never narrowed).
 
         With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
         gradient's copy: the worker can start on the front of a unit while the rest is in flight.
@@ -516,6 +525,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 if g is None:
                     d.zero_()
                 else:
+                    _check_lossless(g, d)
                     d.copy_(g.reshape(d.shape))
             return st.record()
         # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
@@ -526,9 +536,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 if g is None:
                     d.zero_()
                 else:
+                    _check_lossless(g, d)
                     g.record_stream(st.d2h)
                     gf = g.reshape(-1)
-                    if gf.dtype == torch.float32:
+                    if gf.dtype == d.dtype:
                         d.copy_(gf, non_blocking=True)
                     else:
                         # Note: [Why the staging chunk is safe to reuse] every cast and copy below is on
@@ -538,7 +549,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                             stage = self.d2h_stage[:b - a]
                             stage.copy_(gf[a:b])
                             d[a:b].copy_(stage, non_blocking=True)
-                    self.stats.add_bytes("d2h", d.numel() * 4)
+                    self.stats.add_bytes("d2h", d.numel() * d.element_size())
                 if marks is not None:
                     marks.append((ends[len(marks)], st.record(st.d2h)))
         return st.record(st.d2h)
@@ -673,3 +684,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             torch.cuda.synchronize(self.device)
         self.tier.close()
         self.pinned.close()
+
+
+def _check_lossless(g: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.dtype != g.dtype and dst.dtype != torch.float32:
+        raise RuntimeError(f"a {g.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")

@@ -91,7 +91,7 @@ class LossHead:
         return loss.detach(), grads[0]
 
     def _head_buffer(self, numel: int) -> torch.Tensor:
-        """Host buffer of `numel` fp32 for the head's gradient: the front of the ring when the ring
+        """Host buffer of `numel` elements (the ring's dtype) for the head's gradient: the front of the ring when the ring
         holds it (the layers' next gradients take the buffers after it first), else a pinned
         buffer of its own, made when first needed.
 
@@ -111,7 +111,7 @@ class LossHead:
         if self._head_own is None or self._head_own.numel() < numel:
             if self._head_own is not None:
                 self.pinned.release(self._head_own)   # idle: head_host_free was waited for
-            self._head_own = self.pinned.empty(numel)
+            self._head_own = self.pinned.empty(numel, dtype=self.grad_dtype)
         return self._head_own[:numel]
 
     def _ring_passed(self, held: list, passed: int | None):

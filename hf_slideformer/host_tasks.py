@@ -20,6 +20,8 @@ __all__ = ["HostTasks"]
 # the GPU while the rest is updated: the next forward's first layer, whose gradient is the last
 # of the backward, then waits for its update plus one piece's copy instead of the whole copy.
 UPDATE_PIECE = 1 << 23
+# Elements per step of a scaled fold into an accumulator (16 MiB of fp32 scratch).
+FOLD_PIECE = 1 << 22
 
 
 def _both(f, g):
@@ -98,11 +100,7 @@ class HostTasks:
         gi = group_of.get(id(u.entries[0].param))
         if gi is None or not u.entries[0].param.requires_grad:
             return
-        g = groups[gi]
-        beta1, beta2 = g["betas"]
-        torch._fused_adamw_([w], [grad], [m], [v], [], [step], lr=float(g["lr"]), beta1=float(beta1),
-                            beta2=float(beta2), weight_decay=float(g["weight_decay"]), eps=float(g["eps"]),
-                            amsgrad=False, maximize=bool(g.get("maximize", False)))
+        self.host_adam.step(groups[gi], [w], [grad], [m], [v], [step])
         for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
             dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
 
@@ -125,9 +123,9 @@ class HostTasks:
         self._sync(scale_ev, "wait_d2h:scale")
         scale = float(self.scale_host[0])
         hu = self.head_unit
+        # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
+        # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
         src = self.head_host[:hu.numel]
-        if scale != 1.0:
-            src.mul_(scale)
         if self.tied and embed_on_host:
             eu = self.embed_unit
             if self.single_micro:            # already in place (see head_forward)
@@ -135,16 +133,16 @@ class HostTasks:
                     self.embed_grad.mul_(scale)
             else:
                 tied = self.head_host[hu.numel:]
-                if scale != 1.0:
-                    tied.mul_(scale)
                 if eu.grad_valid:
-                    self.embed_grad.add_(tied)
+                    self._fold(self.embed_grad, tied, scale)
                 else:
                     self.embed_grad.copy_(tied)
+                    if scale != 1.0:
+                        self.embed_grad.mul_(scale)
                     eu.grad_valid = True
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = self._ring_returner(ring) if ring and hu.grad is None else None
-        self._consume(hu, src, update, ends_step, hp, returned)
+        self._consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
         if update and touch is not None:
             self._embed_bulk_update(touch, hp)
 
@@ -174,26 +172,45 @@ class HostTasks:
         self._sync(done, f"wait_d2h:{u.name}")
         self._consume(u, src, update, ends_step, hp)
 
-    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None) -> None:
-        """Worker side: fold this micro-batch's gradient of `u` in, and update when the step ends here."""
+    def _consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None,
+                 grad_mul: float = 1.0) -> None:
+        """Worker side: fold this micro-batch's gradient of `u` (times `grad_mul`) in, and update
+        when the step ends here."""
         if u.grad is None:                      # no accumulator: GA == 1, no clipping
             g = src
         else:
             if u.host_write is not None:        # a device update's copies have read it (device_update.py)
                 self._sync(u.host_write, f"wait_readers:{u.name}")
             if u.grad_valid:
-                u.grad.add_(src)
+                self._fold(u.grad, src, grad_mul)
             else:
                 u.grad.copy_(src)
+                if grad_mul != 1.0:
+                    u.grad.mul_(grad_mul)
                 u.grad_valid = True
-            g = u.grad
+            g, grad_mul = u.grad, 1.0
         if ends_step and not self.single_micro:
-            self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
+            self._norm_sq.append(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2)
         if update:
-            self._update(u, g, hp, on_progress=on_progress)
+            self._update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul)
             u.grad_valid = False
 
-    def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None) -> None:
+    def _fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float) -> None:
+        """acc += src * mul, with src widened to fp32 and multiplied in fp32 before the add (the
+        same roundings whether src crossed as bf16 or fp32)."""
+        if mul == 1.0:
+            acc.add_(src)
+            return
+        if self._fold_buf is None:
+            self._fold_buf = torch.empty(FOLD_PIECE, dtype=torch.float32)
+        for a in range(0, src.numel(), FOLD_PIECE):
+            b = min(a + FOLD_PIECE, src.numel())
+            w = self._fold_buf[:b - a]
+            w.copy_(src[a:b]).mul_(mul)
+            acc[a:b].add_(w)
+
+    def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
+                grad_mul: float = 1.0) -> None:
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
         readers, u.readers = u.readers, []
@@ -202,7 +219,7 @@ class HostTasks:
         t0 = time.perf_counter()
         on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
         optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
-                          clip_coef=clip_coef)
+                          clip_coef=clip_coef, kernel=self.host_adam, grad_mul=grad_mul)
         t1 = time.perf_counter()
         self.stats.adam_s += t1 - t0
         self.stats.event(f"adam:{u.name}", t0, t1)

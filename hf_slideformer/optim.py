@@ -3,11 +3,14 @@
 The optimizer owns the hyper-parameters (`param_groups`, so HF lr schedulers and per-group
 weight decay work unchanged); the engine owns *when* each unit is updated: inside backward when
 the backward ends the optimizer step, else at `step()`. Both read the groups at update time.
-The update itself is torch's fused CPU AdamW kernel (the one `torch.optim.AdamW(fused=True)`
-runs), over views of the flat fp32 masters and moments.
+The update of host state runs the engine's `HostAdam` kernel (host_adam.py: a native one-pass
+AdamW that reads a bf16 gradient directly, or torch's fused CPU AdamW); device state (resident
+layers, device updates) runs torch's fused AdamW on the GPU. Both over views of the flat fp32
+masters and moments.
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -25,12 +28,14 @@ def sq_norm(tensors) -> torch.Tensor:
 
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
-                piece: int | None = None, on_piece=None, before_piece=None, clip_coef=None) -> None:
-    """One AdamW step of `unit` with the flat fp32 gradient `grad` (the unit's layout).
+                piece: int | None = None, on_piece=None, before_piece=None, clip_coef=None, kernel=None,
+                grad_mul: float = 1.0) -> None:
+    """One AdamW step of `unit` with the flat gradient `grad` (the unit's layout).
 
     Args:
         unit: the unit; its master, moments and per-entry step counters are updated in place.
-        grad: (unit.numel,) fp32 gradient.
+        grad: (unit.numel,) gradient: fp32, or bf16 for host state with a `kernel` (widened
+            exactly inside the update).
         groups: hyper-parameter snapshot per param group (lr, betas, eps, weight_decay, maximize).
         group_of: id(parameter) -> index into `groups`; parameters absent are not updated.
         state: another holder of `master`, `exp_avg`, `exp_avg_sq`, `steps` in the unit's layout
@@ -45,26 +50,36 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             updated (to wait until the gradient of that prefix has arrived).
         clip_coef: the gradient-clipping factor (a float, or a scalar tensor on the state's
             device), applied inside the fused kernel (its `grad_scale`, the reciprocal) instead
-            of a separate pass over the gradient; the gradient is left scaled.
+            of a separate pass over the gradient.
+        kernel: the `HostAdam` that updates host (CPU) state; None: torch's fused AdamW.
+        grad_mul: a factor the gradient is multiplied by first (a loss scale; host state only).
     """
     state = unit if state is None else state
     by_group = groups_of(unit, group_of)
     for ks in by_group.values():
         torch._foreach_add_([state.steps[k] for k in ks], 1)
     scale = _grad_scale(clip_coef, state.master.device)
+    if state.master.device.type != "cpu":
+        kernel = None
+    elif kernel is None and (grad.dtype != torch.float32 or grad_mul != 1.0):
+        raise ValueError("a bf16 or scaled gradient of host state needs a HostAdam kernel")
+    run = functools.partial(_run, kernel, grad_mul)
     if piece is not None and (piece <= 0 or piece & (piece - 1)):
         raise ValueError(f"piece must be a power of two, got {piece}")
     if piece is None:
         for gi, ks in by_group.items():
             es = [unit.entries[k] for k in ks]
-            _fused(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
-                   [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
-                   [state.steps[k] for k in ks], scale)
+            run(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
+                [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
+                [state.steps[k] for k in ks], scale)
         return
     for _, end, batch in piece_batches(unit, by_group, piece):
         if before_piece is not None:
             before_piece(end)
-        _flush(batch, unit, state, grad, groups, scale)
+        for gi, ranges in batch.items():
+            run(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
+                [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
+                [state.steps[k] for k, _, _ in ranges], scale)
         if on_piece is not None:
             on_piece(end)
 
@@ -119,11 +134,11 @@ def _grad_scale(clip_coef, device) -> torch.Tensor | None:
     return torch.tensor(1.0 / clip_coef, dtype=torch.float32, device=device)
 
 
-def _flush(batch, unit, state, grad, groups, scale=None) -> None:
-    for gi, ranges in batch.items():
-        _fused(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
-               [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
-               [state.steps[k] for k, _, _ in ranges], scale)
+def _run(kernel, grad_mul, hp, params, grads, m, v, steps, scale) -> None:
+    if kernel is None:
+        _fused(hp, params, grads, m, v, steps, scale)
+    else:
+        kernel.step(hp, params, grads, m, v, steps, grad_scale=scale, grad_mul=grad_mul)
 
 
 def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],

@@ -17,7 +17,7 @@ def test_the_worker_folds_no_layer_gradient(tied, monkeypatch):
     and the h2d traffic includes each later micro-batch's running sums."""
     folded = []
     consume = HostTasks._consume
-    monkeypatch.setattr(HostTasks, "_consume", lambda self, u, *a: (folded.append(u.kind), consume(self, u, *a))[1])
+    monkeypatch.setattr(HostTasks, "_consume", lambda self, u, *a, **k: (folded.append(u.kind), consume(self, u, *a, **k))[1])
     ref, slid = make_pair("llama", tied, gradient_accumulation_steps=3, max_grad_norm=0.5)
     assert train_both(ref, slid, batches(6, pad=True), ga=3, clip=0.5) < PARAM_TOL
     assert folded and "layer" not in folded, folded

@@ -93,7 +93,7 @@ def test_device_updates_with_accumulation(tied, monkeypatch):
     from hf_slideformer.host_tasks import HostTasks
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
     consume = HostTasks._consume
-    monkeypatch.setattr(HostTasks, "_consume", lambda *a: (time.sleep(0.01), consume(*a))[1])
+    monkeypatch.setattr(HostTasks, "_consume", lambda *a, **k: (time.sleep(0.01), consume(*a, **k))[1])
     data = batches(6, pad=True)
     states = []
     for share in (0.0, 0.5):

@@ -257,8 +257,8 @@ def test_first_layer_loads_while_its_update_runs(monkeypatch):
     kw = {"resident_layers": 0, "resident_embedding": True}
     ref = _train_state(False, **kw)
     monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 1 << 12)
-    orig_fused = optim._fused
-    monkeypatch.setattr(optim, "_fused", lambda *a: (_time.sleep(0.001), orig_fused(*a))[1])
+    orig_run = optim._run
+    monkeypatch.setattr(optim, "_run", lambda *a: (_time.sleep(0.001), orig_run(*a))[1])
     partial = []
     import hf_slideformer.engine as E
     orig_wait = E.SlideEngine._wait_master

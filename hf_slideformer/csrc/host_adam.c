@@ -1,0 +1,119 @@
+/* The host AdamW: one pass over a flat range, threaded with OpenMP, vectorised by the compiler.
+ *
+ * For each element i of [0, n):
+ *   g = widen(grad[i]) * gmul / gdiv * sign        (gmul: a loss scale; gdiv: the clip factor's
+ *                                                   reciprocal, as torch's fused `grad_scale`)
+ *   p = master[i] * wd_mul                          (decoupled weight decay, 1 - lr * wd)
+ *   m = fma(coeff, g - m, base)                     (torch's lerp: base = m, coeff = 1 - beta1)
+ *   v = v * beta2 + (1 - beta2) * g * g
+ *   p = p + (-step_size) * m / (sqrt(v) / sqrt(bias_correction2) + eps)
+ * and optionally out16[i] = bf16(p), rounded to nearest even.
+ *
+ * The operations and their order are those of torch's fused CPU AdamW (ATen's FusedAdamKernel,
+ * ADAMW mode), so the results are bit-identical where the compiler of that build made the same
+ * contractions; neutral factors (gmul = gdiv = sign = wd_mul = 1) leave every value unchanged.
+ * Built with -ffp-contract=off: the only fused multiply-add is the explicit fmaf of the lerp.
+ * Every element is computed the same way whatever the vector width or thread split, so the
+ * result does not depend on how a range is cut into calls.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    float gmul, gdiv, sign, wd_mul, coeff, beta2, c2, bc2_sqrt, eps, neg_step;
+    int32_t lerp_base_is_m;   /* 1: base = m (|1 - beta1| < 0.5), 0: base = g, coeff = -beta1 */
+    int32_t v_order;          /* 0: (v*b2) + (c2*g)*g; 1: fma(v, b2, (c2*g)*g); 2: fma(c2*g, g, v*b2) */
+} slide_adam_hp;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;   /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#define SLIDE_ADAM_BODY(LOAD_G)                                                              \
+    {                                                                                        \
+        float g = (LOAD_G) * hp.gmul;                                                        \
+        g = g / hp.gdiv;                                                                     \
+        g = g * hp.sign;                                                                     \
+        float p = master[i] * hp.wd_mul;                                                     \
+        float m = exp_avg[i];                                                                \
+        float base = hp.lerp_base_is_m ? m : g;                                              \
+        m = fmaf(hp.coeff, g - m, base);                                                     \
+        float v = exp_avg_sq[i];                                                             \
+        float cg = hp.c2 * g;                                                                \
+        if (vo == 0) v = v * hp.beta2 + cg * g;                                              \
+        else if (vo == 1) v = fmaf(v, hp.beta2, cg * g);                                     \
+        else v = fmaf(cg, g, v * hp.beta2);                                                  \
+        exp_avg[i] = m;                                                                      \
+        exp_avg_sq[i] = v;                                                                   \
+        float denom = sqrtf(v) / hp.bc2_sqrt + hp.eps;                                       \
+        p = p + (hp.neg_step * m) / denom;                                                   \
+        master[i] = p;                                                                       \
+        if (out16) out16[i] = f32_to_bf16(p);                                                \
+    }
+
+/* Split [0, n) into `threads` contiguous parts aligned to 16 elements (one cache line). */
+#define SLIDE_PARALLEL_RANGE(BODY)                                                           \
+    int64_t per = ((n + threads - 1) / threads + 15) & ~(int64_t)15;                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                     \
+    for (int t = 0; t < threads; t++) {                                                      \
+        int64_t lo = (int64_t)t * per, hi = lo + per < n ? lo + per : n;                     \
+        BODY                                                                                 \
+    }
+
+static void adam_f32(float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
+                     const float *restrict grad, uint16_t *restrict out16, int64_t n, slide_adam_hp hp,
+                     int threads, int vo) {
+    SLIDE_PARALLEL_RANGE(
+        _Pragma("omp simd")
+        for (int64_t i = lo; i < hi; i++) SLIDE_ADAM_BODY(grad[i])
+    )
+}
+
+static void adam_bf16(float *restrict master, float *restrict exp_avg, float *restrict exp_avg_sq,
+                      const uint16_t *restrict grad, uint16_t *restrict out16, int64_t n, slide_adam_hp hp,
+                      int threads, int vo) {
+    SLIDE_PARALLEL_RANGE(
+        _Pragma("omp simd")
+        for (int64_t i = lo; i < hi; i++) SLIDE_ADAM_BODY(bf16_to_f32(grad[i]))
+    )
+}
+
+/* The versions below take the contraction variant as a constant, so each loop is one vector body. */
+#define SLIDE_DISPATCH(FN, GT)                                                               \
+    void FN(float *master, float *exp_avg, float *exp_avg_sq, const GT *grad, uint16_t *out16,   \
+            int64_t n, const slide_adam_hp *hp, int threads) {                               \
+        if (n <= 0) return;                                                                  \
+        if (threads < 1) threads = 1;                                                        \
+        if (hp->v_order == 1) IMPL_##GT(master, exp_avg, exp_avg_sq, grad, out16, n, *hp, threads, 1); \
+        else if (hp->v_order == 2) IMPL_##GT(master, exp_avg, exp_avg_sq, grad, out16, n, *hp, threads, 2); \
+        else IMPL_##GT(master, exp_avg, exp_avg_sq, grad, out16, n, *hp, threads, 0);        \
+    }
+#define IMPL_float adam_f32
+#define IMPL_uint16_t adam_bf16
+
+SLIDE_DISPATCH(slide_adamw_f32, float)
+SLIDE_DISPATCH(slide_adamw_bf16, uint16_t)
+
+/* STREAM's triad, a[i] = b[i] + s * c[i], on the same threads: the bandwidth bound of the update. */
+void slide_triad(float *restrict a, const float *restrict b, const float *restrict c, float s, int64_t n,
+                 int threads) {
+    if (threads < 1) threads = 1;
+    SLIDE_PARALLEL_RANGE(
+        _Pragma("omp simd")
+        for (int64_t i = lo; i < hi; i++) a[i] = b[i] + s * c[i];
+    )
+}
+
+int slide_host_adam_abi(void) { return 1; }

@@ -1,0 +1,189 @@
+"""The host AdamW kernel (host_adam.py) against torch.optim.AdamW, and its bf16-gradient route."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from hf_slideformer import host_adam
+from hf_slideformer.host_adam import HostAdam, NativeKernelError
+
+from helpers import batches, family_config
+
+try:
+    host_adam.native_library()
+    HAS_NATIVE = True
+except NativeKernelError:
+    HAS_NATIVE = False
+needs_native = pytest.mark.skipif(not HAS_NATIVE, reason="no C compiler")
+
+HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False}
+
+
+def _state(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g), torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4,
+            torch.randn(n, generator=g))
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units in the last place between two fp32 tensors."""
+    ia, ib = a.view(torch.int32).long(), b.view(torch.int32).long()
+    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+@needs_native
+@pytest.mark.parametrize("n", [4096, 5 * 123 * 123, 17, 1])
+@pytest.mark.parametrize("hp", [HP, dict(HP, weight_decay=0.1), dict(HP, maximize=True, betas=(0.5, 0.9)),
+                                dict(HP, betas=(0.3, 0.95), lr=0.05)], ids=["plain", "wd", "max", "small-beta1"])
+def test_native_matches_torch_adamw(n, hp):
+    """Three steps with the lr changing, against torch.optim.AdamW(fused=True) on the same tensors:
+    bit-identical on torch's vector body, within one ulp in its scalar tail (its last n % 16,
+    where that build's compiler contracts differently), each step from torch's state."""
+    p0, _, _, _ = _state(n)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=hp["lr"], betas=hp["betas"], eps=hp["eps"], weight_decay=hp["weight_decay"],
+                            maximize=hp["maximize"], fused=True)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    step = torch.zeros(())
+    k = HostAdam("native", threads=2)
+    for i in range(3):
+        g = torch.randn(n, generator=torch.Generator().manual_seed(10 + i))
+        lr = hp["lr"] * (1.0 - 0.3 * i)
+        opt.param_groups[0]["lr"] = lr
+        ref.grad = g.clone()
+        opt.step()
+        step += 1
+        k.step(dict(hp, lr=lr), [p], [g], [m], [v], [step])
+        st = opt.state[ref]
+        body = n - n % 16
+        for got, want in ((p, ref.detach()), (m, st["exp_avg"]), (v, st["exp_avg_sq"])):
+            assert torch.equal(got[:body], want[:body])
+            assert _ulps(got[body:], want[body:]) <= 1
+            got.copy_(want)
+
+
+@needs_native
+def test_several_groups_and_entries_in_one_call():
+    """Entries of different sizes and step counts in one call, each as torch updates it alone."""
+    k = HostAdam("native", threads=3)
+    sizes = [64, 1000, 48]
+    states = [_state(n, seed=i) for i, n in enumerate(sizes)]
+    steps = [torch.tensor(float(s)) for s in (1, 7, 2)]
+    hp = dict(HP, weight_decay=0.05)
+    got = [[t.clone() for t in s[:3]] for s in states]
+    k.step(hp, [s[0] for s in got], [s[3] for s in states], [s[1] for s in got], [s[2] for s in got], steps)
+    for (p, m, v, g), (gp, gm, gv), st in zip(states, got, steps):
+        p, m, v = p.clone(), m.clone(), v.clone()
+        torch._fused_adamw_([p], [g.clone()], [m], [v], [], [st], lr=hp["lr"], beta1=0.9, beta2=0.999,
+                            weight_decay=0.05, eps=1e-8, amsgrad=False, maximize=False)
+        body = p.numel() - p.numel() % 16
+        assert torch.equal(gp[:body], p[:body]) and torch.equal(gm[:body], m[:body]) and torch.equal(gv[:body], v[:body])
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_bf16_gradient_equals_widening_it_first(threads):
+    """The bf16 route is bit-identical to widening the gradient to fp32 first, with a clip factor and
+    a loss scale, whatever the thread split; the bf16 weight copy is the rounded master."""
+    n = 3 * 4096 + 7
+    p0, m0, v0, g = _state(n)
+    gb = g.bfloat16()
+    k = HostAdam("native", threads=threads)
+    a = [t.clone() for t in (p0, m0, v0)]
+    b = [t.clone() for t in (p0, m0, v0)]
+    out16 = torch.empty(n, dtype=torch.bfloat16)
+    step = [torch.tensor(4.0)]
+    hp = dict(HP, weight_decay=0.01)
+    k.step(hp, [a[0]], [gb], [a[1]], [a[2]], step, grad_scale=1 / 0.37, grad_mul=0.25, out16=[out16])
+    wide = gb.float().mul_(0.25)
+    k.step(hp, [b[0]], [wide], [b[1]], [b[2]], step, grad_scale=1 / 0.37)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert torch.equal(out16, a[0].bfloat16())
+
+
+@needs_native
+def test_torch_route_equals_native_on_bf16_gradients():
+    """The fallback (torch's fused kernel on the widened gradient) gives the native results."""
+    n = 8192
+    p0, m0, v0, g = _state(n)
+    gb = g.bfloat16()
+    a = [t.clone() for t in (p0, m0, v0)]
+    b = [t.clone() for t in (p0, m0, v0)]
+    step = [torch.tensor(2.0)]
+    HostAdam("native", 2).step(HP, [a[0]], [gb], [a[1]], [a[2]], step, grad_scale=torch.tensor(2.5), grad_mul=0.5)
+    HostAdam("torch").step(HP, [b[0]], [gb], [b[1]], [b[2]], step, grad_scale=torch.tensor(2.5), grad_mul=0.5)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_without_a_compiler_auto_falls_back_with_a_notice(monkeypatch, caplog):
+    monkeypatch.setattr(host_adam, "_LIB", None)
+    monkeypatch.setattr(host_adam, "_compiler", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host_adam"):
+        k = HostAdam("auto", threads=2)
+    assert k.name == "torch"
+    assert "native host AdamW is not available" in caplog.text
+    with pytest.raises(NativeKernelError, match="no C compiler"):
+        HostAdam("native")
+    p, m, v, g = _state(64)
+    k.step(HP, [p], [g.bfloat16()], [m], [v], [torch.tensor(1.0)])      # still trains
+    assert torch.isfinite(p).all()
+
+
+def test_a_failing_build_names_the_compiler_output(monkeypatch, tmp_path):
+    monkeypatch.setattr(host_adam, "_LIB", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(host_adam, "_FLAGS", host_adam._FLAGS + ["-fno-such-flag-anywhere"])
+    if host_adam._compiler() is None:
+        pytest.skip("no C compiler")
+    with pytest.raises(NativeKernelError, match="building the host AdamW failed"):
+        host_adam.native_library()
+    assert not list(tmp_path.rglob("*.so"))           # no half-written library left behind
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="host_adam"):
+        HostAdam("fast")
+    with pytest.raises(ValueError, match="host_adam"):
+        hs.SlideConfig(device="cpu", host_adam="fast")
+
+
+def _slid_bf16(mode, **kw):
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(family_config("llama", kw.pop("tied", False))).float()
+    model.config.use_cache = False
+    return hs.slide(model, hs.SlideConfig(device="cpu", dtype=torch.bfloat16, host_adam=mode, **kw))
+
+
+@needs_native
+@pytest.mark.parametrize("kw", [{}, {"tied": True}, {"max_grad_norm": 0.5}, {"gradient_accumulation_steps": 2},
+                                {"gradient_accumulation_steps": 2, "max_grad_norm": 0.5, "tied": True}],
+                         ids=["plain", "tied", "clip", "accumulate", "accumulate-clip-tied"])
+def test_engine_with_bf16_gradients_native_equals_torch_route(kw):
+    """With bf16 compute the layers' gradients cross in bf16; updated by the native kernel or by
+    torch's fused AdamW on the widened gradient, every master is bit-identical after three steps
+    (scaled losses included: the head's gradient is widened, then scaled)."""
+    models = [_slid_bf16(mode, **dict(kw)) for mode in ("native", "torch")]
+    assert models[0].slide_engine.grad_dtype == torch.bfloat16
+    assert models[0].slide_engine.host_adam.name == "native"
+    assert models[1].slide_engine.host_adam.name == "torch"
+    ga = kw.get("gradient_accumulation_steps", 1)
+    opts = [m.create_optimizer(lr=1e-3, weight_decay=0.01) for m in models]
+    for b in batches(3 * ga, pad=True):
+        for m, o in zip(models, opts):
+            (m(**b).loss * 0.7).backward()
+        if all(m.slide_engine.micro == ga for m in models):
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    sd = [m.state_dict() for m in models]
+    for name in sd[0]:
+        assert torch.equal(sd[0][name], sd[1][name]), name
