@@ -22,6 +22,10 @@
 #   t: the 8B step's GPU memory phase by phase (allocated against reserved), with an allocator snapshot
 #   r: GPU tests; 8B batch 16 traced (the head updated on the GPU), then with head_update "cpu"; 3B batch 16
 #   d: 3B batch sweep (16..6) in one process: the smallest batch at 90% of the best tokens/s
+#   u: GPU tests; the host AdamW rate against torch's and the triad bound; 8B batch 16 under 12 and
+#      16 GiB; 3B batch 16 under 9 GiB (the small-card rows; ROWS overrides the list, see `row`)
+#   v: 8B batch 16 under 24 GiB; 3B batch 16 and 8 under 24 GiB; then the small-card rows of OLD (a
+#      commit, run from a git worktree of it) beside them
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -48,7 +52,33 @@ cap8_and_soak() {
   timeout 100 python3 benchmarks/soak.py --model llama3-3b --layers 4 --batch 2 --seq 2048 --steps 200 \
     --compare-clipping 20 --json "$OUT/soak.json" 2>&1 | tail -22
 }
-if [ "$PART" = a ]; then
+# One row: row MODEL BATCH CAP_GIB NAME [SlideConfig JSON]; run from $ROOT (default: here).
+row() {
+  local t=150; [ "$1" = llama3-3b ] && t=90
+  (cd "${ROOT:-.}" && timeout $t python3 benchmarks/bench_train.py --steps 4 --warmup 2 --no-probe --commit $C \
+    --model "$1" --providers slide --batch "$2" --offload-batches "$2" --cap-gib "$3" --timeout $((t - 5)) \
+    --slide-config "${5:-{\}}" --json "$OUT/$4.json" > "$OUT/$4.log" 2>&1)
+  echo "$4: $(tail -1 "$OUT/$4.log")"
+}
+if [ "$PART" = u ]; then
+  timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"
+  timeout 60 python3 -m pytest -q tests/test_host_adam.py -p no:cacheprovider 2>&1 | tail -1
+  timeout 100 python3 benchmarks/host_adam_rate.py --json "$OUT/adam_rate.json" 2>&1 | tail -8
+  for r in ${ROWS:-llama3-8b:16:12 llama3-8b:16:16 llama3-3b:16:9}; do
+    IFS=: read -r m b cap <<< "$r"; row "$m" "$b" "$cap" "${m#llama3-}_b${b}_cap${cap}"
+  done
+elif [ "$PART" = v ]; then
+  for r in ${ROWS:-llama3-8b:16:24 llama3-3b:16:24 llama3-3b:8:24}; do
+    IFS=: read -r m b cap <<< "$r"; row "$m" "$b" "$cap" "${m#llama3-}_b${b}_cap${cap}"
+  done
+  if [ -n "${OLD:-}" ]; then
+    git worktree add -f /tmp/old "$OLD" > /dev/null 2>&1
+    for r in ${OLD_ROWS:-llama3-8b:16:12 llama3-3b:16:9}; do
+      IFS=: read -r m b cap <<< "$r"; ROOT=/tmp/old C=$OLD row "$m" "$b" "$cap" "old_${m#llama3-}_b${b}_cap${cap}"
+    done
+  fi
+elif [ "$PART" = a ]; then
   timeout 100 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
   SLIDE_TRACE=$OUT/tr_3b16.json timeout 80 $B --model llama3-3b --providers slide --batch 16 \
