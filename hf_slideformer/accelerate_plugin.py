@@ -222,13 +222,18 @@ class SlideAccelerator(Accelerator):
         return (models[0], self._optimizers[0] if self._optimizers else None) if models else (None, None)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **kwargs):
-        """`Accelerator.save_state`, with the slid model and its optimizer streamed per unit.
+        """`Accelerator.save_state`, with the slid model and its optimizer streamed per unit, atomically.
 
         Accelerate writes what it owns (schedulers, RNG, samplers, registered objects); the model's
         fp32 masters, moments and step counters go to `slide_state/` (see `save_training_state`),
-        not into one pickle of the whole optimizer.
+        not into one pickle of the whole optimizer. With an explicit `output_dir` the whole state is
+        written beside it and swapped in by renames (`train_checkpoint.atomic_directory`, keeping
+        other files of `output_dir`): killed at any step, `load_state` reads the old state or the
+        new one. With automatic checkpoint naming Accelerate writes a fresh folder, whose
+        `slide_state/index.json`, written last, marks it complete: `load_state` refuses one without it.
         """
-        from .train_checkpoint import save_training_state
+        from .atomic_save import final_paths_in_logs, fsync_tree
+        from .train_checkpoint import atomic_directory, save_training_state
 
         model, opt = self._slid_pair()
         if model is None:
@@ -236,21 +241,36 @@ class SlideAccelerator(Accelerator):
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []
         try:
-            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+            if output_dir is None or self.project_configuration.automatic_checkpoint_naming:
+                location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+                fsync_tree(location)
+                save_training_state(location, model, opt)
+                return location
+            final = os.path.abspath(output_dir)
+            with atomic_directory(final, merge=True) as tmp, \
+                    final_paths_in_logs(tmp, final, loggers=("accelerate", "transformers", "")):
+                super().save_state(tmp, safe_serialization=safe_serialization, **kwargs)
+                save_training_state(tmp, model, opt)
+            return final
         finally:
             self._models, self._optimizers = models, optimizers
-        save_training_state(location, model, opt)
-        return location
 
     def load_state(self, input_dir: Optional[str] = None, **kwargs):
-        """`Accelerator.load_state` for a checkpoint written by `save_state` above."""
-        from .train_checkpoint import load_training_state
+        """`Accelerator.load_state` for a checkpoint written by `save_state` above.
+
+        The slid model's state is verified before anything is loaded: a state that a killed save
+        left half-written is refused (`CheckpointError`), and one whose swap was interrupted is
+        first resolved to the old or the new state (`train_checkpoint.recover_checkpoint`).
+        """
+        from .train_checkpoint import load_training_state, recover_checkpoint, verify_training_state
 
         model, opt = self._slid_pair()
         if model is None:
             return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("SlideAccelerator.load_state needs the checkpoint directory (input_dir)")
+        recover_checkpoint(input_dir)
+        verify_training_state(input_dir, model)
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []
         try:

@@ -1,11 +1,27 @@
 """Checkpoints in HF's format: reading safetensors straight into the host store, and writing
-the masters back out as sharded safetensors, unit by unit, in the training dtype."""
+the masters back out as sharded safetensors, unit by unit (fp32 by default, as HF saves).
+
+Note: [How save_model replaces an earlier save] a directory can hold other things (a tokenizer,
+the Trainer's `checkpoint-N` folders), so the save is committed file by file, in place, in an
+order where every intermediate state loads as the old save or the new one:
+
+1. every new file is written and fsynced in a hidden staging folder (`.slide-save-*`);
+2. new shards move in under names the current save does not reference (its shards keep
+   `model-XXXXX-of-YYYYY`; the new ones take `model-b-XXXXX-of-YYYYY` when those are taken);
+3. the weights switch with one rename: `model.safetensors`, or `model.safetensors.index.json`
+   followed by removing an old `model.safetensors` (loaders read `model.safetensors` first);
+4. `config.json` moves in before the weights if the new save's dtype is at least as wide as
+   the old one's, else after: in between, the values loaded are exactly the old or the new ones;
+5. files the new save does not reference, and staging folders of killed saves, are removed.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import re
 import shutil
-import tempfile
 
 import torch
 from safetensors import safe_open
@@ -13,12 +29,19 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .atomic_save import fsync_dir, fsync_file, leftover_path, remove_leftovers
 from .models import get_adapter
 
 __all__ = ["load_model_meta", "load_weights", "save_model", "CheckpointError"]
 
+logger = logging.getLogger(__name__)
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+STAGING = "slide-save"
+_SHARD = re.compile(r"^model(-b)?-\d{5}-of-\d{5}\.safetensors$")
 
 
 class CheckpointError(ValueError):
@@ -38,15 +61,15 @@ def load_model_meta(path, **config_overrides):
 
 
 def _index(path) -> dict[str, str]:
-    """tensor name -> file name."""
-    idx = os.path.join(path, INDEX_NAME)
-    if os.path.exists(idx):
-        with open(idx) as f:
-            return json.load(f)["weight_map"]
+    """tensor name -> file name; `model.safetensors` wins over an index, as in HF's loader."""
     single = os.path.join(path, WEIGHTS_NAME)
     if os.path.exists(single):
         with safe_open(single, "pt") as f:
             return {k: WEIGHTS_NAME for k in f.keys()}
+    idx = os.path.join(path, INDEX_NAME)
+    if os.path.exists(idx):
+        with open(idx) as f:
+            return json.load(f)["weight_map"]
     raise CheckpointError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path} (only safetensors checkpoints are read)")
 
 
@@ -97,8 +120,7 @@ def load_weights(model, path) -> None:
     unexpected = set(weight_map) - {aliases.get(n, n) for n in expected}
     unexpected = {n for n in unexpected if not (tied and n == "lm_head.weight")}
     if unexpected:
-        import logging
-        logging.getLogger(__name__).warning("checkpoint tensors not used by the model: %s", sorted(unexpected)[:20])
+        logger.warning("checkpoint tensors not used by the model: %s", sorted(unexpected)[:20])
 
 
 def _parse_size(s) -> int:
@@ -111,57 +133,147 @@ def _parse_size(s) -> int:
     return int(s)
 
 
-def save_model(model, save_directory, max_shard_size="5GB", dtype=torch.bfloat16) -> None:
+def _referenced(directory: str) -> set[str]:
+    """The weight files a loader reads in `directory` now (empty if none)."""
+    if os.path.isfile(os.path.join(directory, WEIGHTS_NAME)):
+        return {WEIGHTS_NAME}
+    try:
+        with open(os.path.join(directory, INDEX_NAME)) as f:
+            return {INDEX_NAME} | set(json.load(f)["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _shard_plan(eng, limit: int, dtype) -> list[list[tuple[str, object, object]]]:
+    """Units' tensors grouped into shards of at most `limit` bytes (a larger tensor gets its own)."""
+    size = 0
+    plan: list[list[tuple[str, object, object]]] = [[]]
+    for u in eng.store.units:
+        for e in u.entries:
+            nbytes = e.numel * torch.finfo(dtype).bits // 8
+            if plan[-1] and size + nbytes > limit:
+                plan.append([])
+                size = 0
+            plan[-1].append((e.name, u, e))
+            size += nbytes
+    return plan
+
+
+def _shard_names(n: int, taken: set[str]) -> list[str]:
+    if n == 1:
+        return [WEIGHTS_NAME]
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    if taken & set(names):
+        names = [f"model-b-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    return names
+
+
+def _dtype_bits(directory: str) -> int:
+    """Bits per weight of the save in `directory` by its config (0: none readable)."""
+    try:
+        with open(os.path.join(directory, CONFIG_NAME)) as f:
+            cfg = json.load(f)
+        name = cfg.get("dtype") or cfg.get("torch_dtype")
+        return torch.finfo(getattr(torch, name)).bits
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
+
+
+def save_model(model, save_directory, max_shard_size="5GB", dtype=torch.float32) -> None:
     """Write the masters of a slid model as HF sharded safetensors + config (+ generation config).
 
-    Files are first written into a temporary directory beside `save_directory` and moved in
-    at the end, so an interrupted save never leaves a half-written checkpoint behind.
+    Over an earlier save, the directory loads as the old save or the new one at every step,
+    whenever the process is killed (see the module note); other files in it are left alone.
     """
     eng = model.slide_engine
     limit = _parse_size(max_shard_size)
     os.makedirs(save_directory, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".slide-save-", dir=save_directory)
+    remove_leftovers(save_directory, STAGING)
+    committed = _referenced(save_directory)
+    plan = _shard_plan(eng, limit, dtype)
+    names = _shard_names(len(plan), committed)
+    stage = leftover_path(save_directory, STAGING, "model")
+    os.mkdir(stage)
     try:
-        size = 0
-        plan: list[list[tuple[str, object, object]]] = [[]]
-        for u in eng.store.units:
-            for e in u.entries:
-                nbytes = e.numel * torch.finfo(dtype).bits // 8
-                if plan[-1] and size + nbytes > limit:
-                    plan.append([])
-                    size = 0
-                plan[-1].append((e.name, u, e))
-                size += nbytes
-        n = len(plan)
-        weight_map, total = {}, 0
-        for k, items in enumerate(plan):
-            fname = WEIGHTS_NAME if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            tensors = {name: e.view(u.master).to(dtype).contiguous() for name, u, e in items}
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            for name in tensors:
-                weight_map[name] = fname
-            total += sum(t.numel() * t.element_size() for t in tensors.values())
-            del tensors
-        if n > 1:
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        cfg = model.config
-        cfg.architectures = [model._slide_base_class.__name__]
-        old_dtype = getattr(cfg, "dtype", None)
-        cfg.dtype = dtype
-        cfg.save_pretrained(tmp)
-        cfg.dtype = old_dtype
-        gen = getattr(model, "generation_config", None)
-        if gen is not None:
-            try:
-                gen.save_pretrained(tmp)
-            except Exception:  # noqa: BLE001 - a generation config is optional
-                pass
-        for old in os.listdir(save_directory):
-            if old.endswith(".safetensors") or old == INDEX_NAME:
-                if not old.startswith(".slide-save-"):
-                    os.remove(os.path.join(save_directory, old))
-        for name in os.listdir(tmp):
-            os.replace(os.path.join(tmp, name), os.path.join(save_directory, name))
+        _write(model, stage, plan, names, dtype)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    _commit(save_directory, stage, names, wider=torch.finfo(dtype).bits >= _dtype_bits(save_directory))
+    logger.info("Model weights saved in %s", save_directory)
+
+
+def _write(model, stage: str, plan, names: list[str], dtype) -> None:
+    """Every file of the new save, fsynced, in the staging folder."""
+    weight_map, total = {}, 0
+    for fname, items in zip(names, plan):
+        tensors = {name: e.view(u.master).to(dtype).contiguous() for name, u, e in items}
+        save_file(tensors, os.path.join(stage, fname), metadata={"format": "pt"})
+        fsync_file(os.path.join(stage, fname))
+        for name in tensors:
+            weight_map[name] = fname
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if len(names) > 1:
+        with open(os.path.join(stage, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+    cfg = model.config
+    old_arch, old_dtype = getattr(cfg, "architectures", None), getattr(cfg, "dtype", None)
+    cfg.architectures = [model._slide_base_class.__name__]
+    cfg.dtype = dtype
+    try:
+        cfg.to_json_file(os.path.join(stage, CONFIG_NAME))
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cfg.architectures, cfg.dtype = old_arch, old_dtype
+    fsync_file(os.path.join(stage, CONFIG_NAME))
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        try:
+            gen.to_json_file(os.path.join(stage, GENERATION_CONFIG_NAME))
+            fsync_file(os.path.join(stage, GENERATION_CONFIG_NAME))
+        except Exception:  # noqa: BLE001 - a generation config is optional
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(stage, GENERATION_CONFIG_NAME))
+    fsync_dir(stage)
+
+
+def _commit(directory: str, stage: str, names: list[str], wider: bool) -> None:
+    """Move the staged save in, in the order of the module note; each step is one rename or removal."""
+    def configs():
+        for name in (CONFIG_NAME, GENERATION_CONFIG_NAME):
+            src, dst = os.path.join(stage, name), os.path.join(directory, name)
+            if os.path.isfile(src) and not _same_file(src, dst):
+                os.replace(src, dst)
+
+    sharded = len(names) > 1
+    if sharded:
+        for name in names:
+            os.replace(os.path.join(stage, name), os.path.join(directory, name))
+    if wider:
+        configs()
+    if sharded:
+        os.replace(os.path.join(stage, INDEX_NAME), os.path.join(directory, INDEX_NAME))
+        if os.path.isfile(os.path.join(directory, WEIGHTS_NAME)):
+            os.remove(os.path.join(directory, WEIGHTS_NAME))
+    else:
+        os.replace(os.path.join(stage, WEIGHTS_NAME), os.path.join(directory, WEIGHTS_NAME))
+    if not wider:
+        configs()
+    fsync_dir(directory)
+    keep = set(names) | ({INDEX_NAME} if sharded else set())
+    stale = [INDEX_NAME] if not sharded and os.path.isfile(os.path.join(directory, INDEX_NAME)) else []
+    stale += sorted(e for e in os.listdir(directory) if _SHARD.match(e) and e not in keep)
+    for name in stale:                        # the index first: it must never name a removed shard
+        os.remove(os.path.join(directory, name))
+    shutil.rmtree(stage, ignore_errors=True)
+    fsync_dir(directory)

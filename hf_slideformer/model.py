@@ -332,13 +332,15 @@ class SlideModel:
                         **kwargs):
         """Write sharded safetensors + config that `AutoModelForCausalLM.from_pretrained` loads.
 
-        Weights are written layer by layer from the masters in `dtype` (default: the training
-        dtype), into temporary files renamed at the end: an interrupted save leaves no partial file.
+        Weights are written layer by layer from the masters in `dtype` (default: float32, the
+        masters themselves, as HF saves a model trained in mixed precision). Over an earlier
+        save, a save killed at any step leaves the directory loading as the old save or the new
+        one (see `checkpoint.save_model`); other files in the directory are kept.
         """
         from .checkpoint import save_model
 
         self.slide_engine.synchronize()
-        save_model(self, save_directory, max_shard_size=max_shard_size, dtype=dtype or self.slide_config.dtype)
+        save_model(self, save_directory, max_shard_size=max_shard_size, dtype=dtype or torch.float32)
 
     def to(self, *args, **kwargs):
         """Device moves are ignored (the engine places the weights); dtype changes are refused."""

@@ -1,73 +1,87 @@
-"""Training checkpoints of a sliding model: exact, streamed per unit, written atomically.
+"""Training checkpoints of a sliding model: exact, streamed per unit, checksummed, written atomically.
 
 A checkpoint directory holds the HF export (`model.safetensors`, written by `save_pretrained`
-in the training dtype) and, for an exact resume, `slide_state/`: one safetensors file per unit
+from the fp32 masters) and, for an exact resume, `slide_state/`: one safetensors file per unit
 (embedding, each decoder layer, head) with the unit's flat fp32 `master`, `exp_avg`,
 `exp_avg_sq` and its per-parameter AdamW `step` counters, plus `slide_state/index.json` naming
-every file with its size and tensor shapes, and the optimizer's hyper-parameters per group. No
-single pickle ever holds the whole state; host memory stays flat while saving.
+every file with its size, tensor shapes and a CRC-32 per tensor, and the optimizer's
+hyper-parameters per group. No single pickle ever holds the whole state; host memory stays flat
+while saving.
 
-`atomic_directory` builds a checkpoint in a hidden sibling directory and renames it into place
-at the end, so an interrupted save never damages an earlier checkpoint. `verify_training_state`
-detects a missing, truncated or mismatched file and names it.
+`atomic_directory` builds a checkpoint in a hidden sibling directory and swaps it into place
+by renames (`atomic_save.staged_directory`): killed at any step, the directory reads as the old
+checkpoint or the new one. `verify_training_state` detects a missing, truncated or mismatched
+file and names it; `load_training_state` checks every tensor against its CRC-32 as it reads it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import logging
 import os
-import shutil
-import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic_save import fsync_dir, fsync_file, recover_directories, staged_directory
 from .checkpoint import CheckpointError
 
-__all__ = ["STATE_DIR", "atomic_directory", "save_training_state", "load_training_state",
-           "verify_training_state"]
+__all__ = ["STATE_DIR", "atomic_directory", "recover_checkpoint", "save_training_state", "load_training_state",
+           "verify_training_state", "tensor_crc32", "write_plain_resume_refusal"]
+
+logger = logging.getLogger(__name__)
 
 STATE_DIR = "slide_state"
 INDEX = "index.json"
 FORMAT = "hf_slideformer.training_state/1"
 _TENSORS = ("master", "exp_avg", "exp_avg_sq", "step")
+PLAIN_OPTIMIZER_NAME = "optimizer.pt"
 
 
-@contextlib.contextmanager
-def atomic_directory(final: str):
-    """Yield a temporary directory beside `final`; on success, it replaces `final` by renames.
+def atomic_directory(final: str, merge: bool = False):
+    """A context manager yielding a temporary directory beside `final`, swapped in by renames on success.
 
-    An exception (or a killed process) leaves `final` as it was; the hidden temporary directory
-    is removed on exceptions and ignored by HF's checkpoint discovery (`checkpoint-N` pattern).
+    An exception leaves `final` as it was and removes the temporary directory; a killed process
+    leaves `final` (or what recovery restores under its name) as the old or the new checkpoint,
+    and the next save (or `recover_checkpoint`) resolves the hidden leftovers. `merge=True`
+    keeps the entries of an existing `final` that the new save does not write.
     """
-    parent = os.path.dirname(os.path.abspath(final)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(final)}-", dir=parent)
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        old = None
-        if os.path.exists(final):
-            old = tempfile.mkdtemp(prefix=f".old-{os.path.basename(final)}-", dir=parent)
-            os.rmdir(old)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return staged_directory(final, merge=merge)
 
 
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def recover_checkpoint(directory: str) -> None:
+    """Resolve what a killed `atomic_directory` save left beside `directory` (old or new, never half)."""
+    directory = os.path.abspath(directory)
+    recover_directories(os.path.dirname(directory), os.path.basename(directory))
+
+
+def resume_this_checkpoint_with_SlideTrainer(*_):  # noqa: N802 - the name is the message torch shows
+    """Raise: what `optimizer.pt` of a sliding checkpoint unpickles to (see `write_plain_resume_refusal`)."""
+    raise CheckpointError("this is an hf_slideformer checkpoint: its optimizer state is in slide_state/, not in "
+                          "optimizer.pt. Resume it with hf_slideformer.SlideTrainer, or Trainer(args=SlideArgs(...)).")
+
+
+class _PlainResumeRefusal:
+    def __reduce__(self):
+        return (resume_this_checkpoint_with_SlideTrainer, ())
+
+
+def write_plain_resume_refusal(directory: str) -> None:
+    """Write an `optimizer.pt` that makes a plain `transformers.Trainer` refuse to resume `directory`.
+
+    Note: [Why a sliding checkpoint has an optimizer.pt] HF's Trainer resumes the optimizer and
+    the schedule only if `optimizer.pt` exists, and silently starts both afresh otherwise. This
+    file holds no state: unpickling it fails, under `weights_only=True` naming
+    `resume_this_checkpoint_with_SlideTrainer`, and otherwise with the full message.
+    """
+    torch.save(_PlainResumeRefusal(), os.path.join(directory, PLAIN_OPTIMIZER_NAME))
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (contiguous, any dtype)."""
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
 
 
 def _unit_file(index: int) -> str:
@@ -110,19 +124,27 @@ def save_training_state(directory: str, model, optimizer) -> None:
     out = os.path.join(directory, STATE_DIR)
     os.makedirs(out, exist_ok=True)
     units = []
-    for k, u in enumerate(engine.store.units):
-        fname = _unit_file(k)
-        path = os.path.join(out, fname)
-        # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
-        save_file({"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
-                   "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)},
-                  path, metadata={"format": FORMAT, "unit": u.name})
-        units.append({"name": u.name, "file": fname, "bytes": os.path.getsize(path), "numel": u.numel,
-                      "params": [[e.name, list(e.shape)] for e in u.entries]})
+    with ThreadPoolExecutor(max_workers=len(_TENSORS)) as pool:     # zlib.crc32 releases the GIL
+        for k, u in enumerate(engine.store.units):
+            fname = _unit_file(k)
+            path = os.path.join(out, fname)
+            # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
+            tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
+                       "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)}
+            crcs = {n: pool.submit(tensor_crc32, t) for n, t in tensors.items()}
+            save_file(tensors, path, metadata={"format": FORMAT, "unit": u.name})
+            units.append({"name": u.name, "file": fname, "bytes": os.path.getsize(path), "numel": u.numel,
+                          "params": [[e.name, list(e.shape)] for e in u.entries],
+                          "crc32": {n: c.result() for n, c in crcs.items()}})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
+    for rec in units:                     # the index, written last, must never name a file not yet durable
+        fsync_file(os.path.join(out, rec["file"]))
     with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(out)
 
 
 def verify_training_state(directory: str, model) -> dict:
@@ -190,18 +212,30 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
         raise CheckpointError(f"{directory}: {len(index['param_groups'])} optimizer param groups saved, "
                               f"this optimizer has {len(opt.param_groups)}")
     out = os.path.join(directory, STATE_DIR)
+    if any("crc32" not in rec for rec in index["units"]):
+        logger.warning("%s was written without checksums: damaged values cannot be detected", out)
     for rec, u in zip(index["units"], engine.store.units):
         path = os.path.join(out, rec["file"])
         try:
             with safe_open(path, "pt") as f:
+                def read(name):
+                    t = f.get_tensor(name)
+                    want = rec.get("crc32", {}).get(name)
+                    if want is not None and tensor_crc32(t) != want:
+                        raise CheckpointError(f"{path}: tensor {name!r} of unit {rec['name']} does not match its "
+                                              "checksum (damaged on disk or in transfer). The load stopped here, "
+                                              "with the state read before it restored: load a good checkpoint "
+                                              "before training")
+                    return t
+
                 if weights:
-                    u.master.copy_(f.get_tensor("master"))
+                    u.master.copy_(read("master"))
                 if opt is not None:
-                    u.exp_avg.copy_(f.get_tensor("exp_avg"))
-                    u.exp_avg_sq.copy_(f.get_tensor("exp_avg_sq"))
-                    steps = f.get_tensor("step")
-                    for s, v in zip(u.steps, steps):
-                        s.copy_(v)
+                    m, v, steps = read("exp_avg"), read("exp_avg_sq"), read("step")
+                    u.exp_avg.copy_(m)
+                    u.exp_avg_sq.copy_(v)
+                    for s, x in zip(u.steps, steps):
+                        s.copy_(x)
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001

@@ -31,11 +31,13 @@ except ImportError:  # pragma: no cover - version dependent
     rotate_checkpoints = None
 
 from .accelerate_plugin import multi_process_message, wrap_optimizer
+from .atomic_save import final_paths_in_logs
 from .checkpoint import CheckpointError
 from .engine import SlideStateError
 from .model import is_slid, slide
 from .optim import SlideOptimizer
-from .train_checkpoint import atomic_directory, load_training_state, save_training_state, verify_training_state
+from .train_checkpoint import (STATE_DIR, atomic_directory, load_training_state, recover_checkpoint,
+                               save_training_state, verify_training_state, write_plain_resume_refusal)
 from .training_args import SlideArgs, SlideArgsError
 
 logger = logging.getLogger(__name__)
@@ -198,12 +200,17 @@ class SlideTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial) -> None:
-        """Save model export + exact training state + scheduler, RNG and trainer state, atomically."""
+        """Save model export + exact training state + scheduler, RNG and trainer state, atomically.
+
+        The checkpoint is written beside `checkpoint-N` and swapped in by renames (`atomic_directory`);
+        logs name the final path. Hidden leftovers of killed saves in the run directory are resolved
+        first (to the old or the new checkpoint).
+        """
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        with atomic_directory(output_dir) as tmp:
+        with atomic_directory(output_dir) as tmp, final_paths_in_logs(tmp, os.path.abspath(output_dir)):
             self.save_model(tmp, _internal_call=True)
             if self.state.best_global_step:
                 best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
@@ -211,6 +218,7 @@ class SlideTrainer(Trainer):
                     self.state.best_model_checkpoint = best
             if not self.args.save_only_model:
                 save_training_state(tmp, self.model, self.optimizer)
+                write_plain_resume_refusal(tmp)
                 if self.lr_scheduler is not None:
                     torch.save(self.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_NAME))
                 self._save_rng_state(tmp)
@@ -232,6 +240,7 @@ class SlideTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Verify the checkpoint and restore the exact fp32 masters (not the training-dtype export)."""
         model = model if model is not None else self.model
+        recover_checkpoint(resume_from_checkpoint)
         _check_files(resume_from_checkpoint)
         verify_training_state(resume_from_checkpoint, model)
         load_training_state(resume_from_checkpoint, model, weights=True)
@@ -241,7 +250,10 @@ class SlideTrainer(Trainer):
             return
         load_training_state(checkpoint, self.model, self.optimizer, weights=False)
         path = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(path):
+        if self.lr_scheduler is not None:
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path} is missing: {checkpoint} holds the optimizer state but not the "
+                                      "learning-rate schedule (an incomplete copy?)")
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001
@@ -266,6 +278,10 @@ def _check_files(checkpoint: str) -> None:
             json.load(f)
     except ValueError as e:
         raise CheckpointError(f"{path} is corrupted: {e}") from e
+    sched = os.path.join(checkpoint, SCHEDULER_NAME)
+    if os.path.isdir(os.path.join(checkpoint, STATE_DIR)) and not os.path.isfile(sched):
+        raise CheckpointError(f"{sched} is missing: {checkpoint} is not a complete checkpoint (its optimizer "
+                              "state is there, its learning-rate schedule is not)")
     rng = os.path.join(checkpoint, "rng_state.pth")
     if os.path.isfile(rng):
         try:
