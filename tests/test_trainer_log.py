@@ -1,0 +1,47 @@
+"""SlideTrainer.log: the logged grad norm and loss are the true values, NaN included (as the plain Trainer logs)."""
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import hf_slideformer as hs
+
+
+def broken_model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("inf")
+    return model
+
+
+def data(n=4, seq=16):
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": (x := torch.randint(0, 128, (seq,), generator=g)), "labels": x.clone()} for _ in range(n)]
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if "loss" in h and key in h]
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_a_non_finite_step_is_logged_as_it_is(tmp_path, max_grad_norm, caplog):
+    kw = dict(per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+              save_strategy="no", disable_tqdm=True, max_grad_norm=max_grad_norm, logging_nan_inf_filter=False)
+    plain = Trainer(model=broken_model(), args=TrainingArguments(output_dir=str(tmp_path / "p"), **kw),
+                    train_dataset=data())
+    plain.train()
+    slid = hs.SlideTrainer(model=broken_model(), args=hs.SlideArgs(output_dir=str(tmp_path / "s"), **kw),
+                           train_dataset=data())
+    with caplog.at_level("WARNING", logger="hf_slideformer"):
+        slid.train()
+    norms = logged(slid, "grad_norm")
+    assert len(norms) == 2 and all(math.isnan(n) for n in norms)          # the old log dropped them
+    assert all(math.isnan(x) for x in logged(slid, "loss"))
+    assert [math.isnan(x) for x in logged(plain, "loss")] == [math.isnan(x) for x in logged(slid, "loss")]
+    if max_grad_norm:                                                       # the plain Trainer logs its norm then
+        assert all(math.isnan(n) for n in logged(plain, "grad_norm"))
+    assert "step 1: the gradient norm is nan" in caplog.text

@@ -1,0 +1,44 @@
+"""SlideArgs: fp16 refused before any update, the Trainer's fields checked by the settings table."""
+import math
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from hf_slideformer.training_args import SlideArgsError
+
+
+def make(tmp_path, **kw):
+    return hs.SlideArgs(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], **kw)
+
+
+def test_fp16_is_refused_pointing_to_bf16(tmp_path):
+    with pytest.raises(SlideArgsError, match=r"fp16=True is refused.*GradScaler.*bf16=True"):
+        make(tmp_path, fp16=True)
+
+
+def test_fp16_from_the_launcher_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(SlideArgsError, match="fp16.*refused"):
+        make(tmp_path)
+
+
+def test_bf16_picks_the_engine_dtype(tmp_path):
+    args = make(tmp_path, bf16=True)
+    assert args.resolved_dtype() == torch.bfloat16 and args.mixed_precision == "no"
+    assert make(tmp_path, slide_dtype="bf16").to_slide_config().dtype == torch.bfloat16
+    with pytest.raises(SlideArgsError, match="contradicts bf16=True"):
+        make(tmp_path, bf16=True, slide_dtype="fp32")
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_non_finite_max_grad_norm_is_refused_not_turned_off(tmp_path, value):
+    with pytest.raises(SlideArgsError, match="max_grad_norm="):
+        make(tmp_path, max_grad_norm=value)
+
+
+def test_trainer_fields_reach_the_engine(tmp_path):
+    cfg = make(tmp_path, gradient_accumulation_steps=3, max_grad_norm=0.0, slide_host_adam="torch",
+               slide_expandable_segments=False).to_slide_config()
+    assert (cfg.gradient_accumulation_steps, cfg.max_grad_norm, cfg.host_adam) == (3, None, "torch")
+    assert cfg.expandable_segments is False
