@@ -52,9 +52,10 @@ class SlideConfig:
         1, Int(1), "Backward passes per optimizer step (yaml: also given to the Accelerator).",
         surfaces=("plugin",), elsewhere="SlideArgs: the Trainer's gradient_accumulation_steps")
     max_grad_norm: float | None = option(
-        None, ClipNorm(), "Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_, applied by "
-                          "the engine at optimizer.step() (it must be known before backward: with Accelerate it is this "
-                          "setting, not an accelerator.clip_grad_norm_ call); 0 or less turns clipping off.",
+        None, ClipNorm(),
+        "Global gradient-norm clipping threshold, as torch.nn.utils.clip_grad_norm_, applied by the engine at "
+        "optimizer.step() (it must be known before backward: with Accelerate it is this setting, not an "
+        "accelerator.clip_grad_norm_ call); 0 or less turns clipping off.",
         none="no clipping", surfaces=("plugin",), elsewhere="SlideArgs: the Trainer's max_grad_norm")
     activation_tier: str = option(
         "auto", Choice(*ACTIVATION_TIERS),

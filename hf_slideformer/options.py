@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Kind", "Int", "Float", "Bool", "ClipNorm", "Choice", "Auto", "DType", "Device", "Directory", "Option", "option",
-           "settings_of", "option_fields", "check_fields", "DTYPES", "SURFACES"]
+__all__ = ["Kind", "Int", "Float", "Bool", "ClipNorm", "Choice", "Auto", "DType", "Device", "Directory", "Option",
+           "option", "settings_of", "option_fields", "check_fields", "DTYPES", "SURFACES"]
 
 SURFACES = ("args", "plugin")                  # SlideArgs (slide_<name>), SlidePlugin (yaml key <name>)
 _INT = re.compile(r"\s*[+-]?\d+\s*")

@@ -59,7 +59,7 @@ _TRAINER = """
 |---|---|
 | `gradient_accumulation_steps` | `SlideConfig.gradient_accumulation_steps` |
 | `max_grad_norm` | `SlideConfig.max_grad_norm`: the engine clips at `optimizer.step()`; the Trainer's clip is off |
-| `bf16` / `ACCELERATE_MIXED_PRECISION=bf16` | `SlideConfig.dtype` (unless `slide_dtype`); `mixed_precision` becomes `"no"` |
+| `bf16` (or `ACCELERATE_MIXED_PRECISION=bf16`) | `SlideConfig.dtype` unless `slide_dtype`; `mixed_precision` is `"no"` |
 | `use_cpu` / the device | `SlideConfig.device` |
 | `learning_rate`, `adam_beta1/2`, `adam_epsilon`, `weight_decay` | `SlideOptimizer` (decay / no-decay groups as HF) |
 | `lr_scheduler_type`, `warmup_*` | any HF scheduler, on the optimizer's `param_groups` |
