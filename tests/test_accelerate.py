@@ -14,6 +14,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from torch.utils.data import DataLoader
 
+from hf_slideformer import CheckpointError
 from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
 
 from test_trainer import ATOL, RTOL, assert_same_params, tiny_data, tiny_model
@@ -159,3 +160,67 @@ def test_save_state_and_load_state_resume_exactly(tmp_path):
     got = model.state_dict()
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def _accelerate_run():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.5))
+    model = acc.slide(tiny_model())
+    opt = model.create_optimizer(lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = acc.prepare(model, opt, sched)
+    return acc, model, opt, sched
+
+
+def _train(model, opt, sched, data):
+    for b in data:
+        model(**{k: v[None] for k, v in b.items()}).loss.backward()
+        opt.step(); sched.step(); opt.zero_grad()
+
+
+def test_save_state_killed_at_every_step_loads_old_or_new(tmp_path):
+    """save_state over an earlier state, killed at each file-system step in turn: load_state restores
+    the earlier state or the new one (never a mix of layers); a file of the user's stays."""
+    import shutil
+
+    from kill_points import every_kill
+
+    data = tiny_data(4)
+    acc, model, opt, sched = _accelerate_run()
+    _train(model, opt, sched, data[:2])
+    base = tmp_path / "base"
+    acc.save_state(str(base))
+    (base / "notes.txt").write_text("mine")
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, sched, data[2:])
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+    work = tmp_path / "run" / "state"
+
+    def prepare():
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        shutil.copytree(base, work)
+
+    seen = []
+    for step, _ in every_kill(prepare, lambda: acc.save_state(str(work))):
+        acc2, model2, _, _ = _accelerate_run()
+        acc2.load_state(str(work))
+        got = model2.state_dict()
+        is_old, is_new = (all(torch.equal(got[k], ref[k]) for k in ref) for ref in (old, new))
+        assert is_old or is_new, f"killed at step {step}: the loaded state mixes the two saves"
+        seen.append("old" if is_old else "new")
+        assert (work / "notes.txt").read_text() == "mine"
+        assert os.listdir(tmp_path / "run") == ["state"]
+    assert seen[0] == "old" and seen[-1] == "new" and len(seen) > 5, seen
+
+
+def test_load_state_refuses_a_half_written_state(tmp_path):
+    acc, model, opt, sched = _accelerate_run()
+    _train(model, opt, sched, tiny_data(1))
+    acc.save_state(str(tmp_path / "s"))
+    (tmp_path / "s" / "slide_state" / "index.json").unlink()      # as a save killed before its end leaves it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="index.json is missing"):
+        acc.load_state(str(tmp_path / "s"))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)   # refused before anything was loaded

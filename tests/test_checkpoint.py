@@ -2,6 +2,7 @@
 and the host-memory bound of loading layer by layer."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -51,6 +52,35 @@ def test_save_in_bf16(tmp_path):
     sd = load_file(os.path.join(tmp_path, "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in sd.values())
     assert json.load(open(tmp_path / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_save_pretrained_writes_the_fp32_masters_by_default(tmp_path):
+    """A model trained in bf16 exports its fp32 masters and an fp32 config, as HF saves one."""
+    from helpers import family_config
+    torch.manual_seed(0)
+    slid = hs.slide(AutoModelForCausalLM.from_config(family_config("llama")),
+                    hs.SlideConfig(device="cpu", dtype=torch.bfloat16))
+    slid.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert hf.dtype == torch.float32 and json.load(open(tmp_path / "config.json"))["dtype"] == "float32"
+    masters = slid.state_dict()
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, masters[k]), k
+
+
+def test_one_file_wins_over_an_index_as_in_hf(tmp_path):
+    """With both `model.safetensors` and an index present, both loaders read `model.safetensors`."""
+    slid = _trained(False)
+    slid.save_pretrained(tmp_path / "a", max_shard_size="20KB")
+    other = _trained(False, seed=3)
+    other.save_pretrained(tmp_path / "b")
+    shutil.copy(tmp_path / "b" / "model.safetensors", tmp_path / "a" / "model.safetensors")
+    again = hs.SlideModel.from_pretrained(tmp_path / "a", slide_config=hs.SlideConfig(device="cpu"))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    want = other.state_dict()
+    for sd in (again.state_dict(), hf.state_dict()):
+        for k, v in sd.items():
+            assert torch.equal(v, want[k]), k
 
 
 def test_missing_and_mismatched_tensors_are_named(tmp_path):

@@ -164,7 +164,19 @@ def test_saved_model_loads_and_equals_the_masters(tmp_path, tied):
         assert_same_params(loaded, model, rtol=0, atol=0)     # fp32 training dtype on CPU: exact
 
 
-@pytest.mark.parametrize("damage", ["truncate_unit", "drop_index", "garble_state", "wrong_shape"])
+def _flip_byte_in(path, tensor):
+    """Flip one bit in the middle of `tensor`'s data in a safetensors file (same size, still parses)."""
+    import json
+    import struct
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8:8 + n])[tensor]["data_offsets"]
+    raw[8 + n + (begin + end) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["truncate_unit", "drop_index", "garble_state", "wrong_shape", "drop_scheduler",
+                                    "flip_moment", "flip_master"])
 def test_damaged_checkpoint_is_named_at_resume(tmp_path, damage):
     run(tmp_path, "src")
     ckpt = tmp_path / "src" / "checkpoint-3"
@@ -178,6 +190,12 @@ def test_damaged_checkpoint_is_named_at_resume(tmp_path, damage):
     elif damage == "garble_state":
         (ckpt / "trainer_state.json").write_text("{ not json")
         culprit = "trainer_state.json"
+    elif damage == "drop_scheduler":
+        (ckpt / "scheduler.pt").unlink()
+        culprit = "scheduler.pt is missing"
+    elif damage.startswith("flip_"):
+        _flip_byte_in(unit, "exp_avg_sq" if damage == "flip_moment" else "master")
+        culprit = "unit-00001.safetensors: tensor .* does not match its checksum"
     else:
         shutil.copy(ckpt / "slide_state" / "unit-00002.safetensors", unit)    # same size class, other unit
         culprit = "unit-00001.safetensors"
@@ -258,3 +276,76 @@ def test_a_pre_slid_model_takes_the_trainer_step_settings(tmp_path):
     hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "s", max_steps=2)), train_dataset=data).train()
     assert model.slide_config.gradient_accumulation_steps == 2 and model.slide_config.max_grad_norm == 0.05
     assert_same_params(model, ref)
+
+
+def test_plain_trainer_refuses_to_resume_a_sliding_checkpoint(tmp_path):
+    """A plain Trainer would resume the weights and silently restart the optimizer and schedule."""
+    run(tmp_path, "src")
+    plain = Trainer(model=tiny_model(), args=TrainingArguments(**common(tmp_path, "plain", max_steps=6)),
+                    train_dataset=tiny_data())
+    with pytest.raises(Exception, match="resume_this_checkpoint_with_SlideTrainer"):
+        plain.train(resume_from_checkpoint=str(tmp_path / "src" / "checkpoint-3"))
+    from hf_slideformer.train_checkpoint import resume_this_checkpoint_with_SlideTrainer
+    with pytest.raises(CheckpointError, match="Resume it with hf_slideformer.SlideTrainer"):
+        with torch.serialization.safe_globals([resume_this_checkpoint_with_SlideTrainer]):
+            torch.load(tmp_path / "src" / "checkpoint-3" / "optimizer.pt", weights_only=True)
+
+
+def test_final_save_under_bf16_writes_fp32_weights_and_config(tmp_path):
+    import json
+    model = tiny_model()
+    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "bf", max_steps=1, bf16=True)),
+                              train_dataset=tiny_data(8))
+    assert model.slide_config.dtype == torch.bfloat16
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert json.load(open(tmp_path / "final" / "config.json"))["dtype"] == "float32"
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert loaded.dtype == torch.float32
+    assert_same_params(loaded, model, rtol=0, atol=0)
+
+
+def test_checkpoints_follow_the_umask_and_logs_name_final_paths(tmp_path):
+    import logging
+    import stat
+
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, lg = Collect(), logging.getLogger("transformers")
+    lg.addHandler(handler)
+    level, mask = lg.level, os.umask(0o022)
+    lg.setLevel(logging.INFO)
+    try:
+        run(tmp_path, "m")
+    finally:
+        lg.removeHandler(handler)
+        lg.setLevel(level)
+        os.umask(mask)
+    for name in ("checkpoint-3", "checkpoint-6"):
+        assert stat.S_IMODE(os.stat(tmp_path / "m" / name).st_mode) == 0o755
+    saving = [m for m in messages if "Saving model checkpoint" in m]
+    assert saving and all(".tmp-" not in m for m in messages), messages
+    assert any(m.endswith(os.path.join("m", "checkpoint-3")) for m in saving), saving
+
+
+def test_killed_saves_are_finished_or_removed_by_the_next_save(tmp_path):
+    """A save killed between its two renames left `.new-checkpoint-6.*` and no checkpoint-6: resuming
+    from checkpoint-6 finishes the swap; a half-written `.tmp-*` and a `.slide-save-*` staging
+    folder are removed by the next save."""
+    from hf_slideformer.atomic_save import leftover_path
+
+    full, full_model = run(tmp_path, "full")
+    out = tmp_path / "full"
+    os.rename(out / "checkpoint-6", leftover_path(str(out), "new", "checkpoint-6"))
+    os.mkdir(leftover_path(str(out), "tmp", "checkpoint-9"))
+    os.mkdir(leftover_path(str(out), "slide-save", "model"))
+    _, resumed_model = run(tmp_path, "full", resume=str(out / "checkpoint-6"))    # finishes the swap
+    assert_same_params(resumed_model, full_model, rtol=0, atol=0)
+    again, again_model = run(tmp_path, "full", resume=str(out / "checkpoint-3"))   # saves checkpoint-6 again
+    assert_same_params(again_model, full_model, rtol=0, atol=0)
+    again.save_model(str(out))                     # the final export removes its own staging leftovers
+    assert not [d for d in os.listdir(out) if d.startswith(".")], os.listdir(out)
