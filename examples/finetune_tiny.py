@@ -1,6 +1,6 @@
 """Fine-tune a tiny Llama-shaped model on the bundled corpus with hf_slideformer.
 
-The default job of the project (`bash scripts/train.sh`): no downloads, about 10 s on 2 CPU cores,
+The default job of the project (`bash scripts/train.sh`): no downloads, about 15 s on 2 CPU cores,
 and on the GPU when one is present. It trains on nine blocks in ten, measures the loss on the tenth
 before and after, prints the model's greedy continuation of a prompt, and ends with one line that
 says whether training worked (exit status 1 when the held-out loss did not fall).
