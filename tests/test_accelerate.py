@@ -224,3 +224,26 @@ def test_load_state_refuses_a_half_written_state(tmp_path):
         acc.load_state(str(tmp_path / "s"))
     after = model.state_dict()
     assert all(torch.equal(after[k], before[k]) for k in before)   # refused before anything was loaded
+
+
+def test_save_state_with_automatic_checkpoint_naming(tmp_path):
+    """Accelerate names the folders (checkpoint_0, checkpoint_1, ...); each is complete and loads."""
+    from accelerate.utils import ProjectConfiguration
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    project = ProjectConfiguration(project_dir=str(tmp_path), automatic_checkpoint_naming=True)
+    acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(), project_config=project)
+    model = acc.slide(tiny_model())
+    opt = model.create_optimizer(lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), tiny_data(1))
+    first = acc.save_state()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), tiny_data(2)[1:])
+    second = acc.save_state()
+    assert os.path.basename(first) == "checkpoint_0" and os.path.basename(second) == "checkpoint_1"
+    assert os.path.isfile(os.path.join(second, "slide_state", "index.json"))
+    acc.load_state(first)
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
