@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - version dependent
     rotate_checkpoints = None
 
 from .accelerate_plugin import multi_process_message, wrap_optimizer
-from .atomic_save import final_paths_in_logs
+from .atomic_save import final_paths_in_logs, recover_directories
 from .checkpoint import CheckpointError
 from .engine import SlideStateError
 from .model import is_slid, slide
@@ -182,10 +182,13 @@ class SlideTrainer(Trainer):
             self._slide_mark = (now, self._slide_tokens, stats)
         super().log(logs, start_time)
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True and os.path.isdir(self.args.output_dir):
+            # a save killed mid-swap may hide the newest checkpoint-N from HF's search: finish it first
+            recover_directories(self.args.output_dir)
         self._slide_mark = (time.perf_counter(), self._slide_tokens, self.model.slide_stats()) \
             if self.model is not None and is_slid(self.model) else None
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """As Trainer's; logits (for compute_metrics) come from a second, label-free sliding forward,

@@ -345,6 +345,9 @@ def test_killed_saves_are_finished_or_removed_by_the_next_save(tmp_path):
     os.mkdir(leftover_path(str(out), "slide-save", "model"))
     _, resumed_model = run(tmp_path, "full", resume=str(out / "checkpoint-6"))    # finishes the swap
     assert_same_params(resumed_model, full_model, rtol=0, atol=0)
+    os.rename(out / "checkpoint-6", leftover_path(str(out), "new", "checkpoint-6"))
+    latest, _ = run(tmp_path, "full", resume=True)         # HF's search sees checkpoint-6 again, not 3
+    assert latest.model.slide_stats()["steps"] == 0         # nothing left to train after step 6
     again, again_model = run(tmp_path, "full", resume=str(out / "checkpoint-3"))   # saves checkpoint-6 again
     assert_same_params(again_model, full_model, rtol=0, atol=0)
     again.save_model(str(out))                     # the final export removes its own staging leftovers
