@@ -140,3 +140,54 @@ def test_staged_directory_follows_the_umask_and_spares_live_saves(tmp_path):
     os.mkdir(dead)                                     # this process's own leftover: a killed save
     recover_directories(str(tmp_path))
     assert os.path.isdir(live) and not os.path.exists(dead)
+
+
+_SAVER = """
+import sys, torch, hf_slideformer as hs
+sys.path.insert(0, {tests!r})
+from helpers import batches, make_pair
+_, m = make_pair("qwen2", False)
+opt = m.create_optimizer(lr=1e-2)
+states = []
+for b in batches(2):
+    m(**b).loss.backward(); opt.step(); opt.zero_grad()
+    states.append({{k: v.clone() for k, v in m.state_dict().items()}})
+shards = ["20KB", "5GB"]
+for i, sd in enumerate(states):
+    m.load_state_dict(sd)
+    m.save_pretrained({ref!r} + str(i), max_shard_size=shards[i])
+print("ready", flush=True)
+i = 0
+while True:                                       # alternate the two states and formats until killed
+    m.load_state_dict(states[i % 2])
+    m.save_pretrained({work!r}, max_shard_size=shards[i % 2])
+    i += 1
+"""
+
+
+@pytest.mark.slow
+def test_save_pretrained_survives_real_sigkills(tmp_path):
+    """SIGKILL at random moments of back-to-back saves: the directory always loads as one of them."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = _SAVER.format(tests=tests, ref=str(tmp_path / "ref"), work=str(tmp_path / "work"))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    rng = random.Random(0)
+    refs = None
+    for _ in range(6):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.05, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if refs is None:
+            refs = [_loaded(tmp_path / f"ref{i}") for i in range(2)]
+        if not (tmp_path / "work" / "config.json").exists():
+            continue                                   # killed before the first save got anywhere
+        hf_sd, slide_sd = _loaded(tmp_path / "work")
+        assert _which(hf_sd, refs[0][0], refs[1][0]) == _which(slide_sd, refs[0][1], refs[1][1])
