@@ -8,6 +8,8 @@ state between two steps is either recognisable as unfinished or already complete
     .new-<name>.<host>.<pid>.<ns>     complete: recovery finishes the swap (rolls forward)
     .merge-<name>.<host>.<pid>.<ns>   complete, and the entries of <name> it lacks move into it
     .old-<name>.<host>.<pid>.<ns>     the replaced directory: removed once <name> is the new one
+    .slide-save-model.<host>.<pid>.<ns>   `save_pretrained`'s staging folder inside its directory
+                                          (see `checkpoint.save_model`): removed by the next save
 
 Note: [Why a complete save is renamed before the swap] the swap takes two renames (`<name>` to
 `.old-...`, then the new directory to `<name>`); a kill between them leaves no `<name>`. The
