@@ -241,7 +241,7 @@ class SlideTrainer(Trainer):
             self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """Verify the checkpoint and restore the exact fp32 masters (not the training-dtype export)."""
+        """Finish an interrupted swap of it, verify it, and restore the fp32 masters from `slide_state/`."""
         model = model if model is not None else self.model
         recover_checkpoint(resume_from_checkpoint)
         _check_files(resume_from_checkpoint)
