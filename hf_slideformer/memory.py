@@ -10,9 +10,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["available_host_bytes", "estimate_host_bytes", "check_host_memory", "pin_slab", "unpin_slab",
            "PinnedBuffers", "HostMemoryError", "release_pages", "lazy_zeros", "enable_expandable_segments",
-           "expandable_segments_on"]
+           "expandable_segments_on", "GiB", "COPY_CHUNK"]
 
 GiB = 1024 ** 3
+# Elements per step of a chunked copy (256 MiB of fp32): the on-GPU fp32 staging buffers hold at
+# most this many, and a slot is filled at most this many elements at a time.
+COPY_CHUNK = 1 << 26
 
 
 class HostMemoryError(MemoryError):

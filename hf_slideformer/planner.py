@@ -14,14 +14,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .memory import available_host_bytes
+from .memory import COPY_CHUNK, GiB, available_host_bytes
 from .resident import ResidentState, plan_resident
 from .device_update import DEVICE_PIECE, balanced_share, pick_device_units
 from .models import get_adapter
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
 
-GiB = 1024 ** 3
 TIERS = ("cpu", "device", "nvme")
 
 # Calibration (docs/planner.md, "Calibration"). Change them together with the table there.
@@ -34,18 +33,11 @@ NVME_BUFFERS = 4
 GPU_USABLE = 0.85            # share of the card the caching allocator can fill (fragmentation)
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
-STAGING_ELEMENTS = 1 << 26   # fp32 elements of each on-GPU staging chunk (engine._CHUNK)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (aa214a3 trace) / one-way
 RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
-
-
-def _pinned(nbytes: int) -> int:
-    """Bytes a pinned host buffer takes: the engine registers exactly what it allocates
-    (cudaHostRegister), without the caching host allocator's power-of-two rounding."""
-    return max(0, int(nbytes))
 
 
 @dataclass(frozen=True)
@@ -221,9 +213,11 @@ class _Estimator:
 
     def host(self, B: int, tier: str, deferred: bool) -> dict:
         s, tok_h = self.s, B * self.seq * self.s.hidden
+        # Pinned buffers count their exact size: the engine registers what it allocates
+        # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         # the last layer's input stays on the device (activations.py)
-        acts = {"cpu": (s.layers - 1) * _pinned(2 * tok_h), "device": 0,
-                "nvme": NVME_BUFFERS * _pinned(2 * tok_h)}[tier]   # nvme: the I/O thread's bounce buffers
+        acts = {"cpu": (s.layers - 1) * 2 * tok_h, "device": 0,
+                "nvme": NVME_BUFFERS * 2 * tok_h}[tier]   # nvme: the I/O thread's bounce buffers
         out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
@@ -233,8 +227,8 @@ class _Estimator:
             f"gradient ring ({self.grad_buffers} x largest layer, fp32)": 4 * self.grad_buffers * s.layer_params,
             # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring]);
             # a tied lm_head's gradient joins it with accumulation only
-            "head host buffer (fp32, pinned)": (0 if head <= self.grad_buffers * s.layer_params else _pinned(4 * head)),
-            "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * _pinned(4 * tok_h),
+            "head host buffer (fp32, pinned)": (0 if head <= self.grad_buffers * s.layer_params else 4 * head),
+            "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         })
@@ -246,7 +240,7 @@ class _Estimator:
         H, head = s.hidden, s.head_slot_params
         fixed = {
             f"layer slots ({self.window} x largest layer, bf16)": 2 * self.window * s.layer_params,
-            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), STAGING_ELEMENTS),
+            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
             "head slot (bf16)": 2 * head,
         }
         if tier == "device":
@@ -466,7 +460,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         acts = f"layer inputs ({tier} tier)"
         if tier == "cpu" and shape.layers > 1:
             # the first layer's input is gathered again from the resident embedding (activations.py)
-            p.host[acts] -= _pinned(2 * batch * seq * shape.hidden)
+            p.host[acts] -= 2 * batch * seq * shape.hidden
         p.host_total = sum(p.host.values())
     # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
     # accumulators) are released after it.

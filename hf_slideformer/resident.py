@@ -22,15 +22,13 @@ import logging
 import torch
 
 from . import optim as _optim
-from .memory import lazy_zeros, release_pages
+from .memory import GiB, lazy_zeros, release_pages
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ResidentState", "ResidentUnits", "plan_resident", "measured_peak"]
-
-GiB = 1024 ** 3
 
 
 class ResidentState:
@@ -140,7 +138,7 @@ class ResidentUnits:
             return bool(embed), layers or 0
         if embed is not None and layers is not None:
             return embed, layers
-        limit = (int(c.gpu_memory_limit * 2 ** 30) if c.gpu_memory_limit is not None
+        limit = (int(c.gpu_memory_limit * GiB) if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory)
         if self._plan_peak is None:      # the first step's peak, less the resident state it began with
             self._plan_peak = max(0, measured_peak(self.device) - self._resident_bytes())

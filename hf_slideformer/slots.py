@@ -11,12 +11,13 @@ import logging
 
 import torch
 
+from .memory import COPY_CHUNK
 from .store import Unit
 from .transfer import Streams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Slot", "SlotQueue"]
+__all__ = ["Slot", "SlotQueue", "staged_copy"]
 
 
 class Slot:
@@ -65,7 +66,7 @@ class SlotQueue:
         self.staging = staging
         self.clock = 0
         self.count = bytes_counter or (lambda n: None)
-        self.chunk = 1 << 26                    # elements per step of load_steps without a staging buffer
+        self.chunk = COPY_CHUNK                 # elements per step of load_steps without a staging buffer
         self.wait_host = waiter or _wait_updated
         self.filler = filler
 
@@ -126,12 +127,8 @@ class SlotQueue:
                     # has finished element `lo` (it reports finished prefixes), copy what is final.
                     hi = min(b, self.wait_host(u, lo))
                     with st.on(st.h2d):        # entered per copy: never held across a yield
-                        if cast:
-                            # Through one fp32 staging buffer: every copy and cast is on the h2d
-                            # stream, so chunk k+1 lands only after chunk k's cast has read the stage.
-                            stage = self.staging[lo - a:hi - a]
-                            stage.copy_(u.master[lo:hi], non_blocking=True)
-                            dst[lo:hi].copy_(stage)           # fp32 -> compute dtype on the GPU
+                        if cast:                       # fp32 -> compute dtype on the GPU
+                            staged_copy(dst[lo:hi], u.master[lo:hi], self.staging)
                         else:
                             dst[lo:hi].copy_(u.master[lo:hi], non_blocking=True)
                     lo = hi
@@ -158,11 +155,29 @@ class SlotQueue:
         """Mark the compute work issued so far as the slot's last reader."""
         slot.free = self.streams.record()
 
-    def invalidate(self) -> None:
-        for s in self.slots:
-            s.key, s.units = None, ()
-
 
 def _wait_updated(u: Unit, start: int) -> int:
     u.updated.wait()
     return u.numel
+
+
+def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
+    """Copy `src` into `dst` (same numel, other dtype or device) through the device buffer `stage`.
+
+    Chunks of `stage.numel()` elements: each is copied into the stage, then cast / copied from it
+    into `dst`, both with `non_blocking` on the current stream. Note: [Why the staging chunk is safe
+    to reuse] every copy is on one stream, so chunk k+1 lands in the stage only after chunk k's
+    copy out of it has read it; the caller keeps `stage` to that one stream.
+
+    Args:
+        dst: (n,) destination (the compute-dtype slot, or a host buffer).
+        src: (n,) source (a host master, or a device gradient).
+        stage: (m,) device buffer of `src`'s or `dst`'s wider dtype, any m >= 1.
+    """
+    n, cap = src.numel(), stage.numel()
+    src, dst = src.reshape(-1), dst.view(-1)
+    for a in range(0, n, cap):
+        b = min(a + cap, n)
+        chunk = stage[:b - a]
+        chunk.copy_(src[a:b], non_blocking=True)
+        dst[a:b].copy_(chunk, non_blocking=True)

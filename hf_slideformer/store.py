@@ -51,7 +51,6 @@ class Unit:
     grad: torch.Tensor | None = None            # (numel,) fp32 accumulated gradient (deferred mode)
     grad_valid: bool = False                    # `grad` holds this step's sum so far
     steps: list = field(default_factory=list)    # per-entry AdamW step counters (fp32 scalars)
-    sqnorm: float = 0.0                          # squared gradient norm of the finished step
     version: int = 0                            # bumped by every update: device copies check it
     updated: threading.Event = field(default_factory=threading.Event)
     readers: list = field(default_factory=list)  # device events of in-flight reads of `master`
@@ -85,7 +84,7 @@ class HostStore:
         config: the SlideConfig.
     """
 
-    def __init__(self, units: list[Unit], config, *, with_optimizer: bool = True):
+    def __init__(self, units: list[Unit], config):
         self.units = units
         self.config = config
         off = 0
@@ -161,7 +160,3 @@ class HostStore:
         for u in self.units:
             for e in u.entries:
                 yield e.param
-
-    def wait_all_updates(self) -> None:
-        for u in self.units:
-            u.updated.wait()

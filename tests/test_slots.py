@@ -1,7 +1,7 @@
 """The slot queue's chunked loads (CPU: the same code path, every event already complete)."""
 import torch
 
-from hf_slideformer.slots import SlotQueue
+from hf_slideformer.slots import SlotQueue, staged_copy
 from hf_slideformer.store import ParamEntry, Unit
 from hf_slideformer.transfer import Streams
 
@@ -101,3 +101,23 @@ def test_piecewise_adamw_is_bit_identical_and_reports_prefixes():
         assert "power of two" in str(e)
     else:
         raise AssertionError("a piece that is not a power of two must be refused")
+
+
+def test_staged_copy_casts_through_a_small_stage_bit_exactly():
+    """Any stage size gives the direct cast: chunks of the stage, each cast once."""
+    src = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    for m in (1, 7, 999, 1000, 4096):
+        dst = torch.empty(1000, dtype=torch.bfloat16)
+        staged_copy(dst, src, torch.empty(m))
+        assert torch.equal(dst, src.to(torch.bfloat16))
+    grad = torch.randn(12, 5, dtype=torch.bfloat16, generator=None)
+    host = torch.empty(60)
+    staged_copy(host, grad, torch.empty(8))              # the d2h direction: widened, never narrowed
+    assert torch.equal(host, grad.reshape(-1).float())
+
+
+def test_slot_with_a_staging_buffer_holds_the_cast_weights():
+    q = SlotQueue(1, 64, torch.bfloat16, Streams(torch.device("cpu")), staging=torch.empty(5))
+    a = _unit("a", 23, 0)
+    slot = q.load((a,))
+    assert torch.equal(slot.views(a)[0], a.master.to(torch.bfloat16))
