@@ -150,7 +150,7 @@ def lce_breakdown(T: int, H: int, V: int, chunk: int, iters: int = 5) -> dict:
     """Milliseconds per stage summed over the chunks: projection (cuBLAS, ours), softmax kernel,
     dh, dW (cuBLAS addmm, ours)."""
     from triton_ops.kernels.cross_entropy import cross_entropy_rows_
-    from benchmarks.lce_triton_gemms import accumulate_dw_, project_
+    from benchmarks.experiments.lce_triton_gemms import accumulate_dw_, project_
 
     hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
     weight = (torch.randn(V, H, device="cuda") * H ** -0.5).to(torch.bfloat16)

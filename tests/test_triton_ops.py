@@ -153,9 +153,9 @@ needs_triton_gemms = pytest.mark.skipif(not _triton_gemms_usable(),
 @needs_triton_gemms
 @pytest.mark.parametrize("a_transposed", [True, False])
 def test_lce_triton_gemms_against_torch(a_transposed):
-    # The loss head's experimental GEMMs (benchmarks/lce_triton_gemms.py, measured against cuBLAS
+    # The loss head's experimental GEMMs (benchmarks/experiments/lce_triton_gemms.py, measured against cuBLAS
     # in docs/benchmarks.md): kept correct so that the measurement can be repeated.
-    from benchmarks.lce_triton_gemms import GemmConfig, accumulate_dw_, project_
+    from benchmarks.experiments.lce_triton_gemms import GemmConfig, accumulate_dw_, project_
 
     g = torch.Generator().manual_seed(3)
     C, H, V = 72, 48, 200                                     # tails in every dimension for 32x64x16 tiles

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The loss head's three matmuls in each layout and BLAS backend, summed over the chunks.
 
-    python benchmarks/lce_gemm_probe.py [--chunks 512,1024]
+    python benchmarks/experiments/lce_gemm_probe.py [--chunks 512,1024]
 
 Shapes: T = 16384 tokens, H = 4096, V = 128256, bf16. "buf" is the (C, V) logits chunk,
 "bufT" its (V, C) transpose layout; dW is (V, H), dWT (H, V). Prints ms summed over T / C

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements of docs/benchmarks.md, in parts that each fit one 10-minute device call.
-# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/run_h200.sh COMMIT [a|b|c|d|e|f|g]
+# Usage (on the GPU machine, from the repo root): OUT=out bash benchmarks/experiments/run_h200.sh COMMIT [a|b|c|d|e|f|g]
 #   a: GPU tests; 3B batch 16 slide vs DeepSpeed ZeRO-2 (capped, best batch; DS=0 skips it); 3B batch 8; 8B batch 16
 #   b: the 3B GPU-resident bound (RES_PROVIDERS=resident,hf adds HF); 8B batch 1 under 8 GiB; 200-step
 #      soak + clipping timing; the kernel table with KERNELS=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The loss head's projection and dW update: cuBLAS against triton_ops' own GEMMs, per config.
 
-    python benchmarks/lce_triton_probe.py [--chunk 512] [--quick]
+    python benchmarks/experiments/lce_triton_probe.py [--chunk 512] [--quick]
 
 Shapes: T = 16384 tokens, H = 4096, V = 128256, bf16, summed over the T / C chunks (median of 5,
 ms) with TFLOP/s. Every Triton config is checked against torch before it is timed. Also times dh
@@ -13,15 +13,15 @@ import argparse
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from benchmarks.lce_gemm_probe import timed  # noqa: E402
-from benchmarks.lce_triton_gemms import GemmConfig, accumulate_dw_, project_  # noqa: E402
+from benchmarks.experiments.lce_gemm_probe import timed  # noqa: E402
+from benchmarks.experiments.lce_triton_gemms import GemmConfig, accumulate_dw_, project_  # noqa: E402
 
 
 def _proj(a, b, m, n, cfg, m_fastest=True, stats=None):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host-side cost of one forward + backward of the small fused ops (ours vs Liger).
 
-    python benchmarks/host_overhead_probe.py [--profile]
+    python benchmarks/experiments/host_overhead_probe.py [--profile]
 
 Per op: microseconds of host time per call (N calls without synchronizing, then one
 synchronize), and with --profile the functions that take the host time (cProfile).
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 import triton_ops  # noqa: E402
