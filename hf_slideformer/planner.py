@@ -17,7 +17,7 @@ import torch
 from .memory import COPY_CHUNK, GiB, available_host_bytes
 from .resident import ResidentState, plan_resident
 from .device_update import DEVICE_PIECE, balanced_share, pick_device_units
-from .models import get_adapter
+from .models import LayerDims, get_family
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
 
@@ -95,7 +95,7 @@ def load_model_config(config_or_path) -> dict:
 def model_shape(cfg: dict) -> ModelShape:
     """Count the parameters of a supported family from its config (HF's layouts, biases and norms)."""
     model_type = cfg.get("model_type")
-    get_adapter(model_type)      # ValueError naming the supported model types
+    family = get_family(model_type)      # ValueError naming the supported model types
     try:
         H, I, L, V = (int(cfg[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
         nh = int(cfg["num_attention_heads"])
@@ -103,16 +103,7 @@ def model_shape(cfg: dict) -> ModelShape:
         raise ValueError(f"config.json lacks {e.args[0]!r}, which a {model_type} config must have") from None
     nkv = int(cfg.get("num_key_value_heads") or nh)
     hd = int(cfg.get("head_dim") or H // nh)
-    q, kv = nh * hd, nkv * hd
-    layer = H * q + 2 * H * kv + q * H + 3 * H * I + 2 * H        # q, k, v, o, gate/up/down, 2 RMSNorms
-    if model_type == "qwen2":
-        layer += q + 2 * kv                                         # q/k/v biases
-    elif model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
-        layer += q + 2 * kv + H                                     # q/k/v/o biases
-    if model_type == "llama" and cfg.get("mlp_bias"):
-        layer += 2 * I + H
-    if model_type == "qwen3":
-        layer += 2 * hd                                             # q_norm, k_norm
+    layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
     tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
     return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
                       head_params=H + (0 if tied else V * H))

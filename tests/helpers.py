@@ -8,19 +8,21 @@ from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
 from hf_slideformer.demo import tiny_config
+from hf_slideformer.models import FAMILIES as _REGISTRY
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = tuple(_REGISTRY)            # every registered family, in the registry's order
+
+# Config settings that exercise a family's own features in a tiny model (a family without an
+# entry is tested with its defaults).
+FAMILY_FEATURES = {
+    "mistral": dict(sliding_window=5),     # shorter than the test sequences: exercises the window
+    "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    "qwen3": dict(use_sliding_window=False),
+}
 
 
 def family_config(model_type: str, tied: bool = False, **kw):
-    extra = {}
-    if model_type == "mistral":
-        extra["sliding_window"] = 5           # shorter than the test sequences: exercises the window
-    if model_type == "qwen2":
-        extra.update(use_sliding_window=True, sliding_window=5, max_window_layers=1)
-    if model_type == "qwen3":
-        extra.update(use_sliding_window=False)
-    extra.update(kw)
+    extra = {**FAMILY_FEATURES.get(model_type, {}), **kw}
     return tiny_config(model_type, vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                        tie_word_embeddings=tied, **extra)
 

@@ -1,6 +1,7 @@
 """Swap the fused ops into a Hugging Face causal LM, and take them out again.
 
-What `patch(model)` changes, for the llama / qwen2 / qwen3 / mistral families:
+What `patch(model)` changes, for the families of hf_slideformer's registry whose entry has
+`kernels` set (`hf_slideformer.models.FAMILIES`: llama, qwen2, qwen3, mistral):
 
 - every `*RMSNorm` module: its `forward` becomes `triton_ops.rms_norm` (instance attribute);
 - every `*MLP` module with a SiLU activation: `forward` uses the fused `swiglu`;
@@ -26,9 +27,8 @@ from torch import nn
 
 import triton_ops
 
-__all__ = ["PatchHandle", "patch", "unpatch", "SUPPORTED_FAMILIES"]
+__all__ = ["PatchHandle", "patch", "unpatch", "supported_families"]
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _ATTR = "_triton_ops_patch"
 _rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (original function, count)
 
@@ -112,12 +112,28 @@ class PatchHandle:
         self.revert()
 
 
-def _family(model: nn.Module) -> str:
+def _kernel_families() -> dict:
+    """model_type -> its registry entry, for the families the kernels apply to.
+
+    The registry is imported on first use: `import triton_ops` stays free of hf_slideformer."""
+    from hf_slideformer.models.registry import FAMILIES
+
+    return {name: f for name, f in FAMILIES.items() if f.kernels}
+
+
+def supported_families() -> tuple[str, ...]:
+    """The model types `patch` accepts."""
+    return tuple(_kernel_families())
+
+
+def _family(model: nn.Module):
+    """The registry entry of `model`'s family, or a ValueError naming the supported ones."""
     config = getattr(model, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in SUPPORTED_FAMILIES:
-        raise ValueError(f"triton_ops.patch supports {SUPPORTED_FAMILIES}, got model_type={family!r}")
-    return family
+    model_type = getattr(config, "model_type", None)
+    families = _kernel_families()
+    if model_type not in families:
+        raise ValueError(f"triton_ops.patch supports {tuple(families)}, got model_type={model_type!r}")
+    return families[model_type]
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
@@ -125,7 +141,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     """Apply the fused ops to a Hugging Face model of a supported family, in place.
 
     Args:
-        model: a `*ForCausalLM` (or its base `*Model`) of family llama, qwen2, qwen3 or mistral.
+        model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
         rms_norm, rope, swiglu, cross_entropy: which ops to swap in.
 
     Returns:
@@ -134,8 +150,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     family = _family(model)
     if getattr(model, _ATTR, None) is not None:
         raise RuntimeError("model is already patched; unpatch it first")
-    handle = PatchHandle(model=model, family=family)
-    modeling = f"transformers.models.{family}.modeling_{family}"
+    handle = PatchHandle(model=model, family=family.model_type)
+    modeling = family.modeling
     silu = getattr(model.config, "hidden_act", "silu") in ("silu", "swish")
     for module in model.modules():
         name = type(module).__name__

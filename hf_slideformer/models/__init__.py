@@ -1,4 +1,9 @@
-"""Model adapters: how each supported HF family splits into embed -> [decoder layers] -> head."""
-from .adapters import SUPPORTED_MODEL_TYPES, DecoderAdapter, get_adapter
+"""Model families: how each supported HF family splits into embed -> [decoder layers] -> head.
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
+`registry.FAMILIES` is the one list of supported families; `adapters.DecoderAdapter` names a
+family's parts.
+"""
+from .adapters import DecoderAdapter, get_adapter
+from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, Family, LayerDims, get_family
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "FAMILIES", "Family", "LayerDims", "DecoderAdapter", "get_adapter", "get_family"]

@@ -5,13 +5,16 @@ decoder layers, the final norm and the lm_head. Masks, RoPE, GQA and sliding-win
 with the HF model's own code: the base model's forward runs unchanged and calls the layers, whose
 forward the engine replaces by a sliding proxy. So every family whose decoder follows the
 Llama layout (embed_tokens / layers / norm / lm_head, layers that take the hidden states and
-return them) is supported by one adapter; families only differ in what they need checked.
+return them) is supported by one adapter; families only differ in what they need checked. Which families
+those are is the registry's (`registry.FAMILIES`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch.nn as nn
+
+from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, get_family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
 
@@ -68,16 +71,9 @@ class DecoderAdapter:
             raise NotImplementedError("an lm_head with a bias is not supported")
 
 
-_ADAPTERS = {name: DecoderAdapter(name) for name in ("llama", "qwen2", "qwen3", "mistral")}
-SUPPORTED_MODEL_TYPES = tuple(sorted(_ADAPTERS))
+_ADAPTERS = {name: DecoderAdapter(name, f.base_attr) for name, f in FAMILIES.items()}
 
 
 def get_adapter(model_type: str) -> DecoderAdapter:
-    """The adapter for `model_type`, or a ValueError naming the supported ones."""
-    try:
-        return _ADAPTERS[model_type]
-    except KeyError:
-        raise ValueError(
-            f"model_type {model_type!r} is not supported by hf_slideformer; supported model_types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-        ) from None
+    """The adapter for `model_type` (a `registry.FAMILIES` entry), or a ValueError naming the supported ones."""
+    return _ADAPTERS[get_family(model_type).model_type]

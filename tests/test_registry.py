@@ -1,0 +1,45 @@
+"""The family registry: every entry is read by the adapters, the kernel patch, the planner and the tests."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import triton_ops
+from helpers import FAMILIES, family_config
+from hf_slideformer.models import SUPPORTED_MODEL_TYPES, get_adapter, get_family
+from hf_slideformer.models.registry import FAMILIES as REGISTRY
+from hf_slideformer.planner import model_shape
+
+
+def test_every_reader_sees_the_registry():
+    assert FAMILIES == tuple(REGISTRY)
+    assert SUPPORTED_MODEL_TYPES == tuple(sorted(REGISTRY))
+    assert triton_ops.patching.supported_families() == tuple(n for n, f in REGISTRY.items() if f.kernels)
+
+
+@pytest.mark.parametrize("model_type", list(REGISTRY))
+def test_an_entry_finds_the_parts_and_counts_the_parameters(model_type):
+    config = family_config(model_type)
+    model = AutoModelForCausalLM.from_config(config)
+    a = get_adapter(model_type)
+    assert a.embed(model) is model.model.embed_tokens and a.lm_head(model) is model.lm_head
+    assert len(a.layers(model)) == config.num_hidden_layers and a.final_norm(model) is model.model.norm
+    a.check(model)
+    shape = model_shape(config.to_dict())
+    assert shape.layer_params == sum(p.numel() for p in model.model.layers[0].parameters())
+    assert shape.n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", [n for n, f in REGISTRY.items() if f.kernels])
+def test_a_kernel_family_is_patched_and_reverted(model_type):
+    model = AutoModelForCausalLM.from_config(family_config(model_type))
+    handle = triton_ops.patch(model)
+    assert handle.family == model_type and handle.rope_module == get_family(model_type).modeling
+    handle.revert()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_an_unknown_model_type_names_the_supported_ones():
+    for ask in (lambda: get_adapter("gpt2"), lambda: get_family(None),
+                lambda: model_shape(AutoConfig.for_model("gpt2").to_dict())):
+        with pytest.raises(ValueError, match="supported model_types: " + ", ".join(SUPPORTED_MODEL_TYPES)):
+            ask()
