@@ -34,42 +34,17 @@ resident, changing the clipping mode).
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
 from . import optim as _optim
+from .budget import DEVICE_PIECE, balanced_share, pick_device_units
 from .memory import release_pages
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceUpdates", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
-
-# Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
-DEVICE_PIECE = 1 << 22
-# The figures the automatic share balances, measured on the H200 host in a clipping forward of the
-# 3B shape (aa214a3 trace): the forward's h2d copies (about 23 GB, counted from its 11 device and
-# 13 CPU layers) took the 0.67 s before the backward began, about 35 GB/s, while the d2h stream
-# carried the write-backs and the activations (43 GB/s each way is the copy engines' own figure, DESIGN.md),
-# and the worker's fused AdamW with the clip factor ran 3.0 G parameters/s (33 ms per layer).
-PCIE_BOTH_WAYS = 35e9
-CPU_ADAMW_RATE = 3.0e9
-
-
-def balanced_share(pcie_bytes_per_s: float = PCIE_BOTH_WAYS, cpu_params_per_s: float = CPU_ADAMW_RATE) -> float:
-    """The share f of layers updated on the device that makes the CPU, (1 - f) / r per parameter,
-    and the h2d link, (4 (1 - f) + 16 f) / B, take the same time."""
-    b, r = pcie_bytes_per_s, cpu_params_per_s
-    return min(1.0, max(0.0, (b - 4 * r) / (b + 12 * r)))
-
-
-def pick_device_units(candidates: list, share: float) -> list:
-    """Every 1/share-th of `candidates` (forward order), starting with the first: the device and
-    the CPU then work on alternate stretches of the next forward from its first layer on."""
-    eps = 1e-9
-    return [u for p, u in enumerate(candidates) if math.ceil((p + 1) * share - eps) > math.ceil(p * share - eps)]
-
 
 class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .budget import DEVICE_PIECE, balanced_share, pick_device_units, plan_resident, resident_bytes_per_param
 from .memory import COPY_CHUNK, GiB, available_host_bytes
-from .resident import ResidentState, plan_resident
-from .device_update import DEVICE_PIECE, balanced_share, pick_device_units
 from .models import LayerDims, get_family
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -434,7 +433,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
                             dtype=torch.bfloat16, clipping=clip is not None)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
-        per = ResidentState.bytes_per_param(torch.bfloat16)
+        per = resident_bytes_per_param(torch.bfloat16)
         held = ((per + 4) * shape.embed_params if res[0] else 0) + res[1] * shape.layer_params * per
         if res[1]:
             held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)

@@ -22,8 +22,10 @@ import logging
 import torch
 
 from . import optim as _optim
+from .budget import plan_resident
 from .memory import GiB, lazy_zeros, release_pages
 from .optim import sq_norm as _sq_norm
+from .planner import plan as _estimate
 from .store import Unit
 
 logger = logging.getLogger(__name__)
@@ -66,10 +68,6 @@ class ResidentState:
     def views(self) -> list[torch.Tensor]:
         return self.unit.views(self.weights)
 
-    @staticmethod
-    def bytes_per_param(dtype: torch.dtype) -> int:
-        return 12 + (torch.finfo(dtype).bits // 8 if dtype != torch.float32 else 0)
-
 
 def measured_peak(device) -> int:
     """The GPU memory a training step needed: the allocator's reserved peak.
@@ -81,42 +79,6 @@ def measured_peak(device) -> int:
     lower the reserved peak itself, which is what made room for the 8B embedding.
     """
     return torch.cuda.max_memory_reserved(device)
-
-
-def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
-                  dtype: torch.dtype, embed: bool | None = None, layers: int | None = None, clipping: bool = False,
-                  margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> tuple[bool, int]:
-    """What to keep resident in what a measured step left free under the limit: (embedding?, layers).
-
-    The embedding comes first when it is not fixed by the caller: per byte of GPU memory it
-    takes more work off the CPU (its update, the per-row folding, the tied head's gradient copy)
-    and it is the first thing the next forward needs. Then layers 0..k-1.
-
-    Args:
-        limit_bytes: the GPU memory the process may use (the cap, else the device's memory).
-        peak_bytes: the peak the allocator reserved during a full training step.
-        layer_numel: parameters of the largest layer; n_layers: layers in the model.
-        embed_numel: parameters of the input embedding.
-        dtype: compute dtype (resident units also keep their weights in it).
-        embed, layers: fixed choices (None: decide).
-        clipping: updates wait for the global norm at optimizer.step(), so every resident layer
-            keeps its own fp32 gradient until then (else one buffer serves them all).
-        margin_fraction, min_margin: head-room kept free for longer batches and fragmentation.
-    """
-    margin = max(min_margin, int(margin_fraction * limit_bytes))
-    budget = limit_bytes - peak_bytes - margin
-    per = ResidentState.bytes_per_param(dtype)
-    if embed is None:
-        embed = budget >= embed_numel * (per + 4)                        # + its fp32 gradient
-    if embed:
-        budget -= embed_numel * (per + 4)
-    if layers is None:
-        if clipping:
-            per += 4                                                     # a gradient per layer
-        else:
-            budget -= layer_numel * 4                                    # one shared fp32 gradient buffer
-        layers = int(max(0, min(n_layers, budget // (layer_numel * per)))) if budget > 0 else 0
-    return bool(embed), int(layers)
 
 
 class ResidentUnits:
@@ -166,11 +128,10 @@ class ResidentUnits:
             return bool(c.resident_embedding)
         if not self.streams.cuda or self._model_config is None:
             return False
-        from .planner import plan
         limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(self.device).total_memory / GiB)
         try:
-            p = plan(self._model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
+            p = _estimate(self._model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
                      max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
                      grad_buffers=c.grad_buffers)
         except (ValueError, KeyError, TypeError) as e:     # a config the planner cannot read: measure first
