@@ -3,6 +3,7 @@
 
     python benchmarks/bench_train.py --model llama3-3b --providers slide,hf,ds2,ds3,resident \\
         --batch 16 --steps 5 --json out/train.json
+    python benchmarks/bench_train.py --model llama3-3b --providers ds2,ds3 --search-batches 4,8,16,32
     python benchmarks/bench_train.py --device cpu --model tiny --providers slide,hf   # smoke test
 
 Each provider runs in its own process (clean GPU state, its own memory cap, DeepSpeed's
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -34,6 +36,7 @@ import torch  # noqa: E402
 from benchmarks.harness import (DEFAULT_HARDWARE, GIB, StepTimer, emit, environment, flops_per_token,  # noqa: E402
                                 format_table, free_memory, gpu_memory_peaks, host_rss_bytes, host_rss_peak_bytes,
                                 is_cuda_oom, median, parse_line, peak_tflops, reset_peaks, run_probe)
+from benchmarks.batch_search import search_batches  # noqa: E402
 from benchmarks.providers import PROVIDERS, RunSpec, get_provider  # noqa: E402
 from benchmarks.providers.base import load_config, random_batch  # noqa: E402
 
@@ -224,6 +227,7 @@ def run_parent(args: argparse.Namespace) -> int:
     doc: dict = {**env_info, "shape": _shape(args.model, config, seq), "device": args.device,
                  "alloc_conf": args.alloc_conf,
                  "cap_gib": args.cap_gib, "warmup": args.warmup, "steps": args.steps,
+                 "search_batches": args.search_batches,
                  "flops_formula": "6 * N_linear + 12 * n_layers * attn_dim * seq per token (PaLM; full attention, "
                                   "no recompute)", "results": []}
 
@@ -235,14 +239,23 @@ def run_parent(args: argparse.Namespace) -> int:
             hardware.update({k: v for k, v in probe.items() if k != "event"}, source="measured in this run")
     doc["hardware"] = hardware
 
+    search = [int(b) for b in args.search_batches.split(",")] if args.search_batches else None
     for name in providers:
         capped = PROVIDERS[name][2]
+        cls = get_provider(name)
         spec = RunSpec(provider=name, model=args.model, seq=seq, device=args.device, dtype=args.dtype,
                        batches=offload_batches if capped else [args.batch], warmup=args.warmup, steps=args.steps,
                        cap_gib=args.cap_gib if capped and args.device == "cuda" else None, lr=args.lr,
-                       checkpointing=args.checkpointing, slide_options=json.loads(args.slide_config or "{}"),
+                       checkpointing=args.checkpointing or cls.default_checkpointing or "auto",
+                       kernels=args.kernels or cls.default_kernels or "none",
+                       slide_options=json.loads(args.slide_config or "{}"),
                        alloc_conf=args.alloc_conf if args.device == "cuda" else "")
-        doc["results"].append(run_provider(name, spec, args.timeout))
+        if search:
+            row = search_batches(lambda b: run_provider(name, dataclasses.replace(spec, batches=[b]), args.timeout),
+                                 search, seq)
+        else:
+            row = run_provider(name, spec, args.timeout)
+        doc["results"].append(row)
         _finish(doc, args)
         _write(doc, args.json)
 
@@ -373,6 +386,10 @@ def render(doc: dict) -> str:
         extra = r.get("extra") or {}
         if "gradient_checkpointing" in extra:
             facts.append(f"gradient checkpointing {'on' if extra['gradient_checkpointing'] else 'off'}")
+        if r.get("search"):
+            facts.append("batch search, one process each: " + "; ".join(
+                f"{a['batch']} {a['status']}" + (f" {a['tokens_per_s']:,.0f} tokens/s" if a.get("tokens_per_s") else "")
+                for a in r["search"]))
         if r.get("oom_batches"):
             facts.append(f"out of memory at batch {', '.join(map(str, r['oom_batches']))}")
         if r.get("partial"):
@@ -415,8 +432,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="PYTORCH_CUDA_ALLOC_CONF of every provider's process (the same allocator for all; "
                     "'' leaves it unset)")
     ap.add_argument("--timeout", type=float, default=240, help="wall-time limit per provider, seconds")
-    ap.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
-                    help="gradient checkpointing of hf/resident: auto = off unless the batch runs out of memory")
+    ap.add_argument("--checkpointing", default=None, choices=["auto", "on", "off"],
+                    help="gradient checkpointing (HF's, non-reentrant) of hf, ds2, ds3, resident: auto = off unless "
+                    "the batch runs out of memory (default: each provider as its users run it: on for hf, ds2, ds3; "
+                    "auto for resident)")
+    ap.add_argument("--kernels", default=None, choices=["auto", "liger", "triton_ops", "none"],
+                    help="fused kernels of hf, ds2, ds3: auto = Liger if importable, else triton_ops (default: auto)")
+    ap.add_argument("--search-batches", default=None, help="comma-separated batches each provider tries upward, "
+                    "one fresh process per batch (--timeout each), stopping at the first out of memory; the row "
+                    "is the fastest batch that fit (replaces --batch and --offload-batches)")
     ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")

@@ -68,6 +68,8 @@ def test_format_table_prints_missing_values_as_dashes():
 
 
 def test_run_spec_round_trips_and_validates():
+    with pytest.raises(ValueError):
+        RunSpec(provider="hf", model="tiny", seq=128, batches=[1], kernels="fast")
     spec = RunSpec(provider="hf", model="tiny", seq=128, batches=[4, 2, 1], slide_options={"window": 3})
     assert RunSpec.from_json(spec.to_json()) == spec
     assert all(f.metadata.get("help") for f in dataclasses.fields(RunSpec))
@@ -148,7 +150,8 @@ def test_cpu_run_end_to_end(tmp_path):
     assert hf["step_s"] > 0 and hf["tokens_per_s"] == pytest.approx(256 / hf["step_s"])
     assert hf["n_params"] == 90_432 and hf["model_tflops"] > 0 and hf["host_rss_peak"] > 0
     assert hf["gpu_peak_allocated"] is None and hf["capped"] is False
-    assert hf["extra"]["gradient_checkpointing"] is False
+    assert hf["extra"]["gradient_checkpointing"] is True  # as its users run it, by default
+    assert hf["extra"]["kernels"].startswith(("liger", "triton_ops.patch"))
     assert rows["slide"]["status"] in ("ok", "skipped", "error")  # the engine is allowed to be unfinished here
     assert rows["slide"]["capped"] is True
     lines = proc.stdout.strip().splitlines()

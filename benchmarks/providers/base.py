@@ -39,7 +39,10 @@ class RunSpec:
     steps: int = field(default=5, metadata={"help": "timed steps; the median counts"})
     cap_gib: float | None = field(default=None, metadata={"help": "GPU memory cap for this provider, GiB"})
     lr: float = field(default=1e-5, metadata={"help": "learning rate"})
-    checkpointing: str = field(default="auto", metadata={"help": "hf/resident gradient checkpointing: auto (on only after an OOM), on, off"})
+    checkpointing: str = field(default="auto", metadata={"help": "gradient checkpointing of hf, ds2, ds3, resident: "
+                                                             "auto (on only after an OOM), on, off"})
+    kernels: str = field(default="none", metadata={"help": "fused kernels of hf, ds2, ds3: auto (Liger if importable, "
+                                                       "else triton_ops), liger, triton_ops, none"})
     slide_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra SlideConfig fields"})
     seed: int = field(default=0, metadata={"help": "seed of the random tokens and weights"})
     alloc_conf: str = field(default="", metadata={"help": "PYTORCH_CUDA_ALLOC_CONF of the provider's process"})
@@ -47,6 +50,8 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.checkpointing not in ("auto", "on", "off"):
             raise ValueError(f"checkpointing must be auto, on or off, got {self.checkpointing!r}")
+        if self.kernels not in ("auto", "liger", "triton_ops", "none"):
+            raise ValueError(f"kernels must be auto, liger, triton_ops or none, got {self.kernels!r}")
         if not self.batches or any(b < 1 for b in self.batches):
             raise ValueError(f"batches must be positive, got {self.batches}")
 
@@ -67,6 +72,10 @@ class Provider:
 
     name: str = ""
     capped: bool = False  # runs under the consumer-card GPU memory cap
+    # What the parent passes when the command line leaves --checkpointing / --kernels unset: the
+    # configuration this baseline's users run (DESIGN section 7). None: the setting does not apply.
+    default_checkpointing: str | None = None
+    default_kernels: str | None = None
 
     def __init__(self, spec: RunSpec):
         self.spec = spec

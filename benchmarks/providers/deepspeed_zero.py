@@ -6,6 +6,15 @@
   style; the model is built under `deepspeed.zero.Init` through transformers' own ZeRO-3 path
   (an `HfDeepSpeedConfig` alive while `from_config` runs), so it never exists whole anywhere.
 
+Both run as DeepSpeed's users run them (DESIGN section 7): Hugging Face's gradient checkpointing,
+non-reentrant (on unless `--checkpointing off`; `auto` counts as on, since DeepSpeed's engine
+cannot change it after an OOM), and the fused kernels of `recipe.apply_kernels` (Liger, else
+triton_ops), applied to the model before `deepspeed.initialize`. The fused loss reads
+`lm_head.weight` outside `lm_head`'s own forward, where ZeRO-3 would hand it over partitioned,
+so `ds3` registers it as an external parameter of the causal LM (`register_external_parameter`),
+which gathers it for the whole forward. The batch to measure is found by `--search-batches`:
+one process per batch, upward until out of memory.
+
 No launcher: the parent process exports RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR
 MASTER_PORT DS_SKIP_CUDA_CHECK=1 and DeepSpeed opens a one-rank NCCL group. Bucket sizes,
 prefetch and persistence thresholds are DeepSpeed's defaults; no gradient clipping (the other
@@ -20,6 +29,7 @@ from typing import Any
 import torch
 
 from .base import Provider, build_model
+from .recipe import apply_kernels, enable_checkpointing
 
 __all__ = ["ZeRO2Provider", "ZeRO3Provider", "ds_config"]
 
@@ -49,6 +59,8 @@ def ds_config(stage: int, micro_batch: int, lr: float) -> dict[str, Any]:
 class _ZeROProvider(Provider):
     capped = True
     stage = 0
+    default_checkpointing = "on"
+    default_kernels = "auto"
 
     def setup(self) -> None:
         import deepspeed
@@ -61,12 +73,26 @@ class _ZeROProvider(Provider):
         self.ds_config = ds_config(self.stage, self.spec.batches[0], self.spec.lr)
         model = self.build()
         self.count(model)
+        self.prepare(model)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=self.ds_config)
         self.notes.append(f"optimizer {type(self.engine.optimizer).__name__}")
 
     def build(self) -> torch.nn.Module:
         raise NotImplementedError
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Gradient checkpointing and fused kernels, as a DeepSpeed user's Trainer sets them."""
+        self.checkpointing = self.spec.checkpointing != "off"
+        if self.checkpointing:
+            enable_checkpointing(model)
+        self.kernels = apply_kernels(model, self.spec.kernels)
+        self.notes.append(f"kernels: {self.kernels}")
+        if self.spec.kernels != "none":
+            self.fused_loss_reads_head(model)
+
+    def fused_loss_reads_head(self, model: torch.nn.Module) -> None:
+        """Hook for ZeRO-3: the fused loss reads `lm_head.weight` outside `lm_head.forward`."""
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = self.engine(input_ids=input_ids, labels=labels).loss
@@ -88,7 +114,8 @@ class _ZeROProvider(Provider):
         return False
 
     def report(self) -> dict[str, Any]:
-        return {"deepspeed_config": self.ds_config}
+        return {"deepspeed_config": self.ds_config, "gradient_checkpointing": self.checkpointing,
+                "kernels": self.kernels}
 
 
 class ZeRO2Provider(_ZeROProvider):
@@ -111,3 +138,8 @@ class ZeRO3Provider(_ZeROProvider):
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16, attn_implementation="sdpa")
         model.train()
         return model
+
+    def fused_loss_reads_head(self, model: torch.nn.Module) -> None:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, model.lm_head.weight)

@@ -1,7 +1,7 @@
 """`resident`: the compute bound. The model resident on the GPU with the project's own kernels.
 
-Same model, optimizer and checkpointing policy as `hf`, but the decoder layers are patched by
-`triton_ops.patch(model)` (where that exists; otherwise plain HF layers, and the row says so)
+Same model and optimizer as `hf`, gradient checkpointing off unless the batch runs out of memory
+without it (`--checkpointing auto`), the decoder layers patched by `triton_ops.patch(model)`,
 and the loss is `triton_ops.linear_cross_entropy` on the final hidden states, so the (B*S, V)
 logits are never materialised. The forward + backward time of each step is measured separately
 (CUDA events): that is the GPU-compute term of the step bound (DESIGN section 6), the work an
@@ -26,19 +26,21 @@ class ResidentProvider(HFProvider):
     name = "resident"
     capped = False
 
+    default_checkpointing = "auto"
+    default_kernels = None  # always the project's own: that is what this bound measures
+
     def setup(self) -> None:
         super().setup()
         import triton_ops
 
-        patch = getattr(triton_ops, "patch", None)
-        if patch is None:
-            self.kernels = "plain HF layers (triton_ops.patch does not exist yet)"
-        else:
-            patch(self.model)
-            self.kernels = "triton_ops.patch"
-        self.notes.append(self.kernels)
         self.lce = triton_ops.linear_cross_entropy
         self._compute: list[tuple[Any, Any] | float] = []
+
+    def apply_kernels(self) -> str:
+        import triton_ops
+
+        triton_ops.patch(self.model)
+        return "triton_ops.patch"
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = self.model.base_model(input_ids=input_ids).last_hidden_state    # (B, S, H)

@@ -1,0 +1,85 @@
+"""How a user of a baseline configures the model: gradient checkpointing and fused kernels.
+
+A baseline is measured as its users run it (DESIGN section 7): Hugging Face's gradient
+checkpointing, non-reentrant, and the fused kernels a Trainer user turns on with
+`use_liger_kernel=True` (RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy that never
+materialises the logits). Liger is used when it imports; otherwise the project's own
+`triton_ops.patch` applies the same four ops, and the row says which (`apply_kernels`' answer).
+
+`LIGER_PATCHES` is the one table of model families: adding a family is one entry.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+from torch import nn
+
+__all__ = ["KERNEL_CHOICES", "LIGER_PATCHES", "apply_kernels", "enable_checkpointing", "is_liger_available"]
+
+KERNEL_CHOICES = ("auto", "liger", "triton_ops", "none")
+
+# model_type -> Liger's patch function for that family (liger_kernel.transformers)
+LIGER_PATCHES = {
+    "llama": "apply_liger_kernel_to_llama",
+    "qwen2": "apply_liger_kernel_to_qwen2",
+    "qwen3": "apply_liger_kernel_to_qwen3",
+    "mistral": "apply_liger_kernel_to_mistral",
+}
+
+
+def is_liger_available() -> bool:
+    """True when `liger_kernel.transformers` imports (it needs triton and a GPU build of torch)."""
+    try:
+        importlib.import_module("liger_kernel.transformers")
+    except ImportError:
+        return False
+    return True
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Hugging Face's gradient checkpointing, non-reentrant (what `TrainingArguments` turns on).
+
+    transformers 5.2x renames it `activation_checkpointing_enable`; earlier 5.x have only the old name.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_kernels(model: nn.Module, choice: str) -> str:
+    """Patch the fused kernels into `model` in place; return what was applied, for the row.
+
+    Args:
+        model: a Hugging Face causal LM (llama, qwen2, qwen3 or mistral family).
+        choice: "auto" (Liger if it imports, else triton_ops), "liger", "triton_ops" or "none".
+
+    Raises:
+        ImportError: "liger" asked for and not importable, or no Liger patch for the family.
+    """
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+    if choice == "none":
+        return "none (plain Hugging Face layers and loss)"
+    family = model.config.model_type
+    if choice == "liger" or (choice == "auto" and is_liger_available() and family in LIGER_PATCHES):
+        if family not in LIGER_PATCHES:
+            raise ImportError(f"Liger has no patch for model_type {family!r} here; known: {sorted(LIGER_PATCHES)}")
+        liger = importlib.import_module("liger_kernel.transformers")
+        fn = getattr(liger, LIGER_PATCHES[family])
+        fn(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
+        return f"liger {_version('liger-kernel')}: {LIGER_PATCHES[family]}(rope, swiglu, rms_norm, fused linear CE)"
+    import triton_ops
+
+    triton_ops.patch(model)
+    return "triton_ops.patch(rms_norm, rope, swiglu, linear_cross_entropy)" + (
+        "" if choice == "triton_ops" else " (Liger not importable)")
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
