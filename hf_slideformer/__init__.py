@@ -22,15 +22,32 @@ _LAZY = {  # the HF integration imports transformers.Trainer: loaded on first us
 }
 
 
+def install_trainer_hook() -> None:
+    """Make a plain `transformers.Trainer(model=..., args=SlideArgs(...))` (or a subclass's) slide.
+
+    Wraps `Trainer.__init__` once (idempotent: later calls do nothing); see
+    `trainer.install_trainer_hook`. Loading `SlideArgs` or `SlideTrainer` from this package calls
+    it, so `hs.SlideArgs(...)` handed to a plain Trainer slides; code that imports
+    `hf_slideformer.training_args` directly calls it itself.
+    """
+    from .trainer import install_trainer_hook as install
+
+    install()
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        if module in ("training_args", "trainer"):
+            install_trainer_hook()
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "HostMemoryError",
            "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
-           "plan", "Plan",
+           "plan", "Plan", "install_trainer_hook",
            *_LAZY]

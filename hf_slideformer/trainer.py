@@ -6,9 +6,11 @@ groups, hands `gradient_accumulation_steps` and `max_grad_norm` to the engine (w
 `optimizer.step()`, so the Trainer's own clip path is switched off), logs the engine's grad norm,
 tokens/s and step breakdown, and writes exact, atomic checkpoints (`train_checkpoint.py`).
 
-A plain `transformers.Trainer(model=..., args=SlideArgs(...))` slides too: constructing
-`SlideArgs` installs one hook on `Trainer.__init__` that turns a Trainer given `SlideArgs` into
-its sliding subclass before anything else runs (see `install_trainer_hook`).
+A plain `transformers.Trainer(model=..., args=SlideArgs(...))` slides too: one hook on
+`Trainer.__init__` turns a Trainer given `SlideArgs` into its sliding subclass before anything
+else runs. It is installed by one explicit, idempotent call, `install_trainer_hook()`, which
+`hf_slideformer` makes when `hs.SlideArgs` or `hs.SlideTrainer` is first loaded from it;
+constructing `SlideArgs` has no side effect.
 """
 from __future__ import annotations
 
@@ -314,8 +316,9 @@ def install_trainer_hook() -> None:
     Note: [Why Trainer.__init__ is wrapped] the Trainer offers no hook that receives the model
     from its arguments before it builds the optimizer. The wrapper switches the instance to its
     sliding subclass before `Trainer.__init__` runs, so every step is the SlideTrainer's.
-    If this version's `Trainer.__init__` has no `args` parameter, constructing `SlideArgs` fails
-    with what to do instead of training an unslid model.
+    Idempotent: a second call finds the wrapper and returns. If this version's
+    `Trainer.__init__` has no `args` parameter, the call fails with what to do instead of
+    training an unslid model later.
     """
     original = Trainer.__init__
     if getattr(original, "_slide_hook", False):

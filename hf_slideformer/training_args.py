@@ -8,6 +8,9 @@ keep their meaning and feed the engine where they overlap: `gradient_accumulatio
 is refused). Settings that cannot work with sliding (DeepSpeed, FSDP,
 several processes, activation checkpointing, ...) are rejected here, at construction, with what
 to do instead.
+
+Constructing `SlideArgs` changes nothing outside it: a plain `transformers.Trainer` given them
+slides through the hook that `hf_slideformer.install_trainer_hook()` installs (`trainer.py`).
 """
 import logging
 from dataclasses import dataclass, fields
@@ -61,8 +64,6 @@ class SlideArgs(TrainingArguments):
         if self.n_gpu > 1:
             self._n_gpu = 1                              # one device slides; never nn.DataParallel
         self.to_slide_config()                           # validate every engine setting now
-        from .trainer import install_trainer_hook
-        install_trainer_hook()
 
     def _reject_contradictions(self) -> None:
         env = launch_environment()
