@@ -5,6 +5,7 @@ in host memory; a CPU worker runs AdamW while the GPU computes.
 """
 from .config import SlideConfig
 from .engine import SlideEngine, SlideStateError
+from .errors import NonFiniteGradientError
 from .memory import HostMemoryError
 from .model import SlideModel, is_slid, slide
 from .models import SUPPORTED_MODEL_TYPES
@@ -47,7 +48,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "HostMemoryError",
+__all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "NonFiniteGradientError", "HostMemoryError",
            "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
            "plan", "Plan", "install_trainer_hook",
            *_LAZY]

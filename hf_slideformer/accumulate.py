@@ -1,12 +1,11 @@
 """Gradient accumulation on the device: the running sum of a layer's gradient crosses PCIe
 instead of being folded in by the CPU.
 
-Note: [Why the GPU adds the micro-batches] with gradient accumulation the CPU worker used to
-fold every micro-batch into the layer's fp32 host accumulator (a copy out of the gradient ring
-for the first micro-batch, an add for the others, a norm pass for the last one: 24 bytes of host
-memory traffic per parameter over two micro-batches). At the Llama-3.2-3B shape, batch 16 x 2
-micro-batches with clipping, that work paced the backward: the worker was busy 4.5 s of a 4.8 s
-step and the GPU 56% (df69230 trace). Now the first micro-batch's gradient is copied straight
+Note: [Why the GPU adds the micro-batches] folding every micro-batch into the layer's fp32 host
+accumulator on the CPU worker (a copy out of the gradient ring for the first micro-batch, an add
+for the others, a norm pass for the last one: 24 bytes of host memory traffic per parameter over
+two micro-batches) makes the worker, not the GPU, pace the backward (docs/benchmarks.md,
+"Measurements behind the engine's notes"). So the first micro-batch's gradient is copied straight
 into the (pinned) accumulator, and for each later one the accumulator is brought back in while
 the layer is recomputed (4 bytes per parameter of h2d), the new gradient added on the GPU, the
 last micro-batch's squared norm taken there, and the sum copied out again (4 bytes of d2h). The
@@ -75,9 +74,14 @@ class DeviceAccumulation:
         device; the d2h event after which the accumulator holds the sum."""
         self._pin_accumulators()
         st = self.streams
+        # The last micro-batch's running norm lands with the sum (HostTasks: [Why a non-finite
+        # gradient stops the host updates after it]).
+        norm = self._norm_slot(u) if self.ends_step else None
         if not u.grad_valid:
             total = grads
-            done = self._d2h(grads, [e.view(u.grad) for e in u.entries])
+            if norm is not None:
+                self.norm_dev += _sq_norm([g for g in total if g is not None])
+            done = self._d2h(grads, [e.view(u.grad) for e in u.entries], norm_dst=norm)
         else:
             self._prefetch_accumulator(u)                 # a no-op when layer_backward already did it
             st.wait(self._acc_ready)
@@ -86,11 +90,11 @@ class DeviceAccumulation:
                 if g is not None:
                     e.view(acc).add_(g)
             total = [acc]
-            done = self._d2h(total, [u.grad])
+            if norm is not None:
+                self.norm_dev += _sq_norm(total)
+            done = self._d2h(total, [u.grad], norm_dst=norm)
             self._acc_free = done
             self._acc_unit = None
-        if self.ends_step:
-            self.norm_dev += _sq_norm([g for g in total if g is not None])
         u.grad_valid = True
         self._grad_ev[u.index] = done
         return done

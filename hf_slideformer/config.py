@@ -118,6 +118,12 @@ class SlideConfig:
         "use: one pass that reads the compute-dtype gradient and the fp32 master and moments), 'torch' (torch's "
         "fused CPU AdamW; a bf16 gradient is widened first) or 'auto' ('native' where a C compiler is found). "
         "Both follow torch.optim.AdamW.")
+    nonfinite_grads: str = option(
+        "skip", Choice("skip", "raise"),
+        "A step whose gradients are not finite (inf or NaN): 'skip' leaves the weights and AdamW state of every "
+        "unit it has not updated yet untouched and logs a warning naming the step (with clipping or accumulation "
+        "no unit is updated: the whole step is skipped); 'raise' stops training with an error instead. Either way "
+        "no master takes a non-finite value from a gradient. See docs/reliability.md.")
     check_host_memory: bool = option(True, Bool(), "Refuse to start when the host store (12 bytes per parameter "
                                                    "and more) cannot fit in available memory.")
     debug: bool = option(False, Bool(), "Log the package's messages (logger 'hf_slideformer') at DEBUG level.")

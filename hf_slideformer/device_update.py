@@ -4,8 +4,7 @@ the GPU as they are copied in for the next forward, in parallel with the CPU wor
 Note: [Why part of the clipping-mode update runs on the GPU] the clip factor needs the global
 gradient norm, known only when the backward ends, so with clipping no host update can overlap
 the backward: the CPU AdamW of every host layer runs after it and paces the next forward
-(Llama-3.2-3B at 16 x 2048: 36 ms of CPU per layer against 10.5 ms of GPU work, 1.34x the step
-without clipping, ad9ed1f). Meanwhile the PCIe link and the GPU are mostly idle. A device layer's
+(the CPU's time per layer is several times the GPU's; docs/benchmarks.md). Meanwhile the PCIe link and the GPU are mostly idle. A device layer's
 update is streamed through the GPU instead: its fp32 master, moments and gradient go in
 (16 bytes per parameter), torch's fused CUDA AdamW updates them, the new weights are cast
 straight into the layer's slot, and master and moments go back to the host store (12 bytes per
@@ -14,9 +13,8 @@ parameter of h2d each. With the CPU's rate r and the link's B (both ways at once
 
     f = (B - 4 r) / (B + 12 r)
 
-of the layers makes the two finish together: about 0.32 on the H200 host (B 35 GB/s averaged over
-the h2d stream of such a forward, r 3.0 G parameters/s with the clip factor), where each layer
-then costs about 22 ms instead of 33 (estimated; measured: 1.672 s against 1.754 s at 0.45).
+of the layers makes the two finish together (`budget.balanced_share`, from the rates
+`budget.PCIE_BOTH_WAYS` and `budget.CPU_ADAMW_RATE`: about 0.32 on the H200 host).
 
 The device layers are picked once, at the first clipping step, spread evenly over the layers the
 GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
@@ -50,10 +48,12 @@ class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
     factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
 
-    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None):
+    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None, known=None):
         self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
         # With accumulation the clip factor comes from the worker's norms (its clip task sets this).
         self.clip_done = clip_done
+        # Set once the worker has judged the step's norm: a non-finite one skips the update.
+        self.known = known
         self.batches = None
         self.steps = None
         self.next = 0
@@ -88,18 +88,16 @@ class DeviceUpdates:
 
     # Note: [Why the head's update stays on the CPU by default] with updates in backward the CPU
     # worker's chain is the head's AdamW, then every layer's as its gradient lands; at 8B (untied
-    # lm_head of 525 M) the layers' updates alone take about as long as the GPU's backward (72 ms
-    # per layer against 75), so the head's 170 ms at the front make the worker lag all the
-    # backward and the next forward wait for the last layers' updates (a8ff7e6 trace: 167 ms per
-    # step). `head_update="device"` streams the head's update through the GPU instead, like the
+    # lm_head of 525 M) the layers' updates alone take about as long as the GPU's backward, so the
+    # head's update at the front makes the worker lag all the backward and the next forward wait
+    # for the last layers' updates. `head_update="device"` streams the head's update through the GPU instead, like the
     # clipping mode's device layers: its fp32 master, moments and gradient (from the ring, where
     # head_forward put it) go in, a piece at a time after each layer's own prefetch in backward,
-    # and the master and moments go back. Measured at 8B, batch 16 (6efcc8b, one call): 9,622
-    # tokens/s against 10,018 with the head on the CPU. Each piece's write-back waits for its
-    # copy in and the next piece's copy in for the write-back two pieces earlier, so the two copy
-    # streams advance in lockstep; the first layers' gradients queued behind 6.3 GB of
-    # write-backs (layer 31's waited 280 ms for its copy) and the worker lost more time than the
-    # head's update had cost it. Decoupling the streams would need more device buffer sets or the
+    # and the master and moments go back. Each piece's write-back waits for its copy in and the
+    # next piece's copy in for the write-back two pieces earlier, so the two copy streams advance
+    # in lockstep; the first layers' gradients queue behind the head's write-backs and the worker
+    # loses more time than the head's update costs it (measured slower than the CPU at 8B:
+    # docs/benchmarks.md). Decoupling the streams would need more device buffer sets or the
     # head's gradient kept on the device, where an 8B step under 24 GiB has no room.
     def _head_update_on_device(self, embed_on_host: bool) -> bool:
         hu = self.head_unit
@@ -117,20 +115,23 @@ class DeviceUpdates:
             self.ring_read_ev += [None] * (len(self.ring) - len(self.ring_read_ev))
         groups, group_of = hp
         by_group = _optim.groups_of(hu, group_of)
-        torch._foreach_add_([hu.steps[k] for ks in by_group.values() for k in ks], 1)
+        self._head_dev_steps = [hu.steps[k] for ks in by_group.values() for k in ks]
+        torch._foreach_add_(self._head_dev_steps, 1)
         batches = list(_optim.piece_batches(hu, by_group, DEVICE_PIECE, span=True))
         src = self.head_host[:hu.numel]
         with st.on(st.h2d):
             steps = list(torch.stack(hu.steps).to(self.device).unbind()) if st.cuda else hu.steps
             scale = self._scale_dev.to(self.device, torch.float32).reshape(())
+        found_inf = self._found_inf_dev()          # the head's norm is in norm_dev already
         if st.cuda:
             scale.record_stream(st.h2d)
+            found_inf.record_stream(st.h2d)
         st.wait(self.head_done, st.h2d)             # the gradient has landed in the ring
         st.wait(self.streams.record(), st.h2d)      # the loss gradient (scale) is computed
         self._head_dev_held = list(ring)
-        self._head_dev = self._head_update_pieces(hu, src, batches, steps, groups, scale)
+        self._head_dev = self._head_update_pieces(hu, src, batches, steps, groups, scale, found_inf)
 
-    def _head_update_pieces(self, hu, src, batches, steps, groups, scale):
+    def _head_update_pieces(self, hu, src, batches, steps, groups, scale, found_inf=None):
         st = self.streams
         hu.readers = []          # earlier h2d reads of the master are ahead on the h2d stream
         st.wait(hu.host_write, st.h2d)
@@ -138,7 +139,7 @@ class DeviceUpdates:
             n = hi - lo
             if n:
                 # as the CPU path: the loss gradient times dL/dW
-                read = self._update_piece(hu, lo, hi, batch, src, steps, groups, mul=scale)
+                read = self._update_piece(hu, lo, hi, batch, src, steps, groups, mul=scale, found_inf=found_inf)
                 self._release_head_ring(hi, read)
             yield
         self._release_head_ring(None, st.record(st.h2d))
@@ -255,23 +256,37 @@ class DeviceUpdates:
         self._grad_ev[u.index] = self._d2h(grads, dsts)
         u.grad_valid = True
 
-    def _schedule_device(self, u, hp, scale, ready_ev, clip_done=None) -> None:
+    def _schedule_device(self, u, hp, scale, ready_ev, clip_done=None, known=None) -> None:
         """optimizer.step(): the update of device layer `u` runs when the unit is next copied in."""
         self._schedule(u)
-        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None), clip_done)
+        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None), clip_done, known)
         u.updated.set()                          # readers of the host state flush it (see the module note)
 
     def _device_fill(self, u, dst):
         """SlotQueue hook: the pending device update of `u` writing its weights into `dst`, one
         piece per step, or None when there is none."""
-        if u.device_pending is None:
+        if u.device_pending is None or self._device_update_skipped(u):
             return None
         return self._run_device_update(u, dst)
+
+    def _device_update_skipped(self, u) -> bool:
+        """Drop the pending device update of `u` when the worker found the step's norm not finite
+        (HostTasks: [Why a non-finite gradient stops the host updates after it]); the slot then
+        copies the unchanged master."""
+        p = u.device_pending
+        if p.batches is not None or p.known is None:
+            return False
+        self._wait(p.known, "update")
+        if not self._poisoned:
+            return False
+        u.device_pending = None
+        u.grad_valid = False
+        return True
 
     def flush_device_updates(self, unit=None) -> None:
         """Run the pending device updates (of `unit`, else all) without a slot."""
         for u in ([unit] if unit is not None else self.layer_units):
-            if u.device_pending is not None:
+            if u.device_pending is not None and not self._device_update_skipped(u):
                 for _ in self._run_device_update(u, None):
                     pass
 
@@ -319,7 +334,8 @@ class DeviceUpdates:
             yield
         u.device_pending = None
 
-    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, mul=None, dst=None):
+    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, mul=None, dst=None,
+                      found_inf=None):
         """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`, times
         `mul` if given) and moments in on the h2d stream, fused AdamW there (the gradient divided
         by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
@@ -337,7 +353,7 @@ class DeviceUpdates:
             read = st.record(st.h2d)
             if mul is not None:
                 g.mul_(mul)
-            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
+            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale, found_inf)
             if dst is not None:
                 dst[lo:hi].copy_(w)                 # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)

@@ -131,6 +131,17 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
         self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
         self.norm_host = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
+        # Note: [Why each host task reads the running norm] with one backward per step the norm of
+        # the gradients so far is on the GPU (norm_dev); a copy of it lands beside each gradient
+        # the worker updates from (one scalar per ring buffer, the head's, the embedding's), so a
+        # non-finite gradient stops the host updates that follow it without a host sync.
+        self.norm_snap = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=pin)
+        self._snap_of = {id(u): k for k, u in enumerate(store.units)}
+        self.step_norm = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
+        self._poisoned = False        # worker side: this step has a non-finite gradient
+        self._skipped: list[str] = []  # worker side: units whose update this step skipped
+        self._step_no = 0              # optimizer steps taken
+        self._worker_step = 0
         self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)
         self._head_sq = None
         self._dw_rows = None
@@ -141,6 +152,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
         self._fold_buf: torch.Tensor | None = None                # see HostTasks._fold
         self._backward_open = False
+        self._inconsistent: str | None = None    # why training may not go on (see _close_interrupted_backward)
+        self._restored: set[str] = set()
         # The head's device update is spread over the backward of its first layers (device_update.py).
         self._head_pieces_per_layer = 16
         self.worker = CpuWorker(config.cpu_threads)
@@ -252,18 +265,41 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 "(or run that forward under torch.no_grad())."
             )
 
-    def _check_backward_closed(self) -> None:
-        if self._backward_open:
-            # An exception stopped a backward half way: some layers of this step were updated, others
-            # not. Release every waiter so nothing hangs, and refuse to go on silently.
-            self._backward_open = False
+    def _close_interrupted_backward(self) -> None:
+        """An exception stopped a backward half way: some layers of this step were updated, others
+        not. Release every waiter so nothing hangs, and mark the state inconsistent until both the
+        weights and the optimizer state are restored (`note_restored`)."""
+        if not self._backward_open:
+            return
+        self._backward_open = False
+        try:
             self.worker.join()
+        finally:
             for u in self.store.units:
                 u.updated.set()
             self.micro = 0
-            raise SlideStateError("the previous backward() was interrupted by an error after some layers were "
-                                  "updated: the weights are inconsistent for this step. Reload the model (or resume "
-                                  "from a checkpoint) before training on.")
+            self._inconsistent = ("the previous backward() was interrupted by an error after some layers were "
+                                  "updated: the weights and AdamW state are inconsistent for this step. Reload the "
+                                  "model, or restore both its weights and optimizer state (load_training_state, a "
+                                  "Trainer resume, or model.load_state_dict and optimizer.load_state_dict), before "
+                                  "training on.")
+            self._restored = set()
+
+    def _check_backward_closed(self) -> None:
+        self._close_interrupted_backward()
+        if self._inconsistent is not None:
+            raise SlideStateError(self._inconsistent)
+
+    def note_restored(self, weights: bool = False, optimizer: bool = False) -> None:
+        """The weights and/or the optimizer state were just loaded from a consistent source; once
+        both have been since an interrupted backward, training may go on."""
+        self._close_interrupted_backward()
+        if weights:
+            self._restored.add("weights")
+        if optimizer:
+            self._restored.add("optimizer")
+        if self._restored >= {"weights", "optimizer"}:
+            self._inconsistent = None
 
     def begin_graph(self) -> None:
         """A forward that records a graph: earlier unfinished graphs become invalid."""
@@ -291,6 +327,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 f"backward() number {self.micro + 1} since the last optimizer step, but "
                 f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
         self.worker.raise_if_failed()
+        if self.micro == 0:
+            self.worker.submit(self._begin_step_task, self._step_no + 1)
         self._backward_open = True
         self.ends_step = self.micro + 1 == ga
         self.in_backward = self.ends_step and self.config.max_grad_norm is None
@@ -410,7 +448,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
             if self.in_backward:                 # else optimizer.step() clips and updates it
-                self._resident_step(self.embed_unit, r, self._embed_rgrad)
+                self._resident_step(self.embed_unit, r, self._embed_rgrad, found_inf=self._found_inf_dev())
             self._span_end(t)
             self.end_backward()
             return
@@ -422,10 +460,11 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
         host = self.embed_host[:n]
         self.embed_host_free.clear()
-        done = self._d2h([S], [host])
+        norm = self._norm_slot(self.embed_unit) if self.single_micro else None
+        done = self._d2h([S], [host], norm_dst=norm)
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
-        self.worker.submit(self._embed_task, host, rows, done, update, self.ends_step, self.hp,
+        self.worker.submit(self._embed_task, host, rows, done, update, self.ends_step, self.hp, norm,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()),
                            **self._order(0, update))
         self.end_backward()
@@ -512,15 +551,19 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         return gx
 
     # ----------------------------------------------------------------- gradients -> host -> update
-    def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None):
+    def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
+             norm_dst: torch.Tensor | None = None):
         """Copy device gradients into host buffers on the d2h stream: as they are where the buffer
         has their dtype, else widened to the buffer's fp32 on the device (never narrowed).
 
         With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
         gradient's copy: the worker can start on the front of a unit while the rest is in flight.
+        `norm_dst` (a pinned scalar) receives the running squared norm first.
         """
         st = self.streams
         if not st.cuda:
+            if norm_dst is not None:
+                norm_dst.copy_(self.norm_dev.reshape(1))
             for g, d in zip(grads, dsts):
                 if g is None:
                     d.zero_()
@@ -531,6 +574,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
         st.wait(st.record(), st.d2h)
         with st.on(st.d2h):
+            if norm_dst is not None:
+                norm_dst.copy_(self.norm_dev.reshape(1), non_blocking=True)
             for g, d in zip(grads, dsts):
                 d = d.view(-1)
                 if g is None:
@@ -565,7 +610,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             done = self._accumulate(u, grads)
             if self.in_backward:
                 self._schedule(u)
-                self.worker.submit(self._accumulated_update_task, u, done, self.hp, done=(u.updated,),
+                self.worker.submit(self._accumulated_update_task, u, done, self.hp, self._norm_slot(u),
+                                   done=(u.updated,),
                                    **self._order(u.index, True))
             return
         k = self.ring_next
@@ -575,11 +621,13 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if self.streams.cuda else None
-        done = self._d2h(grads, [e.view(buf) for e in u.entries], [e.offset + e.numel for e in u.entries], marks)
+        norm = self._norm_slot(u) if self.single_micro else None
+        done = self._d2h(grads, [e.view(buf) for e in u.entries], [e.offset + e.numel for e in u.entries], marks,
+                         norm_dst=norm)
         update = self.in_backward
         if update:
             self._schedule(u)
-        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks,
+        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks, norm,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()),
                            **self._order(u.index, update))
 
@@ -623,9 +671,12 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 norm_ev = self.streams.record()
             clip_done = (threading.Event() if (self.device_updates_on or self.resident) and not self.single_micro
                          else None)
+            # `known`: the worker has judged the step's norm (a device update is skipped when it is
+            # not finite, see HostTasks._clip_task)
+            known = threading.Event() if self.device_updates_on else None
             self.worker.submit(self._clip_task, early, norm_ev, grads_ev,
                                frozenset(id(r.unit) for r in self.resident.values()),
-                               done=(clip_done,) if clip_done is not None else ())
+                               done=tuple(e for e in (clip_done, known) if e is not None))
             t = self._span_start()
             on_device = self._step_resident(hp, clip_done)
             scale, ready = (self._device_scale() if self.device_updates_on and self.single_micro
@@ -635,15 +686,37 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 if id(u) in on_device:
                     continue
                 if u.index in self._device_units and self.device_updates_on:
-                    self._schedule_device(u, hp, scale, ready, clip_done)
+                    self._schedule_device(u, hp, scale, ready, clip_done, known)
                     continue
                 self._schedule(u)
                 self.worker.submit(self._deferred_task, u, hp, grads_ev, done=(u.updated,))
+        elif self.single_micro:
+            # The updates ran in backward; the worker judges the whole step's norm (resident units
+            # included) after them, to report a non-finite step once.
+            k = self._step_no % self.step_norm.numel()       # a slot per step in flight
+            slot = self.step_norm[k:k + 1]
+            if self.streams.cuda:
+                slot.copy_(self.norm_dev.reshape(1), non_blocking=True)
+            else:
+                slot.copy_(self.norm_dev.reshape(1))
+            self.worker.submit(self._step_check_task, self.streams.record(), slot)
+        self._step_no += 1
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
         self._promote_resident()
+
+    def _norm_slot(self, u: Unit) -> torch.Tensor:
+        """The pinned scalar that receives the running norm with `u`'s gradient. Written again only
+        by `u`'s next backward, which follows its update (the forward in between waits for it)."""
+        k = self._snap_of[id(u)]
+        return self.norm_snap[k:k + 1]
+
+    def _found_inf_dev(self) -> torch.Tensor:
+        """1.0 on the device where the running norm of this backward's gradients is not finite
+        (the device updates' skip flag, decided without a host sync), else 0.0."""
+        return (~torch.isfinite(self.norm_dev)).to(torch.float32)
 
     def _device_scale(self):
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and

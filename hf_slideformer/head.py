@@ -142,9 +142,8 @@ class LossHead:
         """One chunk of the head slot's h2d copy per forward layer.
 
         Note: [Why the head slot is loaded in chunks during the forward] an untied lm_head is
-        the largest unit (525M parameters at 8B: 2.1 GB of fp32, ~39 ms of h2d). Loaded when the
-        head runs, the GPU waits for it every step (the b89e2a2 trace has a 37 ms idle where
-        the forward ends, at 8B; our reading of its cause). One
+        the largest unit (525M parameters at 8B: 2.1 GB of fp32). Loaded when the head runs, the
+        GPU would wait for its copy every step where the forward ends. One
         256 MiB chunk after each layer's own prefetch fits in the h2d stream's idle time while
         that layer computes. It starts only once the head's previous update has landed (never
         blocking the forward on the worker)."""
@@ -193,10 +192,15 @@ class LossHead:
         if self.single_micro:
             self.norm_dev += self._head_sq * self._scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
+        norm = self._norm_slot(hu) if self.single_micro else None
         if self.streams.cuda:
             self.scale_host.copy_(g, non_blocking=True)
+            if norm is not None:
+                norm.copy_(self.norm_dev.reshape(1), non_blocking=True)
         else:
             self.scale_host.copy_(g)
+            if norm is not None:
+                norm.copy_(self.norm_dev.reshape(1))
         scale_ev = self.streams.record()
         update = self.in_backward
         embed_on_host = self.resident_embed is None
@@ -210,9 +214,10 @@ class LossHead:
         if update and self._head_update_on_device(embed_on_host):
             # device_update.py: [Why the head's update stays on the CPU by default]
             self._start_head_update(self.hp, ring)
+            self.worker.submit(self._head_device_check_task, scale_ev, norm, self._head_dev_steps)
             return
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
-                           self._fwd_touch if embed_on_host else None, embed_on_host, ring,
+                           self._fwd_touch if embed_on_host else None, embed_on_host, ring, norm,
                            done=(self.head_host_free,) + tuple(self.ring_free[k] for k in ring)
                            + ((hu.updated,) if update else ()),
                            **self._order(-1, update))

@@ -6,12 +6,17 @@ belong to `SlideEngine` (a mixin: they share its state); only the worker thread 
 """
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import torch
 
 from . import optim
+from .errors import NonFiniteGradientError
 from .store import Unit
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["HostTasks"]
 
@@ -33,6 +38,49 @@ def _both(f, g):
 
 class HostTasks:
     """Worker-side methods of SlideEngine."""
+
+    # Note: [Why a non-finite gradient stops the host updates after it] the worker judges the norm
+    # it has for each unit before updating it (the running norm of the backward with one
+    # micro-batch, a unit's own sum with accumulation, the global norm with clipping). From the
+    # first one that is not finite, no host update of the step writes anything (`_update`), so no
+    # master takes a NaN; with clipping the norm is known before any update, and the whole step
+    # is skipped. Device updates skip on the device by the same norm (`_found_inf_dev`).
+    def _begin_step_task(self, step_no: int) -> None:
+        self._poisoned, self._skipped, self._worker_step = False, [], step_no
+
+    def _check_norm(self, sq: float, where: str) -> None:
+        if not math.isfinite(sq):
+            self._poison(where)
+
+    def _poison(self, where: str) -> None:
+        if self._poisoned:
+            return
+        self._poisoned = True
+        msg = f"step {self._worker_step}: {where} is not finite (inf or NaN)"
+        if self.config.nonfinite_grads == "raise":
+            raise NonFiniteGradientError(f"{msg}; no update of it was applied after that point "
+                                         "(SlideConfig.nonfinite_grads='raise'): reload or resume from a checkpoint")
+        logger.warning("%s: the step's updates not yet applied are skipped (SlideConfig.nonfinite_grads='skip')",
+                       msg)
+
+    def _step_check_task(self, ev, norm) -> None:
+        """After a step whose updates ran in backward: its whole norm, resident units' included."""
+        self._sync(ev, "wait_d2h:norm")
+        self._check_norm(float(norm[0]), "the gradient norm")
+
+    def _head_device_check_task(self, ev, norm, steps) -> None:
+        """The head's update runs on the device (skipped there when its norm is not finite): judge
+        the same norm here, and take back the step counters the main thread advanced for it."""
+        if norm is not None:
+            self._sync(ev, "wait_d2h:scale")
+            if not math.isfinite(float(norm[0])):
+                torch._foreach_sub_(steps, 1)
+                self._poison("the gradient of the head")
+
+    @property
+    def skipped_units(self) -> list[str]:
+        """Units whose update the last step skipped for a non-finite gradient (after a worker join)."""
+        return list(self._skipped)
 
     def _sync(self, ev, label: str) -> None:
         """Block the worker on a CUDA event (a copy it consumes or a reader it must not overtake), timed."""
@@ -56,9 +104,14 @@ class HostTasks:
             bufs[k] = torch.empty(grow, self.hidden, dtype=torch.float32)
         return bufs[k][:n]
 
-    def _embed_task(self, sums, rows, done, update, ends_step, hp):
+    def _embed_task(self, sums, rows, done, update, ends_step, hp, norm=None):
         """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
         self._sync(done, "wait_d2h:embed")
+        if norm is not None:
+            self._check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
+        elif not self.single_micro and not bool(torch.isfinite(sums).all()):
+            # judged now: the sum it joins is read by the next micro-batch's early bulk update
+            self._poison("the gradient of the embedding")
         u = self.embed_unit
         g = self.embed_grad.view(self.vocab, self.hidden)
         grad_rows = torch.index_select(g, 0, rows, out=self._rows_buffer(0, rows.numel())).add_(sums)
@@ -70,6 +123,7 @@ class HostTasks:
         self.touched.append(rows)
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(self.embed_grad)) ** 2)
+            self._check_norm(self._norm_sq[-1], "the gradient of the embedding")
         if update:
             if self._bulk is not None:
                 self._embed_rows_update(hp, grad_rows)
@@ -98,7 +152,7 @@ class HostTasks:
         self._bulk = None
         groups, group_of = hp
         gi = group_of.get(id(u.entries[0].param))
-        if gi is None or not u.entries[0].param.requires_grad:
+        if gi is None or not u.entries[0].param.requires_grad or self._poisoned:
             return
         self.host_adam.step(groups[gi], [w], [grad], [m], [v], [step])
         for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
@@ -118,9 +172,11 @@ class HostTasks:
         self.touched = []
         self.embed_unit.grad_valid = False
 
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=()):
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None):
         self._sync(done, "wait_d2h:head")
         self._sync(scale_ev, "wait_d2h:scale")
+        if norm is not None:
+            self._check_norm(float(norm[0]), "the gradient of the head")
         scale = float(self.scale_host[0])
         hu = self.head_unit
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
@@ -155,7 +211,11 @@ class HostTasks:
                 self.ring_free[k].set()
         return returned
 
-    def _layer_task(self, u, src, done, update, ends_step, hp, marks=None):
+    def _layer_task(self, u, src, done, update, ends_step, hp, marks=None, norm=None):
+        if norm is not None:
+            # the running norm is copied before the gradient (engine._d2h)
+            self._sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
+            self._check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
         if marks and update and u.grad is None and (self.single_micro or not ends_step):
             # The gradient is used as it lands (no accumulator, no norm to take first): each piece
             # of the update waits only for the copies that cover it.
@@ -191,6 +251,7 @@ class HostTasks:
             g, grad_mul = u.grad, 1.0
         if ends_step and not self.single_micro:
             self._norm_sq.append(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2)
+            self._check_norm(self._norm_sq[-1], f"the gradient of {u.name}")
         if update:
             self._update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul)
             u.grad_valid = False
@@ -211,6 +272,9 @@ class HostTasks:
 
     def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
                 grad_mul: float = 1.0) -> None:
+        if self._poisoned:              # [Why a non-finite gradient stops the host updates after it]
+            self._skipped.append(u.name)
+            return
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
         readers, u.readers = u.readers, []
@@ -248,15 +312,18 @@ class HostTasks:
                 dev = float(self.norm_host[0])
             norm = (sum(self._norm_sq) + dev) ** 0.5
         self._clip_norm = norm
+        self._check_norm(norm, "the gradient norm")
         mx = self.config.max_grad_norm
         self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
 
     def _grad_of(self, u: Unit) -> torch.Tensor:
         return self.embed_grad if u is self.embed_unit else u.grad
 
-    def _accumulated_update_task(self, u: Unit, done, hp) -> None:
+    def _accumulated_update_task(self, u: Unit, done, hp, norm=None) -> None:
         """The last micro-batch's update in backward of a layer whose sum the device accumulated."""
         self._sync(done, f"wait_d2h:{u.name}")
+        if norm is not None:
+            self._check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
         self._update(u, u.grad, hp)
         u.grad_valid = False
 

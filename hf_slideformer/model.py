@@ -326,7 +326,9 @@ class SlideModel:
             raise ValueError("load_state_dict(assign=True) would replace the slid model's master weights; "
                              "load in place (assign=False)")
         self.slide_engine.synchronize()
-        return super().load_state_dict(state_dict, strict=strict)
+        out = super().load_state_dict(state_dict, strict=strict)
+        self.slide_engine.note_restored(weights=True)
+        return out
 
     def save_pretrained(self, save_directory, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
                         **kwargs):

@@ -29,7 +29,7 @@ def sq_norm(tensors) -> torch.Tensor:
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
                 piece: int | None = None, on_piece=None, before_piece=None, clip_coef=None, kernel=None,
-                grad_mul: float = 1.0) -> None:
+                grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step of `unit` with the flat gradient `grad` (the unit's layout).
 
     Args:
@@ -53,8 +53,15 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             of a separate pass over the gradient.
         kernel: the `HostAdam` that updates host (CPU) state; None: torch's fused AdamW.
         grad_mul: a factor the gradient is multiplied by first (a loss scale; host state only).
+        found_inf: a float scalar tensor; where it is nonzero the update leaves master, moments
+            and step counters unchanged (on a GPU, torch's fused-kernel skip, decided on the
+            device without a host sync).
     """
     state = unit if state is None else state
+    if found_inf is not None and found_inf.device.type == "cpu":
+        if float(found_inf):                # decided on the host: nothing to do
+            return
+        found_inf = None
     by_group = groups_of(unit, group_of)
     for ks in by_group.values():
         torch._foreach_add_([state.steps[k] for k in ks], 1)
@@ -63,15 +70,20 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         kernel = None
     elif kernel is None and (grad.dtype != torch.float32 or grad_mul != 1.0):
         raise ValueError("a bf16 or scaled gradient of host state needs a HostAdam kernel")
-    run = functools.partial(_run, kernel, grad_mul)
+    run = functools.partial(_run, kernel, grad_mul, found_inf)
     if piece is not None and (piece <= 0 or piece & (piece - 1)):
         raise ValueError(f"piece must be a power of two, got {piece}")
+    if found_inf is not None:
+        # the kernel skips the update itself; the counters advanced above go back (as torch.optim does)
+        _revert = [state.steps[k] for ks in by_group.values() for k in ks]
     if piece is None:
         for gi, ks in by_group.items():
             es = [unit.entries[k] for k in ks]
             run(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
                 [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
                 [state.steps[k] for k in ks], scale)
+        if found_inf is not None and _revert:
+            torch._foreach_sub_(_revert, [found_inf] * len(_revert))
         return
     for _, end, batch in piece_batches(unit, by_group, piece):
         if before_piece is not None:
@@ -82,6 +94,8 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
                 [state.steps[k] for k, _, _ in ranges], scale)
         if on_piece is not None:
             on_piece(end)
+    if found_inf is not None and _revert:
+        torch._foreach_sub_(_revert, [found_inf] * len(_revert))
 
 
 def groups_of(unit: Unit, group_of: dict[int, int]) -> dict[int, list[int]]:
@@ -134,29 +148,30 @@ def _grad_scale(clip_coef, device) -> torch.Tensor | None:
     return torch.tensor(1.0 / clip_coef, dtype=torch.float32, device=device)
 
 
-def _run(kernel, grad_mul, hp, params, grads, m, v, steps, scale) -> None:
+def _run(kernel, grad_mul, found_inf, hp, params, grads, m, v, steps, scale) -> None:
     if kernel is None:
-        _fused(hp, params, grads, m, v, steps, scale)
+        _fused(hp, params, grads, m, v, steps, scale, found_inf)
     else:
         kernel.step(hp, params, grads, m, v, steps, grad_scale=scale, grad_mul=grad_mul)
 
 
 def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],
-                scale=None) -> None:
+                scale=None, found_inf=None) -> None:
     """AdamW of one `piece_batches` batch on copies of the flat range that starts at offset `lo`
     (master, grad and moments index from `lo`); `steps` are the per-entry counters, already
-    advanced for this step."""
+    advanced for this step; `found_inf` as in `apply_adamw` (the counters are the caller's)."""
     for gi, ranges in batch.items():
         _fused(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges], [grad[a - lo:b - lo] for _, a, b in ranges],
                [exp_avg[a - lo:b - lo] for _, a, b in ranges], [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
-               [steps[k] for k, _, _ in ranges], scale)
+               [steps[k] for k, _, _ in ranges], scale, found_inf)
 
 
-def _fused(hp: dict, params, grads, m, v, steps, scale=None) -> None:
+def _fused(hp: dict, params, grads, m, v, steps, scale=None, found_inf=None) -> None:
     beta1, beta2 = hp["betas"]
     torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
                         beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
-                        amsgrad=False, maximize=bool(hp.get("maximize", False)), grad_scale=scale)
+                        amsgrad=False, maximize=bool(hp.get("maximize", False)), grad_scale=scale,
+                        found_inf=found_inf)
 
 
 class SlideOptimizer(torch.optim.Optimizer):
@@ -253,3 +268,4 @@ class SlideOptimizer(torch.optim.Optimizer):
                 st["exp_avg"].copy_(s["exp_avg"])
                 st["exp_avg_sq"].copy_(s["exp_avg_sq"])
                 st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
+        self.engine.note_restored(optimizer=True)

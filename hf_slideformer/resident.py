@@ -5,7 +5,7 @@ Under a memory cap the GPU usually has room left after the window, the activatio
 head: a 3B model trained at 16 x 2048 under 24 GiB peaks near 13 GiB. That room is worth more
 as optimizer state than as nothing: a resident layer keeps its fp32 master, Adam moments and
 compute-dtype weights on the GPU, is never copied in, and is updated by torch's fused CUDA
-AdamW right after its backward, instead of by the CPU worker (~30 ms per 3B layer, measured). The CPU
+AdamW right after its backward, instead of by the CPU worker (tens of ms per layer). The CPU
 worker, the bound at small batches, has that much less to do, and the next forward does not
 wait for those layers.
 
@@ -72,11 +72,12 @@ class ResidentState:
 def measured_peak(device) -> int:
     """The GPU memory a training step needed: the allocator's reserved peak.
 
-    Note: [Why the plan measures reserved memory] planning from the allocated peak (+5%, with
-    expandable segments) kept one more 8B layer resident under 24 GiB, and the step got slower
-    (3.38 s against 3.30 s, 2132169 vs 10ac509): the reserved memory then sat at the cap and
-    the allocator had to release and map pages during the step. Expandable segments still
-    lower the reserved peak itself, which is what made room for the 8B embedding.
+    Note: [Why the plan measures reserved memory] what the allocator reserves, not the
+    allocated peak, must stay under the cap: a plan from the allocated peak fills the gap with
+    resident units, the reserved memory then sits at the cap, and the allocator releases and maps
+    pages during the step, which costs more than the extra resident layer saves. Expandable
+    segments lower the reserved peak itself. (docs/benchmarks.md, "Measurements behind the
+    engine's notes".)
     """
     return torch.cuda.max_memory_reserved(device)
 
@@ -302,21 +303,20 @@ class ResidentUnits:
             if self.ends_step:
                 self.norm_dev += _sq_norm([g32])
         if self.in_backward:
-            self._resident_step(u, r, g32)
+            self._resident_step(u, r, g32, found_inf=self._found_inf_dev())
             r.grad_valid = False
 
-    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None) -> None:
+    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
+                       found_inf=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
 
         Note: [Why the master is not copied back every step] the device master is the current
         one while the unit is resident; `evict_resident()` writes it back with the moments. A
-        copy after every update cost 4 bytes per parameter of d2h each step (3.2 GB at 3B with the
-        embedding resident), and the last ones (layer 0, the embedding) ended the step: the
-        traces show a 47 ms GPU idle at the step boundary with them (d012fdb), 19 ms without
-        (5d7ea7a). Host-side readers of the weights
-        (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
+        copy after every update would cost 4 bytes per parameter of d2h each step, and the last
+        ones (layer 0, the embedding) would end the step with the GPU idle. Host-side readers of
+        the weights (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
-        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r, clip_coef=clip_coef)
+        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         u.version += 1                                   # any slot copy of the old weights is stale
@@ -326,13 +326,11 @@ class ResidentUnits:
         """Keep the host at most one resident layer ahead of the GPU.
 
         Note: [Why resident layers are paced] without a copy or an update to wait for, the host
-        queues resident layers' kernels as fast as Python runs. Measured (70fcb85 traces): the CPU
-        worker then finished its AdamW call but could not return from its task until the
-        resident stretch ended, 150-370 ms per step, as if it could not get the interpreter lock
-        back (our reading: launches blocking on a full CUDA queue while holding the lock; not
-        verified). Waiting on the previous layer's event releases the lock; with it (1197c61
-        trace) a worker task takes its AdamW plus its waits and nothing more. One layer of
-        queued work covers the host's launch overhead.
+        would queue resident layers' kernels as fast as Python runs, and the CPU worker, its
+        AdamW done, could not return from its task until the resident stretch ended (it does
+        not get the interpreter lock back; docs/benchmarks.md has the traces). Waiting on the
+        previous layer's event releases the lock, so a worker task takes its AdamW plus its
+        waits and nothing more. One layer of queued work covers the host's launch overhead.
         """
         if not self.streams.cuda:
             return
@@ -357,6 +355,7 @@ class ResidentUnits:
         units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
         if not units:
             return set()
+        found_inf = self._found_inf_dev() if self.single_micro else None
         if self.config.max_grad_norm is None:
             coef = None
         elif self.single_micro:
@@ -364,7 +363,9 @@ class ResidentUnits:
         else:
             self._wait(clip_done, "update")
             coef = self._clip_coef
+            found_inf = torch.tensor(float(self._poisoned), device=self.device)
         for u, r, g in units:
-            self._resident_step(u, r, g, hp, clip_coef=coef)   # applied in the fused AdamW, as on the host
+            # the clip factor applied in the fused AdamW, as on the host; skipped where not finite
+            self._resident_step(u, r, g, hp, clip_coef=coef, found_inf=found_inf)
             r.grad_valid = False
         return {id(u) for u, _, _ in units}

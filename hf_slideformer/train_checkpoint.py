@@ -245,3 +245,4 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
         for saved, group in zip(index["param_groups"], opt.param_groups):
             for k, v in saved.items():
                 group[k] = tuple(v) if k == "betas" else v
+    engine.note_restored(weights=weights, optimizer=opt is not None)

@@ -19,6 +19,8 @@ import traceback
 
 import torch
 
+from .errors import NonFiniteGradientError
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["CpuWorker", "WorkerError"]
@@ -98,6 +100,8 @@ class CpuWorker:
     def raise_if_failed(self) -> None:
         if self._error is not None:
             e, tb = self._error
+            if isinstance(e, NonFiniteGradientError):        # a training error, not a fault: its own type
+                raise NonFiniteGradientError(f"{e}\n--- worker traceback ---\n{tb}") from e
             raise WorkerError(f"the CPU worker failed: {e!r}\n--- worker traceback ---\n{tb}") from e
 
     def new_group(self) -> None:

@@ -313,6 +313,51 @@ def test_interrupted_backward_is_reported_not_hung(monkeypatch):
     monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
     with pytest.raises(hs.SlideStateError, match="interrupted"):
         slid(**b[1]).loss.backward()
+    # not once: every later training call refuses until the state is restored
+    with pytest.raises(hs.SlideStateError, match="interrupted"):
+        slid(**b[1]).loss.backward()
+    with pytest.raises(hs.SlideStateError, match="interrupted"):
+        opt.step()
+
+
+@pytest.mark.parametrize("restore", ["training_state", "state_dicts", "weights_only"])
+def test_after_an_interrupted_backward_a_restore_lets_training_go_on(monkeypatch, tmp_path, restore):
+    """Restored before the next call (weights and optimizer state), training goes on with no stale
+    error, from exactly the restored state; the weights alone are not enough."""
+    import hf_slideformer.engine as engine_mod
+    _, slid = make_pair("llama", False)
+    opt = slid.create_optimizer(lr=LR)
+    b = batches(3)
+    slid(**b[0]).loss.backward()
+    opt.step()
+    hs.save_training_state(str(tmp_path), slid, opt)
+    weights = {k: v.clone() for k, v in slid.state_dict().items()}
+    opt_state = opt.state_dict()
+    real = engine_mod.SlideEngine.layer_backward
+
+    def fail(self, i, *a, **k):
+        if i == 1:
+            raise RuntimeError("device lost")
+        return real(self, i, *a, **k)
+    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", fail)
+    with pytest.raises(RuntimeError, match="device lost"):
+        slid(**b[1]).loss.backward()
+    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
+    if restore == "training_state":
+        hs.load_training_state(str(tmp_path), slid, opt)
+    else:
+        slid.load_state_dict(weights)
+        if restore == "state_dicts":
+            opt.load_state_dict(opt_state)
+    if restore == "weights_only":
+        with pytest.raises(hs.SlideStateError, match="interrupted"):
+            slid(**b[1]).loss.backward()
+        return
+    for k, v in slid.state_dict().items():
+        assert torch.equal(v, weights[k]), k
+    slid(**b[1]).loss.backward()
+    opt.step()
+    assert all(torch.isfinite(v).all() for v in slid.state_dict().values())
 
 
 def test_explicit_position_ids_match():

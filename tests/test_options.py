@@ -20,7 +20,7 @@ def samples(tmp_path) -> dict:
                 nvme_path=str(tmp_path), cpu_threads=1, pin_memory=True, use_kernels=True, gpu_memory_limit=24.0,
                 head_chunk_tokens=64, grad_buffers=3, update_order="forward", head_update="device",
                 resident_layers=1, resident_embedding=False, device_update_share=0.5, expandable_segments=False,
-                host_adam="torch", check_host_memory=False, debug=True)
+                host_adam="torch", nonfinite_grads="raise", check_host_memory=False, debug=True)
 
 
 def on(surface):
