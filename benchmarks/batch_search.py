@@ -8,6 +8,7 @@ the attempt with the most tokens per second; `search` lists every attempt.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 __all__ = ["search_batches", "search_order"]
@@ -21,14 +22,16 @@ def search_order(batches: list[int]) -> list[int]:
     return out
 
 
-def search_batches(run: Callable[[int], dict], batches: list[int], seq: int) -> dict:
-    """Run `run(batch)` (one fresh process, returns its row) upward until the first failure.
+def search_batches(run: Callable[[int, float], dict], batches: list[int], seq: int, timeout: float) -> dict:
+    """Run `run(batch, seconds)` (one fresh process, returns its row) upward until the first failure.
 
     Args:
-        run: measures one batch and returns the provider's row (`status` "ok" with `step_s`,
-            or "oom", "error", "timeout", "crashed", "skipped").
+        run: measures one batch within the seconds given and returns the provider's row (`status`
+            "ok" with `step_s`, or "oom", "error", "timeout", "crashed", "skipped").
         batches: the batches to try; tried in increasing order.
         seq: tokens per sequence, for the tokens per second of each attempt.
+        timeout: seconds for the whole search. A larger batch is not started when less time is
+            left than the last attempt took (it would be cut short); its entry says so.
 
     Returns:
         The row of the attempt with the most tokens per second (or, when none fit, the last
@@ -38,8 +41,15 @@ def search_batches(run: Callable[[int], dict], batches: list[int], seq: int) -> 
     attempts: list[tuple[int, dict]] = []
     order = search_order(batches)
     batch, downward = order[0], False
+    deadline, last_s = time.monotonic() + timeout, 0.0
     while True:
-        row = run(batch)
+        left = deadline - time.monotonic()
+        if attempts and left < max(last_s, 1.0):
+            attempts.append((batch, {"status": "not run", "error": f"{left:.0f} s left of the search's {timeout:.0f} s"}))
+            break
+        t0 = time.monotonic()
+        row = run(batch, left)
+        last_s = time.monotonic() - t0
         attempts.append((batch, row))
         status = row.get("status")
         if status == "ok":
@@ -62,7 +72,7 @@ def search_batches(run: Callable[[int], dict], batches: list[int], seq: int) -> 
                        "tokens_per_s": _tokens_per_s(b, r, seq) if r.get("status") == "ok" else None,
                        "error": (r.get("error") or "")[:200] or None} for b, r in attempts]
     best["oom_batches"] = [b for b, r in attempts if r.get("status") == "oom"]
-    best["processes"] = sum(r.get("processes", 1) for _, r in attempts)
+    best["processes"] = sum(r.get("processes", 1) for _, r in attempts if r.get("status") != "not run")
     return best
 
 

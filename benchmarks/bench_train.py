@@ -251,8 +251,8 @@ def run_parent(args: argparse.Namespace) -> int:
                        slide_options=json.loads(args.slide_config or "{}"),
                        alloc_conf=args.alloc_conf if args.device == "cuda" else "")
         if search:
-            row = search_batches(lambda b: run_provider(name, dataclasses.replace(spec, batches=[b]), args.timeout),
-                                 search, seq)
+            row = search_batches(lambda b, left: run_provider(name, dataclasses.replace(spec, batches=[b]), left),
+                                 search, seq, args.timeout)
         else:
             row = run_provider(name, spec, args.timeout)
         doc["results"].append(row)
@@ -431,7 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alloc-conf", default=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"),
                     help="PYTORCH_CUDA_ALLOC_CONF of every provider's process (the same allocator for all; "
                     "'' leaves it unset)")
-    ap.add_argument("--timeout", type=float, default=240, help="wall-time limit per provider, seconds")
+    ap.add_argument("--timeout", type=float, default=240, help="wall-time limit per provider, seconds (with "
+                    "--search-batches, for all of its processes together)")
     ap.add_argument("--checkpointing", default=None, choices=["auto", "on", "off"],
                     help="gradient checkpointing (HF's, non-reentrant) of hf, ds2, ds3, resident: auto = off unless "
                     "the batch runs out of memory (default: each provider as its users run it: on for hf, ds2, ds3; "
@@ -439,7 +440,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kernels", default=None, choices=["auto", "liger", "triton_ops", "none"],
                     help="fused kernels of hf, ds2, ds3: auto = Liger if importable, else triton_ops (default: auto)")
     ap.add_argument("--search-batches", default=None, help="comma-separated batches each provider tries upward, "
-                    "one fresh process per batch (--timeout each), stopping at the first out of memory; the row "
+                    "one fresh process per batch, stopping at the first out of memory; the row "
                     "is the fastest batch that fit (replaces --batch and --offload-batches)")
     ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--lr", type=float, default=1e-5)

@@ -115,7 +115,8 @@ def test_hf_provider_defaults_to_its_users_configuration(monkeypatch):
 def _fake_run(fits: int, fail_at: int | None = None, status: str = "error"):
     tried = []
 
-    def run(batch):
+    def run(batch, seconds):
+        assert seconds > 0
         tried.append(batch)
         if fail_at is not None and batch == fail_at:
             return {"status": status, "error": "boom"}
@@ -127,7 +128,7 @@ def _fake_run(fits: int, fail_at: int | None = None, status: str = "error"):
 
 def test_batch_search_goes_up_until_the_first_oom():
     run, tried = _fake_run(fits=8)
-    row = search_batches(run, [16, 4, 8, 32], seq=2048)
+    row = search_batches(run, [16, 4, 8, 32], seq=2048, timeout=60)
     assert tried == [4, 8, 16]  # 32 is never tried: 16 ran out of memory
     assert row["batch"] == 8 and row["oom_batches"] == [16] and row["processes"] == 3
     assert [(a["batch"], a["status"]) for a in row["search"]] == [(4, "ok"), (8, "ok"), (16, "oom")]
@@ -136,22 +137,35 @@ def test_batch_search_goes_up_until_the_first_oom():
 
 def test_batch_search_halves_down_when_the_first_batch_does_not_fit():
     run, tried = _fake_run(fits=1)
-    row = search_batches(run, [4, 8], seq=128)
+    row = search_batches(run, [4, 8], seq=128, timeout=60)
     assert tried == [4, 2, 1] and row["status"] == "ok" and row["batch"] == 1
     run, tried = _fake_run(fits=0)
-    row = search_batches(run, [2, 4], seq=128)
+    row = search_batches(run, [2, 4], seq=128, timeout=60)
     assert tried == [2, 1] and row["status"] == "oom" and row["oom_batches"] == [2, 1]
 
 
 def test_batch_search_stops_at_an_error_and_keeps_the_best_so_far():
     run, tried = _fake_run(fits=64, fail_at=16, status="timeout")
-    row = search_batches(run, [4, 8, 16, 32], seq=128)
+    row = search_batches(run, [4, 8, 16, 32], seq=128, timeout=60)
     assert tried == [4, 8, 16] and row["batch"] == 8 and row["search"][-1]["status"] == "timeout"
     run, tried = _fake_run(fits=64, fail_at=4, status="skipped")
-    row = search_batches(run, [4, 8], seq=128)
+    row = search_batches(run, [4, 8], seq=128, timeout=60)
     assert tried == [4] and row["status"] == "skipped"
     with pytest.raises(ValueError):
         search_order([0, 4])
+
+
+def test_batch_search_does_not_start_a_batch_it_has_no_time_for(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("benchmarks.batch_search.time.monotonic", lambda: clock[0])
+
+    def run(batch, seconds):
+        clock[0] += 40.0  # each process takes 40 s
+        return {"status": "ok", "batch": batch, "step_s": 1.0}
+
+    row = search_batches(run, [1, 2, 4, 8], seq=16, timeout=100)
+    assert [(a["batch"], a["status"]) for a in row["search"]] == [(1, "ok"), (2, "ok"), (4, "not run")]
+    assert row["batch"] == 2 and row["processes"] == 2
 
 
 def test_parent_searches_each_provider_in_fresh_processes(monkeypatch, tmp_path):

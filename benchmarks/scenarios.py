@@ -1,0 +1,193 @@
+"""The scenarios of `python -m benchmarks.suite`: what one GPU call runs, step by step.
+
+Each scenario is a list of `Step`s that fits one 10-minute device call (the suite also stops
+starting steps when its time budget is spent). A step is one command run from the repository
+root: a `bench_train.py` row (its JSON gives the table's rows), the GPU tests, or another
+script of `benchmarks/`. `SCENARIOS` is the one table of them; docs/benchmarks.md ("How to
+run") describes each.
+
+`Settings.smoke` builds the same steps at CPU scale (the tiny shape, short sequences, one timed
+step), which is how the CPU tests run every scenario's plumbing.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["Step", "Settings", "SCENARIOS", "LONG_SEQS", "long_context_model"]
+
+LONG_SEQS = (8192, 16384, 32768, 65536, 131072)
+SMOKE_LONG_SEQS = (64, 256)
+
+
+@dataclass
+class Step:
+    """One command of a scenario, run from the root of the tree under test."""
+
+    name: str                     # unique in the scenario; --only selects by it
+    argv: list[str]               # a script under the tree and its arguments (run with this Python)
+    timeout: float                # seconds; the suite kills the command's whole process group after it
+    kind: str = "command"         # "train": bench_train.py, its JSON gives rows; "command": anything else
+    project: bool = False         # a row of the project itself: run again from the --old tree
+    chain: str | None = None      # steps of one chain stop at the first that does not succeed
+    tail: int = 0                 # lines of its log printed above the final table
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Settings:
+    """How to build the steps: at GPU scale, or the CPU smoke test's scale."""
+
+    smoke: bool = False
+    workdir: Path = Path("/tmp")
+
+    def model(self, name: str) -> str:
+        return "tiny" if self.smoke else name
+
+    def device_args(self) -> list[str]:
+        return ["--device", "cpu"] if self.smoke else []
+
+
+# ---------------------------------------------------------------------------------------------
+# step builders
+# ---------------------------------------------------------------------------------------------
+def slide_row(s: Settings, model: str, batch: int, cap: float, *, timeout: float = 150, steps: int = 4,
+              warmup: int = 2, seq: int | None = None, slide_config: str | None = None, name: str | None = None,
+              chain: str | None = None) -> Step:
+    """The project's row: `bench_train.py --providers slide` with the flags older commits also take."""
+    short = model.replace("llama3-", "").replace("qwen2.5-", "q")
+    name = name or f"{short}_b{batch}_cap{cap:g}"
+    if s.smoke:
+        batch, steps, warmup, timeout = min(batch, 2), 1, 1, 120
+        seq = seq or 32
+    argv = ["benchmarks/bench_train.py", "--model", s.model(model) if not Path(model).is_file() else model,
+            "--providers", "slide", "--batch", str(batch), "--offload-batches", str(batch), "--cap-gib", f"{cap:g}",
+            "--steps", str(steps), "--warmup", str(warmup), "--no-probe", "--timeout", str(int(timeout - 10)),
+            *s.device_args()]
+    if seq:
+        argv += ["--seq", str(seq)]
+    if slide_config:
+        argv += ["--slide-config", slide_config]
+    return Step(name, argv, timeout, kind="train", project=True, chain=chain)
+
+
+def baseline_row(s: Settings, name: str, provider: str, *, batch: int = 16, search: str | None = None,
+                 timeout: float = 150) -> Step:
+    """A baseline on the 3B shape as its users run it: HF's checkpointing and the fused kernels.
+
+    With `search`, the provider runs in one process per batch, upward until out of memory, all
+    within the step's time (bench_train's --timeout covers the whole search).
+    """
+    steps, warmup = (1, 1) if s.smoke else (3, 2)
+    argv = ["benchmarks/bench_train.py", "--model", s.model("llama3-3b"), "--providers", provider,
+            "--checkpointing", "on", "--kernels", "auto", "--steps", str(steps), "--warmup", str(warmup),
+            "--no-probe", "--timeout", str(int(timeout - 10)), *s.device_args()]
+    if s.smoke:
+        argv += ["--seq", "32"]
+    if search:
+        argv += ["--cap-gib", "24", "--search-batches", "1,2" if s.smoke else search]
+    else:
+        argv += ["--batch", str(2 if s.smoke else batch)]
+    return Step(name, argv, timeout, kind="train")
+
+
+def gpu_tests(s: Settings, paths: tuple[str, ...] = ("tests",), marker: str | None = "gpu",
+              timeout: float = 180) -> Step:
+    argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-m", marker] if marker else []), *paths]
+    return Step("gpu_tests", argv, timeout, tail=3)
+
+
+def long_context_model(model: str, seq: int, workdir: Path) -> str:
+    """`model`, or a copy of its config whose max_position_embeddings admits `seq` tokens."""
+    from benchmarks.providers.base import CONFIG_DIR
+
+    path = Path(model) if Path(model).is_file() else CONFIG_DIR / f"{model}.json"
+    data = json.loads(path.read_text())
+    if data.get("max_position_embeddings", 0) >= seq:
+        return model
+    data["max_position_embeddings"] = seq
+    data["_comment"] = f"{data.get('_comment', path.name)} max_position_embeddings raised to {seq}."
+    out = Path(workdir) / f"{path.stem}-pos{seq}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    return str(out)
+
+
+def _k(seq: int) -> str:
+    return f"{seq // 1024}k" if seq % 1024 == 0 else str(seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios
+# ---------------------------------------------------------------------------------------------
+def quick(s: Settings) -> list[Step]:
+    """GPU tests; 3B batch 16 and 8 under 24 GiB (the check after a change)."""
+    return [gpu_tests(s), slide_row(s, "llama3-3b", 16, 24, timeout=100), slide_row(s, "llama3-3b", 8, 24, timeout=100)]
+
+
+def full(s: Settings) -> list[Step]:
+    """8B batch 16, Qwen2.5-7B batch 16, 3B batch 16 and 8, all under 24 GiB."""
+    return [slide_row(s, "llama3-8b", 16, 24), slide_row(s, "qwen2.5-7b", 16, 24),
+            slide_row(s, "llama3-3b", 16, 24, timeout=100), slide_row(s, "llama3-3b", 8, 24, timeout=100)]
+
+
+def small_gpu(s: Settings) -> list[Step]:
+    """8B batch 16 under 12 and 16 GiB; 3B batch 16 under 9 GiB; the host AdamW's rate."""
+    adam = ["benchmarks/host_adam_rate.py"] + (["--params", "1000000", "--repeat", "2"] if s.smoke else [])
+    return [slide_row(s, "llama3-8b", 16, 12), slide_row(s, "llama3-8b", 16, 16),
+            slide_row(s, "llama3-3b", 16, 9, timeout=100), Step("host_adam_rate", adam, 100, tail=8)]
+
+
+def soak(s: Settings) -> list[Step]:
+    """200-step soak (memory flat?) with the clipping comparison; 8B batch 1 under 8 GiB; the 3B batch sweep."""
+    if s.smoke:
+        soak_args = ["--model", "tiny", "--batch", "2", "--seq", "32", "--steps", "30", "--compare-clipping", "6",
+                     "--device", "cpu"]
+        sweep_args = ["--model", "tiny", "--batches", "4,2", "--seq", "32", "--steps", "1", "--warmup", "1",
+                      "--device", "cpu"]
+    else:
+        soak_args = ["--model", "llama3-3b", "--layers", "4", "--batch", "2", "--seq", "2048", "--steps", "200",
+                     "--compare-clipping", "20"]
+        sweep_args = ["--model", "llama3-3b", "--batches", "16,12,10,8"]
+    return [Step("soak", ["benchmarks/soak.py", *soak_args], 150, project=True, tail=12),
+            slide_row(s, "llama3-8b", 1, 8, steps=2, warmup=1, timeout=130),
+            Step("batch_sweep", ["benchmarks/batch_sweep.py", *sweep_args], 220, project=True, tail=6)]
+
+
+def kernels(s: Settings) -> list[Step]:
+    """The kernels' tests on the GPU, then bench_kernels.py (torch, Liger and ours)."""
+    steps = [gpu_tests(s, ("tests/test_triton_ops.py", "tests/test_triton_patching.py"), marker=None, timeout=200)]
+    steps[0].name = "kernel_tests"
+    if not s.smoke:  # the kernel benchmark needs CUDA
+        steps.append(Step("bench_kernels", ["benchmarks/bench_kernels.py"], 300, tail=22))
+    return steps
+
+
+def baselines(s: Settings) -> list[Step]:
+    """3B shape: slide at batch 16 beside ZeRO-2 and ZeRO-3 at their best batch, and HF GPU-resident."""
+    # The searches start one step below the batch measured to fit (2026-12-01: ZeRO-2 8, ZeRO-3 16) and
+    # go up until out of memory; a first batch that does not fit halves downwards.
+    return [slide_row(s, "llama3-3b", 16, 24, timeout=100),
+            baseline_row(s, "hf_b16", "hf", batch=16, timeout=80),
+            baseline_row(s, "ds2_search", "ds2", search="4,8,16,32", timeout=200),
+            baseline_row(s, "ds3_search", "ds3", search="8,16,32", timeout=200)]
+
+
+def long(s: Settings) -> list[Step]:
+    """Llama-3.1-8B shape, batch 1, 24 GiB cap, 8k to 128k tokens; stops at the first that fails."""
+    seqs = SMOKE_LONG_SEQS if s.smoke else LONG_SEQS
+    steps = []
+    for seq in seqs:
+        model = long_context_model(s.model("llama3-8b"), seq, s.workdir)
+        timeout = 120 if seq <= 32768 else 150 if seq <= 65536 else 240
+        steps.append(slide_row(s, model, 1, 24, steps=2, warmup=1, seq=seq, timeout=timeout,
+                               name=f"8b_seq{_k(seq)}", chain="long"))
+    return steps
+
+
+SCENARIOS: dict[str, Callable[[Settings], list[Step]]] = {
+    "quick": quick, "full": full, "small-gpu": small_gpu, "soak": soak, "kernels": kernels,
+    "baselines": baselines, "long": long,
+}
