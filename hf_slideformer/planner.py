@@ -26,16 +26,17 @@ TIERS = ("cpu", "device", "nvme")
 PEAK_TFLOPS = 989.4          # dense bf16 peak of an H100 / H200 SXM, as benchmarks' MFU column
 GPU_EFFICIENCY = 0.61        # achieved / peak FLOPs of the layer and head kernels (H200: 0.60-0.62)
 ACT_HIDDEN, ACT_INTER = 11, 4  # bf16 tensors per token live while one layer is recomputed + backpropagated
-PROCESS_HOST_BYTES = int(1.7 * GiB)   # torch, the CUDA runtime, Python and transformers, resident (17839ee, 8B)
+PROCESS_HOST_BYTES = int(1.7 * GiB)   # torch, the CUDA runtime, Python and transformers, resident (at 8B)
 # Pinned bounce buffers of the nvme activation tier (activations.FileTier).
 NVME_BUFFERS = 4
+GRAD_BYTES = 2               # a layer's gradient crosses PCIe in the compute dtype (bf16 on CUDA)
 GPU_USABLE = 0.85            # share of the card the caching allocator can fill (fragmentation)
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
-DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (aa214a3 trace) / one-way
+DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way
 RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
 
 
@@ -214,10 +215,11 @@ class _Estimator:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
         out.update({
             "embedding gradient (fp32, pinned)": 4 * s.embed_params,
-            f"gradient ring ({self.grad_buffers} x largest layer, fp32)": 4 * self.grad_buffers * s.layer_params,
+            f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
+                GRAD_BYTES * self.grad_buffers * s.layer_params,
             # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring]);
             # a tied lm_head's gradient joins it with accumulation only
-            "head host buffer (fp32, pinned)": (0 if head <= self.grad_buffers * s.layer_params else 4 * head),
+            "head host buffer (bf16, pinned)": (0 if head <= self.grad_buffers * s.layer_params else GRAD_BYTES * head),
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
@@ -273,8 +275,10 @@ class _Estimator:
         head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
         rows = 0 if embed_res else 4 * TH
         h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
-        # fp32 gradients of the units updated on the host (resident ones stay), embedding rows
-        d2h = 4 * (sent * s.layer_params + head) + rows + acts
+        # gradients of the units updated on the host (resident ones stay): in the compute dtype
+        # into the ring with one micro-batch, fp32 sums into the accumulators with several
+        # (engine: [Why gradients cross in the compute dtype]); embedding rows
+        d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
         # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
         return N * h2d + (N - 1) * 4 * layers, N * d2h
 
@@ -466,10 +470,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     serial = p.times["gpu"]
     if clip is not None:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
-        # needs the global norm); their AdamW then paces the next forward (measured at 3B batch 16,
-        # ad9ed1f: 1.964 s against 1.463 s without clipping). A share of the host-held layers is
-        # updated by the GPU as it is copied in (device_update.py): the CPU and the link share that
-        # work (d131342: 1.672 s).
+        # needs the global norm); their AdamW then paces the next forward. A share of the host-held
+        # layers is updated by the GPU as it is copied in (device_update.py): the CPU and the link
+        # share that work (docs/benchmarks.md has the measured steps).
         host_params = shape.n_params - est.resident_params(res)
         f = balanced_share()
         layers = (shape.layers - res[1]) * shape.layer_params
@@ -559,8 +562,8 @@ def _advise(p: Plan, est: _Estimator, deferred: bool) -> list[str]:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")
         if not deferred and p.grad_buffers > 3:
-            # Measured on the H200: 3 buffers as fast as 4 at 8B and 3B, batch 16 (GPU-bound, no
-            # clipping); 5-8% slower where the CPU paces the step or folds clipped gradients.
+            # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
+            # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
             out.append(f"grad_buffers=3 saves {_gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
