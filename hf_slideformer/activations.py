@@ -197,9 +197,8 @@ class FileTier(PinnedCpuTier):
     when every buffer is still being written, a load whose file is not read yet.
 
     Note: [Why the nvme tier's file work is on its own thread] with the writes and reads on the
-    main thread, every layer of the forward waited for its input to reach the disk (0.27 GB at
-    8B, batch 16: about 0.2 s at 1.2-1.9 GB/s) before it could queue the next layer's kernels,
-    and the GPU idled through it. On a thread of its own the disk works while the GPU computes,
+    main thread, every layer of the forward would wait for its input to reach the disk before
+    it could queue the next layer's kernels, and the GPU would idle through it. On a thread of its own the disk works while the GPU computes,
     and a step is bound by the larger of the two.
     """
 

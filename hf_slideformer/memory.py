@@ -114,8 +114,8 @@ def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages take host memory only once written.
 
     Note: [Why the moments are mapped, not zeroed] torch.zeros writes every page, so all the
-    moments were resident from the start, also those of units that are updated on the GPU only
-    (a resident embedding: 4.2 GB at 8B that the first step's peak carried). A private anonymous
+    moments would be resident from the start, also those of units that are updated on the GPU
+    only (a resident embedding's, which the first step's host peak would carry). A private anonymous
     mapping reads as zeros and is backed page by page as the updates write it.
     """
     import mmap
