@@ -64,45 +64,6 @@ def test_load_copies_each_finished_prefix_of_an_update_in_progress():
     assert torch.equal(slot.views(a)[0], final)
 
 
-def test_piecewise_adamw_is_bit_identical_and_reports_prefixes():
-    from hf_slideformer import optim
-    sizes = [(300, 37), (5,), (1000,), (64, 70)]
-    params = [torch.nn.Parameter(torch.zeros(1)) for _ in sizes]
-    entries, off = [], 0
-    for i, s in enumerate(sizes):
-        n = int(torch.Size(s).numel())
-        entries.append(ParamEntry(f"p{i}", torch.Size(s), off, n, [], params[i]))
-        off += n
-
-    def unit():
-        g = torch.Generator().manual_seed(4)
-        u = Unit("u", "layer", 0, entries, numel=off)
-        u.master, u.exp_avg = torch.randn(off, generator=g), 0.1 * torch.randn(off, generator=g)
-        u.exp_avg_sq = 0.01 * torch.rand(off, generator=g)
-        u.steps = [torch.tensor(2.0) for _ in entries]
-        return u
-    grad = torch.randn(off)
-    groups = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
-              dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
-    group_of = {id(p): i % 2 for i, p in enumerate(params) if i != 1}     # p1 is not updated
-    whole = unit()
-    optim.apply_adamw(whole, grad, groups, group_of)
-    for piece in (1024, 4096, 1 << 20):
-        u, prefixes = unit(), []
-        optim.apply_adamw(u, grad, groups, group_of, piece=piece, on_piece=prefixes.append)
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(u, name), getattr(whole, name)), (piece, name)
-        assert [float(s) for s in u.steps] == [float(s) for s in whole.steps] == [3.0, 2.0, 3.0, 3.0]
-        assert prefixes == sorted(prefixes) and prefixes[-1] == off
-        assert len(prefixes) >= off // piece
-    try:
-        optim.apply_adamw(unit(), grad, groups, group_of, piece=1000)
-    except ValueError as e:
-        assert "power of two" in str(e)
-    else:
-        raise AssertionError("a piece that is not a power of two must be refused")
-
-
 def test_staged_copy_casts_through_a_small_stage_bit_exactly():
     """Any stage size gives the direct cast: chunks of the stage, each cast once."""
     src = torch.randn(1000, generator=torch.Generator().manual_seed(3))
