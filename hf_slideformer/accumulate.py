@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from .memory import GiB
 from .optim import sq_norm as _sq_norm
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class DeviceAccumulation:
         t0 = time.perf_counter()
         self.pinned.adopt(slab)
         logger.info("gradient accumulation: pinned the %.1f GiB of host accumulators in %.1f s",
-                    slab.numel() * 4 / 2 ** 30, time.perf_counter() - t0)
+                    slab.numel() * 4 / GiB, time.perf_counter() - t0)
 
     def _prefetch_accumulator(self, u) -> None:
         """Backward of layer `u`, a micro-batch after its first: bring its running sum in on the
