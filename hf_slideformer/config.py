@@ -79,19 +79,8 @@ class SlideConfig:
                                            none="chosen by the engine")
     grad_buffers: int = option(
         4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
-                   "between forward and backward. 3 saves one layer's fp32 gradient of host memory and is as fast "
+                   "between forward and backward. 3 saves one layer's gradient of host memory and is as fast "
                    "where the GPU is the bound; where the CPU paces the step it was slower (docs/benchmarks.md).")
-    update_order: str = option(
-        "arrival", Choice("arrival", "forward", "hybrid"),
-        "Order of the CPU updates of one backward: 'arrival' (as the gradients come, L-1 .. 0), 'forward' (those "
-        "still pending in the order the next forward needs them) or 'hybrid' (arrival order during the backward, "
-        "forward order for what is left). See docs/engine.md.")
-    head_update: str = option(
-        "cpu", Choice("cpu", "device"),
-        "Where the head's (final norm + lm_head) AdamW runs when updates happen in backward (no clipping, no "
-        "accumulation): 'cpu' on the worker, first; 'device' streams its master, moments and gradient through the "
-        "GPU during the first layers' backward (not for a tied lm_head whose embedding is on the host). "
-        "See docs/engine.md.")
     resident_layers: int | str = option(
         "auto", Auto(Int(0)),
         "Layers whose master and Adam state live on the GPU and are updated there (layers 0..k-1). 'auto' measures "

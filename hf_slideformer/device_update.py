@@ -69,12 +69,6 @@ class DeviceUpdates:
         self._dev_free: list = [None, None]
         self._dev_turn = 0
         self._grad_ev: dict[int, object] = {}
-        self._head_dev = None                   # the head's device update in progress (a generator)
-        self._head_dev_held: list[int] = []     # the ring buffers its gradient still occupies
-        self._head_pinned = False
-        # per ring buffer: the last h2d copy that reads it (a device update of the head); the next
-        # d2h into the buffer waits for it on the d2h stream
-        self.ring_read_ev: list = []
 
     def _ensure_dev_sets(self, numel: int) -> None:
         """Two sets of four fp32 device buffers (master, gradient, moments) for pieces of `numel`."""
@@ -85,94 +79,6 @@ class DeviceUpdates:
             self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
                               for _ in range(2)]
             self._dev_free = [None, None]
-
-    # Note: [Why the head's update stays on the CPU by default] with updates in backward the CPU
-    # worker's chain is the head's AdamW, then every layer's as its gradient lands; at 8B (untied
-    # lm_head of 525 M) the layers' updates alone take about as long as the GPU's backward, so the
-    # head's update at the front makes the worker lag all the backward and the next forward wait
-    # for the last layers' updates. `head_update="device"` streams the head's update through the GPU instead, like the
-    # clipping mode's device layers: its fp32 master, moments and gradient (from the ring, where
-    # head_forward put it) go in, a piece at a time after each layer's own prefetch in backward,
-    # and the master and moments go back. Each piece's write-back waits for its copy in and the
-    # next piece's copy in for the write-back two pieces earlier, so the two copy streams advance
-    # in lockstep; the first layers' gradients queue behind the head's write-backs and the worker
-    # loses more time than the head's update costs it (measured slower than the CPU at 8B:
-    # docs/benchmarks.md). Decoupling the streams would need more device buffer sets or the
-    # head's gradient kept on the device, where an 8B step under 24 GiB has no room.
-    def _head_update_on_device(self, embed_on_host: bool) -> bool:
-        hu = self.head_unit
-        return self.config.head_update == "device" and hu.grad is None and not (self.tied and embed_on_host)
-
-    def _start_head_update(self, hp, ring: tuple) -> None:
-        """head_backward: schedule the head's update on the device, from its gradient in the ring
-        (`head_host`, copied by head_forward), scaled by the loss gradient."""
-        hu, st = self.head_unit, self.streams
-        if not self._head_pinned:
-            self._pin_units([hu])
-            self._head_pinned = True
-        self._ensure_dev_sets(hu.numel)
-        if len(self.ring_read_ev) < len(self.ring):
-            self.ring_read_ev += [None] * (len(self.ring) - len(self.ring_read_ev))
-        groups, group_of = hp
-        by_group = _optim.groups_of(hu, group_of)
-        self._head_dev_steps = [hu.steps[k] for ks in by_group.values() for k in ks]
-        torch._foreach_add_(self._head_dev_steps, 1)
-        batches = list(_optim.piece_batches(hu, by_group, DEVICE_PIECE, span=True))
-        src = self.head_host[:hu.numel]
-        with st.on(st.h2d):
-            steps = list(torch.stack(hu.steps).to(self.device).unbind()) if st.cuda else hu.steps
-            scale = self._scale_dev.to(self.device, torch.float32).reshape(())
-        found_inf = self._found_inf_dev()          # the head's norm is in norm_dev already
-        if st.cuda:
-            scale.record_stream(st.h2d)
-            found_inf.record_stream(st.h2d)
-        st.wait(self.head_done, st.h2d)             # the gradient has landed in the ring
-        st.wait(self.streams.record(), st.h2d)      # the loss gradient (scale) is computed
-        self._head_dev_held = list(ring)
-        self._head_dev = self._head_update_pieces(hu, src, batches, steps, groups, scale, found_inf)
-
-    def _head_update_pieces(self, hu, src, batches, steps, groups, scale, found_inf=None):
-        st = self.streams
-        hu.readers = []          # earlier h2d reads of the master are ahead on the h2d stream
-        st.wait(hu.host_write, st.h2d)
-        for lo, hi, batch in batches:
-            n = hi - lo
-            if n:
-                # as the CPU path: the loss gradient times dL/dW
-                read = self._update_piece(hu, lo, hi, batch, src, steps, groups, mul=scale, found_inf=found_inf)
-                self._release_head_ring(hi, read)
-            yield
-        self._release_head_ring(None, st.record(st.h2d))
-        hu.set_progress(hu.numel)
-        hu.updated.set()
-        self.head_host_free.set()
-
-    def _release_head_ring(self, passed: int, read_ev) -> None:
-        """Give back the ring buffers whose part of the head's gradient has been read (up to
-        element `passed`, None: all); the next copy into one waits for `read_ev` on the d2h stream."""
-        for k in self._ring_passed(self._head_dev_held, passed):
-            self.ring_read_ev[k] = read_ev
-            self.ring_free[k].set()
-
-    def _advance_head_update(self, pieces: int | None = None) -> None:
-        """Enqueue the next `pieces` of the head's device update (all with None)."""
-        gen = self._head_dev
-        if gen is None:
-            return
-        n = 0
-        while pieces is None or n < pieces:
-            if next(gen, StopIteration) is StopIteration:
-                self._head_dev = None
-                return
-            n += 1
-
-    def _ring_read_wait(self, k: int) -> None:
-        """Main thread, before a d2h copy into ring buffer k: the device update reading it goes first."""
-        while self._head_dev is not None and k in self._head_dev_held:
-            self._advance_head_update(1)
-        if k < len(self.ring_read_ev) and self.ring_read_ev[k] is not None:
-            self.streams.wait(self.ring_read_ev[k], self.streams.d2h)
-            self.ring_read_ev[k] = None
 
     @property
     def device_updates_on(self) -> bool:
@@ -237,7 +143,6 @@ class DeviceUpdates:
 
     def _reset_device_updates(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
-        self._advance_head_update()
         self.flush_device_updates()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
@@ -334,10 +239,9 @@ class DeviceUpdates:
             yield
         u.device_pending = None
 
-    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, mul=None, dst=None,
-                      found_inf=None):
-        """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`, times
-        `mul` if given) and moments in on the h2d stream, fused AdamW there (the gradient divided
+    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
+        """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and
+        moments in on the h2d stream, fused AdamW there (the gradient divided
         by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
         stream. Returns the h2d event after the copies in."""
         st, n = self.streams, hi - lo
@@ -351,9 +255,7 @@ class DeviceUpdates:
             for d, s in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
                 d.copy_(s[lo:hi], non_blocking=True)
             read = st.record(st.h2d)
-            if mul is not None:
-                g.mul_(mul)
-            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale, found_inf)
+            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
             if dst is not None:
                 dst[lo:hi].copy_(w)                 # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)

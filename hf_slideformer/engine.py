@@ -155,7 +155,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._inconsistent: str | None = None    # why training may not go on (see _close_interrupted_backward)
         self._restored: set[str] = set()
         # The head's device update is spread over the backward of its first layers (device_update.py).
-        self._head_pieces_per_layer = 16
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
@@ -180,14 +179,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:
         self.optimizer = optimizer
-
-    def _order(self, position: int, update: bool) -> dict:
-        """Worker ordering of an in-backward update task (see CpuWorker's note)."""
-        if not update or self.config.update_order == "arrival":
-            return {}
-        if self.config.update_order == "forward":
-            return {"order": position}
-        return {"late_order": position}                  # "hybrid"
 
     @property
     def single_micro(self) -> bool:
@@ -333,8 +324,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.ends_step = self.micro + 1 == ga
         self.in_backward = self.ends_step and self.config.max_grad_norm is None
         self.hp = self.optimizer.snapshot()
-        if self.in_backward:
-            self.worker.new_group()
         if self.ends_step:
             self._norm_sq = []
             self._dev_norm_valid = not self.single_micro
@@ -344,9 +333,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
-        self._advance_head_update()      # the rest of a device update of the head (few layers)
-        if self.in_backward and self.config.update_order == "hybrid":
-            self.worker.promote_group()
         self._backward_open = False
         self.micro += 1
         self.live_generation = None
@@ -359,7 +345,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         then the complete state (resident layers are written back and re-made resident at the
         next optimizer step)."""
         self.worker.join()
-        self._advance_head_update()
         self.flush_device_updates()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
@@ -465,8 +450,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         u = self.embed_unit
         update = self.in_backward           # scheduled with the head (see head_backward)
         self.worker.submit(self._embed_task, host, rows, done, update, self.ends_step, self.hp, norm,
-                           done=(self.embed_host_free,) + ((u.updated,) if update else ()),
-                           **self._order(0, update))
+                           done=(self.embed_host_free,) + ((u.updated,) if update else ()))
         self.end_backward()
 
     def _embed_norm(self, S: torch.Tensor) -> None:
@@ -530,7 +514,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             if self.config.window > 1 and (i - 1) not in self.resident:
                 self.slots.load((self.layer_units[i - 1],), busy=(slot,) if slot is not None else ())
             self.tier.prefetch(i - 1)
-        self._advance_head_update(self._head_pieces_per_layer)   # after this layer's own copies
         x = self.tier.load(i).detach().requires_grad_()
         ws = _leaves(slot.views(u) if r is None else r.views())
         t = self._span_start()
@@ -611,8 +594,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             if self.in_backward:
                 self._schedule(u)
                 self.worker.submit(self._accumulated_update_task, u, done, self.hp, self._norm_slot(u),
-                                   done=(u.updated,),
-                                   **self._order(u.index, True))
+                                   done=(u.updated,))
             return
         k = self.ring_next
         self.ring_next = (k + 1) % len(self.ring)
@@ -628,12 +610,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         if update:
             self._schedule(u)
         self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks, norm,
-                           done=(self.ring_free[k],) + ((u.updated,) if update else ()),
-                           **self._order(u.index, update))
+                           done=(self.ring_free[k],) + ((u.updated,) if update else ()))
 
     def _claim_ring(self, k: int) -> None:
         """Main thread: wait until ring buffer k is free, then hold it (its task's `done` frees it)."""
-        self._ring_read_wait(k)
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
 
@@ -749,7 +729,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
 
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
-        self._head_dev = None
         self.worker.close()
         for u in self.layer_units:
             u.device_pending = None

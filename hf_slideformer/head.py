@@ -58,7 +58,6 @@ class LossHead:
         self._span_end(t)
         self.head_slots.release(slot)
         # Send the head's gradients to the host now: they are final (the loss ends the graph).
-        self._advance_head_update()      # a device update of the previous head still being enqueued
         if self.head_pending:        # an earlier forward's gradients were never consumed by a backward
             self.head_done.synchronize()
             self.head_pending = False
@@ -211,13 +210,7 @@ class LossHead:
             if embed_on_host:
                 self._schedule(self.embed_unit)      # its bulk update starts in the head task
         ring, self.head_ring = self.head_ring, ()
-        if update and self._head_update_on_device(embed_on_host):
-            # device_update.py: [Why the head's update stays on the CPU by default]
-            self._start_head_update(self.hp, ring)
-            self.worker.submit(self._head_device_check_task, scale_ev, norm, self._head_dev_steps)
-            return
         self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
                            self._fwd_touch if embed_on_host else None, embed_on_host, ring, norm,
                            done=(self.head_host_free,) + tuple(self.ring_free[k] for k in ring)
-                           + ((hu.updated,) if update else ()),
-                           **self._order(-1, update))
+                           + ((hu.updated,) if update else ()))

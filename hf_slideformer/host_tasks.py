@@ -68,15 +68,6 @@ class HostTasks:
         self._sync(ev, "wait_d2h:norm")
         self._check_norm(float(norm[0]), "the gradient norm")
 
-    def _head_device_check_task(self, ev, norm, steps) -> None:
-        """The head's update runs on the device (skipped there when its norm is not finite): judge
-        the same norm here, and take back the step counters the main thread advanced for it."""
-        if norm is not None:
-            self._sync(ev, "wait_d2h:scale")
-            if not math.isfinite(float(norm[0])):
-                torch._foreach_sub_(steps, 1)
-                self._poison("the gradient of the head")
-
     @property
     def skipped_units(self) -> list[str]:
         """Units whose update the last step skipped for a non-finite gradient (after a worker join)."""

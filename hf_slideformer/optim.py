@@ -156,14 +156,14 @@ def _run(kernel, grad_mul, found_inf, hp, params, grads, m, v, steps, scale) -> 
 
 
 def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],
-                scale=None, found_inf=None) -> None:
+                scale=None) -> None:
     """AdamW of one `piece_batches` batch on copies of the flat range that starts at offset `lo`
     (master, grad and moments index from `lo`); `steps` are the per-entry counters, already
-    advanced for this step; `found_inf` as in `apply_adamw` (the counters are the caller's)."""
+    advanced for this step."""
     for gi, ranges in batch.items():
         _fused(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges], [grad[a - lo:b - lo] for _, a, b in ranges],
                [exp_avg[a - lo:b - lo] for _, a, b in ranges], [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
-               [steps[k] for k, _, _ in ranges], scale, found_inf)
+               [steps[k] for k, _, _ in ranges], scale)
 
 
 def _fused(hp: dict, params, grads, m, v, steps, scale=None, found_inf=None) -> None:

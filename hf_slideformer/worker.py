@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-import heapq
 import queue
 import threading
 import time
@@ -45,23 +44,15 @@ class WorkerError(RuntimeError):
 
 
 class CpuWorker:
-    """Host tasks run by one daemon thread, in submission order except within a *group*.
+    """Host tasks run by one daemon thread, in submission order.
 
-    Note: [Why updates run in forward order] the updates inside one backward arrive in the order
-    L-1 .. 0, but the next forward needs layer 0 first. Tasks submitted with an `order` belong to
-    the current group and run by ascending `order` among those pending, so the updates the worker
-    has not reached when backward ends run in the order the forward consumes them. Tasks without
-    an `order` are barriers: everything submitted before runs first, everything after runs later.
-    Tasks with a `late_order` run in submission order until `promote_group()` re-keys the ones
-    still pending by it (used at the end of a backward: during it, the oldest task is the one
-    whose gradient copy has finished).
+    (Running the updates still pending at the end of a backward in the order the next forward
+    needs them measured no faster on the H200 than arrival order: docs/benchmarks.md.)
     """
 
     def __init__(self, threads: int, name: str = "slide-cpu-worker"):
         self.threads = threads
-        self._q: queue.PriorityQueue = queue.PriorityQueue()
-        self._group = 0
-        self._seq = 0
+        self._q: queue.Queue = queue.Queue()
         self._error: tuple[BaseException, str] | None = None
         self._pending = 0
         self._cv = threading.Condition()
@@ -75,10 +66,10 @@ class CpuWorker:
     def _loop(self):
         torch.set_num_threads(self.threads)
         while True:
-            *_, item = self._q.get()
+            item = self._q.get()
             if item is None:
                 return
-            fn, args, done_events, _ = item
+            fn, args, done_events = item
             t0 = time.perf_counter()
             try:
                 if self._error is None and not self._closing:
@@ -104,44 +95,15 @@ class CpuWorker:
                 raise NonFiniteGradientError(f"{e}\n--- worker traceback ---\n{tb}") from e
             raise WorkerError(f"the CPU worker failed: {e!r}\n--- worker traceback ---\n{tb}") from e
 
-    def new_group(self) -> None:
-        """Start a new group of ordered tasks (after every task submitted so far)."""
-        self._group += 1
-
-    def promote_group(self) -> None:
-        """Re-key the current group's pending tasks submitted with `late_order` by that order."""
-        with self._q.mutex:
-            heap = self._q.queue
-            for k, entry in enumerate(heap):
-                group, _, seq, item = entry
-                if group == self._group and item is not None and item[3] is not None:
-                    heap[k] = (group, item[3], seq, item)
-            heapq.heapify(heap)
-
-    def submit(self, fn, *args, done: tuple[threading.Event, ...] = (), order: int | None = None,
-               late_order: int | None = None) -> None:
-        """Run fn(*args) on the worker; set each event in `done` when it ends (even on failure).
-
-        Args:
-            order: position within the current group (see the class note); None for a barrier task.
-            late_order: run in submission order within the current group until `promote_group()`,
-                then by this position among the tasks still pending.
-        """
+    def submit(self, fn, *args, done: tuple[threading.Event, ...] = ()) -> None:
+        """Run fn(*args) on the worker after every task submitted before; set each event in `done`
+        when it ends (even on failure)."""
         self.raise_if_failed()
         if not self._thread.is_alive():
             raise WorkerError("the CPU worker thread is not running (was the engine closed?)")
         with self._cv:
             self._pending += 1
-        self._seq += 1
-        if late_order is not None:
-            key = (self._group, -(1 << 60) + self._seq)      # submission order until promoted
-        elif order is None:
-            self._group += 1
-            key = (self._group, 0)
-            self._group += 1
-        else:
-            key = (self._group, order)
-        self._q.put((*key, self._seq, (fn, args, done, late_order)))
+        self._q.put((fn, args, done))
 
     def wait(self, event: threading.Event) -> None:
         """Block until `event` is set, re-raising a worker failure instead of hanging."""
@@ -168,5 +130,5 @@ class CpuWorker:
         """Stop the thread: the task running finishes, the pending ones are dropped (their events set)."""
         self._closing = True
         if self._thread.is_alive():
-            self._q.put((float("inf"), 0, 0, None))
+            self._q.put(None)            # after the pending tasks, which closing skips
             self._thread.join(timeout=30)

@@ -242,35 +242,6 @@ def test_nvme_tier_disk_failure_is_a_clear_error(tmp_path, monkeypatch):
         slid(**b).loss.backward()
 
 
-def test_forward_update_order_matches_arrival_order():
-    data = batches(3, pad=True)
-    states = []
-    for order in ("arrival", "forward", "hybrid"):
-        ref, slid = make_pair("llama", True, update_order=order)
-        assert train_both(ref, slid, data) < PARAM_TOL
-        states.append(slid.state_dict())
-    for k in states[0]:
-        assert torch.equal(states[0][k], states[1][k]) and torch.equal(states[0][k], states[2][k]), k
-
-
-def test_worker_promotes_pending_tasks_to_forward_order():
-    import threading
-    from hf_slideformer.worker import CpuWorker
-    w = CpuWorker(1)
-    gate, ran = threading.Event(), []
-    w.new_group()
-    w.submit(gate.wait)                                   # hold the worker while tasks queue up
-    w.new_group()
-    for pos in (5, 4, 3, 2, 1):                           # arrival order of a backward
-        w.submit(ran.append, pos, late_order=pos)
-    w.promote_group()
-    w.submit(ran.append, "barrier")
-    gate.set()
-    w.join()
-    w.close()
-    assert ran == [1, 2, 3, 4, 5, "barrier"]
-
-
 def test_window_sizes_agree():
     data = batches(2)
     states = []

@@ -78,14 +78,12 @@ def test_bf16_tracks_fp32_training(kernels):
     assert diffs.mean().item() < 0.05 * LR and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max())
 
 
-def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, pieces_per_layer=None, **kw):
+def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
     import hf_slideformer.engine as E
     import hf_slideformer.slots as S
     _, slid = _pair(torch.bfloat16, False, activation_tier=tier, gradient_accumulation_steps=ga, **kw)
     if models is not None:
         models.append(slid)
-    if pieces_per_layer is not None:
-        slid.slide_engine._head_pieces_per_layer = pieces_per_layer
     opt = slid.create_optimizer(lr=LR)
     if slow:
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
@@ -126,21 +124,9 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, pieces_per_
                     torch.cuda._sleep(1_000_000)
                 yield
 
-        head_run = E.SlideEngine._head_update_pieces
-
-        def slow_head_run(self, *a, **k):         # the head's pieces read the ring late, write back late
-            with torch.cuda.stream(self.streams.h2d):
-                torch.cuda._sleep(2_000_000)
-            for _ in head_run(self, *a, **k):
-                for st in (self.streams.h2d, self.streams.d2h):
-                    with torch.cuda.stream(st):
-                        torch.cuda._sleep(500_000)
-                yield
-
         E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = slow_call, slow_load_steps, slow_d2h
         E.SlideEngine._resident_update = slow_res
         E.SlideEngine._run_device_update = slow_dev_run
-        E.SlideEngine._head_update_pieces = slow_head_run
     try:
         for n, b in enumerate(batches(steps, bsz=4, seq=128, vocab=1001, pad=True)):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
@@ -151,7 +137,6 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, pieces_per_
             E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = call, load_steps, d2h
             E.SlideEngine._resident_update = res
             E.SlideEngine._run_device_update = dev_run
-            E.SlideEngine._head_update_pieces = head_run
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
 
@@ -178,28 +163,6 @@ def test_device_updates_under_slow_streams(monkeypatch, ga):
         assert m.slide_engine._device_units and m.slide_stats()["gpu_updated_params"] > 0
     for k in fast:
         assert torch.equal(fast[k], slow[k]), k
-
-
-@pytest.mark.parametrize("buffers", [2, 4])
-def test_head_device_update_under_slow_streams(monkeypatch, buffers):
-    """device_update.py: [Why the head's update stays on the CPU by default]: the head's update in pieces of
-    16 k elements, one piece per layer's backward, the ring buffer it reads claimed again by a layer
-    before its last piece (2 buffers): with the streams slowed down on purpose, bit-identical; and
-    the head moved as the worker's update moves it."""
-    from hf_slideformer import device_update
-    monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
-    models = []
-    kw = dict(HOST_ONLY, grad_buffers=buffers, pieces_per_layer=1, head_update="device")
-    fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
-    for m in models:
-        assert m.slide_engine._head_pinned and m.slide_stats()["gpu_updated_params"] > 0
-    for k in fast:
-        assert torch.equal(fast[k], slow[k]), k
-    # Against the worker's update (the same AdamW in fp32 on the CPU): the head moved the same way.
-    init, cpu = _train_state(False, steps=0, **kw), _train_state(False, **dict(kw, head_update="cpu"))
-    w = "lm_head.weight"
-    moved, apart = (cpu[w] - init[w]).abs().mean(), (fast[w] - cpu[w]).abs().mean()
-    assert moved > 0 and apart < 0.05 * moved, (moved, apart)
 
 
 @pytest.mark.parametrize("tier", ["cpu", "nvme"])

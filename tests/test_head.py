@@ -95,46 +95,8 @@ def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buff
     assert eng.head_host.numel() == eng.head_unit.numel + eng.embed_unit.numel
 
 
-@pytest.mark.parametrize("tied,embed", [(False, False), (False, True), (True, True)])
-@pytest.mark.parametrize("buffers", [3, 4])
-def test_head_update_on_the_device_is_bit_identical_to_the_cpu_path(tied, embed, buffers, monkeypatch):
-    """device_update.py: [Why the head's update stays on the CPU by default]. On the CPU device the streamed
-    update runs the same fused AdamW as the worker: equal bits, with a loss gradient other than 1
-    once, the pieces spread over the layers' backward (one per layer here), the ring buffers it
-    held given back in order and the layers' gradients copied into them only after."""
-    import hf_slideformer.device_update as D
-    monkeypatch.setattr(D, "DEVICE_PIECE", 1000)   # about ten pieces over the head
-    started = []
-    real = D.DeviceUpdates._start_head_update
-    monkeypatch.setattr(D.DeviceUpdates, "_start_head_update", lambda self, *a: started.append(1) or real(self, *a))
-    data = batches(4, pad=True, vocab=301)
-    states = []
-    for mode in ("cpu", "device"):
-        started.clear()
-        _, slid = _wide_head_pair(tied=tied, grad_buffers=buffers, head_update=mode, resident_embedding=embed,
-                                  resident_layers=0)
-        eng = slid.slide_engine
-        eng._head_pieces_per_layer = 1
-        opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
-        for k, b in enumerate(data):
-            (slid(**b).loss * (0.5 if k == 2 else 1.0)).backward()
-            opt.step()
-            opt.zero_grad()
-        eng.synchronize()
-        assert len(started) == (len(data) if mode == "device" else 0)
-        assert all(ev.is_set() for ev in eng.ring_free) and eng._head_dev is None
-        states.append({k: v.clone() for k, v in slid.state_dict().items()})
-    for k in states[0]:
-        assert torch.equal(states[0][k], states[1][k]), k
-
-
-def test_tied_head_with_the_embedding_on_the_host_stays_on_the_cpu():
-    """A tied lm_head's update joins the host embedding's (its bulk update): never on the device."""
-    ref, slid = _wide_head_pair(tied=True, head_update="device", resident_embedding=False)
-    assert train_both(ref, slid, batches(3, pad=True, vocab=301)) < PARAM_TOL
-    assert slid.slide_stats()["gpu_updated_params"] == 0 and not slid.slide_engine._head_pinned
-
-
-def test_head_update_option_is_validated():
-    with pytest.raises(ValueError, match="head_update"):
-        hs.SlideConfig(device="cpu", head_update="gpu")
+def test_removed_options_are_refused():
+    """head_update='device' and update_order 'forward' / 'hybrid' measured no faster and were removed."""
+    for name, value in (("head_update", "device"), ("update_order", "forward")):
+        with pytest.raises(TypeError, match=name):
+            hs.SlideConfig(device="cpu", **{name: value})
