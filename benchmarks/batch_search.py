@@ -45,7 +45,8 @@ def search_batches(run: Callable[[int, float], dict], batches: list[int], seq: i
     while True:
         left = deadline - time.monotonic()
         if attempts and left < max(last_s, 1.0):
-            attempts.append((batch, {"status": "not run", "error": f"{left:.0f} s left of the search's {timeout:.0f} s"}))
+            why = f"{left:.0f} s left of the search's {timeout:.0f} s"
+            attempts.append((batch, {"status": "not run", "error": why}))
             break
         t0 = time.monotonic()
         row = run(batch, left)
@@ -59,7 +60,7 @@ def search_batches(run: Callable[[int, float], dict], batches: list[int], seq: i
             if not bigger:
                 break
             batch = bigger[0]
-        elif status == "oom" and (len(attempts) == 1 or downward):
+        elif _ran_out(row) and (len(attempts) == 1 or downward):
             if batch == 1:
                 break
             batch, downward = batch // 2, True
@@ -71,9 +72,14 @@ def search_batches(run: Callable[[int, float], dict], batches: list[int], seq: i
     best["search"] = [{"batch": b, "status": r.get("status"),
                        "tokens_per_s": _tokens_per_s(b, r, seq) if r.get("status") == "ok" else None,
                        "error": (r.get("error") or "")[:200] or None} for b, r in attempts]
-    best["oom_batches"] = [b for b, r in attempts if r.get("status") == "oom"]
+    best["oom_batches"] = [b for b, r in attempts if _ran_out(r)]
     best["processes"] = sum(r.get("processes", 1) for _, r in attempts if r.get("status") != "not run")
     return best
+
+
+def _ran_out(row: dict) -> bool:
+    """Out of memory, also where the error that ended the process came after an OOM (DeepSpeed's cleanup)."""
+    return row.get("status") == "oom" or (row.get("status") != "ok" and bool(row.get("oom_batches")))
 
 
 def _tokens_per_s(batch: int, row: dict, seq: int) -> float:

@@ -151,7 +151,7 @@ def soak(s: Settings) -> list[Step]:
         soak_args = ["--model", "llama3-3b", "--layers", "4", "--batch", "2", "--seq", "2048", "--steps", "200",
                      "--compare-clipping", "20"]
         sweep_args = ["--model", "llama3-3b", "--batches", "16,12,10,8"]
-    return [Step("soak", ["benchmarks/soak.py", *soak_args], 150, project=True, tail=12),
+    return [Step("soak", ["benchmarks/soak.py", *soak_args], 150, project=True, tail=16),
             slide_row(s, "llama3-8b", 1, 8, steps=2, warmup=1, timeout=130),
             Step("batch_sweep", ["benchmarks/batch_sweep.py", *sweep_args], 220, project=True, tail=6)]
 

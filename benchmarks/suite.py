@@ -205,7 +205,8 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
 
 
 COLUMNS = [("step", "step", ""), ("provider", "provider", ""), ("status", "status", ""), ("batch", "batch", "d"),
-           ("seq", "seq", "d"), ("cap", "cap GiB", ""), ("tokens_per_s", "tokens/s", ",.0f"), ("step_s", "step s", ".3f"),
+           ("seq", "seq", "d"), ("cap", "cap GiB", ""), ("tokens_per_s", "tokens/s", ",.0f"),
+           ("step_s", "step s", ".3f"),
            ("model_tflops", "TFLOPS", ".0f"), ("mfu", "MFU", ".1%"), ("gpu", "GPU alloc/res GiB", ""),
            ("host_rss_peak_gib", "host RSS GiB", ".1f"), ("note", "note", "")]
 

@@ -144,6 +144,17 @@ def test_batch_search_halves_down_when_the_first_batch_does_not_fit():
     assert tried == [2, 1] and row["status"] == "oom" and row["oom_batches"] == [2, 1]
 
 
+def test_batch_search_counts_an_error_after_an_oom_as_out_of_memory():
+    """DeepSpeed's state can break in the OOM's cleanup: the row is an error, its oom_batches say why."""
+    def run(batch, seconds):
+        if batch > 2:
+            return {"status": "error", "error": "after OOM: parameter already reduced", "oom_batches": [batch]}
+        return {"status": "ok", "batch": batch, "step_s": 1.0}
+
+    row = search_batches(run, [4, 8], seq=128, timeout=60)
+    assert [a["batch"] for a in row["search"]] == [4, 2] and row["batch"] == 2 and row["oom_batches"] == [4]
+
+
 def test_batch_search_stops_at_an_error_and_keeps_the_best_so_far():
     run, tried = _fake_run(fits=64, fail_at=16, status="timeout")
     row = search_batches(run, [4, 8, 16, 32], seq=128, timeout=60)
