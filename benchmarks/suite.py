@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("scenario", choices=list(SCENARIOS), help="; ".join(
-        f"{k}: {(fn.__doc__ or '').strip()}" for k, fn in SCENARIOS.items()))
+        f"{k}: {(fn.__doc__ or '').strip().rstrip('.')}" for k, fn in SCENARIOS.items()))
     ap.add_argument("--old", default=None, help="also run the project's rows from a git worktree of this commit")
     ap.add_argument("--only", default=None, help="comma-separated step names to run (see --dry-run)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"), help="where SCENARIO.json and .log go "
