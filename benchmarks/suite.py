@@ -232,6 +232,11 @@ def render(doc: dict) -> str:
             end = next((f"; {r['name']}: {r['status']}" for r in done if r["status"] != "ok"), "")
             if done:
                 lines.append(f"{chain} ({tree}): the last that trained: {ok[-1] if ok else 'none'}{end}")
+                rates = [(r["name"], (r.get("rows") or [{}])[0].get("model_tflops"))
+                         for r in done if r["status"] == "ok"]
+                if len(rates) > 1 and rates[0][1]:  # the attention-adjusted FLOP rate against the shortest's
+                    lines.append(f"  TFLOPS against {rates[0][0]}'s: " + ", ".join(
+                        f"{name} {rate / rates[0][1]:.0%}" for name, rate in rates[1:] if rate))
     commit = (doc.get("commit") or "-")[:10]
     lines += ["", f"suite {doc['scenario']}{' (smoke)' if doc['smoke'] else ''}, commit {commit}, "
                   f"{doc['date_utc']}", format_table(rows, COLUMNS)]

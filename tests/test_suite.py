@@ -143,3 +143,4 @@ def test_suite_smoke_run_on_cpu(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert lines[-4].startswith("| step") and lines[-1].startswith("| 8b_seq256")
     assert any(ln.startswith("long (new): the last that trained: 8b_seq256") for ln in lines)
+    assert any(ln.startswith("  TFLOPS against 8b_seq64's: 8b_seq256 ") for ln in lines)
