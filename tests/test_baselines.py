@@ -86,6 +86,21 @@ def test_liger_is_preferred_when_it_imports(monkeypatch):
                           fused_linear_cross_entropy=True, model=model)]
 
 
+def test_auto_falls_back_to_triton_ops_when_ligers_patch_fails(monkeypatch):
+    fake = types.ModuleType("liger_kernel.transformers")
+
+    def broken(**kw):
+        raise TypeError("unexpected keyword argument")
+    fake.apply_liger_kernel_to_llama = broken
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    model = build_model(load_config("tiny"), "cpu", torch.float32, fill="tiled")
+    with pytest.raises(TypeError):
+        recipe.apply_kernels(model, "liger")
+    text = recipe.apply_kernels(model, "auto")
+    assert text.startswith("triton_ops.patch") and "apply_liger_kernel_to_llama failed: TypeError" in text
+
+
 def test_kernel_choices(monkeypatch):
     _no_liger(monkeypatch)
     model = build_model(load_config("tiny"), "cpu", torch.float32, fill="tiled")

@@ -3,8 +3,9 @@
 A baseline is measured as its users run it (DESIGN section 7): Hugging Face's gradient
 checkpointing, non-reentrant, and the fused kernels a Trainer user turns on with
 `use_liger_kernel=True` (RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy that never
-materialises the logits). Liger is used when it imports; otherwise the project's own
-`triton_ops.patch` applies the same four ops, and the row says which (`apply_kernels`' answer).
+materialises the logits). Liger is used when it imports (and its patch accepts the model);
+otherwise the project's own `triton_ops.patch` applies the same four ops, and the row says which
+and why (`apply_kernels`' answer).
 
 `LIGER_PATCHES` is the one table of model families: adding a family is one entry.
 """
@@ -69,13 +70,22 @@ def apply_kernels(model: nn.Module, choice: str) -> str:
             raise ImportError(f"Liger has no patch for model_type {family!r} here; known: {sorted(LIGER_PATCHES)}")
         liger = importlib.import_module("liger_kernel.transformers")
         fn = getattr(liger, LIGER_PATCHES[family])
-        fn(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True, model=model)
-        return f"liger {_version('liger-kernel')}: {LIGER_PATCHES[family]}(rope, swiglu, rms_norm, fused linear CE)"
+        try:
+            fn(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True,
+               model=model)
+        except Exception as exc:  # a Liger that does not know this transformers: "auto" falls back, and says so
+            if choice == "liger":
+                raise
+            why = f"Liger's {LIGER_PATCHES[family]} failed: {type(exc).__name__}: {str(exc)[:120]}"
+        else:
+            return f"liger {_version('liger-kernel')}: {LIGER_PATCHES[family]}(rope, swiglu, rms_norm, fused linear CE)"
+    else:
+        why = "Liger not importable"
     import triton_ops
 
     triton_ops.patch(model)
     return "triton_ops.patch(rms_norm, rope, swiglu, linear_cross_entropy)" + (
-        "" if choice == "triton_ops" else " (Liger not importable)")
+        "" if choice == "triton_ops" else f" ({why})")
 
 
 def _version(dist: str) -> str:
