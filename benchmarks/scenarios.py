@@ -12,7 +12,7 @@ step), which is how the CPU tests run every scenario's plumbing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +33,6 @@ class Step:
     project: bool = False         # a row of the project itself: run again from the --old tree
     chain: str | None = None      # steps of one chain stop at the first that does not succeed
     tail: int = 0                 # lines of its log printed above the final table
-    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -93,10 +92,10 @@ def baseline_row(s: Settings, name: str, provider: str, *, batch: int = 16, sear
     return Step(name, argv, timeout, kind="train")
 
 
-def gpu_tests(s: Settings, paths: tuple[str, ...] = ("tests",), marker: str | None = "gpu",
-              timeout: float = 180) -> Step:
+def tests(name: str, paths: tuple[str, ...] = ("tests",), marker: str | None = "gpu", timeout: float = 180) -> Step:
+    """pytest on the GPU machine (on a CPU the `gpu` marker's tests skip themselves)."""
     argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-m", marker] if marker else []), *paths]
-    return Step("gpu_tests", argv, timeout, tail=3)
+    return Step(name, argv, timeout, tail=3)
 
 
 def long_context_model(model: str, seq: int, workdir: Path) -> str:
@@ -124,7 +123,8 @@ def _k(seq: int) -> str:
 # ---------------------------------------------------------------------------------------------
 def quick(s: Settings) -> list[Step]:
     """GPU tests; 3B batch 16 and 8 under 24 GiB (the check after a change)."""
-    return [gpu_tests(s), slide_row(s, "llama3-3b", 16, 24, timeout=100), slide_row(s, "llama3-3b", 8, 24, timeout=100)]
+    return [tests("gpu_tests"), slide_row(s, "llama3-3b", 16, 24, timeout=100),
+            slide_row(s, "llama3-3b", 8, 24, timeout=100)]
 
 
 def full(s: Settings) -> list[Step]:
@@ -158,8 +158,8 @@ def soak(s: Settings) -> list[Step]:
 
 def kernels(s: Settings) -> list[Step]:
     """The kernels' tests on the GPU, then bench_kernels.py (torch, Liger and ours)."""
-    steps = [gpu_tests(s, ("tests/test_triton_ops.py", "tests/test_triton_patching.py"), marker=None, timeout=200)]
-    steps[0].name = "kernel_tests"
+    steps = [tests("kernel_tests", ("tests/test_triton_ops.py", "tests/test_triton_patching.py"), marker=None,
+                   timeout=200)]
     if not s.smoke:  # the kernel benchmark needs CUDA
         steps.append(Step("bench_kernels", ["benchmarks/bench_kernels.py"], 300, tail=22))
     return steps
