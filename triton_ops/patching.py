@@ -1,7 +1,7 @@
 """Swap the fused ops into a Hugging Face causal LM, and take them out again.
 
 What `patch(model)` changes, for the families of hf_slideformer's registry whose entry has
-`kernels` set (`hf_slideformer.models.FAMILIES`: llama, qwen2, qwen3, mistral):
+`kernels` set (`hf_slideformer.models.FAMILIES`, listed by `supported_families()`):
 
 - every `*RMSNorm` module: its `forward` becomes `triton_ops.rms_norm` (instance attribute);
 - every `*MLP` module with a SiLU activation: `forward` uses the fused `swiglu`;

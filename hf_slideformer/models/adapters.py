@@ -5,8 +5,8 @@ decoder layers, the final norm and the lm_head. Masks, RoPE, GQA and sliding-win
 with the HF model's own code: the base model's forward runs unchanged and calls the layers, whose
 forward the engine replaces by a sliding proxy. So every family whose decoder follows the
 Llama layout (embed_tokens / layers / norm / lm_head, layers that take the hidden states and
-return them) is supported by one adapter; families only differ in what they need checked. Which families
-those are is the registry's (`registry.FAMILIES`).
+return them) is supported by one adapter; families only differ in what they need checked.
+Which families those are is the registry's (`registry.FAMILIES`).
 """
 from __future__ import annotations
 
