@@ -1,9 +1,10 @@
 """The family registry: one entry per supported `model_type`, read by everything that needs the families.
 
 An entry says what hf_slideformer does for one Hugging Face family: where the adapter finds the
-parts the engine slides (`adapters.DecoderAdapter`, made from the entry), whether `triton_ops.patch` swaps its fused kernels
-in (and from which transformers module it takes `apply_rotary_pos_emb`), and the parameters a
-decoder layer holds beyond the Llama core, which the planner counts from a config.json. Every
+parts the engine slides (`adapters.DecoderAdapter`, made from the entry), whether
+`triton_ops.patch` swaps its fused kernels in (and from which transformers module it takes
+`apply_rotary_pos_emb`), and the parameters a decoder layer holds beyond the Llama core, which
+the planner counts from a config.json. Every
 family whose decoder follows the Llama layout (embed_tokens / layers / norm / lm_head) is one
 entry here; `docs/engine.md` ("How to add a model family") lists what to check.
 
