@@ -144,3 +144,19 @@ def test_suite_smoke_run_on_cpu(tmp_path):
     assert lines[-4].startswith("| step") and lines[-1].startswith("| 8b_seq256")
     assert any(ln.startswith("long (new): the last that trained: 8b_seq256") for ln in lines)
     assert any(ln.startswith("  TFLOPS against 8b_seq64's: 8b_seq256 ") for ln in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["baselines"])  # the others' scripts have CPU runs of their own
+def test_scenario_runs_at_smoke_scale(name, tmp_path):
+    """A scenario end to end on the CPU; only baselines missing their packages may be skipped."""
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", name, "--smoke", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    doc = json.loads((out / f"{name}.json").read_text())
+    for step in doc["steps"]:
+        rows = step.get("rows") or [{"provider": None, "status": step["status"]}]
+        for row in rows:
+            assert row["status"] == "ok" or (row["provider"] in ("ds2", "ds3") and row["status"] == "skipped"), \
+                (step["name"], row, proc.stdout[-2000:])
+    assert proc.stdout.strip().splitlines()[-1].startswith("|")
