@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,10 +151,18 @@ def plan(args: argparse.Namespace, workdir: Path) -> list[tuple[Step, str]]:
 
 
 def run_suite(args: argparse.Namespace) -> dict:
+    """Run the scenario's steps; the doc written to SCENARIO.json. The steps' own files go afterwards."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"suite-{args.scenario}-"))
+    try:
+        return _run_steps(args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_steps(args: argparse.Namespace, workdir: Path) -> dict:
     deadline = _now() + args.budget
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=f"suite-{args.scenario}-"))
     steps = plan(args, workdir)
     commit = args.commit or _git(REPO_ROOT, "rev-parse", "HEAD")
     doc = {"scenario": args.scenario, "smoke": args.smoke, "commit": commit, "old": args.old,
@@ -196,7 +205,8 @@ def _progress(result: dict) -> None:
 def write_outputs(doc: dict, out_dir: Path) -> None:
     """SCENARIO.json and SCENARIO.log under `out_dir`: two files, whatever the number of steps."""
     name = doc["scenario"]
-    (out_dir / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str))
+    steps = [{k: v for k, v in r.items() if k != "log"} for r in doc["steps"]]  # the logs live in SCENARIO.log
+    (out_dir / f"{name}.json").write_text(json.dumps({**doc, "steps": steps}, indent=1, default=str))
     with open(out_dir / f"{name}.log", "w") as f:
         for r in doc["steps"]:
             f.write(f"\n===== {r['tree']}:{r['name']}: {r['status']}\n")
@@ -262,10 +272,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
-        workdir = Path(tempfile.mkdtemp(prefix=f"suite-{args.scenario}-"))
-        for step, label in plan(args, workdir):
-            print(f"{label}:{step.name} (timeout {step.timeout:.0f} s{', chain ' + step.chain if step.chain else ''}): "
-                  f"python {' '.join(step.argv)}")
+        with tempfile.TemporaryDirectory(prefix=f"suite-{args.scenario}-") as workdir:
+            for step, label in plan(args, Path(workdir)):
+                chain = f", chain {step.chain}" if step.chain else ""
+                print(f"{label}:{step.name} (timeout {step.timeout:.0f} s{chain}): python {' '.join(step.argv)}")
         return 0
     doc = run_suite(args)
     print(render(doc))
