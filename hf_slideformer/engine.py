@@ -22,7 +22,8 @@ import torch
 from .activations import make_tier
 from .host_adam import HostAdam
 from .host_tasks import HostTasks
-from .slots import SlotQueue
+from .memory import COPY_CHUNK
+from .slots import SlotQueue, staged_copy
 from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SlideEngine", "SlideStateError"]
 
-_CHUNK = 1 << 26   # elements per on-GPU dtype-conversion chunk (256 MiB of fp32)
 
 
 class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
@@ -84,9 +84,9 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         cast = config.is_cuda and self.dtype != torch.float32
         max_layer = max(u.numel for u in self.layer_units)
         head_numel = sum(u.numel for u in self.head_units)
-        self.staging = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
+        self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
-        self.d2h_stage = torch.empty(min(max(max_layer, head_numel), _CHUNK), dtype=torch.float32,
+        self.d2h_stage = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                      device=self.device) if cast else None
         count, waiter = self.stats.add_h2d, self._wait_master
         self._init_device_updates()
@@ -569,14 +569,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                     gf = g.reshape(-1)
                     if gf.dtype == d.dtype:
                         d.copy_(gf, non_blocking=True)
-                    else:
-                        # Note: [Why the staging chunk is safe to reuse] every cast and copy below is on
-                        # the one d2h stream, so chunk k+1's cast runs after chunk k's copy has read the stage.
-                        for a in range(0, gf.numel(), _CHUNK):
-                            b = min(a + _CHUNK, gf.numel())
-                            stage = self.d2h_stage[:b - a]
-                            stage.copy_(gf[a:b])
-                            d[a:b].copy_(stage, non_blocking=True)
+                    else:                    # widened on the device, all on the d2h stream
+                        staged_copy(d, gf, self.d2h_stage)
                     self.stats.add_bytes("d2h", d.numel() * d.element_size())
                 if marks is not None:
                     marks.append((ends[len(marks)], st.record(st.d2h)))

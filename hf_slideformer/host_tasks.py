@@ -302,7 +302,6 @@ class HostTasks:
                 self._sync(norm_ev, "wait_d2h:norm")
                 dev = float(self.norm_host[0])
             norm = (sum(self._norm_sq) + dev) ** 0.5
-        self._clip_norm = norm
         self._check_norm(norm, "the gradient norm")
         mx = self.config.max_grad_norm
         self._clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0

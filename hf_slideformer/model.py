@@ -20,7 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import SlideConfig, configure_logging
 from .engine import SlideEngine
-from .memory import enable_expandable_segments
+from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
 from .optim import SlideOptimizer
 from .store import HostStore, ParamEntry, Unit
@@ -93,7 +93,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     become views of them. The model should be on the CPU (any dtype).
 
     Args:
-        model: an HF `*ForCausalLM` of a supported family (llama, qwen2, qwen3, mistral).
+        model: an HF `*ForCausalLM` of a supported family (`hf_slideformer.models.FAMILIES`).
         config: the SlideConfig (default: SlideConfig()). The engine keeps a copy: changing `config`
             afterwards does not reach the model, and `model.slide_config` is a read-only view of
             the engine's settings (see `ReadOnlySlideConfig`).
@@ -111,7 +111,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         enable_expandable_segments()
     if config.gpu_memory_limit is not None and config.is_cuda:
         total = torch.cuda.get_device_properties(config.torch_device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * 2 ** 30 / total),
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total),
                                                    config.torch_device)
     units = build_units(model, adapter)
     for u in units:

@@ -5,7 +5,8 @@
 `triton_ops.reference` otherwise. Under Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own
 switch) the kernels also run on CPU tensors, which is how the CPU tests exercise them.
 
-`patch(model)` swaps the ops into a Hugging Face llama / qwen2 / qwen3 / mistral model and
+`patch(model)` swaps the ops into a Hugging Face model of a supported family
+(`patching.supported_families()`) and
 returns a handle; `unpatch(model)` (or `handle.revert()`) restores the original forwards.
 """
 from __future__ import annotations
