@@ -268,20 +268,26 @@ def test_zero_grad_discards_accumulated():
     assert max_param_diff(ref, slid) < PARAM_TOL
 
 
-def test_interrupted_backward_is_reported_not_hung(monkeypatch):
+def _interrupt_backward(monkeypatch, slid, batch) -> None:
+    """Run a backward that an error stops at layer 1 (layers above it already updated)."""
     import hf_slideformer.engine as engine_mod
-    _, slid = make_pair("llama", True)
-    opt = slid.create_optimizer(lr=LR)
-    b = batches(2)
     real = engine_mod.SlideEngine.layer_backward
+
     def fail(self, i, *a, **k):
         if i == 1:
             raise RuntimeError("device lost")
         return real(self, i, *a, **k)
     monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", fail)
     with pytest.raises(RuntimeError, match="device lost"):
-        slid(**b[0]).loss.backward()
+        slid(**batch).loss.backward()
     monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
+
+
+def test_interrupted_backward_is_reported_not_hung(monkeypatch):
+    _, slid = make_pair("llama", True)
+    opt = slid.create_optimizer(lr=LR)
+    b = batches(2)
+    _interrupt_backward(monkeypatch, slid, b[0])
     with pytest.raises(hs.SlideStateError, match="interrupted"):
         slid(**b[1]).loss.backward()
     # not once: every later training call refuses until the state is restored
@@ -295,7 +301,6 @@ def test_interrupted_backward_is_reported_not_hung(monkeypatch):
 def test_after_an_interrupted_backward_a_restore_lets_training_go_on(monkeypatch, tmp_path, restore):
     """Restored before the next call (weights and optimizer state), training goes on with no stale
     error, from exactly the restored state; the weights alone are not enough."""
-    import hf_slideformer.engine as engine_mod
     _, slid = make_pair("llama", False)
     opt = slid.create_optimizer(lr=LR)
     b = batches(3)
@@ -304,16 +309,7 @@ def test_after_an_interrupted_backward_a_restore_lets_training_go_on(monkeypatch
     hs.save_training_state(str(tmp_path), slid, opt)
     weights = {k: v.clone() for k, v in slid.state_dict().items()}
     opt_state = opt.state_dict()
-    real = engine_mod.SlideEngine.layer_backward
-
-    def fail(self, i, *a, **k):
-        if i == 1:
-            raise RuntimeError("device lost")
-        return real(self, i, *a, **k)
-    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", fail)
-    with pytest.raises(RuntimeError, match="device lost"):
-        slid(**b[1]).loss.backward()
-    monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", real)
+    _interrupt_backward(monkeypatch, slid, b[1])
     if restore == "training_state":
         hs.load_training_state(str(tmp_path), slid, opt)
     else:
