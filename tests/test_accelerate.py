@@ -128,22 +128,7 @@ def test_accelerate_launch_runs_the_example(tmp_path):
 def test_save_state_and_load_state_resume_exactly(tmp_path):
     """accelerator.save_state / load_state: the slid model's state goes per unit (no whole-optimizer
     pickle), and 3 steps + save + load + 3 steps equals 6 steps."""
-    def make():
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.5))
-        model = acc.slide(tiny_model())
-        opt = model.create_optimizer(lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        model, opt, sched = acc.prepare(model, opt, sched)
-        return acc, model, opt, sched
-
-    def steps(model, opt, sched, data):
-        for b in data:
-            b = {k: v[None] for k, v in b.items()}
-            model(**b).loss.backward()
-            opt.step(); sched.step(); opt.zero_grad()
-
+    make, steps = _accelerate_run, _train
     data = tiny_data(6)
     acc, model, opt, sched = make()
     steps(model, opt, sched, data)
