@@ -103,6 +103,10 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     """
     if is_slid(model):
         raise ValueError("this model is already slid")
+    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
+        raise ValueError(f"slide() got a PEFT model ({type(model).__name__}): hf_slideformer trains every parameter "
+                         "of a causal LM, and PEFT / LoRA models are not supported yet. Slide the base model "
+                         "(before get_peft_model) for full fine-tuning.")
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
     configure_logging(config)
     adapter = get_adapter(getattr(model.config, "model_type", None))
@@ -162,13 +166,30 @@ def _apply_kernels(model, config) -> None:
     triton_ops.patch(model, cross_entropy=False)
 
 
+def _check_no_foreign_trainables(model, owned: set[int]) -> None:
+    """A parameter added after slide() (a LoRA adapter from get_peft_model, a new head) would get no
+    gradient and never be updated: refuse to train instead of training silently without it."""
+    if model is None:
+        return
+    foreign = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise ValueError(f"trainable parameters were added to the model after slide() ({', '.join(foreign[:3])}"
+                         f"{more}): they would get no gradient. PEFT / LoRA models are not supported yet; "
+                         "hf_slideformer trains the slid model's own parameters (full fine-tuning). Add modules "
+                         "before slide(), or freeze them (requires_grad=False).")
+
+
 def _install_proxies(model, adapter, engine) -> None:
     from .functions import EmbedFunction, LayerFunction
 
     emb = adapter.embed(model)
+    model_ref = weakref.ref(model)
+    owned = {id(p) for p in engine.store.params()}
 
     def embed_forward(input_ids):
         if torch.is_grad_enabled():
+            _check_no_foreign_trainables(model_ref(), owned)
             engine.begin_graph()
             return EmbedFunction.apply(engine.anchor, engine, input_ids)
         return engine.embed_forward(input_ids)

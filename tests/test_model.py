@@ -1,6 +1,7 @@
 """The slid model's HF surface (`model.py`): generation through the sliding engine."""
 import pytest
 import torch
+import hf_slideformer as hs
 from transformers import AutoModelForCausalLM
 
 from helpers import FAMILIES, batches, make_pair
@@ -51,3 +52,28 @@ def test_a_kv_cache_is_refused_for_training():
     b = batches(1)[0]
     with pytest.raises(NotImplementedError, match="KV cache is for generation"):
         slid(**b, use_cache=True)
+
+
+def test_parameters_added_after_slide_are_refused_not_trained_silently():
+    """get_peft_model on a slid model adds LoRA parameters the engine never sees: a forward with
+    gradients raises, naming them, instead of training without them; frozen additions are fine."""
+    import torch.nn as nn
+    _, slid = make_pair("llama", False)
+    slid.create_optimizer(lr=1e-3)
+    (b,) = batches(1)
+    proj = slid.model.layers[1].self_attn.q_proj
+    proj.lora_A = nn.Linear(proj.in_features, 2, bias=False)
+    with pytest.raises(ValueError, match=r"added to the model after slide\(\).*lora_A.*PEFT"):
+        slid(**b).loss.backward()
+    proj.lora_A.weight.requires_grad_(False)
+    slid(**b).loss.backward()
+
+
+def test_a_peft_model_is_refused_by_slide():
+    from transformers import AutoModelForCausalLM
+    from helpers import family_config
+
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    model.peft_config = {"default": object()}              # what PEFT's wrappers carry
+    with pytest.raises(ValueError, match="PEFT model"):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
