@@ -77,7 +77,7 @@ class DeviceAccumulation:
         st = self.streams
         # The last micro-batch's running norm lands with the sum (HostTasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = self._norm_slot(u) if self.ends_step else None
+        norm = self._norm_slot(u) if self.mode.ends_step else None
         if not u.grad_valid:
             total = grads
             if norm is not None:

@@ -21,6 +21,7 @@ import torch
 
 from .activations import make_tier
 from .host_adam import HostAdam
+from .mode import BackwardMode
 from .host_tasks import HostTasks
 from .memory import COPY_CHUNK
 from .slots import SlotQueue, staged_copy
@@ -173,6 +174,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.generation = 0            # bumped by each forward that records a graph
         self.live_generation = None    # the forward whose backward may still run
         self.updated_in_backward = False
+        self.mode = BackwardMode()      # the current (or last) backward's; see mode.py
         self._norm_sq: list[float] = []
         self._clip_coef = 1.0
 
@@ -321,13 +323,12 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         if self.micro == 0:
             self.worker.submit(self._begin_step_task, self._step_no + 1)
         self._backward_open = True
-        self.ends_step = self.micro + 1 == ga
-        self.in_backward = self.ends_step and self.config.max_grad_norm is None
+        self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
         self.hp = self.optimizer.snapshot()
-        if self.ends_step:
+        if self.mode.ends_step:
             self._norm_sq = []
             self._dev_norm_valid = not self.single_micro
-        if self.single_micro or self.ends_step:
+        if self.single_micro or self.mode.ends_step:
             self.norm_dev.zero_()
         self._bwd_t0 = time.perf_counter()
         self.stats.event("backward_begin", self._bwd_t0)
@@ -336,7 +337,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._backward_open = False
         self.micro += 1
         self.live_generation = None
-        self.updated_in_backward = self.in_backward
+        self.updated_in_backward = self.mode.updates
         self.stats.backward_s += time.perf_counter() - self._bwd_t0
         self.stats.event("backward_end", time.perf_counter())
 
@@ -432,7 +433,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             if not self.tied:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            if self.in_backward:                 # else optimizer.step() clips and updates it
+            if self.mode.updates:                 # else optimizer.step() clips and updates it
                 self._resident_step(self.embed_unit, r, self._embed_rgrad, found_inf=self._found_inf_dev())
             self._span_end(t)
             self.end_backward()
@@ -448,8 +449,8 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         norm = self._norm_slot(self.embed_unit) if self.single_micro else None
         done = self._d2h([S], [host], norm_dst=norm)
         u = self.embed_unit
-        update = self.in_backward           # scheduled with the head (see head_backward)
-        self.worker.submit(self._embed_task, host, rows, done, update, self.ends_step, self.hp, norm,
+        update = self.mode.updates           # scheduled with the head (see head_backward)
+        self.worker.submit(self._embed_task, host, rows, done, update, self.mode.ends_step, self.hp, norm,
                            done=(self.embed_host_free,) + ((u.updated,) if update else ()))
         self.end_backward()
 
@@ -580,12 +581,12 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         """Gradients of layer unit `u` -> a host ring buffer -> accumulate and/or update on the worker."""
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
-        if u.index in self._device_units and self.device_updates_on and self.single_micro and not self.in_backward:
+        if u.index in self._device_units and self.device_updates_on and self.single_micro and not self.mode.updates:
             self._send_to_accumulator(u, grads)     # straight into its pinned accumulator (device_update.py)
             return
         if self._accumulates_on_device(u):          # accumulation: the GPU adds (accumulate.py)
             done = self._accumulate(u, grads)
-            if self.in_backward:
+            if self.mode.updates:
                 self._schedule(u)
                 self.worker.submit(self._accumulated_update_task, u, done, self.hp, self._norm_slot(u),
                                    done=(u.updated,))
@@ -600,10 +601,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         norm = self._norm_slot(u) if self.single_micro else None
         done = self._d2h(grads, [e.view(buf) for e in u.entries], [e.offset + e.numel for e in u.entries], marks,
                          norm_dst=norm)
-        update = self.in_backward
+        update = self.mode.updates
         if update:
             self._schedule(u)
-        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.ends_step, self.hp, marks, norm,
+        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.mode.ends_step, self.hp, marks, norm,
                            done=(self.ring_free[k],) + ((u.updated,) if update else ()))
 
     def _claim_ring(self, k: int) -> None:

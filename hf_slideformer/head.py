@@ -201,7 +201,7 @@ class LossHead:
             if norm is not None:
                 norm.copy_(self.norm_dev.reshape(1))
         scale_ev = self.streams.record()
-        update = self.in_backward
+        update = self.mode.updates
         embed_on_host = self.resident_embed is None
         if self.tied and not embed_on_host:
             self._embed_rgrad.mul_(self._scale_dev)
@@ -210,7 +210,7 @@ class LossHead:
             if embed_on_host:
                 self._schedule(self.embed_unit)      # its bulk update starts in the head task
         ring, self.head_ring = self.head_ring, ()
-        self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.ends_step, self.hp,
+        self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.mode.ends_step, self.hp,
                            self._fwd_touch if embed_on_host else None, embed_on_host, ring, norm,
                            done=(self.head_host_free,) + tuple(self.ring_free[k] for k in ring)
                            + ((hu.updated,) if update else ()))

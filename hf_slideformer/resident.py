@@ -285,7 +285,7 @@ class ResidentUnits:
         leaves the sum for optimizer.step()); the squared norm is the sum's."""
         if self.single_micro:
             self.norm_dev += _sq_norm([g for g in grads if g is not None])
-            g32 = self._resident_grad[:u.numel] if self.in_backward else r.grad
+            g32 = self._resident_grad[:u.numel] if self.mode.updates else r.grad
             first = True
         else:
             g32, first = r.grad, not r.grad_valid
@@ -300,9 +300,9 @@ class ResidentUnits:
                 d.add_(g.reshape(d.shape))
         if not self.single_micro:
             r.grad_valid = True
-            if self.ends_step:
+            if self.mode.ends_step:
                 self.norm_dev += _sq_norm([g32])
-        if self.in_backward:
+        if self.mode.updates:
             self._resident_step(u, r, g32, found_inf=self._found_inf_dev())
             r.grad_valid = False
 
