@@ -1,0 +1,243 @@
+"""The planner's performance model: a model's shape from its config.json, and the formulas for
+host and GPU memory, PCIe traffic and the step time's terms.
+
+The estimate follows the engine's allocations (engine.py, store.py, activations.py) and the
+performance model of DESIGN.md section 6; its free constants are calibrated on measurements
+of the Llama-3.2-3B and Llama-3.1-8B shapes on an H200 (docs/planner.md has the table). Nothing
+here touches a GPU or builds a model: the parameter counts come from the config's sizes.
+`planner.plan` applies these formulas to one setting; `plan_report` turns the result into text.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from .budget import balanced_share
+from .memory import COPY_CHUNK, GiB
+from .models import LayerDims, get_family
+
+__all__ = ["ModelShape", "Estimator", "load_model_config", "model_shape", "gpu_binds", "batch_limit"]
+
+# Calibration (docs/planner.md, "Calibration"). Change them together with the table there.
+PEAK_TFLOPS = 989.4          # dense bf16 peak of an H100 / H200 SXM, as benchmarks' MFU column
+GPU_EFFICIENCY = 0.61        # achieved / peak FLOPs of the layer and head kernels (H200: 0.60-0.62)
+ACT_HIDDEN, ACT_INTER = 11, 4  # bf16 tensors per token live while one layer is recomputed + backpropagated
+PROCESS_HOST_BYTES = int(1.7 * GiB)   # torch, the CUDA runtime, Python and transformers, resident (at 8B)
+# Pinned bounce buffers of the nvme activation tier (activations.FileTier).
+NVME_BUFFERS = 4
+GRAD_BYTES = 2               # a layer's gradient crosses PCIe in the compute dtype (bf16 on CUDA)
+GPU_USABLE = 0.85            # share of the card the caching allocator can fill (fragmentation)
+GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
+DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
+ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
+ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.65}  # bound / measured step
+FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
+DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way
+RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a Llama-layout decoder: what the engine slides, in parameters."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    layer_params: int        # one decoder layer
+    embed_params: int        # the token embedding (V * H)
+    head_params: int         # final norm + lm_head (the norm alone when tied)
+
+    @property
+    def n_params(self) -> int:
+        return self.embed_params + self.layers * self.layer_params + self.head_params
+
+    @property
+    def head_slot_params(self) -> int:
+        """Parameters in the GPU head slot: norm + lm_head, or norm + the tied embedding."""
+        return self.head_params + (self.embed_params if self.tied else 0)
+
+
+def load_model_config(config_or_path) -> dict:
+    """The config as a dict, from a dict, an HF config object, a model directory or a config.json path."""
+    if isinstance(config_or_path, dict):
+        return dict(config_or_path)
+    if hasattr(config_or_path, "to_dict"):
+        return config_or_path.to_dict()
+    path = os.fspath(config_or_path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{os.path.dirname(path)!r} holds no config.json: pass a model directory "
+                                    "with a config.json, or the path of a config.json")
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} does not exist: pass a model directory with a config.json, or the path "
+                                "of a config.json (hub ids are not fetched: download the model's config.json first)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path!r} does not hold a JSON object")
+    return cfg
+
+
+def model_shape(cfg: dict) -> ModelShape:
+    """Count the parameters of a supported family from its config (HF's layouts, biases and norms)."""
+    model_type = cfg.get("model_type")
+    family = get_family(model_type)      # ValueError naming the supported model types
+    try:
+        H, I, L, V = (int(cfg[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        nh = int(cfg["num_attention_heads"])
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}, which a {model_type} config must have") from None
+    nkv = int(cfg.get("num_key_value_heads") or nh)
+    hd = int(cfg.get("head_dim") or H // nh)
+    layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
+    tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
+    return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
+                      head_params=H + (0 if tied else V * H))
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """The formulas, for one model, sequence length, window and set of rates (docs/planner.md)."""
+
+    s: ModelShape
+    seq: int
+    window: int
+    grad_buffers: int
+    rates: dict
+
+    def host(self, B: int, tier: str, deferred: bool) -> dict:
+        s, tok_h = self.s, B * self.seq * self.s.hidden
+        # Pinned buffers count their exact size: the engine registers what it allocates
+        # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
+        # the last layer's input stays on the device (activations.py)
+        acts = {"cpu": (s.layers - 1) * 2 * tok_h, "device": 0,
+                "nvme": NVME_BUFFERS * 2 * tok_h}[tier]   # nvme: the I/O thread's bounce buffers
+        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
+        head = s.head_params + (s.embed_params if s.tied and deferred else 0)
+        if deferred:
+            out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
+        out.update({
+            "embedding gradient (fp32, pinned)": 4 * s.embed_params,
+            f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
+                GRAD_BYTES * self.grad_buffers * s.layer_params,
+            # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring]);
+            # a tied lm_head's gradient joins it with accumulation only
+            "head host buffer (bf16, pinned)": (0 if head <= self.grad_buffers * s.layer_params else GRAD_BYTES * head),
+            "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
+            f"layer inputs ({tier} tier)": acts,
+            "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
+        })
+        return out
+
+    def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
+        """(bytes held all step, bytes of each phase); the peak is the first plus the larger phase."""
+        s, T = self.s, B * self.seq
+        H, head = s.hidden, s.head_slot_params
+        fixed = {
+            f"layer slots ({self.window} x largest layer, bf16)": 2 * self.window * s.layer_params,
+            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
+            "head slot (bf16)": 2 * head,
+        }
+        if tier == "device":
+            fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
+        # triton_ops' default_chunk_tokens: a (C, V) bf16 buffer of max(T*H, V*H/8) elements, >= 32 MiB
+        rows = max(2 * max(T * H, s.vocab * H // 8), 32 << 20) // (2 * s.vocab)
+        rows = min(T, max(64, rows // 64 * 64) if rows >= 64 else max(1, rows))
+        phases = {
+            f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16)":
+                2 * T * (ACT_HIDDEN * H + ACT_INTER * s.intermediate),
+            # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
+            # loss-gradient rows, and the last layer's input, kept for its backward
+            "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (8 * H + 4),
+        }
+        return fixed, phases
+
+    def gpu_peak(self, B: int, tier: str) -> int:
+        fixed, phases = self.gpu(B, tier)
+        return sum(fixed.values()) + max(phases.values())
+
+    def flops_per_token(self, recompute: bool = True) -> float:
+        """Matmul FLOPs per token: layers 6 N (fwd, bwd) plus the recompute's 2 N less down_proj's
+        2 I H (its product is not recomputed), head 6 V H, causal attention (forward 2 S d per
+        layer, backward 2.5 x the forward)."""
+        s = self.s
+        attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
+        lin = 6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
+        return s.layers * lin + 6 * s.vocab * s.hidden + attn
+
+    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
+        """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
+        (res: resident embedding?, resident layers)."""
+        s, TH = self.s, B * self.seq * self.s.hidden
+        embed_res, k = res
+        sent = s.layers - k
+        layers = sent * s.layer_params
+        # the last layer's input stays on the device, the first is gathered again from a resident embedding
+        acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
+        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
+        rows = 0 if embed_res else 4 * TH
+        h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
+        # gradients of the units updated on the host (resident ones stay): in the compute dtype
+        # into the ring with one micro-batch, fp32 sums into the accumulators with several
+        # (engine: [Why gradients cross in the compute dtype]); embedding rows
+        d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
+        # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
+        return N * h2d + (N - 1) * 4 * layers, N * d2h
+
+    def resident_params(self, res: tuple[bool, int]) -> int:
+        return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
+
+    def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
+              res: tuple[bool, int] = (False, 0)) -> dict:
+        """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
+        deferred = N > 1 if deferred is None else deferred
+        r, s = self.rates, self.s
+        h2d, d2h = self.traffic(B, N, tier, res)
+        bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
+        on_cpu = s.n_params - self.resident_params(res)
+        layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
+        out = {
+            "gpu": N * B * self.seq * self.flops_per_token() / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]),
+            "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
+            # deferred mode: each micro-batch's gradients are copied (first) or added into the host
+            # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
+            # alone the device-updated layers' land there directly (device_update.py)
+            "cpu": on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
+                                    (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM),
+        }
+        if tier == "nvme":
+            acts = N * 2 * s.layers * B * self.seq * s.hidden
+            out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
+        return out
+
+    def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None) -> int:
+        """Smallest power-of-two batch whose GPU term is the largest, capped at `limit` (0 if < 1)."""
+        b = 1
+        while b < limit:
+            if gpu_binds(self.times(b, N, tier, deferred)):
+                return b
+            b *= 2
+        return max(0, limit)
+
+
+def gpu_binds(times: dict) -> bool:
+    """Whether the GPU's term is the largest of a step's `times` (the other terms hide behind it)."""
+    return times["gpu"] >= max(times.values())
+
+
+def batch_limit(max_gpu: int, max_host: int | None) -> int:
+    """The largest batch to consider: both memories', or the GPU's when the host cannot fit even batch 1
+    (the host advice then says what to change)."""
+    return max_gpu if not max_host else min(max_gpu, max_host)

@@ -1,0 +1,233 @@
+"""The planner's answer: `Plan`, its figures as a dict, the advice drawn from its shortfalls and
+its binding term, and the text `hf-slideformer plan` prints.
+
+The figures are filled by `planner.plan` from the formulas of `plan_estimate`; the advice asks
+the same formulas (and a few sums of the shape's sizes) what another setting would cost or save.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .budget import balanced_share, pick_device_units
+from .memory import GiB
+from .plan_estimate import PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
+
+__all__ = ["Plan", "advise"]
+
+
+@dataclass
+class Plan:
+    """The planner's answer for one model and one setting. Sizes in bytes, times in seconds."""
+
+    shape: ModelShape
+    batch: int
+    seq: int
+    gradient_accumulation_steps: int
+    max_grad_norm: float | None
+    window: int
+    activation_tier: str
+    grad_buffers: int
+    gpu_mem_bytes: int
+    host_mem_bytes: int | None        # None: unknown (no limit checked)
+    host_mem_source: str
+    gpu_mem_source: str
+    rates: dict                       # pcie_gbs, adam_gps, gpu_tflops, gpu_efficiency, nvme_*_gbs
+    batch_chosen: bool = False        # the batch was picked by the planner
+    host: dict = field(default_factory=dict)       # name -> bytes
+    gpu_fixed: dict = field(default_factory=dict)  # name -> bytes, held all step
+    gpu_phases: dict = field(default_factory=dict)  # name -> bytes, the larger one adds to the fixed part
+    host_total: int = 0
+    host_steady: int = 0              # after the first step: the resident units' host pages released
+    gpu_peak: int = 0
+    gpu_limit: int = 0                # bytes the allocator may fill on this card
+    max_batch_gpu: int = 0
+    max_batch_host: int | None = None
+    flops_per_token: float = 0.0
+    h2d_bytes: int = 0                # per optimizer step
+    d2h_bytes: int = 0
+    times: dict = field(default_factory=dict)      # term -> seconds per optimizer step
+    gpu_resident_s: float = 0.0
+    resident_embedding: bool = False  # units the engine keeps and updates on the GPU (SlideConfig.resident_*)
+    resident_layers: int = 0
+    bound_s: float = 0.0
+    bound_by: str = ""
+    expected_step_s: float = 0.0
+    advice: list = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch * self.seq * self.gradient_accumulation_steps
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_mem_bytes is None else self.host_total <= self.host_mem_bytes
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.gpu_peak <= self.gpu_limit
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and self.host_fits is not False
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens per second at the step-time bound (a ceiling)."""
+        return self.tokens_per_step / self.bound_s
+
+    @property
+    def expected_tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.expected_step_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["shape"]["n_params"] = self.shape.n_params
+        d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
+                 fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
+        return d
+
+    def report(self) -> str:
+        """The plan as text: memory, largest batch, step-time terms, advice."""
+        return _format_report(self)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+    """What to change, from the plan's shortfalls and its binding term."""
+    s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    if p.host_fits is False:
+        short = p.host_total - p.host_mem_bytes
+        fixes = []
+        if deferred:
+            fixes.append(f"no clipping and no accumulation (max_grad_norm=None, gradient_accumulation_steps=1) "
+                         f"saves {_gib(4 * (s.n_params - s.embed_params))}")
+        acts = p.host[f"layer inputs ({tier} tier)"]
+        if tier == "cpu" and acts:
+            if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+                fixes.append(f"activation_tier='device' saves {_gib(acts)} (the GPU has room for them)")
+            saved = acts - est.host(p.batch, "nvme", deferred)["layer inputs (nvme tier)"]
+            fixes.append(f"activation_tier='nvme' saves {_gib(saved)} (costs about "
+                         f"{est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
+        if p.grad_buffers > 2:
+            fixes.append(f"grad_buffers=2 saves {_gib(4 * (p.grad_buffers - 2) * s.layer_params)}")
+        if p.max_batch_host and p.max_batch_host < p.batch:
+            fixes.append(f"batch {p.max_batch_host} fits")
+        floor = 12 * s.n_params + 4 * s.embed_params + PROCESS_HOST_BYTES
+        msg = f"host memory short by {_gib(short)}: " + "; ".join(fixes) if fixes else \
+            f"host memory short by {_gib(short)}"
+        if p.host_mem_bytes < floor:
+            msg += (f". Masters, moments and the embedding gradient alone need {_gib(floor)}: use a host with "
+                    "more memory or a smaller model")
+        out.append(msg)
+    if not p.gpu_fits:
+        m = p.max_batch_gpu
+        if m >= 1:
+            k = math.ceil(p.batch * N / m)
+            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
+                       f"that fits is {m}; batch {m} with gradient_accumulation_steps={k} keeps about "
+                       f"{p.batch * N} sequences per step (+{_gib(4 * (s.n_params - s.embed_params))} of host "
+                       "memory for the accumulator)")
+        else:
+            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, use "
+                       "window=1, or a GPU with more memory")
+    limit = batch_limit(p.max_batch_gpu, p.max_batch_host)
+    t = p.times
+    if p.bound_by in ("cpu", "pcie"):
+        what = {"cpu": f"AdamW ({t['cpu']:.2f} s)", "pcie": f"the transfers ({t['pcie']:.2f} s)"}[p.bound_by]
+        b = est.hiding_batch(N, tier, limit, deferred)
+        tb = est.times(b, N, tier, deferred) if b else {}
+        hides = bool(tb) and gpu_binds(tb)
+        if b > p.batch:
+            out.append(f"{p.bound_by.upper()}-bound: raise the batch to {b} to hide {what} behind the GPU's "
+                       f"compute ({tb['gpu']:.2f} s at batch {b}"
+                       + ("" if hides else f", still short of {max(tb.values()):.2f} s") + ")")
+        k = next((k for k in range(2, 65) if gpu_binds(est.times(b, k, tier, True))), None) if b else None
+        if b and not hides and p.bound_by == "cpu" and k:
+            need = sum(est.host(b, tier, True).values())
+            room = ("" if p.host_mem_bytes is None else
+                    "; it fits in host memory" if need <= p.host_mem_bytes else
+                    f"; that needs {_gib(need)} of host memory, more than the {_gib(p.host_mem_bytes)} there is")
+            out.append(f"CPU-bound at the largest batch that fits ({b}): gradient_accumulation_steps={k} hides "
+                       f"AdamW behind {k} micro-batches (the fp32 accumulator adds "
+                       f"{_gib(4 * (s.n_params - s.embed_params))}{room}), or use a host with a faster AdamW "
+                       "(more cores, more memory bandwidth)")
+        if b and not hides and p.bound_by == "pcie":
+            out.append(f"PCIe-bound at the largest batch that fits ({b}): the weights cross PCIe twice per "
+                       "micro-batch whatever its size; a larger window re-sends fewer layers in backward")
+        if p.bound_by == "pcie" and tier == "cpu" and est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+            out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
+    elif p.bound_by == "disk":
+        need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
+        out.append(f"disk-bound: the nvme tier writes and reads {_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} "
+                   f"per step; activation_tier='cpu' needs {_gib(need)} of host memory instead")
+    else:
+        out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
+                   "GPU raise tokens/s")
+        if not deferred and p.grad_buffers > 3:
+            # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
+            # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
+            out.append(f"grad_buffers=3 saves {_gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
+                       "no cost while the GPU is the bound and nothing is clipped or accumulated")
+    return out
+
+
+def _format_report(p: Plan) -> str:
+    s = p.shape
+    tie = "tied" if s.tied else "untied"
+    lines = [
+        f"{s.model_type}: {s.n_params / 1e9:.2f} B parameters ({s.layers} layers x {s.layer_params / 1e6:.1f} M, "
+        f"hidden {s.hidden}, intermediate {s.intermediate}, vocab {s.vocab}, {tie})",
+        f"batch {p.batch}{' (chosen)' if p.batch_chosen else ''} x seq {p.seq}"
+        f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
+        f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
+        f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}",
+        "",
+    ]
+    if p.host_mem_bytes is None:
+        verdict = "limit unknown"
+    else:
+        verdict = (f"of {_gib(p.host_mem_bytes)} ({p.host_mem_source}): "
+                   + ("fits" if p.host_fits else f"SHORT by {_gib(p.host_total - p.host_mem_bytes)}"))
+    lines.append(f"host memory  {_gib(p.host_total)} {verdict}")
+    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.host.items() if v]
+    if p.host_steady < p.host_total:
+        lines.append(f"  peak in the first step; {_gib(p.host_steady)} once the resident units' host pages are released")
+    gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
+    lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
+                 f"{_gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
+    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.gpu_fixed.items()]
+    big = max(p.gpu_phases, key=p.gpu_phases.get)
+    lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in p.gpu_phases.items()]
+    host_b = "" if p.max_batch_host is None else f", {p.max_batch_host} by host memory"
+    lines += [f"largest batch {p.max_batch_gpu} by GPU memory{host_b}"]
+    res_params = (s.embed_params if p.resident_embedding else 0) + p.resident_layers * s.layer_params
+    if res_params:
+        what = (["the embedding"] if p.resident_embedding else []) + (
+            [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
+        lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
+                     f"{res_params / 1e9:.2f} B parameters (the engine decides after its first step)")
+    if p.max_grad_norm:
+        host_layers = list(range(s.layers - p.resident_layers))
+        n = len(pick_device_units(host_layers, balanced_share()))
+        lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
+                     f"host-held layers on the GPU as they are copied in (device_update_share 'auto': "
+                     f"{balanced_share():.2f})")
+    lines.append("")
+    eff = p.rates["gpu_tflops"] * p.rates["gpu_efficiency"]
+    lines.append(f"step time    bound {p.bound_s:.3f} s by {p.bound_by} ({p.tokens_per_s / 1e3:.1f} k tokens/s); "
+                 f"expected about {p.expected_step_s:.2f} s ({p.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
+    detail = {
+        "gpu": f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
+               f"(resident, no recompute: {p.gpu_resident_s:.3f} s)",
+        "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
+        "cpu": f"AdamW over {(s.n_params - res_params) / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
+        "disk": f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s",
+    }
+    lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in p.times.items()]
+    lines += ["", "advice"] + [f"  - {a}" for a in p.advice]
+    lines.append("(estimates calibrated on H200 measurements; see docs/planner.md)")
+    return "\n".join(lines)
