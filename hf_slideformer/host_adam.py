@@ -83,7 +83,10 @@ def native_library():
         cc = _compiler()
         if cc is None:
             raise NativeKernelError("no C compiler found (cc, gcc or clang; or set CC)")
-        src = _SOURCE.read_bytes()
+        try:
+            src = _SOURCE.read_bytes()
+        except OSError as e:
+            raise NativeKernelError(f"the kernel's source {_SOURCE} is missing ({e}); reinstall hf_slideformer") from e
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError) as e:
@@ -186,7 +189,7 @@ class HostAdam:
         lr, wd, eps = float(hp["lr"]), float(hp["weight_decay"]), float(hp["eps"])
         gdiv = 1.0 if grad_scale is None else float(grad_scale)
         coeff = 1.0 - beta1
-        small = abs(float(torch.tensor(coeff, dtype=torch.float32))) < 0.5
+        small = abs(ctypes.c_float(coeff).value) < 0.5          # torch's test, in fp32
         s = _HP(gmul=grad_mul, gdiv=gdiv, sign=-1.0 if hp.get("maximize", False) else 1.0,
                 wd_mul=1.0 - lr * wd if wd != 0.0 else 1.0, beta2=beta2, c2=1.0 - beta2, eps=eps,
                 lerp_base_is_m=int(small), v_order=self.v_order)

@@ -187,3 +187,19 @@ def test_engine_with_bf16_gradients_native_equals_torch_route(kw):
     sd = [m.state_dict() for m in models]
     for name in sd[0]:
         assert torch.equal(sd[0][name], sd[1][name]), name
+
+
+def test_a_missing_source_falls_back_with_a_notice(monkeypatch, tmp_path, caplog):
+    """An install without the C source (a packaging mistake) degrades to torch's kernel, not a crash."""
+    monkeypatch.setattr(host_adam, "_LIB", None)
+    monkeypatch.setattr(host_adam, "_SOURCE", tmp_path / "missing.c")
+    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host_adam"):
+        assert HostAdam("auto").name == "torch"
+    assert "source" in caplog.text
+
+
+def test_the_source_ships_with_the_package():
+    """setup.py's package_data carries csrc/*.c, so a wheel install can build the kernel."""
+    from pathlib import Path
+    setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    assert '"csrc/*.c"' in setup and host_adam._SOURCE.exists()
