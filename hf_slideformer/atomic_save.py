@@ -67,7 +67,7 @@ def _alive_elsewhere(host: str, pid: int) -> bool:
 
 
 def fsync_file(path: str) -> None:
-    """Flush a written file to stable storage."""
+    """Flush a written file (or a directory's entries) to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -78,11 +78,7 @@ def fsync_file(path: str) -> None:
 def fsync_dir(path: str) -> None:
     """Flush a directory's entries (its renames) to stable storage, where the platform allows it."""
     with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(path)
 
 
 def fsync_tree(path: str) -> None:
