@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostAdam", "NativeKernelError", "native_library", "triad"]
+__all__ = ["HostAdam", "NativeKernelError", "native_library", "torch_fused_adamw", "triad"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -120,6 +120,17 @@ def native_library():
         lib.slide_triad.restype = None
         _LIB = lib
         return lib
+
+
+def torch_fused_adamw(hp: dict, params, grads, m, v, steps, scale=None, found_inf=None) -> None:
+    """torch's fused AdamW (what `torch.optim.AdamW(fused=True)` runs) on lists of tensors of one
+    device, with the param group `hp`; `scale` divides the gradients first (a tensor), and a
+    nonzero `found_inf` skips the update."""
+    beta1, beta2 = hp["betas"]
+    torch._fused_adamw_(list(params), list(grads), list(m), list(v), [], list(steps), lr=float(hp["lr"]),
+                        beta1=float(beta1), beta2=float(beta2), weight_decay=float(hp["weight_decay"]),
+                        eps=float(hp["eps"]), amsgrad=False, maximize=bool(hp.get("maximize", False)),
+                        grad_scale=scale, found_inf=found_inf)
 
 
 def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float, threads: int) -> None:
@@ -215,11 +226,7 @@ class HostAdam:
         scale = None
         if grad_scale is not None:
             scale = (grad_scale if torch.is_tensor(grad_scale) else torch.tensor(float(grad_scale))).to(torch.float32)
-        beta1, beta2 = hp["betas"]
-        torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps),
-                            lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
-                            weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]), amsgrad=False,
-                            maximize=bool(hp.get("maximize", False)), grad_scale=scale)
+        torch_fused_adamw(hp, params, grads, exp_avgs, exp_avg_sqs, steps, scale)
         if out16 is not None:
             for o, p in zip(out16, params):
                 o.copy_(p)

@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 
+from .host_adam import torch_fused_adamw
 from .store import Unit
 
 __all__ = ["SlideOptimizer", "apply_adamw", "apply_batch", "groups_of", "piece_batches", "sq_norm"]
@@ -150,7 +151,7 @@ def _grad_scale(clip_coef, device) -> torch.Tensor | None:
 
 def _run(kernel, grad_mul, found_inf, hp, params, grads, m, v, steps, scale) -> None:
     if kernel is None:
-        _fused(hp, params, grads, m, v, steps, scale, found_inf)
+        torch_fused_adamw(hp, params, grads, m, v, steps, scale, found_inf)
     else:
         kernel.step(hp, params, grads, m, v, steps, grad_scale=scale, grad_mul=grad_mul)
 
@@ -161,17 +162,13 @@ def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, 
     (master, grad and moments index from `lo`); `steps` are the per-entry counters, already
     advanced for this step."""
     for gi, ranges in batch.items():
-        _fused(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges], [grad[a - lo:b - lo] for _, a, b in ranges],
-               [exp_avg[a - lo:b - lo] for _, a, b in ranges], [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
-               [steps[k] for k, _, _ in ranges], scale)
+        torch_fused_adamw(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges],
+                          [grad[a - lo:b - lo] for _, a, b in ranges],
+                          [exp_avg[a - lo:b - lo] for _, a, b in ranges],
+                          [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
+                          [steps[k] for k, _, _ in ranges], scale)
 
 
-def _fused(hp: dict, params, grads, m, v, steps, scale=None, found_inf=None) -> None:
-    beta1, beta2 = hp["betas"]
-    torch._fused_adamw_(params, grads, m, v, [], steps, lr=float(hp["lr"]), beta1=float(beta1),
-                        beta2=float(beta2), weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]),
-                        amsgrad=False, maximize=bool(hp.get("maximize", False)), grad_scale=scale,
-                        found_inf=found_inf)
 
 
 class SlideOptimizer(torch.optim.Optimizer):
