@@ -169,7 +169,7 @@ def _apply_kernels(model, config) -> None:
 def _check_no_foreign_trainables(model, owned: set[int]) -> None:
     """A parameter added after slide() (a LoRA adapter from get_peft_model, a new head) would get no
     gradient and never be updated: refuse to train instead of training silently without it."""
-    if model is None:
+    if model is None or all(id(p) in owned or not p.requires_grad for p in model.parameters()):
         return
     foreign = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
     if foreign:
