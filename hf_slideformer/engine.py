@@ -140,7 +140,6 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self._snap_of = {id(u): k for k, u in enumerate(store.units)}
         self.step_norm = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
         self._poisoned = False        # worker side: this step has a non-finite gradient
-        self._skipped: list[str] = []  # worker side: units whose update this step skipped
         self._step_no = 0              # optimizer steps taken
         self._worker_step = 0
         self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)

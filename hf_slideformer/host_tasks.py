@@ -46,7 +46,7 @@ class HostTasks:
     # master takes a NaN; with clipping the norm is known before any update, and the whole step
     # is skipped. Device updates skip on the device by the same norm (`_found_inf_dev`).
     def _begin_step_task(self, step_no: int) -> None:
-        self._poisoned, self._skipped, self._worker_step = False, [], step_no
+        self._poisoned, self._worker_step = False, step_no
 
     def _check_norm(self, sq: float, where: str) -> None:
         if not math.isfinite(sq):
@@ -67,11 +67,6 @@ class HostTasks:
         """After a step whose updates ran in backward: its whole norm, resident units' included."""
         self._sync(ev, "wait_d2h:norm")
         self._check_norm(float(norm[0]), "the gradient norm")
-
-    @property
-    def skipped_units(self) -> list[str]:
-        """Units whose update the last step skipped for a non-finite gradient (after a worker join)."""
-        return list(self._skipped)
 
     def _sync(self, ev, label: str) -> None:
         """Block the worker on a CUDA event (a copy it consumes or a reader it must not overtake), timed."""
@@ -180,13 +175,8 @@ class HostTasks:
                     self.embed_grad.mul_(scale)
             else:
                 tied = self.head_host[hu.numel:]
-                if eu.grad_valid:
-                    self._fold(self.embed_grad, tied, scale)
-                else:
-                    self.embed_grad.copy_(tied)
-                    if scale != 1.0:
-                        self.embed_grad.mul_(scale)
-                    eu.grad_valid = True
+                self._fold(self.embed_grad, tied, scale, first=not eu.grad_valid)
+                eu.grad_valid = True
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = self._ring_returner(ring) if ring and hu.grad is None else None
         self._consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
@@ -232,24 +222,24 @@ class HostTasks:
         else:
             if u.host_write is not None:        # a device update's copies have read it (device_update.py)
                 self._sync(u.host_write, f"wait_readers:{u.name}")
-            if u.grad_valid:
-                self._fold(u.grad, src, grad_mul)
-            else:
-                u.grad.copy_(src)
-                if grad_mul != 1.0:
-                    u.grad.mul_(grad_mul)
-                u.grad_valid = True
+            self._fold(u.grad, src, grad_mul, first=not u.grad_valid)
+            u.grad_valid = True
             g, grad_mul = u.grad, 1.0
         if ends_step and not self.single_micro:
-            self._norm_sq.append(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2)
+            self._norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
             self._check_norm(self._norm_sq[-1], f"the gradient of {u.name}")
         if update:
             self._update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul)
             u.grad_valid = False
 
-    def _fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float) -> None:
-        """acc += src * mul, with src widened to fp32 and multiplied in fp32 before the add (the
-        same roundings whether src crossed as bf16 or fp32)."""
+    def _fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float, first: bool = False) -> None:
+        """acc += src * mul (acc = src * mul when `first`), with src widened to fp32 and multiplied
+        in fp32 before the add (the same roundings whether src crossed as bf16 or fp32)."""
+        if first:
+            acc.copy_(src)
+            if mul != 1.0:
+                acc.mul_(mul)
+            return
         if mul == 1.0:
             acc.add_(src)
             return
@@ -264,7 +254,6 @@ class HostTasks:
     def _update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
                 grad_mul: float = 1.0) -> None:
         if self._poisoned:              # [Why a non-finite gradient stops the host updates after it]
-            self._skipped.append(u.name)
             return
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
