@@ -24,81 +24,95 @@ from .optim import sq_norm as _sq_norm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceAccumulation"]
+__all__ = ["DeviceAccumulator"]
 
 
-class DeviceAccumulation:
-    """Engine-side methods of the device accumulation (a mixin of SlideEngine: they share its state)."""
+class DeviceAccumulator:
+    """The device side of gradient accumulation for host-held layers: one fp32 device buffer
+    that a layer's running sum is brought into while the layer is recomputed.
 
-    def _init_device_accumulation(self) -> None:
-        self._acc_buf: torch.Tensor | None = None      # device fp32: one layer's running sum
-        self._acc_unit = None                           # the unit whose sum is being brought into it
-        self._acc_ready = None                          # h2d event: it is in
-        self._acc_free = None                           # d2h event: the last sum has left it
-        self._acc_pinned = False
+    Args:
+        engine: the SlideEngine (streams, store, the backward's mode and norms, `_d2h`).
+    """
 
-    def _accumulates_on_device(self, u) -> bool:
-        return not self.single_micro and u.grad is not None and u.kind == "layer"
+    def __init__(self, engine):
+        self.engine = engine
+        self.buf: torch.Tensor | None = None      # device fp32: one layer's running sum
+        self.unit = None                          # the unit whose sum is being brought into it
+        self.ready = None                         # h2d event: it is in
+        self.free = None                          # d2h event: the last sum has left it
+        self._pinned = False
+
+    def active(self, u) -> bool:
+        """Does the GPU add `u`'s micro-batches (accumulation, a layer with a host accumulator)?"""
+        return not self.engine.single_micro and u.grad is not None and u.kind == "layer"
 
     def _pin_accumulators(self) -> None:
         """Pin the layers' host accumulators once (they are read and written by DMA every micro-batch)."""
-        if self._acc_pinned:
+        if self._pinned:
             return
-        self._acc_pinned = True
-        slab = getattr(self.store, "grad_slab", None)
-        if slab is None or not self.pinned.enabled or slab.is_pinned():
+        self._pinned = True
+        e = self.engine
+        slab = getattr(e.store, "grad_slab", None)
+        if slab is None or not e.pinned.enabled or slab.is_pinned():
             return
         t0 = time.perf_counter()
-        self.pinned.adopt(slab)
+        e.pinned.adopt(slab)
         logger.info("gradient accumulation: pinned the %.1f GiB of host accumulators in %.1f s",
                     slab.numel() * 4 / GiB, time.perf_counter() - t0)
 
-    def _prefetch_accumulator(self, u) -> None:
-        """Backward of layer `u`, a micro-batch after its first: bring its running sum in on the
-        h2d stream while the layer is recomputed."""
-        if not self._accumulates_on_device(u) or not u.grad_valid or self._acc_unit is u:
+    def prefetch(self, place) -> None:
+        """Backward of layer `place.unit`, a micro-batch after its first: bring its running sum in
+        on the h2d stream while the layer is recomputed."""
+        u = place.unit
+        if not self.active(u) or not u.grad_valid or self.unit is u:
             return
-        st = self.streams
-        if self._acc_buf is None:
-            n = max(x.numel for x in self.layer_units)
-            self._acc_buf = torch.empty(n, dtype=torch.float32, device=self.device)
-        st.wait(self._acc_free, st.h2d)                   # the previous layer's sum has left the buffer
-        st.wait(self._grad_ev.get(u.index), st.h2d)       # this layer's last copy out has landed
+        e = self.engine
+        st = e.streams
+        if self.buf is None:
+            self.buf = torch.empty(max(x.numel for x in e.layer_units), dtype=torch.float32, device=e.device)
+        st.wait(self.free, st.h2d)                 # the previous layer's sum has left the buffer
+        st.wait(place.grad_ev, st.h2d)             # this layer's last copy out has landed
         with st.on(st.h2d):
-            self._acc_buf[:u.numel].copy_(u.grad, non_blocking=True)
-        self._acc_ready = st.record(st.h2d)
-        self._acc_unit = u
-        self.stats.add_h2d(u.numel * 4)
+            self.buf[:u.numel].copy_(u.grad, non_blocking=True)
+        self.ready = st.record(st.h2d)
+        self.unit = u
+        e.stats.add_h2d(u.numel * 4)
 
-    def _accumulate(self, u, grads: list):
-        """Fold this micro-batch's gradient of layer `u` into its host accumulator through the
-        device; the d2h event after which the accumulator holds the sum."""
+    def fold(self, place, grads: list):
+        """Fold this micro-batch's gradient of layer `place.unit` into its host accumulator through
+        the device; the d2h event after which the accumulator holds the sum."""
         self._pin_accumulators()
-        st = self.streams
-        # The last micro-batch's running norm lands with the sum (HostTasks: [Why a non-finite
+        e, u = self.engine, place.unit
+        st = e.streams
+        # The last micro-batch's running norm lands with the sum (host_tasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = self._norm_slot(u) if self.mode.ends_step else None
+        norm = e._norm_slot(u) if e.mode.ends_step else None
         if not u.grad_valid:
-            total = grads
             if norm is not None:
-                self.norm_dev += _sq_norm([g for g in total if g is not None])
-            done = self._d2h(grads, [e.view(u.grad) for e in u.entries], norm_dst=norm)
+                e.norm_dev += _sq_norm([g for g in grads if g is not None])
+            done = e._d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
         else:
-            self._prefetch_accumulator(u)                 # a no-op when layer_backward already did it
-            st.wait(self._acc_ready)
-            acc = self._acc_buf[:u.numel]
-            for e, g in zip(u.entries, grads):
+            self.prefetch(place)                   # a no-op when the recompute already started it
+            st.wait(self.ready)
+            acc = self.buf[:u.numel]
+            for x, g in zip(u.entries, grads):
                 if g is not None:
-                    e.view(acc).add_(g)
-            total = [acc]
+                    x.view(acc).add_(g)
             if norm is not None:
-                self.norm_dev += _sq_norm(total)
-            done = self._d2h(total, [u.grad], norm_dst=norm)
-            self._acc_free = done
-            self._acc_unit = None
+                e.norm_dev += _sq_norm([acc])
+            done = e._d2h([acc], [u.grad], norm_dst=norm)
+            self.free = done
+            self.unit = None
         u.grad_valid = True
-        self._grad_ev[u.index] = done
+        place.grad_ev = done
         return done
 
-    def _reset_accumulator(self) -> None:
-        self._acc_unit = None
+    def reset(self) -> None:
+        """Between steps: no sum is in the buffer."""
+        self.unit = None
+
+    def drop(self) -> None:
+        """The mode changed: give the device buffer back (a plan measures after this)."""
+        self.buf = None
+        self.unit = None

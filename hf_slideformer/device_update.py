@@ -39,10 +39,11 @@ import torch
 from . import optim as _optim
 from .budget import DEVICE_PIECE, balanced_share, pick_device_units
 from .memory import release_pages
+from .placements import DeferredStep, HostLayer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceUpdates", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
+__all__ = ["DeviceUpdateLayer", "DeviceUpdater", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
 
 class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
@@ -59,63 +60,113 @@ class _Pending:
         self.next = 0
 
 
-class DeviceUpdates:
-    """Engine-side methods of the device updates (a mixin of SlideEngine: they share its state)."""
+class DeviceUpdateLayer(HostLayer):
+    """A host-held layer whose clipping-mode update is streamed through the GPU as the layer is
+    copied in for the next forward (the module note). With accumulation it is a `HostLayer`
+    until the update: the worker folds its micro-batches in."""
 
-    def _init_device_updates(self) -> None:
-        self._device_units: set[int] = set()    # Unit.index of the device-updated layers
-        self._device_chosen = False
-        self._dev_sets: list[tuple[torch.Tensor, ...]] | None = None
-        self._dev_free: list = [None, None]
-        self._dev_turn = 0
-        self._grad_ev: dict[int, object] = {}
+    def take_gradient(self, grads: list) -> None:
+        e = self.engine
+        if not e.single_micro or e.mode.updates:
+            super().take_gradient(grads)
+            return
+        e.norm_dev += _optim.sq_norm([g for g in grads if g is not None])
+        # One backward per step: the gradient goes straight into its pinned accumulator.
+        u = self.unit
+        if u.device_pending is not None:        # never the case in a well-formed step: a guard
+            e.device_updates.flush(u)
+        self.grad_ev = e._d2h(grads, [x.view(u.grad) for x in u.entries])
+        u.grad_valid = True
 
-    def _ensure_dev_sets(self, numel: int) -> None:
-        """Two sets of four fp32 device buffers (master, gradient, moments) for pieces of `numel`."""
-        n = min(2 * DEVICE_PIECE, numel)
-        if self._dev_sets is None or self._dev_sets[0][0].numel() < n:
-            if self.streams.cuda and self._dev_sets is not None:
-                torch.cuda.synchronize(self.device)
-            self._dev_sets = [tuple(torch.empty(n, dtype=torch.float32, device=self.device) for _ in range(4))
-                              for _ in range(2)]
-            self._dev_free = [None, None]
+    def step(self, deferred: DeferredStep) -> None:
+        """The update runs when the unit is next copied in (`fill`)."""
+        e, u = self.engine, self.unit
+        e._schedule(u)
+        u.device_pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
+                                    deferred.known)
+        self.grad_ev = None
+        u.updated.set()                          # readers of the host state flush it (see the module note)
+
+    def fill(self, dst):
+        """The pending update writing the new weights into `dst` one piece per step, or None."""
+        e, u = self.engine, self.unit
+        if u.device_pending is None or e.device_updates.skipped(u):
+            return None
+        return e.device_updates.run(u, dst)
+
+
+class DeviceUpdater:
+    """The device updates of one engine: which layers are updated on the GPU (`DeviceUpdateLayer`
+    placements), the two sets of device buffers their pieces alternate between, and the pending
+    updates' runs.
+
+    Args:
+        engine: the SlideEngine (streams, config, places, worker, the optimizer and the resident plan).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._chosen = False
+        self._sets: list[tuple[torch.Tensor, ...]] | None = None
+        self._free: list = [None, None]
+        self._turn = 0
 
     @property
-    def device_updates_on(self) -> bool:
-        return bool(self._device_units) and self.config.max_grad_norm is not None
+    def units(self) -> set[int]:
+        """Unit.index of the device-updated layers."""
+        return {p.unit.index for p in self.engine.places if isinstance(p, DeviceUpdateLayer)}
 
-    def _device_share(self) -> float:
-        c = self.config
+    @property
+    def on(self) -> bool:
+        """Are some layers updated on the device (clipping only)?"""
+        return (any(isinstance(p, DeviceUpdateLayer) for p in self.engine.places)
+                and self.engine.config.max_grad_norm is not None)
+
+    def _ensure_sets(self, numel: int) -> None:
+        """Two sets of four fp32 device buffers (master, gradient, moments) for pieces of `numel`."""
+        e = self.engine
+        n = min(2 * DEVICE_PIECE, numel)
+        if self._sets is None or self._sets[0][0].numel() < n:
+            if e.streams.cuda and self._sets is not None:
+                torch.cuda.synchronize(e.device)
+            self._sets = [tuple(torch.empty(n, dtype=torch.float32, device=e.device) for _ in range(4))
+                          for _ in range(2)]
+            self._free = [None, None]
+
+    def share(self) -> float:
+        """The share of the host-held layers to update on the device (the config's, or balanced)."""
+        e = self.engine
+        c = e.config
         if c.max_grad_norm is None:
             return 0.0
         if c.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
-            return balanced_share() if self.streams.cuda and self.pinned.enabled else 0.0
+            return balanced_share() if e.streams.cuda and e.pinned.enabled else 0.0
         return float(c.device_update_share)
 
-    def _prepare_device_updates(self) -> None:
+    def prepare(self) -> None:
         """At the first clipping step: allocate the device buffers, plan the resident units (the
         device layers are picked among the others), pick the layers and pin their host state."""
-        if self._device_chosen or self.optimizer is None:
+        e = self.engine
+        if self._chosen or e.optimizer is None:
             return
-        share = self._device_share()
+        share = self.share()
         if share <= 0:
             return
-        self._device_chosen = True
-        self.worker.join()                  # the backward's gradient copies into the accumulators have landed
-        self._ensure_dev_sets(max(u.numel for u in self.layer_units))
-        if self._resident_target is None:
-            self._resident_target = self._plan_resident()
-        first = self._resident_target[1]
-        chosen = pick_device_units(self.layer_units[first:], share)
+        self._chosen = True
+        e.worker.join()                  # the backward's gradient copies into the accumulators have landed
+        self._ensure_sets(max(u.numel for u in e.layer_units))
+        first = e.residents.target()[1]
+        chosen = pick_device_units(e.layer_units[first:], share)
         if not chosen:
-            self._dev_sets = None
+            self._sets = None
             return
         t0 = time.perf_counter()
         self._pin_units(chosen)
-        self._device_units = {u.index for u in chosen}
+        for u in chosen:
+            e.set_place(u, DeviceUpdateLayer(e, u))
         logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
-                    "%.1f s", len(chosen), len(self.layer_units), share, time.perf_counter() - t0)
+                    "%.1f s", len(chosen), len(e.layer_units), share, time.perf_counter() - t0)
 
     def _pin_units(self, units: list) -> None:
         """Move the moments and gradient accumulator of `units` into pinned buffers of their own
@@ -126,85 +177,69 @@ class DeviceUpdates:
         neighbours, and a copy of a neighbour's range that is then partly pinned and partly
         pageable fails (cudaErrorInvalidValue, seen when a neighbouring layer was made resident).
         """
-        opt_state = self.optimizer.state if self.optimizer is not None else {}
+        e = self.engine
+        opt_state = e.optimizer.state if e.optimizer is not None else {}
         for u in units:
             for attr in ("exp_avg", "exp_avg_sq", "grad"):
                 old = getattr(u, attr)
-                if old is None or (self.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
-                    continue                                               # with accumulation (accumulate.py)
-                new = self.pinned.empty(u.numel)
+                if old is None or (e.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
+                    continue                                             # with accumulation (accumulate.py)
+                new = e.pinned.empty(u.numel)
                 new.copy_(old)
                 setattr(u, attr, new)
                 release_pages(old)
-            for e in u.entries:
-                st = opt_state.get(e.param)
+            for x in u.entries:
+                st = opt_state.get(x.param)
                 if st is not None:                       # the optimizer's state views the new buffers
-                    st["exp_avg"], st["exp_avg_sq"] = e.view(u.exp_avg), e.view(u.exp_avg_sq)
+                    st["exp_avg"], st["exp_avg_sq"] = x.view(u.exp_avg), x.view(u.exp_avg_sq)
 
-    def _reset_device_updates(self) -> None:
+    def reset(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
-        self.flush_device_updates()
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)
-        self._device_units = set()
-        self._device_chosen = False
-        self._dev_sets = None
-        self._dev_free = [None, None]
-        self._grad_ev.clear()
+        e = self.engine
+        self.flush()
+        if e.streams.cuda:
+            torch.cuda.synchronize(e.device)
+        for i, p in enumerate(e.places):
+            if isinstance(p, DeviceUpdateLayer):
+                e.places[i] = HostLayer(e, p.unit)
+        self._chosen = False
+        self._sets = None
+        self._free = [None, None]
 
-    def _send_to_accumulator(self, u, grads: list) -> None:
-        """Backward, clipping, one backward per step: a device layer's gradient goes straight into
-        its pinned accumulator (with accumulation the worker adds it there, as for the others)."""
-        if u.device_pending is not None:        # never the case in a well-formed step: a guard
-            self.flush_device_updates(u)
-        dsts = [e.view(u.grad) for e in u.entries]
-        self._grad_ev[u.index] = self._d2h(grads, dsts)
-        u.grad_valid = True
-
-    def _schedule_device(self, u, hp, scale, ready_ev, clip_done=None, known=None) -> None:
-        """optimizer.step(): the update of device layer `u` runs when the unit is next copied in."""
-        self._schedule(u)
-        u.device_pending = _Pending(hp, scale, ready_ev, self._grad_ev.pop(u.index, None), clip_done, known)
-        u.updated.set()                          # readers of the host state flush it (see the module note)
-
-    def _device_fill(self, u, dst):
-        """SlotQueue hook: the pending device update of `u` writing its weights into `dst`, one
-        piece per step, or None when there is none."""
-        if u.device_pending is None or self._device_update_skipped(u):
-            return None
-        return self._run_device_update(u, dst)
-
-    def _device_update_skipped(self, u) -> bool:
+    def skipped(self, u) -> bool:
         """Drop the pending device update of `u` when the worker found the step's norm not finite
-        (HostTasks: [Why a non-finite gradient stops the host updates after it]); the slot then
+        (host_tasks: [Why a non-finite gradient stops the host updates after it]); the slot then
         copies the unchanged master."""
         p = u.device_pending
         if p.batches is not None or p.known is None:
             return False
-        self._wait(p.known, "update")
-        if not self._poisoned:
+        e = self.engine
+        e._wait(p.known, "update")
+        if not e.host.poisoned:
             return False
         u.device_pending = None
         u.grad_valid = False
         return True
 
-    def flush_device_updates(self, unit=None) -> None:
+    def flush(self, unit=None) -> None:
         """Run the pending device updates (of `unit`, else all) without a slot."""
-        for u in ([unit] if unit is not None else self.layer_units):
-            if u.device_pending is not None and not self._device_update_skipped(u):
-                for _ in self._run_device_update(u, None):
+        for u in ([unit] if unit is not None else self.engine.layer_units):
+            if u.device_pending is not None and not self.skipped(u):
+                for _ in self.run(u, None):
                     pass
 
-    def _run_device_update(self, u, dst):
+    def run(self, u, dst):
+        """The pending update of `u`, one piece per step; the new weights cast into `dst` if given."""
+        e = self.engine
         p = u.device_pending
-        st = self.streams
+        st = e.streams
         groups, group_of = p.hp
         if p.batches is None:
             if p.clip_done is not None:
                 # The worker has folded every micro-batch in and taken the norm: the factor is known.
-                self._wait(p.clip_done, "update")
+                e._wait(p.clip_done, "update")
                 with st.on(st.h2d):
-                    p.scale = _optim._grad_scale(self._clip_coef, self.device)
+                    p.scale = _optim._grad_scale(e.host.clip_coef, e.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             u.grad_valid = False
@@ -214,7 +249,7 @@ class DeviceUpdates:
             p.batches = list(_optim.piece_batches(u, by_group, DEVICE_PIECE, span=True))
             if st.cuda:
                 with st.on(st.h2d):
-                    p.steps = list(torch.stack(u.steps).to(self.device).unbind())
+                    p.steps = list(torch.stack(u.steps).to(e.device).unbind())
             else:
                 p.steps = u.steps
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
@@ -227,7 +262,7 @@ class DeviceUpdates:
             # pieces done then are final in the host store; copy them into this slot.
             done = p.batches[p.next][0] if p.next < len(p.batches) else u.numel
             with st.on(st.h2d):
-                dst[:done].copy_(u.master[:done].to(self.device, non_blocking=True))
+                dst[:done].copy_(u.master[:done].to(e.device, non_blocking=True))
         if st.cuda and torch.is_tensor(p.scale):
             p.scale.record_stream(st.h2d)
         while p.next < len(p.batches):
@@ -244,26 +279,27 @@ class DeviceUpdates:
         moments in on the h2d stream, fused AdamW there (the gradient divided
         by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
         stream. Returns the h2d event after the copies in."""
-        st, n = self.streams, hi - lo
-        k = self._dev_turn
-        self._dev_turn ^= 1
+        e = self.engine
+        st, n = e.streams, hi - lo
+        k = self._turn
+        self._turn ^= 1
         # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
         # buffers alternate: set k is overwritten once its last d2h copy has read it.
-        st.wait(self._dev_free[k], st.h2d)
-        w, g, m, v = (t[:n] for t in self._dev_sets[k])
+        st.wait(self._free[k], st.h2d)
+        w, g, m, v = (t[:n] for t in self._sets[k])
         with st.on(st.h2d):
-            for d, s in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
-                d.copy_(s[lo:hi], non_blocking=True)
+            for d, src in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
+                d.copy_(src[lo:hi], non_blocking=True)
             read = st.record(st.h2d)
             _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
             if dst is not None:
                 dst[lo:hi].copy_(w)                 # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)
         with st.on(st.d2h):
-            for d, s in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
-                d[lo:hi].copy_(s, non_blocking=True)
-        self._dev_free[k] = u.host_write = st.record(st.d2h)
-        self.stats.add_h2d(n * 16)
-        self.stats.add_bytes("d2h", n * 12)
-        self.stats.gpu_adam_params += n
+            for d, src in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
+                d[lo:hi].copy_(src, non_blocking=True)
+        self._free[k] = u.host_write = st.record(st.d2h)
+        e.stats.add_h2d(n * 16)
+        e.stats.add_bytes("d2h", n * 12)
+        e.stats.gpu_adam_params += n
         return read

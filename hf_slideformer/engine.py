@@ -19,23 +19,25 @@ import time
 
 import torch
 
+from .accumulate import DeviceAccumulator
 from .activations import make_tier
+from .device_update import DeviceUpdater
+from .embedding import Embedding
+from .errors import SlideStateError
+from .functions import grad_only, leaves as _leaves, swapped
+from .head import LossHead
 from .host_adam import HostAdam
-from .mode import BackwardMode
-from .host_tasks import HostTasks
+from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
+from .mode import BackwardMode
+from .optim import sq_norm as _sq_norm, _grad_scale
+from .placements import DeferredStep, HostLayer
+from .resident import ResidentPlan
 from .slots import SlotQueue, staged_copy
 from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
 from .worker import CpuWorker
-from .errors import SlideStateError
-from .optim import sq_norm as _sq_norm, _grad_scale
-from .resident import ResidentState, ResidentUnits
-from .device_update import DeviceUpdates
-from .accumulate import DeviceAccumulation
-from .head import LossHead
-from .functions import grad_only, leaves as _leaves, swapped
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ __all__ = ["SlideEngine", "SlideStateError"]
 
 
 
-class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccumulation):
+class SlideEngine:
     """Runs an HF causal LM through a window of device slots, with its state on the host.
 
     Args:
@@ -58,15 +60,12 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         # No strong reference to the model itself: the model owns the engine, and the finalizer that
         # closes the engine when the model is collected must not keep the model alive.
         self.adapter, self.config, self.store = adapter, config, store
-        self._lm_module = adapter.lm_head(model)
         self.device, self.dtype = config.torch_device, config.dtype
         units = store.units
         self.embed_unit: Unit = units[0]
         self.layer_units: list[Unit] = [u for u in units if u.kind == "layer"]
         self.head_unit: Unit = units[-1]
         self.layers = list(adapter.layers(model))
-        cfg = getattr(model, "config", None)
-        self._model_config = cfg.to_dict() if hasattr(cfg, "to_dict") else None   # for the first plan
         # Note: [Why the recompute skips the last projection] backward needs the input of a
         # layer's closing down_proj, never its output (it only feeds the residual add), so the
         # recompute returns zeros there: a quarter of a Llama layer's linear FLOPs saved on
@@ -74,37 +73,31 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.skip_output_projection = True
         self._out_proj = [adapter.output_projection(layer) for layer in self.layers]
         self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
-        self.head_units = (self.head_unit, self.embed_unit) if self.tied else (self.head_unit,)
-        emb = adapter.embed(model)
-        self.vocab, self.hidden = emb.weight.shape
-        self.padding_idx = emb.padding_idx
-        self.norm_module = adapter.final_norm(model)
-        self._norm_fn = self.norm_module.forward      # HF's or the kernel's; the proxy replaces it later
+        self.vocab, self.hidden = adapter.embed(model).weight.shape
         self.streams = Streams(self.device)
         self.stats = StepStats(self.streams.cuda)
+        self.pinned = store.pinned
+        pin = config.pin_memory and config.is_cuda
         cast = config.is_cuda and self.dtype != torch.float32
         max_layer = max(u.numel for u in self.layer_units)
-        head_numel = sum(u.numel for u in self.head_units)
+        head_numel = self.head_unit.numel + (self.embed_unit.numel if self.tied else 0)
         self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
         self.d2h_stage = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                      device=self.device) if cast else None
+        # Each layer's place (placements.py): swapped whole when the plan moves the layer.
+        self.places = [HostLayer(self, u) for u in self.layer_units]
+        self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
         count, waiter = self.stats.add_h2d, self._wait_master
-        self._init_device_updates()
-        self._init_device_accumulation()
-        self._dev_norm_valid = False       # norm_dev holds the layers' part of an accumulated step's norm
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
-                               filler=self._device_fill)
-        self.head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
-        pin = config.pin_memory and config.is_cuda
-        # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
-        self.pinned = store.pinned
+                               filler=lambda u, dst: self.place_of(u).fill(dst))
         # Note: [Why gradients cross in the compute dtype] a layer's parameter gradients are
         # computed in the compute dtype (its weights' dtype), so widening them to fp32 on the GPU
         # adds no information: they cross PCIe and land in the ring as they are (bf16: half the
         # bytes), and the host AdamW widens them in registers (`HostAdam`), exactly.
         self.grad_dtype = self.dtype if self.dtype == torch.bfloat16 else torch.float32
         self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
+        # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
         self.ring_slab = self.pinned.empty(max_layer * config.grad_buffers, dtype=self.grad_dtype)
         self.ring = list(self.ring_slab.split(max_layer))
         self.ring_free = [threading.Event() for _ in self.ring]
@@ -112,26 +105,13 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             ev.set()
         self.ring_next = 0
         self.ring_size = max_layer
-        # The head's gradient lands in the ring's first buffers (head.py: [Why the head's gradient borrows the ring]).
-        self.head_host: torch.Tensor | None = None    # where the pending head gradient lands
-        self._head_own: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
-        self.head_ring: tuple[int, ...] = ()    # the ring buffers the pending head gradient holds
-        self.head_host_free = threading.Event()
-        self.head_host_free.set()
-        self.head_pending = False
-        self.embed_host: torch.Tensor | None = None
-        self.embed_host_free = threading.Event()
-        self.embed_host_free.set()
-        self.embed_fwd_buf: torch.Tensor | None = None
-        self.embed_fwd_ev = None
-        self.embed_grad: torch.Tensor | None = None
-        self.touched: list[torch.Tensor] = []
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
         # With one backward per step, this backward's gradients are the step's: their norm is
         # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
         self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
         self.norm_host = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
+        self._dev_norm_valid = False       # norm_dev holds the layers' part of an accumulated step's norm
         # Note: [Why each host task reads the running norm] with one backward per step the norm of
         # the gradients so far is on the GPU (norm_dev); a copy of it lands beside each gradient
         # the worker updates from (one scalar per ring buffer, the head's, the embedding's), so a
@@ -139,43 +119,31 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.norm_snap = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=pin)
         self._snap_of = {id(u): k for k, u in enumerate(store.units)}
         self.step_norm = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
-        self._poisoned = False        # worker side: this step has a non-finite gradient
+        self.worker = CpuWorker(config.cpu_threads)
+        self.worker.on_task = self.stats.event
+        # The parts that own their state: the worker's host updates, the embedding, the head, the
+        # resident plan, the device updates and the device accumulation.
+        self.host = HostUpdates(self)
+        self.embedding = Embedding(self, self.embed_unit, adapter.embed(model))
+        norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
+        self.head = LossHead(self, self.head_unit, adapter.lm_head(model), norm_fn,
+                             SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter))
+        cfg = getattr(model, "config", None)
+        self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
+        self.device_updates = DeviceUpdater(self)
+        self.accumulator = DeviceAccumulator(self)
         self._step_no = 0              # optimizer steps taken
-        self._worker_step = 0
-        self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)
-        self._head_sq = None
-        self._dw_rows = None
-        self._fwd_rows = None
-        self._fwd_touch = None
-        self._embed_out = None         # (x_0, its version, its gather) while layer 0's forward is ahead
-        self._bulk = None
-        self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see HostTasks._rows_buffer
-        self._fold_buf: torch.Tensor | None = None                # see HostTasks._fold
         self._backward_open = False
         self._inconsistent: str | None = None    # why training may not go on (see _close_interrupted_backward)
         self._restored: set[str] = set()
-        # The head's device update is spread over the backward of its first layers (device_update.py).
-        self.worker = CpuWorker(config.cpu_threads)
-        self.worker.on_task = self.stats.event
-        self.resident: dict[int, ResidentState] = {}     # layer index -> its device state
-        self.resident_embed: ResidentState | None = None
-        self._resident_target: tuple[bool, int] | None = None   # decided after the first optimizer step
-        self._resident_grad: torch.Tensor | None = None
-        self._plan_peak: int | None = None              # GPU peak the plan is based on ...
-        self._plan_tokens: int | None = None            # ... and the tokens of that step's batch
-        self._last_tokens = 0
-        self._embed_rgrad: torch.Tensor | None = None    # the resident embedding's (V*H,) fp32 gradient
-        self._pace_ev = None
-        self._head_prefetch = None     # load_steps generator of the head slot during a forward
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
+        self.hp = None                 # the optimizer's hyper-parameters, snapshot at each backward
         self.micro = 0                 # backward passes since the last optimizer step
         self.generation = 0            # bumped by each forward that records a graph
         self.live_generation = None    # the forward whose backward may still run
         self.updated_in_backward = False
         self.mode = BackwardMode()      # the current (or last) backward's; see mode.py
-        self._norm_sq: list[float] = []
-        self._clip_coef = 1.0
 
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:
@@ -199,11 +167,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             # accumulation): write them back; the next optimizer step plans again. So are the
             # device-updated layers (clipping only).
             self.worker.join()
-            self._reset_device_updates()
-            self._acc_buf = None                     # the accumulation buffer, if any (a plan measures after this)
-            self._reset_accumulator()
-            self.evict_resident()
-            self._resident_target = None
+            self.device_updates.reset()
+            self.accumulator.drop()                  # its buffer, if any (a plan measures after this)
+            self.residents.evict()
+            self.residents.planned = None
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
         self.config.max_grad_norm = clip
         if self.config.deferred:
@@ -320,12 +287,12 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
         self.worker.raise_if_failed()
         if self.micro == 0:
-            self.worker.submit(self._begin_step_task, self._step_no + 1)
+            self.worker.submit(self.host.begin_step_task, self._step_no + 1)
         self._backward_open = True
         self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
         self.hp = self.optimizer.snapshot()
         if self.mode.ends_step:
-            self._norm_sq = []
+            self.host.norm_sq = []
             self._dev_norm_valid = not self.single_micro
         if self.single_micro or self.mode.ends_step:
             self.norm_dev.zero_()
@@ -345,159 +312,28 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         then the complete state (resident layers are written back and re-made resident at the
         next optimizer step)."""
         self.worker.join()
-        self.flush_device_updates()
+        self.device_updates.flush()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.worker.raise_if_failed()
-        self.evict_resident()
-
-    # ----------------------------------------------------------------- embedding
-    def embed_forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
-        u = self.embed_unit
-        self.stats.event("forward_begin", time.perf_counter())
-        self._head_prefetch = None                   # a forward that stopped half way left it
-        self._embed_out = None
-        self._wait(u.updated, "update")
-        ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
-            raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
-        if with_grad:
-            # The rows this batch touches: their gradient is summed per row on the GPU (see
-            # embed_backward), and they are the rows the layers' backward will still change (see
-            # _embed_bulk_update). The padding row is among them with a zero sum: updating it
-            # again with its full gradient reproduces the bulk update exactly.
-            uniq, inv = torch.unique(ids, return_inverse=True)
-            keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
-            self._fwd_touch = uniq
-            self._fwd_rows = tuple(t.to(self.device, non_blocking=True) for t in (uniq, inv, keep))
-        T = ids.numel()
-        if with_grad:
-            self._fit_resident(T)
-            if self.resident_embed is None:
-                self._ensure_embed_grad()
-        table = u.master.view(self.vocab, self.hidden)
-        first = next((i for i in range(len(self.layer_units)) if i not in self.resident), None)
-        if first is not None:
-            self.slots.load((self.layer_units[first],))     # its h2d overlaps the gather below
-        r = self.resident_embed
-        if r is not None:                            # gathered on the device from the resident master
-            ids_dev = ids.to(self.device, non_blocking=True)
-
-            def gather():
-                if self.resident_embed is not r:
-                    raise SlideStateError("internal: the resident embedding left the device before the first "
-                                          "layer's input was saved")
-                x = r.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
-                return x.to(self.dtype).view(*input_ids.shape, self.hidden)
-            out = gather()
-            # activations.py: [Why the first layer's input can be gathered again]
-            self._embed_out = (out, out._version, gather) if with_grad else None
-            return out
-        if not self.streams.cuda:
-            x = table.index_select(0, ids).to(self.dtype)
-            return x.view(*input_ids.shape, self.hidden)
-        if self.embed_fwd_ev is not None:
-            self.embed_fwd_ev.synchronize()          # the previous batch's rows have left the buffer
-        if self.embed_fwd_buf is None or self.embed_fwd_buf.shape[0] < T:
-            if self.embed_fwd_buf is not None:
-                self.pinned.release(self.embed_fwd_buf)
-            self.embed_fwd_buf = self.pinned.empty(T, self.hidden)
-        buf = self.embed_fwd_buf[:T]
-        torch.index_select(table, 0, ids, out=buf)
-        x = torch.empty(T, self.hidden, dtype=torch.float32, device=self.device)
-        x.copy_(buf, non_blocking=True)
-        self.embed_fwd_ev = self.streams.record()
-        self.stats.add_h2d(buf.numel() * 4)
-        return x.to(self.dtype).view(*input_ids.shape, self.hidden)
-
-    def embed_backward(self, input_ids: torch.Tensor, gx: torch.Tensor) -> None:
-        T = gx.numel() // self.hidden
-        rows = self._fwd_touch
-        uniq, inv, keep = self._fwd_rows
-        n = rows.numel()
-        # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
-        # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
-        # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
-        # per distinct token (far fewer in real text), and the worker's gather / scatter are
-        # parallel copies instead of an index_add_ over every token.
-        t = self._span_start()
-        g = gx.reshape(T, self.hidden).float() * keep[:, None]
-        S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
-        S.index_put_((inv,), g, accumulate=True)
-        if self.single_micro:
-            self._embed_norm(S)
-        r = self.resident_embed
-        if r is not None:
-            G = self._embed_rgrad.view(self.vocab, self.hidden)
-            if not self.tied:
-                G.zero_()                        # tied: it holds the lm_head's gradient (head_backward)
-            G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            if self.mode.updates:                 # else optimizer.step() clips and updates it
-                self._resident_step(self.embed_unit, r, self._embed_rgrad, found_inf=self._found_inf_dev())
-            self._span_end(t)
-            self.end_backward()
-            return
-        self._span_end(t)
-        self._wait(self.embed_host_free, "other")  # the worker is done with the previous gradient
-        if self.embed_host is None or self.embed_host.shape[0] < n:
-            if self.embed_host is not None:
-                self.pinned.release(self.embed_host)
-            self.embed_host = self.pinned.empty(max(n, 1), self.hidden)
-        host = self.embed_host[:n]
-        self.embed_host_free.clear()
-        norm = self._norm_slot(self.embed_unit) if self.single_micro else None
-        done = self._d2h([S], [host], norm_dst=norm)
-        u = self.embed_unit
-        update = self.mode.updates           # scheduled with the head (see head_backward)
-        self.worker.submit(self._embed_task, host, rows, done, update, self.mode.ends_step, self.hp, norm,
-                           done=(self.embed_host_free,) + ((u.updated,) if update else ()))
-        self.end_backward()
-
-    def _embed_norm(self, S: torch.Tensor) -> None:
-        """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
-
-        The gradient is S, the per-row sums of the token gradients over the batch's rows (padding
-        dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
-        """
-        if self.tied:
-            rows = self._dw_rows * self._scale_dev
-            sq = self._dw_sq * self._scale_dev ** 2 - rows.square().sum() + (rows + S).square().sum()
-        else:
-            sq = S.square().sum()
-        self.norm_dev += sq
+        self.residents.evict()
 
     # ----------------------------------------------------------------- layers
     def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
-        u = self.layer_units[i]
-        r = self.resident.get(i)
-        slot = self.slots.acquire((u,)) if r is None else None
+        place = self.places[i]
+        ws, slot = place.weights()
         busy = (slot,) if slot is not None else ()
         for j in range(i + 1, min(i + self.config.window, len(self.layer_units))):
-            if j not in self.resident:
-                self.slots.load((self.layer_units[j],), busy=busy)
-        self._prefetch_head()
+            self.places[j].prefetch(busy)
+        self.head.prefetch()
         if save:
-            self.tier.save(i, x, self._remake_input(i, x))
+            self.tier.save(i, x, self.embedding.remake_input(i, x))
         t = self._span_start()
-        with torch.no_grad(), swapped(u, slot.views(u) if r is None else r.views()):
+        with torch.no_grad(), swapped(place.unit, ws):
             y = self._call_layer(i, x, args, kwargs)
         self._span_end(t)
-        if slot is not None:
-            self.slots.release(slot)
-        else:
-            self._pace()
+        place.after_forward(slot)
         return y
-
-    def _remake_input(self, i: int, x: torch.Tensor):
-        """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
-        product of it, as Gemma's scaled embedding is) and unchanged since."""
-        if i != 0 or self._embed_out is None:
-            return None
-        out, version, gather = self._embed_out
-        self._embed_out = None
-        same = (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
-                and x.dtype == out.dtype and x._version == version)
-        return gather if same else None
 
     def _call_layer(self, i, x, args, kwargs):
         layer = self.layers[i]
@@ -505,33 +341,33 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         return out[0] if isinstance(out, tuple) else out
 
     def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
-        u = self.layer_units[i]
-        r = self.resident.get(i)
-        slot = self.slots.acquire((u,)) if r is None else None
-        if r is None:
-            self._prefetch_accumulator(u)         # accumulation: the running sum comes in during the recompute
+        place = self.places[i]
+        ws, slot = place.weights()
+        place.before_recompute()
         if i > 0:
-            if self.config.window > 1 and (i - 1) not in self.resident:
-                self.slots.load((self.layer_units[i - 1],), busy=(slot,) if slot is not None else ())
+            if self.config.window > 1:
+                self.places[i - 1].prefetch((slot,) if slot is not None else ())
             self.tier.prefetch(i - 1)
         x = self.tier.load(i).detach().requires_grad_()
-        ws = _leaves(slot.views(u) if r is None else r.views())
+        ws = _leaves(ws)
         t = self._span_start()
         skip = self._out_proj[i] if self.skip_output_projection else None
-        with torch.enable_grad(), swapped(u, ws), grad_only(skip):
+        with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip):
             y = self._call_layer(i, x, args, kwargs)
         grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
         self._span_end(t)
-        if slot is not None:
-            self.slots.release(slot)
+        place.after_recompute(slot)
         self.tier.drop(i)
-        gx = grads[0]
-        if r is not None:
-            self._resident_update(u, r, list(grads[1:]))
-            self._pace()
-        else:
-            self._send(u, list(grads[1:]))
-        return gx
+        place.take_gradient(list(grads[1:]))
+        return grads[0]
+
+    def place_of(self, u: Unit):
+        """The placement of layer unit `u`."""
+        return self.places[self._layer_no[id(u)]]
+
+    def set_place(self, u: Unit, place) -> None:
+        """Give layer unit `u` another placement (between optimizer steps)."""
+        self.places[self._layer_no[id(u)]] = place
 
     # ----------------------------------------------------------------- gradients -> host -> update
     def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
@@ -576,40 +412,17 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                     marks.append((ends[len(marks)], st.record(st.d2h)))
         return st.record(st.d2h)
 
-    def _send(self, u: Unit, grads: list) -> None:
-        """Gradients of layer unit `u` -> a host ring buffer -> accumulate and/or update on the worker."""
-        if self.single_micro:
-            self.norm_dev += _sq_norm([g for g in grads if g is not None])
-        if u.index in self._device_units and self.device_updates_on and self.single_micro and not self.mode.updates:
-            self._send_to_accumulator(u, grads)     # straight into its pinned accumulator (device_update.py)
-            return
-        if self._accumulates_on_device(u):          # accumulation: the GPU adds (accumulate.py)
-            done = self._accumulate(u, grads)
-            if self.mode.updates:
-                self._schedule(u)
-                self.worker.submit(self._accumulated_update_task, u, done, self.hp, self._norm_slot(u),
-                                   done=(u.updated,))
-            return
-        k = self.ring_next
-        self.ring_next = (k + 1) % len(self.ring)
-        self._claim_ring(k)
-        buf = self.ring[k]
-        # Per-gradient events let the update start on the unit's front while its back is copied
-        # (HostStore lays the entries out in order, so copy order is offset order).
-        marks = [] if self.streams.cuda else None
-        norm = self._norm_slot(u) if self.single_micro else None
-        done = self._d2h(grads, [e.view(buf) for e in u.entries], [e.offset + e.numel for e in u.entries], marks,
-                         norm_dst=norm)
-        update = self.mode.updates
-        if update:
-            self._schedule(u)
-        self.worker.submit(self._layer_task, u, buf[:u.numel], done, update, self.mode.ends_step, self.hp, marks, norm,
-                           done=(self.ring_free[k],) + ((u.updated,) if update else ()))
-
     def _claim_ring(self, k: int) -> None:
         """Main thread: wait until ring buffer k is free, then hold it (its task's `done` frees it)."""
         self._wait(self.ring_free[k], "grad_buffer")
         self.ring_free[k].clear()
+
+    def claim_ring(self) -> int:
+        """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
+        k = self.ring_next
+        self.ring_next = (k + 1) % len(self.ring)
+        self._claim_ring(k)
+        return k
 
     def _schedule(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
@@ -625,17 +438,18 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
         if not self.updated_in_backward:
             hp = self.optimizer.snapshot()
-            self._prepare_device_updates()          # the first clipping step picks the device-updated layers
+            self.device_updates.prepare()           # the first clipping step picks the device-updated layers
             norm_ev = None
             early = self.micro < self.config.gradient_accumulation_steps
             grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
+            resident = self.residents.layers
             if early:
                 self._dev_norm_valid = False
-                if self.resident and self.config.max_grad_norm is not None:
+                if resident and self.config.max_grad_norm is not None:
                     # The norm is taken from every unit's sum now; the resident layers' sums are
                     # on the device (the host accumulators of resident layers read as zeros).
                     self.norm_dev.zero_()
-                    self.norm_dev += _sq_norm([r.grad for r in self.resident.values() if r.grad_valid])
+                    self.norm_dev += _sq_norm([r.grad for r in resident.values() if r.grad_valid])
                     self._dev_norm_valid = True
             if self.single_micro or self._dev_norm_valid:
                 if self.streams.cuda:
@@ -643,27 +457,34 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 else:
                     self.norm_host.copy_(self.norm_dev.reshape(1))
                 norm_ev = self.streams.record()
-            clip_done = (threading.Event() if (self.device_updates_on or self.resident) and not self.single_micro
+            device_updates = self.device_updates.on
+            clip_done = (threading.Event() if (device_updates or resident) and not self.single_micro
                          else None)
             # `known`: the worker has judged the step's norm (a device update is skipped when it is
-            # not finite, see HostTasks._clip_task)
-            known = threading.Event() if self.device_updates_on else None
-            self.worker.submit(self._clip_task, early, norm_ev, grads_ev,
-                               frozenset(id(r.unit) for r in self.resident.values()),
+            # not finite, see HostUpdates.clip_task)
+            known = threading.Event() if device_updates else None
+            on_device = {id(r.unit) for r in resident.values()}
+            host_grads = [self.embedding.grad if u is self.embed_unit else u.grad for u in self.store.units
+                          if id(u) not in on_device] if early and not self.single_micro else ()
+            self.worker.submit(self.host.clip_task, early, norm_ev, grads_ev, host_grads,
                                done=tuple(e for e in (clip_done, known) if e is not None))
+            deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
+                                    device_clip=lambda: self.residents.clip(clip_done))
             t = self._span_start()
-            on_device = self._step_resident(hp, clip_done)
-            scale, ready = (self._device_scale() if self.device_updates_on and self.single_micro
-                            else (None, None))
+            on_device = self.residents.step(deferred)
+            if device_updates and self.single_micro:
+                deferred.scale, deferred.ready = self._device_scale()
             self._span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
                     continue
-                if u.index in self._device_units and self.device_updates_on:
-                    self._schedule_device(u, hp, scale, ready, clip_done, known)
-                    continue
-                self._schedule(u)
-                self.worker.submit(self._deferred_task, u, hp, grads_ev, done=(u.updated,))
+                if u.kind == "layer":
+                    self.place_of(u).step(deferred)
+                elif u is self.embed_unit:
+                    self.embedding.step(deferred)
+                else:
+                    self._schedule(u)
+                    self.worker.submit(self.host.deferred_task, u, hp, grads_ev, done=(u.updated,))
         elif self.single_micro:
             # The updates ran in backward; the worker judges the whole step's norm (resident units
             # included) after them, to report a non-finite step once.
@@ -673,13 +494,13 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
                 slot.copy_(self.norm_dev.reshape(1), non_blocking=True)
             else:
                 slot.copy_(self.norm_dev.reshape(1))
-            self.worker.submit(self._step_check_task, self.streams.record(), slot)
+            self.worker.submit(self.host.step_check_task, self.streams.record(), slot)
         self._step_no += 1
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
-        self._promote_resident()
+        self.residents.promote()
 
     def _norm_slot(self, u: Unit) -> torch.Tensor:
         """The pinned scalar that receives the running norm with `u`'s gradient. Written again only
@@ -687,7 +508,7 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         k = self._snap_of[id(u)]
         return self.norm_snap[k:k + 1]
 
-    def _found_inf_dev(self) -> torch.Tensor:
+    def found_inf_dev(self) -> torch.Tensor:
         """1.0 on the device where the running norm of this backward's gradients is not finite
         (the device updates' skip flag, decided without a host sync), else 0.0."""
         return (~torch.isfinite(self.norm_dev)).to(torch.float32)
@@ -695,7 +516,16 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
     def _device_scale(self):
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
         the compute-stream event after which it is valid (the resident units' clip factor)."""
-        return _grad_scale(self._device_clip_coef(), self.device), self.streams.record()
+        return _grad_scale(self.device_clip_coef(), self.device), self.streams.record()
+
+    def device_clip_coef(self):
+        """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
+        sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
+        arithmetic (see HostUpdates.clip_task), so that the results are identical there."""
+        mx = self.config.max_grad_norm
+        if self.streams.cuda:
+            return (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
+        return min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
 
     def zero_grad(self) -> None:
         if self.micro == 0:
@@ -706,10 +536,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
         self.worker.join()
         for u in self.store.units:
             u.grad_valid = False
-        for r in self.resident.values():
+        for r in self.residents.layers.values():
             r.grad_valid = False
-        self._reset_accumulator()
-        self._reset_embed_grad()
+        self.accumulator.reset()
+        self.embedding.reset_grad()
         self.micro = 0
 
     def last_grad_norm(self) -> float:
@@ -717,9 +547,10 @@ class SlideEngine(LossHead, HostTasks, ResidentUnits, DeviceUpdates, DeviceAccum
             self.worker.raise_if_failed()
             return float(self.norm_dev) ** 0.5
         self.worker.join()
-        if not self._norm_sq and not self._dev_norm_valid:
+        norm_sq = self.host.norm_sq
+        if not norm_sq and not self._dev_norm_valid:
             return float("nan")
-        return (sum(self._norm_sq) + (float(self.norm_dev) if self._dev_norm_valid else 0.0)) ** 0.5
+        return (sum(norm_sq) + (float(self.norm_dev) if self._dev_norm_valid else 0.0)) ** 0.5
 
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""

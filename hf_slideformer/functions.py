@@ -81,13 +81,12 @@ class EmbedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, engine, input_ids):
         ctx.engine, ctx.gen = engine, engine.generation
-        ctx.ids = input_ids
-        return engine.embed_forward(input_ids, with_grad=True)
+        return engine.embedding.forward(input_ids, with_grad=True)
 
     @staticmethod
     def backward(ctx, gx):
         ctx.engine.check_generation(ctx.gen)
-        ctx.engine.embed_backward(ctx.ids, gx)
+        ctx.engine.embedding.backward(gx)
         return None, None, None
 
 
@@ -111,7 +110,7 @@ class HeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, engine, labels, num_items_in_batch):
         ctx.engine, ctx.gen = engine, engine.generation
-        loss, gh = engine.head_forward(h, labels, num_items_in_batch, with_grad=True)
+        loss, gh = engine.head.forward(h, labels, num_items_in_batch, with_grad=True)
         ctx.gh = gh
         return loss
 
@@ -120,6 +119,6 @@ class HeadFunction(torch.autograd.Function):
         eng = ctx.engine
         eng.check_generation(ctx.gen)
         eng.begin_backward()
-        eng.head_backward(gloss)
+        eng.head.backward(gloss)
         gh, ctx.gh = ctx.gh, None
         return gh * gloss.to(gh.dtype), None, None, None

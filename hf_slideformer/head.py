@@ -3,10 +3,11 @@
 The head runs once per forward on its own slot (norm + lm_head, or + the tied embedding), loaded a
 chunk per forward layer. With gradients its backward happens inside its forward (the loss ends
 the graph): the gradients go to the host at once, into the front of the gradient ring when the
-ring holds them, and the CPU worker updates the head while the layers' backward runs. Methods of
-`SlideEngine` (a mixin, like `HostTasks`): they share its state.
+ring holds them, and the CPU worker updates the head while the layers' backward runs.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -14,82 +15,128 @@ import torch.nn.functional as F
 from .errors import SlideStateError
 from .functions import leaves as _leaves, swapped
 from .optim import sq_norm as _sq_norm
+from .slots import SlotQueue
+from .store import Unit
 
 __all__ = ["LossHead"]
 
 
 class LossHead:
-    """Engine-side methods of the head unit (a mixin of SlideEngine)."""
+    """The head unit, its slot and its gradient buffers.
 
-    def head_forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
+    Args:
+        engine: the SlideEngine.
+        unit: the head's unit (the final norm and an untied lm_head).
+        lm_module: the lm_head `nn.Linear`.
+        norm_fn: the final norm's forward (HF's or the kernel's).
+        slots: its one-slot queue, sized for `units`.
+
+    Attributes:
+        units: what the head slot carries: the head unit, and a tied lm_head's embedding unit.
+        host: the host buffer the pending head gradient lands in; `ring`: the ring buffers it holds.
+        scale_host, scale_dev: the loss gradient (pinned for the worker, and on the device).
+    """
+
+    def __init__(self, engine, unit: Unit, lm_module, norm_fn, slots: SlotQueue):
+        self.engine, self.unit = engine, unit
+        self.lm_module, self.norm_fn, self.slots = lm_module, norm_fn, slots
+        self.units = (unit, engine.embed_unit) if engine.tied else (unit,)
+        self.host: torch.Tensor | None = None
+        self._own: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
+        self.ring: tuple[int, ...] = ()
+        self.host_free = threading.Event()
+        self.host_free.set()
+        self.pending = False
+        self.done = None                          # d2h event: the pending gradient is on the host
+        self._prefetch = None                     # load_steps generator of the head slot during a forward
+        self._sq = None
+        pin = engine.config.pin_memory and engine.config.is_cuda
+        self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)
+        self.scale_dev = None
+        self._lm_index = None if engine.tied else self._find_lm_index()   # a tied one travels with the embedding
+
+    # ----------------------------------------------------------------- forward (main thread)
+    def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
+        """(loss, the gradient of h or None): with gradients, the head's own are sent to the host now."""
         from triton_ops import linear_cross_entropy
-        hu = self.head_unit
-        slot, hv, W = self._head_weights()
+        e, hu = self.engine, self.unit
+        slot, hv, W = self._weights()
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        sl = shift_labels.reshape(-1).to(self.device, torch.long)
+        sl = shift_labels.reshape(-1).to(e.device, torch.long)
         if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(self.device)
+            num_items_in_batch = num_items_in_batch.to(e.device)
         if not with_grad:
             with torch.no_grad(), swapped(hu, hv):
-                hn = self._norm(h)
-                loss = linear_cross_entropy(hn.reshape(-1, self.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=self.config.head_chunk_tokens)
-            self.head_slots.release(slot)
+                hn = self.norm_fn(h)
+                loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
+                                            chunk_tokens=e.config.head_chunk_tokens)
+            self.slots.release(slot)
             return loss, None
-        t = self._span_start()
+        t = e._span_start()
         hx = h.detach().requires_grad_()
         leaves = _leaves(hv)
-        wl = leaves[self._lm_index()] if not self.tied else W.detach().requires_grad_()
+        wl = leaves[self._lm_index] if not e.tied else W.detach().requires_grad_()
         with torch.enable_grad(), swapped(hu, leaves):
-            hn = self._norm(hx)
-            loss = linear_cross_entropy(hn.reshape(-1, self.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
-                                        chunk_tokens=self.config.head_chunk_tokens)
-        wrt = [hx] + leaves + ([wl] if self.tied else [])
+            hn = self.norm_fn(hx)
+            loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
+                                        chunk_tokens=e.config.head_chunk_tokens)
+        wrt = [hx] + leaves + ([wl] if e.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         pgrads = list(grads[1:])
-        if self.single_micro:
-            own = [g for g in pgrads[:len(leaves)] if g is not None]
-            self._head_sq = _sq_norm(own)
-            if self.tied:
+        emb = e.embedding
+        if e.single_micro:
+            self._sq = _sq_norm([g for g in pgrads[:len(leaves)] if g is not None])
+            if e.tied:
                 dw = pgrads[-1]
-                self._dw_sq = _sq_norm([dw])
-                self._dw_rows = dw.index_select(0, self._fwd_rows[0]).float()
-        self._span_end(t)
-        self.head_slots.release(slot)
+                emb.dw_sq = _sq_norm([dw])
+                emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
+        e._span_end(t)
+        self.slots.release(slot)
         # Send the head's gradients to the host now: they are final (the loss ends the graph).
-        if self.head_pending:        # an earlier forward's gradients were never consumed by a backward
-            self.head_done.synchronize()
-            self.head_pending = False
-            self.head_host_free.set()
-            self._return_head_ring()
-        self._wait(self.head_host_free, "other")
-        self.head_host_free.clear()
+        if self.pending:        # an earlier forward's gradients were never consumed by a backward
+            self.done.synchronize()
+            self.pending = False
+            self.host_free.set()
+            self._return_ring()
+        e._wait(self.host_free, "other")
+        self.host_free.clear()
         try:
             # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
-            extra = self.tied and self.resident_embed is None and not self.single_micro
-            self.head_host = self._head_buffer(hu.numel + (self.embed_unit.numel if extra else 0))
-            dsts = [e.view(self.head_host) for e in hu.entries]
-            if self.tied and self.resident_embed is not None:
+            extra = e.tied and emb.resident is None and not e.single_micro
+            self.host = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0))
+            dsts = [x.view(self.host) for x in hu.entries]
+            if e.tied and emb.resident is not None:
                 # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
-                # the loss gradient in head_backward, the batch rows added in embed_backward).
+                # the loss gradient in backward, the batch rows added in the embedding's backward).
                 dw = pgrads.pop()
-                self._embed_rgrad.view(self.vocab, self.hidden).copy_(dw)
-            elif self.tied:
+                emb.rgrad.view(e.vocab, e.hidden).copy_(dw)
+            elif e.tied:
                 # With one backward per step the tied gradient goes straight into the embedding's
                 # pinned gradient buffer (which the previous step's update has released).
-                dsts.append(self.embed_grad if self.single_micro else self.head_host[hu.numel:])
-            self.head_done = self._d2h(pgrads, dsts)
+                dsts.append(emb.grad if e.single_micro else self.host[hu.numel:])
+            self.done = e._d2h(pgrads, dsts)
         except BaseException:
             # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
             # free again, so the next forward does not wait for them forever.
-            self._return_head_ring()
-            self.head_host_free.set()
+            self._return_ring()
+            self.host_free.set()
             raise
-        self.head_pending = True
+        self.pending = True
         return loss.detach(), grads[0]
 
-    def _head_buffer(self, numel: int) -> torch.Tensor:
+    def logits(self, h, logits_to_keep=0):
+        """The logits of h (no loss), e.g. for generation."""
+        hu = self.unit
+        slot, hv, W = self._weights()
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            h = h[:, -logits_to_keep:, :]
+        with torch.no_grad(), swapped(hu, hv):
+            logits = F.linear(self.norm_fn(h), W)
+        self.slots.release(slot)
+        return logits
+
+    def _buffer(self, numel: int) -> torch.Tensor:
         """Host buffer of `numel` elements (the ring's dtype) for the head's gradient: the front of the ring when the ring
         holds it (the layers' next gradients take the buffers after it first), else a pinned
         buffer of its own, made when first needed.
@@ -97,47 +144,46 @@ class LossHead:
         Note: [Why the head's gradient borrows the ring] the head's gradients are copied out at the
         end of the forward, while the ring is idle, and the layers' backward needs it only after:
         the head's gradient lands in the first ring buffers when they hold it, and each buffer
-        goes back to the ring as the head's update passes it (`HostTasks._head_task`). An untied
-        8B lm_head's own buffer was 2.1 GB of pinned host memory.
+        goes back to the ring as the head's update passes it (`_head_task`). An untied 8B
+        lm_head's own buffer was 2.1 GB of pinned host memory.
         """
-        if numel <= self.ring_size * len(self.ring):
-            n = -(-numel // self.ring_size)
+        e = self.engine
+        if numel <= e.ring_size * len(e.ring):
+            n = -(-numel // e.ring_size)
             for k in range(n):
-                self._claim_ring(k)
-            self.head_ring = tuple(range(n))
-            self.ring_next = n % len(self.ring)
-            return self.ring_slab[:numel]
-        if self._head_own is None or self._head_own.numel() < numel:
-            if self._head_own is not None:
-                self.pinned.release(self._head_own)   # idle: head_host_free was waited for
-            self._head_own = self.pinned.empty(numel, dtype=self.grad_dtype)
-        return self._head_own[:numel]
+                e._claim_ring(k)
+            self.ring = tuple(range(n))
+            e.ring_next = n % len(e.ring)
+            return e.ring_slab[:numel]
+        if self._own is None or self._own.numel() < numel:
+            if self._own is not None:
+                e.pinned.release(self._own)   # idle: host_free was waited for
+            self._own = e.pinned.empty(numel, dtype=e.grad_dtype)
+        return self._own[:numel]
 
     def _ring_passed(self, held: list, passed: int | None):
         """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
         a front-to-back reader has passed: up to element `passed` of the gradient, or all (None)."""
-        while held and (passed is None or (held[0] + 1) * self.ring_size <= passed):
+        size = self.engine.ring_size
+        while held and (passed is None or (held[0] + 1) * size <= passed):
             yield held.pop(0)
 
-    def _return_head_ring(self) -> None:
-        for k in self.head_ring:
-            self.ring_free[k].set()
-        self.head_ring = ()
+    def _return_ring(self) -> None:
+        for k in self.ring:
+            self.engine.ring_free[k].set()
+        self.ring = ()
 
-    def _lm_index(self) -> int:
-        for k, e in enumerate(self.head_unit.entries):
-            if any(attr == "weight" and mod is self._lm_module for mod, attr in e.holders):
+    def _find_lm_index(self) -> int:
+        for k, x in enumerate(self.unit.entries):
+            if any(attr == "weight" and mod is self.lm_module for mod, attr in x.holders):
                 return k
         raise RuntimeError("lm_head weight not found in the head unit")
 
-    def _norm(self, h):
-        return self._norm_fn(h)
-
-    def _head_slot_units(self) -> tuple:
+    def _slot_units(self) -> tuple:
         """What the head slot carries: the head unit, and a tied lm_head's embedding unless it is resident."""
-        return (self.head_unit,) if self.tied and self.resident_embed is not None else self.head_units
+        return (self.unit,) if self.engine.tied and self.engine.embedding.resident is not None else self.units
 
-    def _prefetch_head(self) -> None:
+    def prefetch(self) -> None:
         """One chunk of the head slot's h2d copy per forward layer.
 
         Note: [Why the head slot is loaded in chunks during the forward] an untied lm_head is
@@ -146,71 +192,104 @@ class LossHead:
         256 MiB chunk after each layer's own prefetch fits in the h2d stream's idle time while
         that layer computes. It starts only once the head's previous update has landed (never
         blocking the forward on the worker)."""
-        if self._head_prefetch is None:
-            units = self._head_slot_units()
+        if self._prefetch is None:
+            units = self._slot_units()
             if not all(u.updated.is_set() for u in units):
                 return
-            self._head_prefetch = self.head_slots.load_steps(units)
-        next(self._head_prefetch, None)
+            self._prefetch = self.slots.load_steps(units)
+        next(self._prefetch, None)
 
-    def _finish_head_prefetch(self) -> None:
-        if self._head_prefetch is not None:
-            for _ in self._head_prefetch:
+    def drop_prefetch(self) -> None:
+        """A new forward: a load started by one that stopped half way starts over."""
+        self._prefetch = None
+
+    def _finish_prefetch(self) -> None:
+        if self._prefetch is not None:
+            for _ in self._prefetch:
                 pass
-            self._head_prefetch = None
+            self._prefetch = None
 
-    def _head_weights(self):
+    def _weights(self):
         """(slot, the head unit's views, the lm_head weight): a tied lm_head is the resident
         embedding's compute copy when there is one, else it travels in the head slot."""
-        hu = self.head_unit
-        self._finish_head_prefetch()
-        if self.tied and self.resident_embed is not None:
-            slot = self.head_slots.acquire((hu,))
-            return slot, slot.views(hu), self.resident_embed.weights.view(self.vocab, self.hidden)
-        slot = self.head_slots.acquire(self.head_units)
+        e, hu = self.engine, self.unit
+        self._finish_prefetch()
+        r = e.embedding.resident
+        if e.tied and r is not None:
+            slot = self.slots.acquire((hu,))
+            return slot, slot.views(hu), r.weights.view(e.vocab, e.hidden)
+        slot = self.slots.acquire(self.units)
         hv = slot.views(hu)
-        return slot, hv, (slot.views(self.embed_unit)[0] if self.tied else hv[self._lm_index()])
+        return slot, hv, (slot.views(e.embed_unit)[0] if e.tied else hv[self._lm_index])
 
-    def head_logits(self, h, logits_to_keep=0):
-        hu = self.head_unit
-        slot, hv, W = self._head_weights()
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            h = h[:, -logits_to_keep:, :]
-        with torch.no_grad(), swapped(hu, hv):
-            logits = F.linear(self._norm(h), W)
-        self.head_slots.release(slot)
-        return logits
-
-    def head_backward(self, gloss: torch.Tensor) -> None:
-        if not self.head_pending:
+    # ----------------------------------------------------------------- backward (main thread)
+    def backward(self, gloss: torch.Tensor) -> None:
+        """The first step of a backward: the loss gradient scales the head's gradients, sent in forward."""
+        if not self.pending:
             raise SlideStateError("backward() without a matching forward")
-        self.head_pending = False
-        hu = self.head_unit
+        self.pending = False
+        e, hu, emb = self.engine, self.unit, self.engine.embedding
         g = gloss.detach().float().reshape(1)
-        self._scale_dev = g.reshape(())
-        if self.single_micro:
-            self.norm_dev += self._head_sq * self._scale_dev ** 2
+        self.scale_dev = g.reshape(())
+        if e.single_micro:
+            e.norm_dev += self._sq * self.scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
-        norm = self._norm_slot(hu) if self.single_micro else None
-        if self.streams.cuda:
+        norm = e._norm_slot(hu) if e.single_micro else None
+        if e.streams.cuda:
             self.scale_host.copy_(g, non_blocking=True)
             if norm is not None:
-                norm.copy_(self.norm_dev.reshape(1), non_blocking=True)
+                norm.copy_(e.norm_dev.reshape(1), non_blocking=True)
         else:
             self.scale_host.copy_(g)
             if norm is not None:
-                norm.copy_(self.norm_dev.reshape(1))
-        scale_ev = self.streams.record()
-        update = self.mode.updates
-        embed_on_host = self.resident_embed is None
-        if self.tied and not embed_on_host:
-            self._embed_rgrad.mul_(self._scale_dev)
+                norm.copy_(e.norm_dev.reshape(1))
+        scale_ev = e.streams.record()
+        update = e.mode.updates
+        embed_on_host = emb.resident is None
+        if e.tied and not embed_on_host:
+            emb.rgrad.mul_(self.scale_dev)
         if update:
-            self._schedule(hu)
+            e._schedule(hu)
             if embed_on_host:
-                self._schedule(self.embed_unit)      # its bulk update starts in the head task
-        ring, self.head_ring = self.head_ring, ()
-        self.worker.submit(self._head_task, self.head_done, scale_ev, update, self.mode.ends_step, self.hp,
-                           self._fwd_touch if embed_on_host else None, embed_on_host, ring, norm,
-                           done=(self.head_host_free,) + tuple(self.ring_free[k] for k in ring)
-                           + ((hu.updated,) if update else ()))
+                e._schedule(e.embed_unit)      # its bulk update starts in the head task
+        ring, self.ring = self.ring, ()
+        e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
+                        emb.touch if embed_on_host else None, embed_on_host, ring, norm,
+                        done=(self.host_free,) + tuple(e.ring_free[k] for k in ring)
+                        + ((hu.updated,) if update else ()))
+
+    # ----------------------------------------------------------------- worker side
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None):
+        e, host, emb = self.engine, self.engine.host, self.engine.embedding
+        host.sync(done, "wait_d2h:head")
+        host.sync(scale_ev, "wait_d2h:scale")
+        if norm is not None:
+            host.check_norm(float(norm[0]), "the gradient of the head")
+        scale = float(self.scale_host[0])
+        hu = self.unit
+        # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
+        # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
+        src = self.host[:hu.numel]
+        if e.tied and embed_on_host:
+            eu = e.embed_unit
+            if e.single_micro:            # already in place (see forward)
+                if scale != 1.0:
+                    emb.grad.mul_(scale)
+            else:
+                host.fold(emb.grad, self.host[hu.numel:], scale, first=not eu.grad_valid)
+                eu.grad_valid = True
+        # Read by the update alone, front to back: each ring buffer goes back once it is passed.
+        returned = self._ring_returner(ring) if ring and hu.grad is None else None
+        host.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
+        if update and touch is not None:
+            emb.bulk_update(touch, hp)
+
+    def _ring_returner(self, ring: tuple):
+        """on_progress callback: give ring buffer k back once an update has passed its end."""
+        pending = list(ring)
+        free = self.engine.ring_free
+
+        def returned(n: int) -> None:
+            for k in self._ring_passed(pending, n):
+                free[k].set()
+        return returned

@@ -192,7 +192,7 @@ def _install_proxies(model, adapter, engine) -> None:
             _check_no_foreign_trainables(model_ref(), owned)
             engine.begin_graph()
             return EmbedFunction.apply(engine.anchor, engine, input_ids)
-        return engine.embed_forward(input_ids)
+        return engine.embedding.forward(input_ids)
 
     emb.forward = embed_forward
     for i, layer in enumerate(adapter.layers(model)):
@@ -290,7 +290,7 @@ class SlideModel:
                            use_cache=True, **{key: past}, **kwargs)
             # The logits go back to the prompt's device, where generate() appends the next tokens
             # (the cache stays on the compute device).
-            logits = eng.head_logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
+            logits = eng.head.logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
             return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
@@ -298,7 +298,7 @@ class SlideModel:
         if torch.is_grad_enabled():
             eng.stats.tokens += input_ids.numel()
         if labels is None and shift_labels is None:
-            return CausalLMOutputWithPast(logits=eng.head_logits(h, logits_to_keep))
+            return CausalLMOutputWithPast(logits=eng.head.logits(h, logits_to_keep))
         if labels is not None:
             labels = labels.to(dev)
         if torch.is_grad_enabled() and h.requires_grad:
@@ -308,7 +308,7 @@ class SlideModel:
             loss = HeadFunction.apply(h, eng, labels, num_items_in_batch)
             eng.stats.forward_s += time.perf_counter() - t0
         else:
-            loss, _ = eng.head_forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
+            loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss)
 
     def slide_stats(self) -> dict:
@@ -326,9 +326,9 @@ class SlideModel:
         """
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
-        out["resident_layers"] = len(eng.resident)
-        out["resident_embedding"] = eng.resident_embed is not None
-        out["device_updated_layers"] = len(eng._device_units)
+        out["resident_layers"] = len(eng.residents.layers)
+        out["resident_embedding"] = eng.embedding.resident is not None
+        out["device_updated_layers"] = len(eng.device_updates.units)
         return out
 
     # ------------------------------------------------------------------ state

@@ -9,7 +9,7 @@ AdamW right after its backward, instead of by the CPU worker (tens of ms per lay
 worker, the bound at small batches, has that much less to do, and the next forward does not
 wait for those layers.
 
-While a unit is resident its device copy is the current state: `evict_resident()` writes the
+While a unit is resident its device copy is the current state: `ResidentPlan.evict()` writes the
 master, moments and step counters back before anything reads or replaces the host state
 (`engine.synchronize()`: checkpoints, state_dict, save_pretrained, load_state_dict). The embedding goes first (its update, the per-row folding of its
 gradient and, when tied, the lm_head's (V, H) gradient copy all leave the CPU, and it is what
@@ -23,14 +23,15 @@ import torch
 
 from . import optim as _optim
 from .budget import plan_resident
-from .memory import GiB, lazy_zeros, release_pages
+from .memory import GiB, release_pages
 from .optim import sq_norm as _sq_norm
+from .placements import DeferredStep, LayerPlacement
 from .planner import plan as _estimate
 from .store import Unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResidentState", "ResidentUnits", "plan_resident", "measured_peak"]
+__all__ = ["ResidentState", "ResidentLayer", "ResidentPlan", "plan_resident", "measured_peak"]
 
 
 class ResidentState:
@@ -69,6 +70,72 @@ class ResidentState:
         return self.unit.views(self.weights)
 
 
+class ResidentLayer(LayerPlacement):
+    """A layer whose state is on the GPU: never copied in, updated by torch's fused CUDA AdamW on
+    the compute stream right after its backward (or at `optimizer.step()` with clipping).
+
+    Args:
+        engine, unit: as LayerPlacement.
+        state: its device copies.
+        host: the placement it had on the host, which it takes again when evicted.
+    """
+
+    resident = True
+
+    def __init__(self, engine, unit: Unit, state: ResidentState, host: LayerPlacement):
+        super().__init__(engine, unit)
+        self.state, self.host = state, host
+
+    def weights(self, busy: tuple = ()):
+        return self.state.views(), None
+
+    def prefetch(self, busy: tuple = ()) -> None:
+        pass
+
+    def after_forward(self, slot) -> None:
+        self.engine.residents.pace()
+
+    def after_recompute(self, slot) -> None:
+        pass
+
+    def take_gradient(self, grads: list) -> None:
+        """AdamW on the compute stream right after the backward; with clipping the gradient waits
+        on the device for optimizer.step(). With accumulation it is summed on the device over the
+        micro-batches, and the last one updates (or, with clipping, leaves the sum for
+        optimizer.step()); the squared norm is the sum's."""
+        e, u, r, mode = self.engine, self.unit, self.state, self.engine.mode
+        if e.single_micro:
+            e.norm_dev += _sq_norm([g for g in grads if g is not None])
+            g32 = e.residents.shared_grad[:u.numel] if mode.updates else r.grad
+            first = True
+        else:
+            g32, first = r.grad, not r.grad_valid
+        for x, g in zip(u.entries, grads):
+            d = x.view(g32)
+            if g is None:
+                if first:
+                    d.zero_()
+            elif first:
+                d.copy_(g.reshape(d.shape))
+            else:
+                d.add_(g.reshape(d.shape))
+        if not e.single_micro:
+            r.grad_valid = True
+            if mode.ends_step:
+                e.norm_dev += _sq_norm([g32])
+        if mode.updates:
+            e.residents.resident_step(u, r, g32, found_inf=e.found_inf_dev())
+            r.grad_valid = False
+        e.residents.pace()
+
+    def step(self, deferred: DeferredStep) -> None:
+        coef, found_inf = deferred.resident_clip()
+        # the clip factor applied in the fused AdamW, as on the host; skipped where not finite
+        self.engine.residents.resident_step(self.unit, self.state, self.state.grad, deferred.hp, clip_coef=coef,
+                                            found_inf=found_inf)
+        self.state.grad_valid = False
+
+
 def measured_peak(device) -> int:
     """The GPU memory a training step needed: the allocator's reserved peak.
 
@@ -82,38 +149,70 @@ def measured_peak(device) -> int:
     return torch.cuda.max_memory_reserved(device)
 
 
-class ResidentUnits:
-    """Engine-side methods of the resident units (a mixin of SlideEngine: they share its state)."""
+class ResidentPlan:
+    """Which units are resident on the GPU, planned from a measured step, and their updates.
 
-    def _plan_resident(self) -> tuple[bool, int]:
-        c = self.config
-        if not self.single_micro:
+    Args:
+        engine: the SlideEngine.
+        model_config: the HF config as a dict (for the estimate before the first step), or None.
+
+    Attributes:
+        planned: (embedding resident, number of resident layers) once planned, else None.
+        shared_grad: one fp32 device gradient all resident layers share when they update in backward.
+    """
+
+    def __init__(self, engine, model_config: dict | None):
+        self.engine = engine
+        self.model_config = model_config
+        self.planned: tuple[bool, int] | None = None   # decided after the first optimizer step
+        self.shared_grad: torch.Tensor | None = None
+        self.peak: int | None = None                   # GPU peak the plan is based on ...
+        self.tokens: int | None = None                 # ... and the tokens of that step's batch
+        self.last_tokens = 0
+        self._pace_ev = None
+
+    @property
+    def layers(self) -> dict[int, ResidentState]:
+        """Layer index -> the device state of each resident layer."""
+        return {i: p.state for i, p in enumerate(self.engine.places) if p.resident}
+
+    def target(self) -> tuple[bool, int]:
+        """The plan, made now if there is none yet."""
+        if self.planned is None:
+            self.planned = self.plan()
+        return self.planned
+
+    def plan(self) -> tuple[bool, int]:
+        """(embedding resident, number of resident layers) from the config and the measured peak."""
+        e = self.engine
+        c = e.config
+        if not e.single_micro:
             # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
             # layer sums its micro-batches' gradients on the GPU and is updated there when the step
-            # ends (`_resident_update`); the embedding stays on the host (its tied head gradient
-            # and per-row folding have no device path across micro-batches). The layers are taken
-            # only as many as `resident_layers` asks: "auto" keeps none here until the mode has
-            # been measured on a GPU.
+            # ends (`ResidentLayer.take_gradient`); the embedding stays on the host (its tied head
+            # gradient and per-row folding have no device path across micro-batches). The layers
+            # are taken only as many as `resident_layers` asks: "auto" keeps none here until the
+            # mode has been measured on a GPU.
             return False, (0 if c.resident_layers == "auto" else int(c.resident_layers))
         embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
         layers = None if c.resident_layers == "auto" else int(c.resident_layers)
-        if not self.streams.cuda:                       # nothing to gain on a CPU device unless asked
+        if not e.streams.cuda:                       # nothing to gain on a CPU device unless asked
             return bool(embed), layers or 0
         if embed is not None and layers is not None:
             return embed, layers
         limit = (int(c.gpu_memory_limit * GiB) if c.gpu_memory_limit is not None
-                 else torch.cuda.get_device_properties(self.device).total_memory)
-        if self._plan_peak is None:      # the first step's peak, less the resident state it began with
-            self._plan_peak = max(0, measured_peak(self.device) - self._resident_bytes())
-            self._plan_tokens = self._last_tokens
-        plan = plan_resident(limit_bytes=limit, peak_bytes=self._plan_peak,
-                             layer_numel=max(u.numel for u in self.layer_units), n_layers=len(self.layer_units),
-                             embed_numel=self.embed_unit.numel, dtype=self.dtype, embed=embed, layers=layers,
+                 else torch.cuda.get_device_properties(e.device).total_memory)
+        if self.peak is None:      # the first step's peak, less the resident state it began with
+            self.peak = max(0, measured_peak(e.device) - self.resident_bytes())
+            self.tokens = self.last_tokens
+        plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
+                             layer_numel=max(u.numel for u in e.layer_units), n_layers=len(e.layer_units),
+                             embed_numel=e.embed_unit.numel, dtype=e.dtype, embed=embed, layers=layers,
                              clipping=c.max_grad_norm is not None)
         logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
         return plan
 
-    def _first_embed_plan(self, tokens: int) -> bool:
+    def first_embed_plan(self, tokens: int) -> bool:
         """Before the first training step: is the embedding resident from the start?
 
         Note: [Why the embedding can be resident before the first step] the plan measures a step
@@ -122,50 +221,34 @@ class ResidentUnits:
         that first step set the run's peak host memory. When the option says so, or when the
         planner's estimate (`planner.plan`, the same one `hf-slideformer plan` prints) already
         finds room for it, the embedding is resident from the first step; the measured plan then
-        confirms it or writes it back (`_promote_resident`).
+        confirms it or writes it back (`promote`).
         """
-        c = self.config
+        e = self.engine
+        c = e.config
         if c.resident_embedding != "auto":
             return bool(c.resident_embedding)
-        if not self.streams.cuda or self._model_config is None:
+        if not e.streams.cuda or self.model_config is None:
             return False
         limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
-                 else torch.cuda.get_device_properties(self.device).total_memory / GiB)
+                 else torch.cuda.get_device_properties(e.device).total_memory / GiB)
         try:
-            p = _estimate(self._model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
-                     max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
-                     grad_buffers=c.grad_buffers)
-        except (ValueError, KeyError, TypeError) as e:     # a config the planner cannot read: measure first
-            logger.info("no estimate before the first step (%s); the embedding waits for the measured plan", e)
+            p = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
+                          max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
+                          grad_buffers=c.grad_buffers)
+        except (ValueError, KeyError, TypeError) as err:     # a config the planner cannot read: measure first
+            logger.info("no estimate before the first step (%s); the embedding waits for the measured plan", err)
             return False
         return bool(p.resident_embedding)
 
-    def _resident_bytes(self) -> int:
+    def resident_bytes(self) -> int:
         """Device bytes the resident units hold now (outside any step's own peak)."""
-        ts = [self._embed_rgrad, self._resident_grad]
-        for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
+        emb = self.engine.embedding
+        ts = [emb.rgrad, self.shared_grad]
+        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
             ts += [r.master, r.exp_avg, r.exp_avg_sq, r.grad] + ([r.weights] if r.weights is not r.master else [])
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    def _make_embed_resident(self) -> None:
-        eu = self.embed_unit
-        self.resident_embed = self._make_resident(eu)
-        self._release_embed_host()
-        if self._embed_rgrad is None:
-            self._embed_rgrad = torch.zeros(eu.numel, dtype=torch.float32, device=self.device)
-
-    def _ensure_embed_grad(self) -> None:
-        """The host's dense (V, H) fp32 gradient of an embedding on the host, made on first use.
-        Pinned (a tied lm_head's gradient lands there straight from the GPU), unless the embedding
-        is only out for a while (written back for a checkpoint, resident again after this step)."""
-        if self.embed_grad is not None:
-            return
-        self.embed_grad = lazy_zeros(self.embed_unit.numel)
-        target = self._resident_target
-        if target is None or not target[0]:
-            self.pinned.adopt(self.embed_grad)
-
-    def _fit_resident(self, tokens: int) -> None:
+    def fit(self, tokens: int) -> None:
         """Before a training forward: a batch larger than the one the plan measured may need the
         memory the resident units hold, so they go back to the host for it, and the next plan
         scales the measured peak by the new size (an over-estimate: part of the peak is fixed).
@@ -173,101 +256,84 @@ class ResidentUnits:
 
         Before the first step, the embedding may go resident at once ([Why the embedding can be
         resident before the first step])."""
-        self._last_tokens = tokens
-        if (self._plan_peak is None and self._resident_target is None and self.resident_embed is None
-                and self.single_micro and self.optimizer is not None and self._first_embed_plan(tokens)):
-            self._make_embed_resident()
-        if self._plan_peak is None or not self._plan_tokens or tokens <= self._plan_tokens:
+        e, emb = self.engine, self.engine.embedding
+        self.last_tokens = tokens
+        if (self.peak is None and self.planned is None and emb.resident is None
+                and e.single_micro and e.optimizer is not None and self.first_embed_plan(tokens)):
+            emb.make_resident()
+        if self.peak is None or not self.tokens or tokens <= self.tokens:
             return
-        if self.resident or self.resident_embed is not None:
-            self.evict_resident()
-        self._plan_peak = int(self._plan_peak * tokens / self._plan_tokens)
-        self._plan_tokens = tokens
-        self._resident_target = None
+        if self.layers or emb.resident is not None:
+            self.evict()
+        self.peak = int(self.peak * tokens / self.tokens)
+        self.tokens = tokens
+        self.planned = None
 
-    def _make_resident(self, u: Unit, with_grad: bool = False) -> ResidentState:
-        self._wait(u.updated, "update")                 # its last CPU update has landed in the host store
-        self.flush_device_updates(u)                    # ... or its device update (written back on the d2h stream)
-        self.streams.wait(u.host_write)
-        r = ResidentState(u, self.dtype, self.device, with_grad=with_grad)
+    def make_state(self, u: Unit, with_grad: bool = False) -> ResidentState:
+        """`u`'s state copied to the device once its last update has landed; its host moments given back."""
+        e = self.engine
+        e._wait(u.updated, "update")                 # its last CPU update has landed in the host store
+        e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
+        e.streams.wait(u.host_write)
+        r = ResidentState(u, e.dtype, e.device, with_grad=with_grad)
         r.load_from_host()
-        # The host moments are not read again until evict_resident() writes them back; a clipping
-        # layer's host accumulator is not used while its gradient stays on the device (it reads as
-        # zeros, its reset state).
+        # The host moments are not read again until evict() writes them back; a clipping layer's
+        # host accumulator is not used while its gradient stays on the device (it reads as zeros,
+        # its reset state).
         release_pages(u.exp_avg)
         release_pages(u.exp_avg_sq)
         if u.grad is not None and not u.grad_valid:
             release_pages(u.grad)
         return r
 
-    def _promote_resident(self) -> None:
+    def promote(self) -> None:
         """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
-        if self.optimizer is None:
+        e, emb = self.engine, self.engine.embedding
+        if e.optimizer is None:
             return
-        if self._resident_target is None:
-            self._resident_target = self._plan_resident()
-        embed, n = self._resident_target
-        n = min(n, len(self.layer_units))
-        if not embed and self.embed_grad is not None and self.pinned.enabled and not self.embed_grad.is_pinned():
+        embed, n = self.target()
+        n = min(n, len(e.layer_units))
+        if not embed and emb.grad is not None and e.pinned.enabled and not emb.grad.is_pinned():
             # The plan no longer keeps the embedding resident: its dense gradient is read by d2h
             # copies every step again, so it is pinned again (after an eviction for a checkpoint
             # the embedding comes back at once, and one step's pageable copy costs less than
             # pinning 2 GB).
-            self.pinned.adopt(self.embed_grad)
-        eu = self.embed_unit
-        if not embed and self.tied and self.pinned.enabled and not eu.master.is_pinned():
-            self.pinned.adopt(eu.master)             # the head slot copies a tied one in again
-        if not embed and self.resident_embed is not None:
-            self.evict_resident()                    # resident from the first step, not in the measured plan
-        if embed and self.resident_embed is None:
-            self._make_embed_resident()
-        if len(self.resident) >= n:
+            e.pinned.adopt(emb.grad)
+        eu = e.embed_unit
+        if not embed and e.tied and e.pinned.enabled and not eu.master.is_pinned():
+            e.pinned.adopt(eu.master)             # the head slot copies a tied one in again
+        if not embed and emb.resident is not None:
+            self.evict()                          # resident from the first step, not in the measured plan
+        if embed and emb.resident is None:
+            emb.make_resident()
+        if len(self.layers) >= n:
             return
-        own_grad = self.config.max_grad_norm is not None or not self.single_micro   # a gradient per layer
-        if self._resident_grad is None and not own_grad:
-            self._resident_grad = torch.empty(max(u.numel for u in self.layer_units), dtype=torch.float32,
-                                              device=self.device)
+        own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
+        if self.shared_grad is None and not own_grad:
+            self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,
+                                           device=e.device)
         for i in range(n):
-            if i not in self.resident:
-                self.resident[i] = self._make_resident(self.layer_units[i], with_grad=own_grad)
+            p = e.places[i]
+            if not p.resident:
+                e.places[i] = ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p)
 
-    def _release_embed_host(self) -> None:
-        """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB
-        of master, 2.1 GB of dense gradient, ~2.7 GB of row buffers): the device holds the current
-        master, and `evict_resident()` writes it back into the same (then re-faulted) pages; the
-        dense gradient reads as zeros, its reset state."""
-        u = self.embed_unit
-        for t in (u.master, self.embed_grad):      # no copy reads them: load_from_host copied synchronously
-            if t is not None:
-                self.pinned.release(t)
-                release_pages(t)
-        if self.embed_fwd_ev is not None:
-            self.embed_fwd_ev.synchronize()          # the last forward's rows have left the buffer
-            self.embed_fwd_ev = None
-        self._wait(self.embed_host_free, "other")    # the worker is done with the last gradient rows
-        for name in ("embed_fwd_buf", "embed_host"):
-            buf = getattr(self, name)
-            if buf is not None:
-                self.pinned.release(buf)
-                setattr(self, name, None)
-        self._row_bufs = [None] * len(self._row_bufs)   # the worker's (idle: the embedding's update has landed)
-
-    def evict_resident(self) -> None:
+    def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
-        if not self.resident and self.resident_embed is None:
+        e, emb = self.engine, self.engine.embedding
+        if not self.layers and emb.resident is None:
             return
-        embed_mid_step = self.resident_embed is not None and self.live_generation is not None
-        if self.resident_embed is not None:
-            self.tier.materialize()      # a layer input gathered from the embedding's master
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)
+        embed_mid_step = emb.resident is not None and e.live_generation is not None
+        if emb.resident is not None:
+            e.tier.materialize()      # a layer input gathered from the embedding's master
+        if e.streams.cuda:
+            torch.cuda.synchronize(e.device)
         if embed_mid_step:
             # A forward's backward is still to come and takes the host path: the host gradient it
             # needs, holding what the head put in the resident one (a tied lm_head's gradient).
-            self._ensure_embed_grad()
-            if self.tied and self._embed_rgrad is not None:
-                self.embed_grad.copy_(self._embed_rgrad)
-        for r in list(self.resident.values()) + ([self.resident_embed] if self.resident_embed is not None else []):
+            emb.ensure_grad()
+            if e.tied and emb.rgrad is not None:
+                emb.grad.copy_(emb.rgrad)
+        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
             r.store_to_host()
             if r.grad_valid:
                 # Between micro-batches: the running sum goes on in the host accumulator.
@@ -275,54 +341,29 @@ class ResidentUnits:
                 u.grad.copy_(r.grad)
                 u.grad_valid = True
                 r.grad_valid = False
-        self.resident.clear()
-        self.resident_embed = None
+        for i, p in enumerate(e.places):
+            if p.resident:
+                e.places[i] = p.host
+        emb.resident = None
 
-    def _resident_update(self, u: Unit, r: ResidentState, grads: list) -> None:
-        """AdamW of a resident layer on the compute stream right after its backward; with clipping,
-        its gradient waits on the device for optimizer.step(). With accumulation the gradient is
-        summed on the device over the micro-batches, and the last one updates (or, with clipping,
-        leaves the sum for optimizer.step()); the squared norm is the sum's."""
-        if self.single_micro:
-            self.norm_dev += _sq_norm([g for g in grads if g is not None])
-            g32 = self._resident_grad[:u.numel] if self.mode.updates else r.grad
-            first = True
-        else:
-            g32, first = r.grad, not r.grad_valid
-        for e, g in zip(u.entries, grads):
-            d = e.view(g32)
-            if g is None:
-                if first:
-                    d.zero_()
-            elif first:
-                d.copy_(g.reshape(d.shape))
-            else:
-                d.add_(g.reshape(d.shape))
-        if not self.single_micro:
-            r.grad_valid = True
-            if self.mode.ends_step:
-                self.norm_dev += _sq_norm([g32])
-        if self.mode.updates:
-            self._resident_step(u, r, g32, found_inf=self._found_inf_dev())
-            r.grad_valid = False
-
-    def _resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
-                       found_inf=None) -> None:
+    def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
+                      found_inf=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
 
         Note: [Why the master is not copied back every step] the device master is the current
-        one while the unit is resident; `evict_resident()` writes it back with the moments. A
-        copy after every update would cost 4 bytes per parameter of d2h each step, and the last
-        ones (layer 0, the embedding) would end the step with the GPU idle. Host-side readers of
-        the weights (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
+        one while the unit is resident; `evict()` writes it back with the moments. A copy after
+        every update would cost 4 bytes per parameter of d2h each step, and the last ones (layer
+        0, the embedding) would end the step with the GPU idle. Host-side readers of the weights
+        (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
-        _optim.apply_adamw(u, g32, *(hp or self.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
+        e = self.engine
+        _optim.apply_adamw(u, g32, *(hp or e.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         u.version += 1                                   # any slot copy of the old weights is stale
-        self.stats.gpu_adam_params += u.numel
+        e.stats.gpu_adam_params += u.numel
 
-    def _pace(self) -> None:
+    def pace(self) -> None:
         """Keep the host at most one resident layer ahead of the GPU.
 
         Note: [Why resident layers are paced] without a copy or an update to wait for, the host
@@ -332,40 +373,41 @@ class ResidentUnits:
         previous layer's event releases the lock, so a worker task takes its AdamW plus its
         waits and nothing more. One layer of queued work covers the host's launch overhead.
         """
-        if not self.streams.cuda:
+        st = self.engine.streams
+        if not st.cuda:
             return
-        prev, self._pace_ev = self._pace_ev, self.streams.record()
+        prev, self._pace_ev = self._pace_ev, st.record()
         if prev is not None:
             prev.synchronize()
 
-    def _device_clip_coef(self):
-        """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
-        sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
-        arithmetic (see _clip_task), so that the results are identical there."""
-        mx = self.config.max_grad_norm
-        if self.streams.cuda:
-            return (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
-        return min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
-
-    def _step_resident(self, hp, clip_done=None) -> set[int]:
-        """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
-        before its last micro-batch); their unit ids. With accumulation the clip factor is the
-        worker's (`clip_done`: its clip task has run), from the host units' norms and the device's."""
-        units = ([(self.embed_unit, self.resident_embed, self._embed_rgrad)] if self.resident_embed is not None else [])
-        units += [(self.layer_units[i], r, r.grad) for i, r in sorted(self.resident.items())]
-        if not units:
-            return set()
-        found_inf = self._found_inf_dev() if self.single_micro else None
-        if self.config.max_grad_norm is None:
+    def clip(self, clip_done=None) -> tuple:
+        """(clip factor, found_inf) for the resident units' updates at optimizer.step(). With
+        accumulation the clip factor is the worker's (`clip_done`: its clip task has run), from
+        the host units' norms and the device's."""
+        e = self.engine
+        found_inf = e.found_inf_dev() if e.single_micro else None
+        if e.config.max_grad_norm is None:
             coef = None
-        elif self.single_micro:
-            coef = self._device_clip_coef()
+        elif e.single_micro:
+            coef = e.device_clip_coef()
         else:
-            self._wait(clip_done, "update")
-            coef = self._clip_coef
-            found_inf = torch.tensor(float(self._poisoned), device=self.device)
-        for u, r, g in units:
-            # the clip factor applied in the fused AdamW, as on the host; skipped where not finite
-            self._resident_step(u, r, g, hp, clip_coef=coef, found_inf=found_inf)
+            e._wait(clip_done, "update")
+            coef = e.host.clip_coef
+            found_inf = torch.tensor(float(e.host.poisoned), device=e.device)
+        return coef, found_inf
+
+    def step(self, deferred: DeferredStep) -> set[int]:
+        """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
+        before its last micro-batch); their unit ids."""
+        e, emb = self.engine, self.engine.embedding
+        places = [p for p in e.places if p.resident]
+        ids = {id(p.unit) for p in places}
+        r = emb.resident
+        if r is not None:
+            coef, found_inf = deferred.resident_clip()
+            self.resident_step(e.embed_unit, r, emb.rgrad, deferred.hp, clip_coef=coef, found_inf=found_inf)
             r.grad_valid = False
-        return {id(u) for u, _, _ in units}
+            ids.add(id(e.embed_unit))
+        for p in places:
+            p.step(deferred)
+        return ids

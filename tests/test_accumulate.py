@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_slideformer.host_tasks import HostTasks
+from hf_slideformer.host_tasks import HostUpdates
 from helpers import batches, make_pair
 from test_engine import PARAM_TOL, train_both
 
@@ -16,8 +16,8 @@ def test_the_worker_folds_no_layer_gradient(tied, monkeypatch):
     """With accumulation the layers' gradients never reach the worker's fold (its `_consume`),
     and the h2d traffic includes each later micro-batch's running sums."""
     folded = []
-    consume = HostTasks._consume
-    monkeypatch.setattr(HostTasks, "_consume", lambda self, u, *a, **k: (folded.append(u.kind), consume(self, u, *a, **k))[1])
+    consume = HostUpdates.consume
+    monkeypatch.setattr(HostUpdates, "consume", lambda self, u, *a, **k: (folded.append(u.kind), consume(self, u, *a, **k))[1])
     ref, slid = make_pair("llama", tied, gradient_accumulation_steps=3, max_grad_norm=0.5)
     assert train_both(ref, slid, batches(6, pad=True), ga=3, clip=0.5) < PARAM_TOL
     assert folded and "layer" not in folded, folded

@@ -23,14 +23,14 @@ def test_device_updates_bit_identical_to_host_updates(tied, monkeypatch):
     data = batches(4, pad=True)
     ref, host = make_pair("llama", tied, max_grad_norm=0.3, device_update_share=0.0)
     assert train_both(ref, host, data, clip=0.3) < PARAM_TOL
-    assert not host.slide_engine._device_units
+    assert not host.slide_engine.device_updates.units
     # Small pieces: several per layer, through both sets of device buffers.
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
     for share, expect in ((0.5, [1, 3]), (1.0, [1, 2, 3])):
         ref2, dev = make_pair("llama", tied, max_grad_norm=0.3, device_update_share=share)
         assert train_both(ref2, dev, data, clip=0.3) < PARAM_TOL
         eng = dev.slide_engine
-        assert sorted(eng._device_units) == expect       # unit indices: the embedding is unit 0
+        assert sorted(eng.device_updates.units) == expect       # unit indices: the embedding is unit 0
         assert eng.stats.gpu_adam_params > 0
         a, b = _state(host), _state(dev)
         for k in a:
@@ -62,7 +62,7 @@ def test_pending_device_updates_are_flushed_before_the_state_is_read():
         m(**data[2]).loss.backward(); o.step(); o.zero_grad()
         m.slide_engine.configure_steps(1, None)
         m(**data[0]).loss.backward(); o.step(); o.zero_grad()
-    assert not eng._device_units
+    assert not eng.device_updates.units
     a, b = _state(host), _state(dev)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -90,17 +90,17 @@ def test_device_updates_with_accumulation(tied, monkeypatch):
     accumulators and takes the norm; the device update waits for its clip factor. The worker is
     slowed down so that optimizer.step() returns before it has folded the last micro-batch in."""
     import time
-    from hf_slideformer.host_tasks import HostTasks
+    from hf_slideformer.host_tasks import HostUpdates
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
-    consume = HostTasks._consume
-    monkeypatch.setattr(HostTasks, "_consume", lambda *a, **k: (time.sleep(0.01), consume(*a, **k))[1])
+    consume = HostUpdates.consume
+    monkeypatch.setattr(HostUpdates, "consume", lambda *a, **k: (time.sleep(0.01), consume(*a, **k))[1])
     data = batches(6, pad=True)
     states = []
     for share in (0.0, 0.5):
         ref, slid = make_pair("llama", tied, gradient_accumulation_steps=3, max_grad_norm=0.5,
                               device_update_share=share)
         assert train_both(ref, slid, data, ga=3, clip=0.5) < PARAM_TOL
-        assert sorted(slid.slide_engine._device_units) == ([] if share == 0 else [1, 3])
+        assert sorted(slid.slide_engine.device_updates.units) == ([] if share == 0 else [1, 3])
         states.append(_state(slid))
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
@@ -116,7 +116,7 @@ def test_device_layers_beside_resident_layers(monkeypatch):
         ref, slid = make_pair("llama", True, max_grad_norm=0.3, resident_layers=1, resident_embedding=True,
                               device_update_share=share)
         assert train_both(ref, slid, data, clip=0.3) < PARAM_TOL
-        assert sorted(slid.slide_engine._device_units) == ([] if share == 0 else [2, 3])
+        assert sorted(slid.slide_engine.device_updates.units) == ([] if share == 0 else [2, 3])
         states.append(_state(slid))
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
@@ -149,7 +149,7 @@ def test_checkpoint_with_pending_device_updates_resumes_bit_identically(tmp_path
     opt2 = second.create_optimizer(lr=1e-2, weight_decay=0.1)
     load_training_state(str(tmp_path / "ck"), second, opt2)
     train(second, opt2, data[2 * ga:])
-    assert second.slide_engine._device_units
+    assert second.slide_engine.device_updates.units
     a, b = _state(full), _state(second)
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -160,7 +160,7 @@ def test_device_updates_under_slow_streams(monkeypatch, ga):
     models = []
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:
-        assert m.slide_engine._device_units and m.slide_stats()["gpu_updated_params"] > 0
+        assert m.slide_engine.device_updates.units and m.slide_stats()["gpu_updated_params"] > 0
     for k in fast:
         assert torch.equal(fast[k], slow[k]), k
 
@@ -246,13 +246,13 @@ def test_embedding_resident_from_the_first_step():
     eng = slid.slide_engine
     data = batches(2, bsz=4, seq=128, vocab=1001)
     slid(**{k: v.cuda() for k, v in data[0].items()}).loss.backward()
-    assert eng.resident_embed is not None and eng.embed_grad is None
-    held = eng._resident_bytes()
+    assert eng.embedding.resident is not None and eng.embedding.grad is None
+    held = eng.residents.resident_bytes()
     opt.step(); opt.zero_grad()
-    assert eng._plan_peak is not None and eng._plan_peak <= torch.cuda.max_memory_reserved() - held
+    assert eng.residents.peak is not None and eng.residents.peak <= torch.cuda.max_memory_reserved() - held
     slid(**{k: v.cuda() for k, v in data[1].items()}).loss.backward()
     opt.step(); opt.zero_grad()
-    assert eng.resident_embed is not None and eng.embed_grad is None
+    assert eng.embedding.resident is not None and eng.embedding.grad is None
 
 
 @pytest.mark.parametrize("kernels", [False, True])

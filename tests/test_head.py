@@ -28,23 +28,23 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     its own); the layers' gradients take the other buffers first, then wait for the head's update to
     hand its buffers back. A slowed head update must not see its gradient overwritten."""
     import time
-    from hf_slideformer.host_tasks import HostTasks
+    from hf_slideformer.head import LossHead
     if slow_head:
-        real = HostTasks._head_task
+        real = LossHead._head_task
 
         def slow(self, *a, **k):
             time.sleep(0.05)
             return real(self, *a, **k)
-        monkeypatch.setattr(HostTasks, "_head_task", slow)
+        monkeypatch.setattr(LossHead, "_head_task", slow)
     ref, slid = _wide_head_pair(grad_buffers=buffers)
     eng = slid.slide_engine
     n = eng.head_unit.numel
     assert -(-n // eng.ring_size) == 3            # the head spans three ring buffers
     data = batches(4, pad=True, vocab=301)
     assert train_both(ref, slid, data) < PARAM_TOL
-    assert (eng.head_host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
-    assert (eng._head_own is None) is in_ring
-    assert all(ev.is_set() for ev in eng.ring_free) and eng.head_ring == ()
+    assert (eng.head.host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
+    assert (eng.head._own is None) is in_ring
+    assert all(ev.is_set() for ev in eng.ring_free) and eng.head.ring == ()
     # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
     assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
@@ -55,7 +55,7 @@ def test_head_ring_buffers_come_back_after_a_forward_without_backward():
     opt = slid.create_optimizer(lr=LR)
     data = batches(3, vocab=301)
     slid(**data[0])                                # gradients copied out, never consumed
-    assert slid.slide_engine.head_ring == (0, 1, 2)
+    assert slid.slide_engine.head.ring == (0, 1, 2)
     loss = slid(**data[1]).loss                    # the stale ones are dropped, the ring reclaimed
     loss.backward()
     opt.step()
@@ -78,7 +78,7 @@ def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch
     with pytest.raises(KeyboardInterrupt):
         slid(**data[0])
     monkeypatch.setattr(type(eng), "_d2h", real)
-    assert eng.head_ring == () and all(ev.is_set() for ev in eng.ring_free) and eng.head_host_free.is_set()
+    assert eng.head.ring == () and all(ev.is_set() for ev in eng.ring_free) and eng.head.host_free.is_set()
     slid(**data[1]).loss.backward()
     opt.step()
     eng.synchronize()
@@ -91,8 +91,8 @@ def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buff
     ref, slid = _wide_head_pair(tied=True, grad_buffers=buffers, gradient_accumulation_steps=2, max_grad_norm=0.5)
     assert train_both(ref, slid, batches(4, pad=True, vocab=301), ga=2, clip=0.5) < PARAM_TOL
     eng = slid.slide_engine
-    assert (eng._head_own is None) is in_ring
-    assert eng.head_host.numel() == eng.head_unit.numel + eng.embed_unit.numel
+    assert (eng.head._own is None) is in_ring
+    assert eng.head.host.numel() == eng.head_unit.numel + eng.embed_unit.numel
 
 
 def test_removed_options_are_refused():

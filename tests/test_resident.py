@@ -40,11 +40,11 @@ def test_resident_layers_bit_identical_to_host_updates():
         eng = slid.slide_engine
         if not sync:
             stats = slid.slide_stats()
-            assert len(eng.resident) == min(n, 3) and stats["resident_layers"] == min(n, 3)
+            assert len(eng.residents.layers) == min(n, 3) and stats["resident_layers"] == min(n, 3)
             assert stats["resident_embedding"] == embed
             assert (stats["gpu_updated_params"] > 0) == (n > 0 or embed)
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
-        assert not eng.resident                    # state_dict wrote them back
+        assert not eng.residents.layers                    # state_dict wrote them back
     for s in states[1:]:
         for k in states[0]:
             assert torch.equal(states[0][k], s[k]), k
@@ -58,7 +58,7 @@ def test_resident_units_checkpoint_round_trip(tmp_path, tied):
     _train(full, data)
     _, first = make_pair("llama", tied, **kw)
     opt = _train(first, data[:3])
-    assert first.slide_engine.resident and first.slide_engine.resident_embed is not None
+    assert first.slide_engine.residents.layers and first.slide_engine.embedding.resident is not None
     save_training_state(str(tmp_path / "ck"), first, opt)
     _, second = make_pair("llama", tied, seed=5, **kw)
     opt2 = second.create_optimizer(lr=LR, weight_decay=0.1)
@@ -79,11 +79,11 @@ def test_switching_to_clipping_writes_resident_state_back():
         _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=n > 0)
         opt = _train(slid, data[:2])
         eng = slid.slide_engine
-        assert len(eng.resident) == n
+        assert len(eng.residents.layers) == n
         eng.configure_steps(1, 0.5)                # clipping: updates wait for the norm at step()
-        assert not eng.resident and eng.resident_embed is None
+        assert not eng.residents.layers and eng.embedding.resident is None
         _train(slid, data[2:], opt)
-        assert len(eng.resident) == n and (eng.resident_embed is not None) == (n > 0)   # resident again
+        assert len(eng.residents.layers) == n and (eng.embedding.resident is not None) == (n > 0)   # resident again
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
@@ -105,8 +105,8 @@ def test_resident_layers_with_accumulation_match_plain_training(tied, clip):
                           resident_embedding=True)
     eng = slid.slide_engine
     made = []
-    real = type(eng)._make_resident
-    eng._make_resident = lambda u, **k: made.append(u.name) or real(eng, u, **k)
+    real = eng.residents.make_state
+    eng.residents.make_state = lambda u, **k: made.append(u.name) or real(u, **k)
     assert train_both(ref, slid, batches(6, pad=True), ga=2, clip=clip) < PARAM_TOL
     assert made and set(made) == {eng.layer_units[0].name, eng.layer_units[1].name}, made   # never the embedding
     assert slid.slide_stats()["gpu_updated_params"] > 0
@@ -128,7 +128,7 @@ def test_resident_layers_with_accumulation_bit_identical_to_host_updates():
             if k % 2 == 1 or k == len(data) - 1:  # the last step has one micro-batch of two
                 opt.step()
                 opt.zero_grad()
-        assert len(slid.slide_engine.resident) == min(layers, 3) or evict
+        assert len(slid.slide_engine.residents.layers) == min(layers, 3) or evict
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for s in states[1:]:
         for k in states[0]:
@@ -157,7 +157,7 @@ def test_resident_layers_clip_an_early_accumulated_step_like_torch(tied):
 
 def test_accumulation_keeps_resident_units_opt_in():
     ref, slid = make_pair("llama", True, gradient_accumulation_steps=2, max_grad_norm=0.5)
-    assert slid.slide_engine._plan_resident() == (False, 0)
+    assert slid.slide_engine.residents.plan() == (False, 0)
 
 
 def test_plan_resident_layers_from_the_measured_peak():
@@ -225,14 +225,14 @@ def test_longer_batch_than_planned_writes_resident_units_back():
         _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=n > 0)
         opt = _train(slid, short[:1])
         eng = slid.slide_engine
-        eng._plan_peak, eng._plan_tokens = 1000, short[0]["input_ids"].numel()   # as measured on a GPU
+        eng.residents.peak, eng.residents.tokens = 1000, short[0]["input_ids"].numel()   # as measured on a GPU
         _train(slid, short[1:], opt)
-        assert len(eng.resident) == n
+        assert len(eng.residents.layers) == n
         slid(**long[0]).loss.backward()              # more tokens: the resident units went back first
-        assert not eng.resident and eng.resident_embed is None
-        assert eng._plan_tokens == long[0]["input_ids"].numel() and (n == 0 or eng._plan_peak > 1000)
+        assert not eng.residents.layers and eng.embedding.resident is None
+        assert eng.residents.tokens == long[0]["input_ids"].numel() and (n == 0 or eng.residents.peak > 1000)
         opt.step(); opt.zero_grad()
-        assert len(eng.resident) == n                # planned again after the step
+        assert len(eng.residents.layers) == n                # planned again after the step
         _train(slid, long[1:], opt)
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
     for k in states[0]:
@@ -245,7 +245,7 @@ def test_optimizer_state_dict_holds_resident_moments():
     for n, embed in ((0, False), (2, True)):
         _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=embed)
         opt = _train(slid, data)
-        assert len(slid.slide_engine.resident) == n
+        assert len(slid.slide_engine.residents.layers) == n
         sds.append(opt.state_dict())                 # no model.state_dict() before: it must write them back
     a, b = sds
     assert a["state"].keys() == b["state"].keys()
@@ -261,7 +261,7 @@ def test_model_load_state_dict_reaches_resident_units():
         _, slid = make_pair("llama", True, resident_layers=n, resident_embedding=embed)
         snapshot = {k: v.clone() for k, v in slid.state_dict().items()}
         opt = _train(slid, data[:2])
-        assert len(slid.slide_engine.resident) == n
+        assert len(slid.slide_engine.residents.layers) == n
         slid.load_state_dict(snapshot)               # back to the initial weights, moments kept
         _train(slid, data[2:], opt)
         results.append({k: v.clone() for k, v in slid.state_dict().items()})
@@ -291,22 +291,24 @@ def test_expandable_segments_follow_the_environment(monkeypatch):
 def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
     """Once the embedding is resident, its host master, moments, dense gradient and row buffers are
     given back; an eviction writes the master back, and training goes on as on the host."""
+    import hf_slideformer.embedding as E
     import hf_slideformer.resident as R
     released = []
     real = R.release_pages
-    monkeypatch.setattr(R, "release_pages", lambda t: released.append(t.data_ptr()) or real(t))
+    for module in (R, E):
+        monkeypatch.setattr(module, "release_pages", lambda t: released.append(t.data_ptr()) or real(t))
     data = batches(4, pad=True)
     _, host = make_pair("llama", tied, resident_layers=0, resident_embedding=False)
     _train(host, data[:1])
     eng = host.slide_engine
     eng.worker.join()                       # the worker's embedding task has run
-    assert eng.embed_host is not None and any(b is not None for b in eng._row_bufs)   # what the resident one drops
+    assert eng.embedding.host is not None and any(b is not None for b in eng.embedding._row_bufs)   # what the resident one drops
     _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=True)
     opt = _train(slid, data[:1])          # resident from the first step (the option says so)
     eng, u = slid.slide_engine, slid.slide_engine.embed_unit
-    assert eng.resident_embed is not None
+    assert eng.embedding.resident is not None
     assert {u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr()} <= set(released)
-    assert eng.embed_host is None and eng.embed_fwd_buf is None and all(b is None for b in eng._row_bufs)
+    assert eng.embedding.host is None and eng.embedding.fwd_buf is None and all(b is None for b in eng.embedding._row_bufs)
     assert int((u.master == 0).sum()) >= 1024     # its whole pages read as zeros: nothing holds them
     _train(slid, data[1:2], opt, sync_every=1)      # evicts: the master is written back
     assert u.master.any()
@@ -324,19 +326,19 @@ def test_first_plan_decides_the_embedding_from_the_estimate(monkeypatch):
     import os
     _, slid = make_pair("llama", False)
     eng = slid.slide_engine
-    assert eng._first_embed_plan(32768) is False                 # a CPU device: measure first
+    assert eng.residents.first_embed_plan(32768) is False                 # a CPU device: measure first
     with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "llama3-8b.json")) as f:
-        eng._model_config = json.load(f)
+        eng.residents.model_config = json.load(f)
     monkeypatch.setattr(eng.streams, "cuda", True)
     monkeypatch.setattr(eng.config, "activation_tier", "cpu")    # what "auto" is on CUDA
     for cap, tokens, want in ((24, 16 * 2048, True), (8, 2048, False)):
         monkeypatch.setattr(eng.config, "gpu_memory_limit", cap)
-        assert eng._first_embed_plan(tokens) is want, (cap, tokens)
+        assert eng.residents.first_embed_plan(tokens) is want, (cap, tokens)
     monkeypatch.setattr(eng.config, "resident_embedding", False)
-    assert eng._first_embed_plan(16 * 2048) is False             # the option decides when set
-    eng._model_config = {"model_type": "llama"}                  # unreadable: measure first
+    assert eng.residents.first_embed_plan(16 * 2048) is False             # the option decides when set
+    eng.residents.model_config = {"model_type": "llama"}                  # unreadable: measure first
     monkeypatch.setattr(eng.config, "resident_embedding", "auto")
-    assert eng._first_embed_plan(16 * 2048) is False
+    assert eng.residents.first_embed_plan(16 * 2048) is False
 
 
 def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
@@ -345,10 +347,10 @@ def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
     opt = slid.create_optimizer(lr=1e-2)
     slid(**data[0]).loss.backward()
     eng = slid.slide_engine
-    assert eng.resident_embed is not None            # before the first update
+    assert eng.embedding.resident is not None            # before the first update
     opt.step()
     opt.zero_grad()
-    assert eng.embed_grad is None and eng.embed_host is None and all(b is None for b in eng._row_bufs)
+    assert eng.embedding.grad is None and eng.embedding.host is None and all(b is None for b in eng.embedding._row_bufs)
 
 
 def _resident_pages(t: torch.Tensor) -> int:
@@ -381,7 +383,7 @@ def test_resident_units_never_touch_their_host_moments_and_accumulators():
                                                          resident_layers=1, resident_embedding=True))
     _train(slid, batches(2, pad=True))
     eng = slid.slide_engine
-    assert 0 in eng.resident
+    assert 0 in eng.residents.layers
     res, host = eng.layer_units[0], eng.layer_units[2]
     assert _resident_pages(res.grad) == 0 and _resident_pages(host.grad) > 0
     assert _resident_pages(eng.embed_unit.exp_avg) == 0 and _resident_pages(host.exp_avg) > 0
@@ -419,8 +421,8 @@ def test_scaled_embedding_input_is_saved_as_a_tensor(monkeypatch):
     """A model that changes the embedding's output before layer 0 (Gemma scales it) gets x_0 saved."""
     _, slid = make_pair("llama", False, resident_layers=0, resident_embedding=True, activation_tier="cpu")
     eng = slid.slide_engine
-    real = eng.embed_forward
-    monkeypatch.setattr(eng, "embed_forward", lambda *a, **k: real(*a, **k) * 2.0)
+    real = eng.embedding.forward
+    monkeypatch.setattr(eng.embedding, "forward", lambda *a, **k: real(*a, **k) * 2.0)
     slid.create_optimizer(lr=LR)
     (b,) = batches(1)
     slid(**b).loss.backward()

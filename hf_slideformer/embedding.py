@@ -1,0 +1,324 @@
+"""The token embedding's side of the schedule: its gather in the forward, its gradient in the
+backward, and the CPU worker's two-part update of the (V, H) table.
+
+The embedding is resident on the GPU when the plan has room (`resident`: its device state, and
+`rgrad` its dense device gradient), else its master stays in the host store: the forward gathers
+the batch's rows on the host and copies them in, the backward sums the token gradients per
+distinct row on the GPU and sends those sums, and the worker folds them into the dense host
+gradient (`grad`) and updates.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from .errors import SlideStateError
+from .memory import lazy_zeros, release_pages
+from .placements import DeferredStep
+from .store import Unit
+
+__all__ = ["Embedding"]
+
+
+class Embedding:
+    """The embedding unit, its buffers and its tasks.
+
+    Args:
+        engine: the SlideEngine.
+        unit: the embedding's unit.
+        module: the HF `nn.Embedding`.
+
+    Attributes:
+        grad: the host's dense (V * H,) fp32 gradient, made on first use (None while resident).
+        host: pinned (n, H) buffer the batch rows' gradient sums land in.
+        resident: its `ResidentState` while it is on the device, else None.
+        rgrad: the resident embedding's (V * H,) fp32 device gradient.
+        touch: the distinct token ids of the last training forward (host); `rows_dev`: those, the
+            inverse index and the non-padding mask, on the device.
+        dw_sq, dw_rows: a tied lm_head's squared gradient norm and its gradient's batch rows
+            (set by the head's forward, for the norm of one-backward steps).
+    """
+
+    def __init__(self, engine, unit: Unit, module: torch.nn.Embedding):
+        self.engine, self.unit = engine, unit
+        self.vocab, self.hidden = module.weight.shape
+        self.padding_idx = module.padding_idx
+        self.host: torch.Tensor | None = None
+        self.host_free = threading.Event()
+        self.host_free.set()
+        self.fwd_buf: torch.Tensor | None = None
+        self.fwd_ev = None
+        self.grad: torch.Tensor | None = None
+        self.touched: list[torch.Tensor] = []
+        self.resident = None
+        self.rgrad: torch.Tensor | None = None
+        self.touch = None
+        self.rows_dev = None
+        self.dw_sq = self.dw_rows = None
+        self._out = None               # (x_0, its version, its gather) while layer 0's forward is ahead
+        self._bulk = None
+        self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see rows_buffer
+
+    # ----------------------------------------------------------------- forward (main thread)
+    def forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
+        """The embedded batch (B, S, H) in the compute dtype."""
+        e, u = self.engine, self.unit
+        e.stats.event("forward_begin", time.perf_counter())
+        e.head.drop_prefetch()                       # a forward that stopped half way left it
+        self._out = None
+        e._wait(u.updated, "update")
+        ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
+            raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
+        if with_grad:
+            # The rows this batch touches: their gradient is summed per row on the GPU (see
+            # backward), and they are the rows the layers' backward will still change (see
+            # bulk_update). The padding row is among them with a zero sum: updating it again with
+            # its full gradient reproduces the bulk update exactly.
+            uniq, inv = torch.unique(ids, return_inverse=True)
+            keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
+            self.touch = uniq
+            self.rows_dev = tuple(t.to(e.device, non_blocking=True) for t in (uniq, inv, keep))
+        T = ids.numel()
+        if with_grad:
+            e.residents.fit(T)
+            if self.resident is None:
+                self.ensure_grad()
+        table = u.master.view(self.vocab, self.hidden)
+        first = next((p for p in e.places if not p.resident), None)
+        if first is not None:
+            first.prefetch()                             # its h2d overlaps the gather below
+        r = self.resident
+        if r is not None:                            # gathered on the device from the resident master
+            ids_dev = ids.to(e.device, non_blocking=True)
+
+            def gather():
+                if self.resident is not r:
+                    raise SlideStateError("internal: the resident embedding left the device before the first "
+                                          "layer's input was saved")
+                x = r.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
+                return x.to(e.dtype).view(*input_ids.shape, self.hidden)
+            out = gather()
+            # activations.py: [Why the first layer's input can be gathered again]
+            self._out = (out, out._version, gather) if with_grad else None
+            return out
+        if not e.streams.cuda:
+            x = table.index_select(0, ids).to(e.dtype)
+            return x.view(*input_ids.shape, self.hidden)
+        if self.fwd_ev is not None:
+            self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
+        if self.fwd_buf is None or self.fwd_buf.shape[0] < T:
+            if self.fwd_buf is not None:
+                e.pinned.release(self.fwd_buf)
+            self.fwd_buf = e.pinned.empty(T, self.hidden)
+        buf = self.fwd_buf[:T]
+        torch.index_select(table, 0, ids, out=buf)
+        x = torch.empty(T, self.hidden, dtype=torch.float32, device=e.device)
+        x.copy_(buf, non_blocking=True)
+        self.fwd_ev = e.streams.record()
+        e.stats.add_h2d(buf.numel() * 4)
+        return x.to(e.dtype).view(*input_ids.shape, self.hidden)
+
+    def remake_input(self, i: int, x: torch.Tensor):
+        """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
+        product of it, as Gemma's scaled embedding is) and unchanged since."""
+        if i != 0 or self._out is None:
+            return None
+        out, version, gather = self._out
+        self._out = None
+        same = (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
+                and x.dtype == out.dtype and x._version == version)
+        return gather if same else None
+
+    # ----------------------------------------------------------------- backward (main thread)
+    def backward(self, gx: torch.Tensor) -> None:
+        """The last step of a backward: the embedding's gradient from the first layer's input gradient."""
+        e = self.engine
+        T = gx.numel() // self.hidden
+        rows = self.touch
+        uniq, inv, keep = self.rows_dev
+        n = rows.numel()
+        # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
+        # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
+        # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
+        # per distinct token (far fewer in real text), and the worker's gather / scatter are
+        # parallel copies instead of an index_add_ over every token.
+        t = e._span_start()
+        g = gx.reshape(T, self.hidden).float() * keep[:, None]
+        S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
+        S.index_put_((inv,), g, accumulate=True)
+        if e.single_micro:
+            self._add_norm(S)
+        r = self.resident
+        if r is not None:
+            G = self.rgrad.view(self.vocab, self.hidden)
+            if not e.tied:
+                G.zero_()                        # tied: it holds the lm_head's gradient (head.backward)
+            G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
+            if e.mode.updates:                   # else optimizer.step() clips and updates it
+                e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.found_inf_dev())
+            e._span_end(t)
+            e.end_backward()
+            return
+        e._span_end(t)
+        e._wait(self.host_free, "other")          # the worker is done with the previous gradient
+        if self.host is None or self.host.shape[0] < n:
+            if self.host is not None:
+                e.pinned.release(self.host)
+            self.host = e.pinned.empty(max(n, 1), self.hidden)
+        host = self.host[:n]
+        self.host_free.clear()
+        u = self.unit
+        norm = e._norm_slot(u) if e.single_micro else None
+        done = e._d2h([S], [host], norm_dst=norm)
+        update = e.mode.updates                   # scheduled with the head (see head.backward)
+        e.worker.submit(self._embed_task, host, rows, done, update, e.mode.ends_step, e.hp, norm,
+                        done=(self.host_free,) + ((u.updated,) if update else ()))
+        e.end_backward()
+
+    def _add_norm(self, S: torch.Tensor) -> None:
+        """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
+
+        The gradient is S, the per-row sums of the token gradients over the batch's rows (padding
+        dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
+        """
+        e = self.engine
+        if e.tied:
+            scale = e.head.scale_dev
+            rows = self.dw_rows * scale
+            sq = self.dw_sq * scale ** 2 - rows.square().sum() + (rows + S).square().sum()
+        else:
+            sq = S.square().sum()
+        e.norm_dev += sq
+
+    def step(self, deferred: DeferredStep) -> None:
+        """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
+        e, u = self.engine, self.unit
+        e._schedule(u)
+        e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
+                        done=(u.updated,))
+
+    # ----------------------------------------------------------------- worker side
+    def rows_buffer(self, k: int, n: int) -> torch.Tensor:
+        """Persistent (n, H) fp32 scratch number k of the worker's embedding-row work.
+
+        Note: [Why the row buffers persist] a fresh 100-400 MB tensor per step is a fresh mmap whose
+        pages fault in on first touch (docs/benchmarks.md, "Measurements behind the engine's
+        notes"). The buffers grow to the largest batch seen and stay.
+        """
+        bufs = self._row_bufs
+        if bufs[k] is None or bufs[k].shape[0] < n:
+            grow = n if bufs[k] is None else max(n, bufs[k].shape[0] * 5 // 4)
+            bufs[k] = torch.empty(grow, self.hidden, dtype=torch.float32)
+        return bufs[k][:n]
+
+    def _embed_task(self, sums, rows, done, update, ends_step, hp, norm=None):
+        """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
+        e, host = self.engine, self.engine.host
+        host.sync(done, "wait_d2h:embed")
+        if norm is not None:
+            host.check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
+        elif not e.single_micro and not bool(torch.isfinite(sums).all()):
+            # judged now: the sum it joins is read by the next micro-batch's early bulk update
+            host.poison("the gradient of the embedding")
+        g = self.grad.view(self.vocab, self.hidden)
+        grad_rows = torch.index_select(g, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
+        rows_update = update and self._bulk is not None
+        if not rows_update or (ends_step and not e.single_micro):
+            # Written back unless only the rows update below reads them (it takes grad_rows), on
+            # the path to the next forward: the table's rows are then reset or overwritten.
+            g.index_copy_(0, rows, grad_rows)
+        self.touched.append(rows)
+        if ends_step and not e.single_micro:
+            host.norm_sq.append(float(torch.linalg.vector_norm(self.grad)) ** 2)
+            host.check_norm(host.norm_sq[-1], "the gradient of the embedding")
+        if update:
+            if self._bulk is not None:
+                self._rows_update(hp, grad_rows)
+            else:
+                host.update(self.unit, self.grad, hp)
+            self.reset_grad()
+
+    # Note: [Why the embedding is updated in two parts] with updates in backward, the embedding's
+    # gradient is final for every row but the batch's own tokens as soon as the head is done (a
+    # tied lm_head's dW, else zero). So the head task runs AdamW over the whole table early,
+    # having saved the batch rows' old (param, m, v); the last task of the backward restores those
+    # rows and updates them again with their full gradient. Same mathematics, and the next
+    # forward waits for a few thousand rows instead of the whole (V, H) table.
+    def bulk_update(self, rows: torch.Tensor, hp) -> None:
+        """Worker: AdamW over the whole table, the batch rows' old state saved first."""
+        u = self.unit
+        views = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        saved = [torch.index_select(v, 0, rows, out=self.rows_buffer(1 + k, rows.numel()))
+                 for k, v in enumerate(views)]
+        self.engine.host.update(u, self.grad, hp)
+        self._bulk = (rows, saved, u.steps[0].clone())
+
+    def _rows_update(self, hp, grad: torch.Tensor) -> None:
+        """AdamW of the batch's rows again from their saved state, with `grad` their full gradient."""
+        e, u = self.engine, self.unit
+        rows, (w, m, v), step = self._bulk
+        self._bulk = None
+        groups, group_of = hp
+        gi = group_of.get(id(u.entries[0].param))
+        if gi is None or not u.entries[0].param.requires_grad or e.host.poisoned:
+            return
+        e.host_adam.step(groups[gi], [w], [grad], [m], [v], [step])
+        for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
+            dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
+
+    def reset_grad(self) -> None:
+        """The dense host gradient back to zeros (only the rows a batch touched are cleared)."""
+        if self.grad is None:                  # never on the host since it was made
+            self.touched = []
+            self.unit.grad_valid = False
+            return
+        g = self.grad.view(self.vocab, self.hidden)
+        if not self.engine.tied:               # tied: the head's contribution overwrites every row first
+            for ids in self.touched:
+                g.index_fill_(0, ids, 0.0)
+        self.touched = []
+        self.unit.grad_valid = False
+
+    # ----------------------------------------------------------------- host and device state
+    def ensure_grad(self) -> None:
+        """The host's dense (V, H) fp32 gradient of an embedding on the host, made on first use.
+        Pinned (a tied lm_head's gradient lands there straight from the GPU), unless the embedding
+        is only out for a while (written back for a checkpoint, resident again after this step)."""
+        if self.grad is not None:
+            return
+        self.grad = lazy_zeros(self.unit.numel)
+        target = self.engine.residents.planned
+        if target is None or not target[0]:
+            self.engine.pinned.adopt(self.grad)
+
+    def make_resident(self) -> None:
+        """Move the embedding's state to the device and give its host buffers back."""
+        e, u = self.engine, self.unit
+        self.resident = e.residents.make_state(u)
+        self._release_host()
+        if self.rgrad is None:
+            self.rgrad = torch.zeros(u.numel, dtype=torch.float32, device=e.device)
+
+    def _release_host(self) -> None:
+        """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB
+        of master, 2.1 GB of dense gradient, ~2.7 GB of row buffers): the device holds the current
+        master, and `ResidentPlan.evict()` writes it back into the same (then re-faulted) pages;
+        the dense gradient reads as zeros, its reset state."""
+        e, u = self.engine, self.unit
+        for t in (u.master, self.grad):            # no copy reads them: load_from_host copied synchronously
+            if t is not None:
+                e.pinned.release(t)
+                release_pages(t)
+        if self.fwd_ev is not None:
+            self.fwd_ev.synchronize()              # the last forward's rows have left the buffer
+            self.fwd_ev = None
+        e._wait(self.host_free, "other")          # the worker is done with the last gradient rows
+        for name in ("fwd_buf", "host"):
+            buf = getattr(self, name)
+            if buf is not None:
+                e.pinned.release(buf)
+                setattr(self, name, None)
+        self._row_bufs = [None] * len(self._row_bufs)   # the worker's (idle: the embedding's update has landed)

@@ -1,0 +1,190 @@
+"""Placements: where one decoder layer's weights and optimizer state live, and where it is updated.
+
+Every decoder layer has one placement object (`SlideEngine.places[i]`), chosen between optimizer
+steps and swapped whole when the plan moves the layer:
+
+| placement | state | weights for a forward | gradient | deferred update |
+|---|---|---|---|---|
+| `HostLayer` | host store | a slot, filled from the master | d2h into the ring; the CPU worker folds and/or updates | CPU worker |
+| `DeviceUpdateLayer` (device_update.py) | host store | a slot its pending update fills | d2h straight into its pinned accumulator | GPU, as it is copied in |
+| `ResidentLayer` (resident.py) | GPU | its device copy | summed and/or updated on the GPU | GPU |
+
+The schedule (`engine.py`) asks the placement and never which case a layer is in:
+
+    forward:   ws, slot = place.weights(busy); window.prefetch(busy); y = layer(x, ws); place.after_forward(slot)
+    backward:  place.before_recompute(); ws, slot = place.weights(busy); ...; place.after_recompute(slot);
+               place.take_gradient(grads)
+    step:      place.step(deferred)          (clipping, or a step that ends before its last micro-batch)
+
+A new place for a layer's state (unit state on disk, a frozen base under LoRA, a shard of a
+data-parallel group) is a new subclass of `LayerPlacement`, not a new set of branches.
+
+Methods named `*_task` run on the CPU worker thread; the others on the main thread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .optim import sq_norm as _sq_norm
+from .store import Unit
+
+__all__ = ["LayerPlacement", "HostLayer", "DeferredStep"]
+
+
+@dataclass
+class DeferredStep:
+    """What a deferred update needs at `optimizer.step()`: the hyper-parameters, the clip factor
+    wherever it lives, and the events it waits for.
+
+    Attributes:
+        hp: the optimizer's hyper-parameter snapshot.
+        grads_ev: d2h event after every gradient copy into the host accumulators.
+        scale, ready: the device updates' gradient scale (the clip factor's reciprocal, a device
+            scalar) and the compute event after which it is valid; None with accumulation.
+        clip_done: set once the worker's clip task has run (accumulation with device-held sums).
+        known: set once the worker has judged the step's norm (the device updates wait for it).
+        device_clip: callable -> (clip factor, found_inf) for updates on the compute stream
+            (resident units), computed on first use and kept.
+    """
+
+    hp: tuple
+    grads_ev: object = None
+    scale: object = None
+    ready: object = None
+    clip_done: object = None
+    known: object = None
+    device_clip: object = None
+    _clip: tuple | None = field(default=None, repr=False)
+
+    def resident_clip(self) -> tuple:
+        if self._clip is None:
+            self._clip = self.device_clip()
+        return self._clip
+
+
+class LayerPlacement:
+    """One decoder layer's place. The base holds the weights in the host store and brings them
+    into a slot of the window; subclasses say where the gradient goes and where the update runs.
+
+    Args:
+        engine: the SlideEngine (streams, slots, worker, the backward's mode and norms).
+        unit: the layer's unit.
+    """
+
+    resident = False         # its weights are on the device: no slot, no copy in
+
+    def __init__(self, engine, unit: Unit):
+        self.engine, self.unit = engine, unit
+
+    # ------------------------------------------------------------- weights (main thread)
+    def weights(self, busy: tuple = ()) -> tuple[list[torch.Tensor], object]:
+        """The layer's compute-dtype weights on the device, and the slot holding them (or None)."""
+        slot = self.engine.slots.acquire((self.unit,), busy)
+        return slot.views(self.unit), slot
+
+    def prefetch(self, busy: tuple = ()) -> None:
+        """Start bringing the weights in (the window's look-ahead)."""
+        self.engine.slots.load((self.unit,), busy=busy)
+
+    def fill(self, dst: torch.Tensor):
+        """SlotQueue hook: an iterator that writes the weights into `dst` one step at a time, or
+        None to copy the master."""
+        return None
+
+    def after_forward(self, slot) -> None:
+        self.engine.slots.release(slot)
+
+    def after_recompute(self, slot) -> None:
+        self.engine.slots.release(slot)
+
+    def before_recompute(self) -> None:
+        """Backward of this layer is next: start what its gradient's path needs."""
+
+    # ------------------------------------------------------------- gradient and update
+    def take_gradient(self, grads: list) -> None:
+        """This micro-batch's parameter gradients (entry order, None where unused), just computed
+        on the compute stream, in the backward's mode (`engine.mode`)."""
+        raise NotImplementedError
+
+    def step(self, deferred: DeferredStep) -> None:
+        """`optimizer.step()` after a backward that did not update: queue the update where it runs."""
+        raise NotImplementedError
+
+
+class HostLayer(LayerPlacement):
+    """State in the host store, updated by the CPU worker (`HostAdam`).
+
+    The gradient crosses into a ring buffer and a worker task updates from it as it lands; with
+    accumulation the GPU adds the running sum (`DeviceAccumulator`) and the worker updates from
+    the host accumulator.
+    """
+
+    def __init__(self, engine, unit: Unit):
+        super().__init__(engine, unit)
+        self.grad_ev = None       # d2h event: the last copy into the host accumulator
+
+    def before_recompute(self) -> None:
+        self.engine.accumulator.prefetch(self)     # accumulation: the running sum comes in meanwhile
+
+    def take_gradient(self, grads: list) -> None:
+        e, u, mode = self.engine, self.unit, self.engine.mode
+        if e.single_micro:
+            e.norm_dev += _sq_norm([g for g in grads if g is not None])
+        if e.accumulator.active(u):                 # accumulation: the GPU adds (accumulate.py)
+            done = e.accumulator.fold(self, grads)
+            if mode.updates:
+                e._schedule(u)
+                e.worker.submit(self._accumulated_update_task, done, e.hp, e._norm_slot(u), done=(u.updated,))
+            return
+        k = e.claim_ring()
+        buf = e.ring[k]
+        # Per-gradient events let the update start on the unit's front while its back is copied
+        # (HostStore lays the entries out in order, so copy order is offset order).
+        marks = [] if e.streams.cuda else None
+        norm = e._norm_slot(u) if e.single_micro else None
+        done = e._d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
+                      norm_dst=norm)
+        if mode.updates:
+            e._schedule(u)
+        e.worker.submit(self._layer_task, buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm,
+                        done=(e.ring_free[k],) + ((u.updated,) if mode.updates else ()))
+
+    def step(self, deferred: DeferredStep) -> None:
+        e = self.engine
+        e._schedule(self.unit)
+        e.worker.submit(e.host.deferred_task, self.unit, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
+
+    # ------------------------------------------------------------- worker side
+    def _layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
+        """Fold the gradient in ring buffer `src` into the accumulator and/or update from it."""
+        e, u = self.engine, self.unit
+        if norm is not None:
+            # the running norm is copied before the gradient (engine._d2h)
+            e.host.sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
+            e.host.check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
+        if marks and update and u.grad is None and (e.single_micro or not ends_step):
+            # The gradient is used as it lands (no accumulator, no norm to take first): each piece
+            # of the update waits only for the copies that cover it.
+            pending = list(marks)
+
+            def arrived(end: int) -> None:
+                while pending and pending[0][0] < end:
+                    e.host.sync(pending.pop(0)[1], f"wait_d2h:{u.name}")
+                if pending:
+                    e.host.sync(pending[0][1], f"wait_d2h:{u.name}")
+            e.host.update(u, src, hp, arrived)
+            e.host.sync(done, f"wait_d2h:{u.name}")
+            return
+        e.host.sync(done, f"wait_d2h:{u.name}")
+        e.host.consume(u, src, update, ends_step, hp)
+
+    def _accumulated_update_task(self, done, hp, norm=None) -> None:
+        """The last micro-batch's update in backward of a layer whose sum the device accumulated."""
+        e, u = self.engine, self.unit
+        e.host.sync(done, f"wait_d2h:{u.name}")
+        if norm is not None:
+            e.host.check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
+        e.host.update(u, u.grad, hp)
+        u.grad_valid = False
