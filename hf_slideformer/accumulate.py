@@ -87,11 +87,11 @@ class DeviceAccumulator:
         st = e.streams
         # The last micro-batch's running norm lands with the sum (host_tasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = e._norm_slot(u) if e.mode.ends_step else None
+        norm = e.norm.slot(u) if e.mode.ends_step else None
         if not u.grad_valid:
             if norm is not None:
-                e.norm_dev += _sq_norm([g for g in grads if g is not None])
-            done = e._d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
+                e.norm.dev += _sq_norm([g for g in grads if g is not None])
+            done = e.grads.d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
         else:
             self.prefetch(place)                   # a no-op when the recompute already started it
             st.wait(self.ready)
@@ -100,8 +100,8 @@ class DeviceAccumulator:
                 if g is not None:
                     x.view(acc).add_(g)
             if norm is not None:
-                e.norm_dev += _sq_norm([acc])
-            done = e._d2h([acc], [u.grad], norm_dst=norm)
+                e.norm.dev += _sq_norm([acc])
+            done = e.grads.d2h([acc], [u.grad], norm_dst=norm)
             self.free = done
             self.unit = None
         u.grad_valid = True

@@ -70,12 +70,12 @@ class DeviceUpdateLayer(HostLayer):
         if not e.single_micro or e.mode.updates:
             super().take_gradient(grads)
             return
-        e.norm_dev += _optim.sq_norm([g for g in grads if g is not None])
+        e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
         # One backward per step: the gradient goes straight into its pinned accumulator.
         u = self.unit
         if u.device_pending is not None:        # never the case in a well-formed step: a guard
             e.device_updates.flush(u)
-        self.grad_ev = e._d2h(grads, [x.view(u.grad) for x in u.entries])
+        self.grad_ev = e.grads.d2h(grads, [x.view(u.grad) for x in u.entries])
         u.grad_valid = True
 
     def step(self, deferred: DeferredStep) -> None:

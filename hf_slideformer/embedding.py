@@ -158,7 +158,7 @@ class Embedding:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head.backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
             if e.mode.updates:                   # else optimizer.step() clips and updates it
-                e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.found_inf_dev())
+                e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.norm.found_inf())
             e._span_end(t)
             e.end_backward()
             return
@@ -171,8 +171,8 @@ class Embedding:
         host = self.host[:n]
         self.host_free.clear()
         u = self.unit
-        norm = e._norm_slot(u) if e.single_micro else None
-        done = e._d2h([S], [host], norm_dst=norm)
+        norm = e.norm.slot(u) if e.single_micro else None
+        done = e.grads.d2h([S], [host], norm_dst=norm)
         update = e.mode.updates                   # scheduled with the head (see head.backward)
         e.worker.submit(self._embed_task, host, rows, done, update, e.mode.ends_step, e.hp, norm,
                         done=(self.host_free,) + ((u.updated,) if update else ()))
@@ -191,7 +191,7 @@ class Embedding:
             sq = self.dw_sq * scale ** 2 - rows.square().sum() + (rows + S).square().sum()
         else:
             sq = S.square().sum()
-        e.norm_dev += sq
+        e.norm.dev += sq
 
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""

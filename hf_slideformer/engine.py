@@ -25,15 +25,17 @@ from .device_update import DeviceUpdater
 from .embedding import Embedding
 from .errors import SlideStateError
 from .functions import grad_only, leaves as _leaves, swapped
+from .grad_ring import GradientRing
 from .head import LossHead
 from .host_adam import HostAdam
 from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
 from .mode import BackwardMode
-from .optim import sq_norm as _sq_norm, _grad_scale
+from .optim import sq_norm as _sq_norm
 from .placements import DeferredStep, HostLayer
 from .resident import ResidentPlan
-from .slots import SlotQueue, staged_copy
+from .step_norm import StepNorm
+from .slots import SlotQueue
 from .store import HostStore, Unit
 from .telemetry import StepStats
 from .transfer import Streams
@@ -77,48 +79,22 @@ class SlideEngine:
         self.streams = Streams(self.device)
         self.stats = StepStats(self.streams.cuda)
         self.pinned = store.pinned
-        pin = config.pin_memory and config.is_cuda
         cast = config.is_cuda and self.dtype != torch.float32
         max_layer = max(u.numel for u in self.layer_units)
         head_numel = self.head_unit.numel + (self.embed_unit.numel if self.tied else 0)
         self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
-        self.d2h_stage = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
-                                     device=self.device) if cast else None
         # Each layer's place (placements.py): swapped whole when the plan moves the layer.
         self.places = [HostLayer(self, u) for u in self.layer_units]
         self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
         count, waiter = self.stats.add_h2d, self._wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
                                filler=lambda u, dst: self.place_of(u).fill(dst))
-        # Note: [Why gradients cross in the compute dtype] a layer's parameter gradients are
-        # computed in the compute dtype (its weights' dtype), so widening them to fp32 on the GPU
-        # adds no information: they cross PCIe and land in the ring as they are (bf16: half the
-        # bytes), and the host AdamW widens them in registers (`HostAdam`), exactly.
-        self.grad_dtype = self.dtype if self.dtype == torch.bfloat16 else torch.float32
         self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
-        # One slab for the gradient ring, registered once (no power-of-two rounding of large pins).
-        self.ring_slab = self.pinned.empty(max_layer * config.grad_buffers, dtype=self.grad_dtype)
-        self.ring = list(self.ring_slab.split(max_layer))
-        self.ring_free = [threading.Event() for _ in self.ring]
-        for ev in self.ring_free:
-            ev.set()
-        self.ring_next = 0
-        self.ring_size = max_layer
+        self.grads = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
+        self.norm = StepNorm(self)
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
-        # With one backward per step, this backward's gradients are the step's: their norm is
-        # taken on the GPU (free) instead of by an extra CPU pass over every gradient.
-        self.norm_dev = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.norm_host = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
-        self._dev_norm_valid = False       # norm_dev holds the layers' part of an accumulated step's norm
-        # Note: [Why each host task reads the running norm] with one backward per step the norm of
-        # the gradients so far is on the GPU (norm_dev); a copy of it lands beside each gradient
-        # the worker updates from (one scalar per ring buffer, the head's, the embedding's), so a
-        # non-finite gradient stops the host updates that follow it without a host sync.
-        self.norm_snap = torch.zeros(len(store.units), dtype=torch.float32, pin_memory=pin)
-        self._snap_of = {id(u): k for k, u in enumerate(store.units)}
-        self.step_norm = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         # The parts that own their state: the worker's host updates, the embedding, the head, the
@@ -293,9 +269,9 @@ class SlideEngine:
         self.hp = self.optimizer.snapshot()
         if self.mode.ends_step:
             self.host.norm_sq = []
-            self._dev_norm_valid = not self.single_micro
+            self.norm.dev_valid = not self.single_micro
         if self.single_micro or self.mode.ends_step:
-            self.norm_dev.zero_()
+            self.norm.dev.zero_()
         self._bwd_t0 = time.perf_counter()
         self.stats.event("backward_begin", self._bwd_t0)
 
@@ -370,60 +346,6 @@ class SlideEngine:
         self.places[self._layer_no[id(u)]] = place
 
     # ----------------------------------------------------------------- gradients -> host -> update
-    def _d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
-             norm_dst: torch.Tensor | None = None):
-        """Copy device gradients into host buffers on the d2h stream: as they are where the buffer
-        has their dtype, else widened to the buffer's fp32 on the device (never narrowed).
-
-        With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
-        gradient's copy: the worker can start on the front of a unit while the rest is in flight.
-        `norm_dst` (a pinned scalar) receives the running squared norm first.
-        """
-        st = self.streams
-        if not st.cuda:
-            if norm_dst is not None:
-                norm_dst.copy_(self.norm_dev.reshape(1))
-            for g, d in zip(grads, dsts):
-                if g is None:
-                    d.zero_()
-                else:
-                    _check_lossless(g, d)
-                    d.copy_(g.reshape(d.shape))
-            return st.record()
-        # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
-        st.wait(st.record(), st.d2h)
-        with st.on(st.d2h):
-            if norm_dst is not None:
-                norm_dst.copy_(self.norm_dev.reshape(1), non_blocking=True)
-            for g, d in zip(grads, dsts):
-                d = d.view(-1)
-                if g is None:
-                    d.zero_()
-                else:
-                    _check_lossless(g, d)
-                    g.record_stream(st.d2h)
-                    gf = g.reshape(-1)
-                    if gf.dtype == d.dtype:
-                        d.copy_(gf, non_blocking=True)
-                    else:                    # widened on the device, all on the d2h stream
-                        staged_copy(d, gf, self.d2h_stage)
-                    self.stats.add_bytes("d2h", d.numel() * d.element_size())
-                if marks is not None:
-                    marks.append((ends[len(marks)], st.record(st.d2h)))
-        return st.record(st.d2h)
-
-    def _claim_ring(self, k: int) -> None:
-        """Main thread: wait until ring buffer k is free, then hold it (its task's `done` frees it)."""
-        self._wait(self.ring_free[k], "grad_buffer")
-        self.ring_free[k].clear()
-
-    def claim_ring(self) -> int:
-        """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
-        k = self.ring_next
-        self.ring_next = (k + 1) % len(self.ring)
-        self._claim_ring(k)
-        return k
-
     def _schedule(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
         u.version += 1
@@ -444,19 +366,15 @@ class SlideEngine:
             grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
             resident = self.residents.layers
             if early:
-                self._dev_norm_valid = False
+                self.norm.dev_valid = False
                 if resident and self.config.max_grad_norm is not None:
                     # The norm is taken from every unit's sum now; the resident layers' sums are
                     # on the device (the host accumulators of resident layers read as zeros).
-                    self.norm_dev.zero_()
-                    self.norm_dev += _sq_norm([r.grad for r in resident.values() if r.grad_valid])
-                    self._dev_norm_valid = True
-            if self.single_micro or self._dev_norm_valid:
-                if self.streams.cuda:
-                    self.norm_host.copy_(self.norm_dev.reshape(1), non_blocking=True)
-                else:
-                    self.norm_host.copy_(self.norm_dev.reshape(1))
-                norm_ev = self.streams.record()
+                    self.norm.dev.zero_()
+                    self.norm.dev += _sq_norm([r.grad for r in resident.values() if r.grad_valid])
+                    self.norm.dev_valid = True
+            if self.single_micro or self.norm.dev_valid:
+                norm_ev = self.norm.copy(self.norm.host)
             device_updates = self.device_updates.on
             clip_done = (threading.Event() if (device_updates or resident) and not self.single_micro
                          else None)
@@ -473,7 +391,7 @@ class SlideEngine:
             t = self._span_start()
             on_device = self.residents.step(deferred)
             if device_updates and self.single_micro:
-                deferred.scale, deferred.ready = self._device_scale()
+                deferred.scale, deferred.ready = self.norm.grad_scale()
             self._span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
@@ -488,44 +406,14 @@ class SlideEngine:
         elif self.single_micro:
             # The updates ran in backward; the worker judges the whole step's norm (resident units
             # included) after them, to report a non-finite step once.
-            k = self._step_no % self.step_norm.numel()       # a slot per step in flight
-            slot = self.step_norm[k:k + 1]
-            if self.streams.cuda:
-                slot.copy_(self.norm_dev.reshape(1), non_blocking=True)
-            else:
-                slot.copy_(self.norm_dev.reshape(1))
-            self.worker.submit(self.host.step_check_task, self.streams.record(), slot)
+            slot = self.norm.step_slot(self._step_no)
+            self.worker.submit(self.host.step_check_task, self.norm.copy(slot), slot)
         self._step_no += 1
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
         self.residents.promote()
-
-    def _norm_slot(self, u: Unit) -> torch.Tensor:
-        """The pinned scalar that receives the running norm with `u`'s gradient. Written again only
-        by `u`'s next backward, which follows its update (the forward in between waits for it)."""
-        k = self._snap_of[id(u)]
-        return self.norm_snap[k:k + 1]
-
-    def found_inf_dev(self) -> torch.Tensor:
-        """1.0 on the device where the running norm of this backward's gradients is not finite
-        (the device updates' skip flag, decided without a host sync), else 0.0."""
-        return (~torch.isfinite(self.norm_dev)).to(torch.float32)
-
-    def _device_scale(self):
-        """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
-        the compute-stream event after which it is valid (the resident units' clip factor)."""
-        return _grad_scale(self.device_clip_coef(), self.device), self.streams.record()
-
-    def device_clip_coef(self):
-        """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
-        sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
-        arithmetic (see HostUpdates.clip_task), so that the results are identical there."""
-        mx = self.config.max_grad_norm
-        if self.streams.cuda:
-            return (mx / (self.norm_dev.sqrt() + 1e-6)).clamp(max=1.0)
-        return min(mx / (float(self.norm_dev) ** 0.5 + 1e-6), 1.0)
 
     def zero_grad(self) -> None:
         if self.micro == 0:
@@ -543,14 +431,7 @@ class SlideEngine:
         self.micro = 0
 
     def last_grad_norm(self) -> float:
-        if self.single_micro:              # on the GPU: no need to wait for the CPU updates
-            self.worker.raise_if_failed()
-            return float(self.norm_dev) ** 0.5
-        self.worker.join()
-        norm_sq = self.host.norm_sq
-        if not norm_sq and not self._dev_norm_valid:
-            return float("nan")
-        return (sum(norm_sq) + (float(self.norm_dev) if self._dev_norm_valid else 0.0)) ** 0.5
+        return self.norm.last()
 
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
@@ -562,7 +443,3 @@ class SlideEngine:
         self.tier.close()
         self.pinned.close()
 
-
-def _check_lossless(g: torch.Tensor, dst: torch.Tensor) -> None:
-    if dst.dtype != g.dtype and dst.dtype != torch.float32:
-        raise RuntimeError(f"a {g.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")

@@ -115,7 +115,7 @@ class LossHead:
                 # With one backward per step the tied gradient goes straight into the embedding's
                 # pinned gradient buffer (which the previous step's update has released).
                 dsts.append(emb.grad if e.single_micro else self.host[hu.numel:])
-            self.done = e._d2h(pgrads, dsts)
+            self.done = e.grads.d2h(pgrads, dsts)
         except BaseException:
             # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
             # free again, so the next forward does not wait for them forever.
@@ -148,29 +148,29 @@ class LossHead:
         lm_head's own buffer was 2.1 GB of pinned host memory.
         """
         e = self.engine
-        if numel <= e.ring_size * len(e.ring):
-            n = -(-numel // e.ring_size)
+        if numel <= e.grads.size * len(e.grads.buffers):
+            n = -(-numel // e.grads.size)
             for k in range(n):
-                e._claim_ring(k)
+                e.grads.claim(k)
             self.ring = tuple(range(n))
-            e.ring_next = n % len(e.ring)
-            return e.ring_slab[:numel]
+            e.grads.next = n % len(e.grads.buffers)
+            return e.grads.slab[:numel]
         if self._own is None or self._own.numel() < numel:
             if self._own is not None:
                 e.pinned.release(self._own)   # idle: host_free was waited for
-            self._own = e.pinned.empty(numel, dtype=e.grad_dtype)
+            self._own = e.pinned.empty(numel, dtype=e.grads.dtype)
         return self._own[:numel]
 
     def _ring_passed(self, held: list, passed: int | None):
         """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
         a front-to-back reader has passed: up to element `passed` of the gradient, or all (None)."""
-        size = self.engine.ring_size
+        size = self.engine.grads.size
         while held and (passed is None or (held[0] + 1) * size <= passed):
             yield held.pop(0)
 
     def _return_ring(self) -> None:
         for k in self.ring:
-            self.engine.ring_free[k].set()
+            self.engine.grads.free[k].set()
         self.ring = ()
 
     def _find_lm_index(self) -> int:
@@ -232,17 +232,17 @@ class LossHead:
         g = gloss.detach().float().reshape(1)
         self.scale_dev = g.reshape(())
         if e.single_micro:
-            e.norm_dev += self._sq * self.scale_dev ** 2
+            e.norm.dev += self._sq * self.scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
-        norm = e._norm_slot(hu) if e.single_micro else None
+        norm = e.norm.slot(hu) if e.single_micro else None
         if e.streams.cuda:
             self.scale_host.copy_(g, non_blocking=True)
             if norm is not None:
-                norm.copy_(e.norm_dev.reshape(1), non_blocking=True)
+                norm.copy_(e.norm.dev.reshape(1), non_blocking=True)
         else:
             self.scale_host.copy_(g)
             if norm is not None:
-                norm.copy_(e.norm_dev.reshape(1))
+                norm.copy_(e.norm.dev.reshape(1))
         scale_ev = e.streams.record()
         update = e.mode.updates
         embed_on_host = emb.resident is None
@@ -255,7 +255,7 @@ class LossHead:
         ring, self.ring = self.ring, ()
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
                         emb.touch if embed_on_host else None, embed_on_host, ring, norm,
-                        done=(self.host_free,) + tuple(e.ring_free[k] for k in ring)
+                        done=(self.host_free,) + tuple(e.grads.free[k] for k in ring)
                         + ((hu.updated,) if update else ()))
 
     # ----------------------------------------------------------------- worker side
@@ -287,7 +287,7 @@ class LossHead:
     def _ring_returner(self, ring: tuple):
         """on_progress callback: give ring buffer k back once an update has passed its end."""
         pending = list(ring)
-        free = self.engine.ring_free
+        free = self.engine.grads.free
 
         def returned(n: int) -> None:
             for k in self._ring_passed(pending, n):

@@ -65,7 +65,7 @@ class HostUpdates:
     # micro-batch, a unit's own sum with accumulation, the global norm with clipping). From the
     # first one that is not finite, no host update of the step writes anything (`update`), so no
     # master takes a NaN; with clipping the norm is known before any update, and the whole step
-    # is skipped. Device updates skip on the device by the same norm (`engine.found_inf_dev`).
+    # is skipped. Device updates skip on the device by the same norm (`StepNorm.found_inf`).
     def begin_step_task(self, step_no: int) -> None:
         self.poisoned, self.step_no = False, step_no
 
@@ -164,7 +164,7 @@ class HostUpdates:
         e = self.engine
         if e.single_micro:
             self.sync(norm_ev, "wait_d2h:norm")
-            norm = float(e.norm_host[0]) ** 0.5
+            norm = float(e.norm.host[0]) ** 0.5
         else:
             if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
                 if grads_ev is not None:
@@ -173,7 +173,7 @@ class HostUpdates:
             dev = 0.0   # the layers' part taken on the device (accumulate.py), or the resident sums
             if norm_ev is not None:
                 self.sync(norm_ev, "wait_d2h:norm")
-                dev = float(e.norm_host[0])
+                dev = float(e.norm.host[0])
             norm = (sum(self.norm_sq) + dev) ** 0.5
         self.check_norm(norm, "the gradient norm")
         mx = e.config.max_grad_norm

@@ -131,25 +131,25 @@ class HostLayer(LayerPlacement):
     def take_gradient(self, grads: list) -> None:
         e, u, mode = self.engine, self.unit, self.engine.mode
         if e.single_micro:
-            e.norm_dev += _sq_norm([g for g in grads if g is not None])
+            e.norm.dev += _sq_norm([g for g in grads if g is not None])
         if e.accumulator.active(u):                 # accumulation: the GPU adds (accumulate.py)
             done = e.accumulator.fold(self, grads)
             if mode.updates:
                 e._schedule(u)
-                e.worker.submit(self._accumulated_update_task, done, e.hp, e._norm_slot(u), done=(u.updated,))
+                e.worker.submit(self._accumulated_update_task, done, e.hp, e.norm.slot(u), done=(u.updated,))
             return
-        k = e.claim_ring()
-        buf = e.ring[k]
+        k = e.grads.claim_next()
+        buf = e.grads.buffers[k]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if e.streams.cuda else None
-        norm = e._norm_slot(u) if e.single_micro else None
-        done = e._d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
+        norm = e.norm.slot(u) if e.single_micro else None
+        done = e.grads.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
                       norm_dst=norm)
         if mode.updates:
             e._schedule(u)
         e.worker.submit(self._layer_task, buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm,
-                        done=(e.ring_free[k],) + ((u.updated,) if mode.updates else ()))
+                        done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
 
     def step(self, deferred: DeferredStep) -> None:
         e = self.engine

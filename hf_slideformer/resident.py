@@ -105,7 +105,7 @@ class ResidentLayer(LayerPlacement):
         optimizer.step()); the squared norm is the sum's."""
         e, u, r, mode = self.engine, self.unit, self.state, self.engine.mode
         if e.single_micro:
-            e.norm_dev += _sq_norm([g for g in grads if g is not None])
+            e.norm.dev += _sq_norm([g for g in grads if g is not None])
             g32 = e.residents.shared_grad[:u.numel] if mode.updates else r.grad
             first = True
         else:
@@ -122,9 +122,9 @@ class ResidentLayer(LayerPlacement):
         if not e.single_micro:
             r.grad_valid = True
             if mode.ends_step:
-                e.norm_dev += _sq_norm([g32])
+                e.norm.dev += _sq_norm([g32])
         if mode.updates:
-            e.residents.resident_step(u, r, g32, found_inf=e.found_inf_dev())
+            e.residents.resident_step(u, r, g32, found_inf=e.norm.found_inf())
             r.grad_valid = False
         e.residents.pace()
 
@@ -385,11 +385,11 @@ class ResidentPlan:
         accumulation the clip factor is the worker's (`clip_done`: its clip task has run), from
         the host units' norms and the device's."""
         e = self.engine
-        found_inf = e.found_inf_dev() if e.single_micro else None
+        found_inf = e.norm.found_inf() if e.single_micro else None
         if e.config.max_grad_norm is None:
             coef = None
         elif e.single_micro:
-            coef = e.device_clip_coef()
+            coef = e.norm.clip_coef()
         else:
             e._wait(clip_done, "update")
             coef = e.host.clip_coef

@@ -88,8 +88,11 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
     if slow:
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
         # copy streams slow on purpose; a buffer reused before its reader finished changes the result.
-        call, load_steps, d2h = E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h
-        res = E.SlideEngine._resident_update
+        from hf_slideformer.device_update import DeviceUpdater
+        from hf_slideformer.grad_ring import GradientRing
+        from hf_slideformer.resident import ResidentLayer
+        call, load_steps, d2h = E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h
+        res = ResidentLayer.take_gradient
 
         def slow_call(self, *a, **k):
             torch.cuda._sleep(3_000_000)
@@ -107,26 +110,26 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 yield
 
         def slow_d2h(self, *a, **k):
-            with torch.cuda.stream(self.streams.d2h):
+            with torch.cuda.stream(self.engine.streams.d2h):
                 torch.cuda._sleep(2_000_000)
             return d2h(self, *a, **k)
 
         def slow_res(self, *a, **k):
-            with torch.cuda.stream(self.streams.d2h):
+            with torch.cuda.stream(self.engine.streams.d2h):
                 torch.cuda._sleep(2_000_000)
             return res(self, *a, **k)
 
-        dev_run = E.SlideEngine._run_device_update
+        dev_run = DeviceUpdater.run
 
         def slow_dev_run(self, *a, **k):          # each piece's write-back starts late
             for _ in dev_run(self, *a, **k):
-                with torch.cuda.stream(self.streams.d2h):
+                with torch.cuda.stream(self.engine.streams.d2h):
                     torch.cuda._sleep(1_000_000)
                 yield
 
-        E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = slow_call, slow_load_steps, slow_d2h
-        E.SlideEngine._resident_update = slow_res
-        E.SlideEngine._run_device_update = slow_dev_run
+        E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = slow_call, slow_load_steps, slow_d2h
+        ResidentLayer.take_gradient = slow_res
+        DeviceUpdater.run = slow_dev_run
     try:
         for n, b in enumerate(batches(steps, bsz=4, seq=128, vocab=1001, pad=True)):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
@@ -134,9 +137,9 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 opt.step(); opt.zero_grad()
     finally:
         if slow:
-            E.SlideEngine._call_layer, S.SlotQueue.load_steps, E.SlideEngine._d2h = call, load_steps, d2h
-            E.SlideEngine._resident_update = res
-            E.SlideEngine._run_device_update = dev_run
+            E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = call, load_steps, d2h
+            ResidentLayer.take_gradient = res
+            DeviceUpdater.run = dev_run
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
 

@@ -39,12 +39,12 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     ref, slid = _wide_head_pair(grad_buffers=buffers)
     eng = slid.slide_engine
     n = eng.head_unit.numel
-    assert -(-n // eng.ring_size) == 3            # the head spans three ring buffers
+    assert -(-n // eng.grads.size) == 3            # the head spans three ring buffers
     data = batches(4, pad=True, vocab=301)
     assert train_both(ref, slid, data) < PARAM_TOL
-    assert (eng.head.host.data_ptr() == eng.ring_slab.data_ptr()) is in_ring
+    assert (eng.head.host.data_ptr() == eng.grads.slab.data_ptr()) is in_ring
     assert (eng.head._own is None) is in_ring
-    assert all(ev.is_set() for ev in eng.ring_free) and eng.head.ring == ()
+    assert all(ev.is_set() for ev in eng.grads.free) and eng.head.ring == ()
     # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
     assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
@@ -60,7 +60,7 @@ def test_head_ring_buffers_come_back_after_a_forward_without_backward():
     loss.backward()
     opt.step()
     slid.slide_engine.synchronize()                # every queued update has run
-    assert all(ev.is_set() for ev in slid.slide_engine.ring_free)
+    assert all(ev.is_set() for ev in slid.slide_engine.grads.free)
 
 
 def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch):
@@ -70,15 +70,15 @@ def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch
     opt = slid.create_optimizer(lr=LR)
     eng = slid.slide_engine
     data = batches(2, vocab=301)
-    real = type(eng)._d2h
+    real = type(eng.grads).d2h
 
     def broken(self, grads, dsts, *a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(type(eng), "_d2h", broken)
+    monkeypatch.setattr(type(eng.grads), "d2h", broken)
     with pytest.raises(KeyboardInterrupt):
         slid(**data[0])
-    monkeypatch.setattr(type(eng), "_d2h", real)
-    assert eng.head.ring == () and all(ev.is_set() for ev in eng.ring_free) and eng.head.host_free.is_set()
+    monkeypatch.setattr(type(eng.grads), "d2h", real)
+    assert eng.head.ring == () and all(ev.is_set() for ev in eng.grads.free) and eng.head.host_free.is_set()
     slid(**data[1]).loss.backward()
     opt.step()
     eng.synchronize()

@@ -55,55 +55,19 @@ def kernels_apply(t: torch.Tensor) -> bool:
     return is_triton_available() and (t.is_cuda or (_interpreting() and t.device.type == "cpu"))
 
 
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch=None,
-    softcap: float | None = None,
-    z_loss: float = 0.0,
-    chunk_tokens: int | None = None,
-) -> torch.Tensor:
-    """Cross-entropy of `hidden @ weight.T` against `labels` without materializing the logits.
-
-    loss = sum_t [lse_t - z_t[y_t] + z_loss * lse_t**2] / denominator over non-ignored tokens,
-    z = logits (soft-capped: softcap * tanh(logits / softcap)). The gradients of hidden and
-    weight are computed during the forward, chunk by chunk; the loss must end the graph.
-
-    Args:
-        hidden: (T, H) final hidden states.
-        weight: (V, H) lm_head weight.
-        labels: (T,) target ids; `ignore_index` entries contribute nothing.
-        reduction: "mean" (over non-ignored tokens, or over `num_items_in_batch` when given) or "sum".
-        num_items_in_batch: HF's token count across gradient-accumulation micro-batches.
-        softcap: optional logit soft-capping (Gemma-style).
-        z_loss: coefficient of the auxiliary lse**2 term.
-        chunk_tokens: tokens per chunk (default: chosen from the sizes and the free memory).
-
-    Returns:
-        Scalar fp32 loss.
-    """
-    kwargs = dict(ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch,
-                  softcap=softcap, z_loss=z_loss, chunk_tokens=chunk_tokens)
+@functools.wraps(reference.linear_cross_entropy)      # its signature and documentation
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         **options) -> torch.Tensor:
     if kernels_apply(hidden):
         from .kernels.cross_entropy import linear_cross_entropy as fused
-        return fused(hidden, weight, labels, **kwargs)
-    return reference.linear_cross_entropy(hidden, weight, labels, **kwargs)
+        return fused(hidden, weight, labels, **options)
+    return reference.linear_cross_entropy(hidden, weight, labels, **options)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
              in_place_backward: bool = False) -> torch.Tensor:
-    """RMSNorm over the last dimension with HF Llama/Qwen casting (see `reference.rms_norm`).
-
-    Args:
-        x: (..., H) input.
-        weight: (H,) scale.
-        eps: added to the mean square.
-        in_place_backward: (kernel only) write dx over the incoming gradient.
-    """
+    """RMSNorm of x (..., H) by weight (H,) with HF Llama/Qwen casting (`reference.rms_norm`);
+    `in_place_backward` lets the kernel's backward write dx over the incoming gradient."""
     if kernels_apply(x):
         from .kernels.rms_norm import rms_norm as fused
         return fused(x, weight, eps, in_place_backward)

@@ -260,32 +260,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
-def linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    *,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    num_items_in_batch=None,
-    softcap: float | None = None,
-    z_loss: float = 0.0,
-    chunk_tokens: int | None = None,
-) -> torch.Tensor:
-    """Triton/cuBLAS cross-entropy of `hidden @ weight.T`; see `triton_ops.linear_cross_entropy`.
-
-    Args:
-        hidden: (T, H) final hidden states.
-        weight: (V, H) lm_head weight.
-        labels: (T,) target ids; `ignore_index` entries contribute nothing.
-        reduction: "mean" or "sum"; `num_items_in_batch` replaces the mean's token count.
-        softcap: logit soft-capping c (logits = c * tanh(logits / c)), or None.
-        z_loss: coefficient of the auxiliary lse**2 term.
-        chunk_tokens: tokens per chunk (default: `default_chunk_tokens`).
-
-    Returns:
-        Scalar fp32 loss.
-    """
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                         reduction: str = "mean", num_items_in_batch=None, softcap: float | None = None,
+                         z_loss: float = 0.0, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Triton/cuBLAS cross-entropy of `hidden @ weight.T`: the arguments and the math are
+    `triton_ops.reference.linear_cross_entropy`'s; `chunk_tokens` defaults to
+    `default_chunk_tokens`. A scalar fp32 loss."""
     return LinearCrossEntropyFunction.apply(
         hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens
     )

@@ -1,0 +1,107 @@
+"""The gradient ring: the pinned host buffers a layer's gradients cross into, and the d2h copy.
+
+Note: [Why gradients cross in the compute dtype] a layer's parameter gradients are computed in
+the compute dtype (its weights' dtype), so widening them to fp32 on the GPU adds no information:
+they cross PCIe and land in the ring as they are (bf16: half the bytes), and the host AdamW widens
+them in registers (`HostAdam`), exactly.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .memory import COPY_CHUNK
+from .slots import staged_copy
+
+__all__ = ["GradientRing"]
+
+
+class GradientRing:
+    """`config.grad_buffers` pinned buffers of one layer's size, taken in turn by the layers'
+    gradients and given back by the worker task that reads each (`free[k]`); the head's gradient
+    borrows the first ones (head.py: [Why the head's gradient borrows the ring]).
+
+    Args:
+        engine: the SlideEngine (streams, stats, pinned memory, the running norm).
+        size: elements per buffer (the largest layer).
+        count: number of buffers.
+        stage_numel: elements of the largest gradient that may be widened on the device.
+    """
+
+    def __init__(self, engine, size: int, count: int, stage_numel: int):
+        self.engine = engine
+        e = engine
+        self.dtype = e.dtype if e.dtype == torch.bfloat16 else torch.float32
+        self.size = size
+        # One slab, registered once (no power-of-two rounding of large pins).
+        self.slab = e.pinned.empty(size * count, dtype=self.dtype)
+        self.buffers = list(self.slab.split(size))
+        self.free = [threading.Event() for _ in self.buffers]
+        for ev in self.free:
+            ev.set()
+        self.next = 0
+        cast = e.config.is_cuda and e.dtype != torch.float32
+        self.stage = (torch.empty(min(stage_numel, COPY_CHUNK), dtype=torch.float32, device=e.device)
+                      if cast else None)
+
+    def claim(self, k: int) -> None:
+        """Main thread: wait until buffer k is free, then hold it (its task's `done` frees it)."""
+        self.engine._wait(self.free[k], "grad_buffer")
+        self.free[k].clear()
+
+    def claim_next(self) -> int:
+        """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
+        k = self.next
+        self.next = (k + 1) % len(self.buffers)
+        self.claim(k)
+        return k
+
+    def d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
+            norm_dst: torch.Tensor | None = None):
+        """Copy device gradients into host buffers on the d2h stream: as they are where the buffer
+        has their dtype, else widened to the buffer's fp32 on the device (never narrowed); the
+        event after the last copy.
+
+        With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
+        gradient's copy: the worker can start on the front of a unit while the rest is in flight.
+        `norm_dst` (a pinned scalar) receives the running squared norm first.
+        """
+        e = self.engine
+        st, norm = e.streams, e.norm.dev
+        if not st.cuda:
+            if norm_dst is not None:
+                norm_dst.copy_(norm.reshape(1))
+            for g, d in zip(grads, dsts):
+                if g is None:
+                    d.zero_()
+                else:
+                    _check_lossless(g, d)
+                    d.copy_(g.reshape(d.shape))
+            return st.record()
+        # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
+        st.wait(st.record(), st.d2h)
+        with st.on(st.d2h):
+            if norm_dst is not None:
+                norm_dst.copy_(norm.reshape(1), non_blocking=True)
+            for g, d in zip(grads, dsts):
+                d = d.view(-1)
+                if g is None:
+                    d.zero_()
+                else:
+                    _check_lossless(g, d)
+                    g.record_stream(st.d2h)
+                    gf = g.reshape(-1)
+                    if gf.dtype == d.dtype:
+                        d.copy_(gf, non_blocking=True)
+                    else:                    # widened on the device, all on the d2h stream
+                        staged_copy(d, gf, self.stage)
+                    e.stats.add_bytes("d2h", d.numel() * d.element_size())
+                if marks is not None:
+                    marks.append((ends[len(marks)], st.record(st.d2h)))
+        return st.record(st.d2h)
+
+
+def _check_lossless(g: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.dtype != g.dtype and dst.dtype != torch.float32:
+        raise RuntimeError(f"a {g.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")
