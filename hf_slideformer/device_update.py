@@ -81,7 +81,7 @@ class DeviceUpdateLayer(HostLayer):
     def step(self, deferred: DeferredStep) -> None:
         """The update runs when the unit is next copied in (`fill`)."""
         e, u = self.engine, self.unit
-        e._schedule(u)
+        e.begin_update(u)
         u.device_pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
                                     deferred.known)
         self.grad_ev = None

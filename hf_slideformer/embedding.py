@@ -59,7 +59,7 @@ class Embedding:
         self.dw_sq = self.dw_rows = None
         self._out = None               # (x_0, its version, its gather) while layer 0's forward is ahead
         self._bulk = None
-        self._row_bufs: list[torch.Tensor | None] = [None] * 4   # see rows_buffer
+        self.row_buffers: list[torch.Tensor | None] = [None] * 4   # see rows_buffer
 
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
@@ -196,7 +196,7 @@ class Embedding:
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
         e, u = self.engine, self.unit
-        e._schedule(u)
+        e.begin_update(u)
         e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
                         done=(u.updated,))
 
@@ -208,7 +208,7 @@ class Embedding:
         pages fault in on first touch (docs/benchmarks.md, "Measurements behind the engine's
         notes"). The buffers grow to the largest batch seen and stay.
         """
-        bufs = self._row_bufs
+        bufs = self.row_buffers
         if bufs[k] is None or bufs[k].shape[0] < n:
             grow = n if bufs[k] is None else max(n, bufs[k].shape[0] * 5 // 4)
             bufs[k] = torch.empty(grow, self.hidden, dtype=torch.float32)
@@ -321,4 +321,4 @@ class Embedding:
             if buf is not None:
                 e.pinned.release(buf)
                 setattr(self, name, None)
-        self._row_bufs = [None] * len(self._row_bufs)   # the worker's (idle: the embedding's update has landed)
+        self.row_buffers = [None] * len(self.row_buffers)   # the worker's (idle: the embedding's update has landed)

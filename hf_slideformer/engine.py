@@ -73,7 +73,7 @@ class SlideEngine:
         # recompute returns zeros there: a quarter of a Llama layer's linear FLOPs saved on
         # every recompute. Set False to recompute the whole layer.
         self.skip_output_projection = True
-        self._out_proj = [adapter.output_projection(layer) for layer in self.layers]
+        self.output_projections = [adapter.output_projection(layer) for layer in self.layers]
         self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
         self.vocab, self.hidden = adapter.embed(model).weight.shape
         self.streams = Streams(self.device)
@@ -327,7 +327,7 @@ class SlideEngine:
         x = self.tier.load(i).detach().requires_grad_()
         ws = _leaves(ws)
         t = self._span_start()
-        skip = self._out_proj[i] if self.skip_output_projection else None
+        skip = self.output_projections[i] if self.skip_output_projection else None
         with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip):
             y = self._call_layer(i, x, args, kwargs)
         grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
@@ -346,7 +346,7 @@ class SlideEngine:
         self.places[self._layer_no[id(u)]] = place
 
     # ----------------------------------------------------------------- gradients -> host -> update
-    def _schedule(self, u: Unit) -> None:
+    def begin_update(self, u: Unit) -> None:
         """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
         u.version += 1
         u.set_progress(0)
@@ -401,7 +401,7 @@ class SlideEngine:
                 elif u is self.embed_unit:
                     self.embedding.step(deferred)
                 else:
-                    self._schedule(u)
+                    self.begin_update(u)
                     self.worker.submit(self.host.deferred_task, u, hp, grads_ev, done=(u.updated,))
         elif self.single_micro:
             # The updates ran in backward; the worker judges the whole step's norm (resident units

@@ -42,7 +42,7 @@ class LossHead:
         self.lm_module, self.norm_fn, self.slots = lm_module, norm_fn, slots
         self.units = (unit, engine.embed_unit) if engine.tied else (unit,)
         self.host: torch.Tensor | None = None
-        self._own: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
+        self.own_buffer: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
         self.ring: tuple[int, ...] = ()
         self.host_free = threading.Event()
         self.host_free.set()
@@ -155,11 +155,11 @@ class LossHead:
             self.ring = tuple(range(n))
             e.grads.next = n % len(e.grads.buffers)
             return e.grads.slab[:numel]
-        if self._own is None or self._own.numel() < numel:
-            if self._own is not None:
-                e.pinned.release(self._own)   # idle: host_free was waited for
-            self._own = e.pinned.empty(numel, dtype=e.grads.dtype)
-        return self._own[:numel]
+        if self.own_buffer is None or self.own_buffer.numel() < numel:
+            if self.own_buffer is not None:
+                e.pinned.release(self.own_buffer)   # idle: host_free was waited for
+            self.own_buffer = e.pinned.empty(numel, dtype=e.grads.dtype)
+        return self.own_buffer[:numel]
 
     def _ring_passed(self, held: list, passed: int | None):
         """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
@@ -179,7 +179,7 @@ class LossHead:
                 return k
         raise RuntimeError("lm_head weight not found in the head unit")
 
-    def _slot_units(self) -> tuple:
+    def slot_units(self) -> tuple:
         """What the head slot carries: the head unit, and a tied lm_head's embedding unless it is resident."""
         return (self.unit,) if self.engine.tied and self.engine.embedding.resident is not None else self.units
 
@@ -193,7 +193,7 @@ class LossHead:
         that layer computes. It starts only once the head's previous update has landed (never
         blocking the forward on the worker)."""
         if self._prefetch is None:
-            units = self._slot_units()
+            units = self.slot_units()
             if not all(u.updated.is_set() for u in units):
                 return
             self._prefetch = self.slots.load_steps(units)
@@ -249,9 +249,9 @@ class LossHead:
         if e.tied and not embed_on_host:
             emb.rgrad.mul_(self.scale_dev)
         if update:
-            e._schedule(hu)
+            e.begin_update(hu)
             if embed_on_host:
-                e._schedule(e.embed_unit)      # its bulk update starts in the head task
+                e.begin_update(e.embed_unit)      # its bulk update starts in the head task
         ring, self.ring = self.ring, ()
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
                         emb.touch if embed_on_host else None, embed_on_host, ring, norm,

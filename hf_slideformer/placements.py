@@ -135,7 +135,7 @@ class HostLayer(LayerPlacement):
         if e.accumulator.active(u):                 # accumulation: the GPU adds (accumulate.py)
             done = e.accumulator.fold(self, grads)
             if mode.updates:
-                e._schedule(u)
+                e.begin_update(u)
                 e.worker.submit(self._accumulated_update_task, done, e.hp, e.norm.slot(u), done=(u.updated,))
             return
         k = e.grads.claim_next()
@@ -147,17 +147,17 @@ class HostLayer(LayerPlacement):
         done = e.grads.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
                       norm_dst=norm)
         if mode.updates:
-            e._schedule(u)
-        e.worker.submit(self._layer_task, buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm,
+            e.begin_update(u)
+        e.worker.submit(self.layer_task, buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm,
                         done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
 
     def step(self, deferred: DeferredStep) -> None:
         e = self.engine
-        e._schedule(self.unit)
+        e.begin_update(self.unit)
         e.worker.submit(e.host.deferred_task, self.unit, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
 
     # ------------------------------------------------------------- worker side
-    def _layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
+    def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
         """Fold the gradient in ring buffer `src` into the accumulator and/or update from it."""
         e, u = self.engine, self.unit
         if norm is not None:

@@ -242,7 +242,7 @@ def test_step_trace_and_its_summary(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     events = json.loads(trace.read_text())
     labels = {e[1].split(":")[0] for e in events}
-    assert {"step", "forward_begin", "backward_begin", "backward_end", "adam", "_layer_task"} <= labels
+    assert {"step", "forward_begin", "backward_begin", "backward_end", "adam", "layer_task"} <= labels
     text = summarize(events)
     assert text.count("step ") == sum(1 for e in events if e[1] == "step") - 1 and "worker.adam" in text
 

@@ -415,7 +415,7 @@ def test_recompute_without_the_output_projection_is_bit_identical(family):
         _, slid = make_pair(family, False)
         eng = slid.slide_engine
         eng.skip_output_projection = skip
-        assert all(p is not None for p in eng._out_proj)
+        assert all(p is not None for p in eng.output_projections)
         opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
         orig = GradOnlyLinear.forward
         GradOnlyLinear.forward = staticmethod(lambda ctx, *a: (calls.append(skip), orig(ctx, *a))[1])
@@ -425,7 +425,7 @@ def test_recompute_without_the_output_projection_is_bit_identical(family):
         finally:
             GradOnlyLinear.forward = staticmethod(orig)
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
-        assert not any("forward" in p.__dict__ for p in eng._out_proj)    # the swap is undone
+        assert not any("forward" in p.__dict__ for p in eng.output_projections)    # the swap is undone
     assert calls and all(calls)                    # it ran, and only when asked
     assert len(calls) == 3 * len(slid.slide_engine.layers)
     for k in states[0]:
@@ -472,7 +472,7 @@ def test_head_slot_loaded_in_chunks_during_the_forward(tied):
         states.append({k: v.clone() for k, v in slid.state_dict().items()})
         stage = eng.head.slots.staging
         cap = chunk if stage is None else min(chunk, stage.numel())
-        per_step = sum(-(-u.numel // cap) for u in eng.head._slot_units())
+        per_step = sum(-(-u.numel // cap) for u in eng.head.slot_units())
         assert len(issued) == len(data) * per_step          # every chunk of every step, none twice
         n = len(eng.layers)
         if chunk == 97:                                     # one chunk per layer, the rest at the head

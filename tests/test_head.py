@@ -43,7 +43,7 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     data = batches(4, pad=True, vocab=301)
     assert train_both(ref, slid, data) < PARAM_TOL
     assert (eng.head.host.data_ptr() == eng.grads.slab.data_ptr()) is in_ring
-    assert (eng.head._own is None) is in_ring
+    assert (eng.head.own_buffer is None) is in_ring
     assert all(ev.is_set() for ev in eng.grads.free) and eng.head.ring == ()
     # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
@@ -91,7 +91,7 @@ def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buff
     ref, slid = _wide_head_pair(tied=True, grad_buffers=buffers, gradient_accumulation_steps=2, max_grad_norm=0.5)
     assert train_both(ref, slid, batches(4, pad=True, vocab=301), ga=2, clip=0.5) < PARAM_TOL
     eng = slid.slide_engine
-    assert (eng.head._own is None) is in_ring
+    assert (eng.head.own_buffer is None) is in_ring
     assert eng.head.host.numel() == eng.head_unit.numel + eng.embed_unit.numel
 
 

@@ -118,8 +118,8 @@ def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
         marks = [(end, Ev(end)) for end in ends] if with_marks else None
         orig = u.set_progress
         u.set_progress = lambda n: (log.append(("done", n)), orig(n))
-        eng._schedule(u)
-        eng.places[0]._layer_task(src, Ev(u.numel), True, True, hp, marks)
+        eng.begin_update(u)
+        eng.places[0].layer_task(src, Ev(u.numel), True, True, hp, marks)
         results.append(u.master.clone())
         if with_marks:
             synced = 0
