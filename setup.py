@@ -20,7 +20,9 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.0"],
-        "nvme": ["kvikio-cu12"],
+        # kvikio (GPUDirect Storage) for the disk layer: 'nvme' for CUDA 13, 'nvme-cu12' for CUDA 12.
+        "nvme": ["kvikio-cu13"],
+        "nvme-cu12": ["kvikio-cu12"],
         "test": ["pytest>=8", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "triton>=3.0"],
     },
     entry_points={"console_scripts": ["hf-slideformer=hf_slideformer.cli:main"]},

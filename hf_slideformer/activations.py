@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from .disk.backends import FileBackend, make_backend
 from .memory import PinnedBuffers
 from .transfer import Streams
 
@@ -196,16 +197,23 @@ class FileTier(PinnedCpuTier):
     for). The main thread only issues the copies and waits when the disk is the bound: a save
     when every buffer is still being written, a load whose file is not read yet.
 
+    The file reads and writes go through a disk backend (`disk.make_backend("auto")`: kvikio where
+    it is installed and CUDA is there, else positional POSIX I/O on a small thread pool), so one
+    layer input's file is written and read in several parts at once.
+
     Note: [Why the nvme tier's file work is on its own thread] with the writes and reads on the
     main thread, every layer of the forward would wait for its input to reach the disk before
     it could queue the next layer's kernels, and the GPU would idle through it. On a thread of its own the disk works while the GPU computes,
     and a step is bound by the larger of the two.
     """
 
-    def __init__(self, streams, path: str, counter=None, pinned=None, buffers: int = 4):
+    def __init__(self, streams, path: str, counter=None, pinned=None, buffers: int = 4,
+                 backend: FileBackend | None = None):
         super().__init__(streams, counter, pinned)
         os.makedirs(path, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="slide-act-", dir=path)
+        self.backend = backend or make_backend("auto")
+        self._owns_backend = backend is None
         self.bounce: list[torch.Tensor | None] = [None] * buffers
         self.bounce_ev: list[object] = [None] * buffers   # the last h2d copy reading each buffer
         self.free: queue.Queue = queue.Queue()
@@ -243,8 +251,7 @@ class FileTier(PinnedCpuTier):
     def _write(self, i, k, ev, nbytes, done) -> None:
         try:
             ev.synchronize()                    # the d2h copy has landed in the bounce buffer
-            with open(self._file(i), "wb") as f:
-                f.write(memoryview(self.bounce[k].view(torch.uint8).numpy())[:nbytes])
+            self.backend.write_file(self._file(i), self.bounce[k], nbytes)
         finally:
             self.free.put(k)
 
@@ -252,10 +259,7 @@ class FileTier(PinnedCpuTier):
         ev = self.bounce_ev[k]
         if ev is not None:
             ev.synchronize()                    # its previous h2d copy has read it
-        with open(self._file(i), "rb") as f:
-            n = f.readinto(memoryview(self.bounce[k].view(torch.uint8).numpy())[:nbytes])
-        if n != nbytes:
-            raise OSError(f"short read of {self._file(i)}: {n} of {nbytes} bytes")
+        self.backend.read_file(self._file(i), self.bounce[k], nbytes)
 
     def _check(self) -> None:
         if self.error is not None:
@@ -359,6 +363,8 @@ class FileTier(PinnedCpuTier):
         if self.thread is not None and self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join(timeout=30)
+        if self._owns_backend:
+            self.backend.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -119,3 +119,34 @@ def test_make_tier_follows_the_config(tmp_path):
         tier = make_tier(SlideConfig(device="cpu", activation_tier=name, nvme_path=str(tmp_path)), CPU)
         assert type(tier) is cls
         tier.close()
+
+
+def test_file_tier_moves_its_files_through_the_disk_backend(tmp_path):
+    """The nvme tier's file reads and writes go through hf_slideformer.disk's backend (kvikio where
+    it is installed), here a plain one that splits each file into several tasks."""
+    from hf_slideformer.disk import PlainFileBackend
+
+    calls = []
+
+    class Counting(PlainFileBackend):
+        def write_file(self, path, buf, nbytes):
+            calls.append(("write", os.path.basename(path), nbytes))
+            super().write_file(path, buf, nbytes)
+
+        def read_file(self, path, buf, nbytes):
+            calls.append(("read", os.path.basename(path), nbytes))
+            super().read_file(path, buf, nbytes)
+
+    tier = FileTier(CPU, str(tmp_path), buffers=2, backend=Counting(threads=2, task_bytes=64))
+    try:
+        xs = _inputs(2, torch.bfloat16)
+        for i, x in enumerate(xs):
+            tier.save(i, x)
+        for i in (1, 0):
+            assert torch.equal(tier.load(i), xs[i]), i
+        nbytes = xs[0].numel() * 2
+        assert sorted(calls) == [("read", "x0.bin", nbytes), ("read", "x1.bin", nbytes),
+                                 ("write", "x0.bin", nbytes), ("write", "x1.bin", nbytes)]
+    finally:
+        tier.close()
+        tier.backend.close()                        # a backend passed in is the caller's to close

@@ -1,0 +1,89 @@
+"""Disk space taken up front: a state file is created at its full size before training starts, so a
+disk that is too small is reported then, not in the middle of a step."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+__all__ = ["DiskSpaceError", "preallocate", "ZERO_BLOCK"]
+
+GiB = 1024 ** 3
+ZERO_BLOCK = 64 << 20          # bytes per write where the file system cannot allocate without writing
+_NOT_SUPPORTED = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS}
+_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+class DiskSpaceError(OSError):
+    """The file system cannot hold a state file: the message names the path, the bytes needed and
+    the bytes free, and what to do."""
+
+
+def _no_space(path: str, nbytes: int, free: int | None, cause: str = "") -> DiskSpaceError:
+    have = "an unknown number of" if free is None else f"{free} bytes ({free / GiB:.2f} GiB)"
+    err = DiskSpaceError(
+        errno.ENOSPC,
+        f"{path} needs {nbytes} bytes ({nbytes / GiB:.2f} GiB) for unit state on disk, but its file system has "
+        f"{have} free{cause}. Free space there, or point nvme_path to a directory on a larger disk.")
+    err.filename = path
+    return err
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def _fill_zeros(fd: int, start: int, end: int) -> None:
+    """Write zeros over [start, end): the allocation of a file system without fallocate."""
+    block = bytes(min(ZERO_BLOCK, max(end - start, 0)))
+    pos = start
+    while pos < end:
+        n = min(len(block), end - pos)
+        pos += os.pwrite(fd, memoryview(block)[:n], pos)
+
+
+def preallocate(path: str, nbytes: int) -> None:
+    """Create `path` (or resize an existing file) at exactly `nbytes` bytes with its blocks allocated.
+
+    `os.posix_fallocate` where the file system supports it, else zeros written in blocks of
+    `ZERO_BLOCK`. A file this call created is removed again when the space is not there.
+
+    Raises:
+        DiskSpaceError: the file system has less free space than the file still needs.
+        OSError: another failure (a missing directory, no permission), naming the path.
+    """
+    if nbytes < 0:
+        raise ValueError(f"cannot preallocate {nbytes} bytes")
+    directory = os.path.dirname(os.path.abspath(path))
+    have = os.path.getsize(path) if os.path.exists(path) else 0
+    free = _free_bytes(directory)
+    if free is not None and nbytes - have > free:
+        raise _no_space(path, nbytes, free)
+    created = not os.path.exists(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if have > nbytes:
+            os.ftruncate(fd, nbytes)
+        if nbytes > 0:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except AttributeError:                  # no posix_fallocate on this platform
+                _fill_zeros(fd, have, nbytes)
+            except OSError as e:
+                if e.errno not in _NOT_SUPPORTED:
+                    raise
+                _fill_zeros(fd, have, nbytes)
+    except OSError as e:
+        os.close(fd)
+        fd = -1
+        if created:
+            os.unlink(path)
+        if e.errno in _FULL:
+            raise _no_space(path, nbytes, _free_bytes(directory), f" (the allocation failed: {e.strerror})") from e
+        raise OSError(e.errno, f"could not allocate {nbytes} bytes for {path}: {e.strerror}", path) from e
+    finally:
+        if fd >= 0:
+            os.close(fd)
