@@ -14,6 +14,7 @@ setup(
         "torch>=2.4",
         "transformers>=5.17,<6",
         "accelerate>=1.10",
+        "peft>=0.21",
         "safetensors>=0.4",
         "tokenizers>=0.21",
         "tqdm",

@@ -157,7 +157,7 @@ class DeviceUpdater:
         e.worker.join()                  # the backward's gradient copies into the accumulators have landed
         self._ensure_sets(max(u.numel for u in e.layer_units))
         first = e.residents.target()[1]
-        chosen = pick_device_units(e.layer_units[first:], share)
+        chosen = pick_device_units([u for u in e.layer_units[first:] if type(e.place_of(u)) is HostLayer], share)
         if not chosen:
             self._sets = None
             return

@@ -84,7 +84,7 @@ class Embedding:
         T = ids.numel()
         if with_grad:
             e.residents.fit(T)
-            if self.resident is None:
+            if self.resident is None and u.trainable:
                 self.ensure_grad()
         table = u.master.view(self.vocab, self.hidden)
         first = next((p for p in e.places if not p.resident), None)
@@ -136,6 +136,9 @@ class Embedding:
     def backward(self, gx: torch.Tensor) -> None:
         """The last step of a backward: the embedding's gradient from the first layer's input gradient."""
         e = self.engine
+        if not self.unit.trainable:                # a frozen embedding (the base under LoRA)
+            e.end_backward()
+            return
         T = gx.numel() // self.hidden
         rows = self.touch
         uniq, inv, keep = self.rows_dev
@@ -196,6 +199,8 @@ class Embedding:
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
         e, u = self.engine, self.unit
+        if not u.trainable:
+            return
         e.begin_update(u)
         e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
                         done=(u.updated,))

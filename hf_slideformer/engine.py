@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 import torch
 
@@ -24,15 +25,16 @@ from .activations import make_tier
 from .device_update import DeviceUpdater
 from .embedding import Embedding
 from .errors import SlideStateError
-from .functions import grad_only, leaves as _leaves, swapped
+from .functions import grad_only, swapped
 from .grad_ring import GradientRing
 from .head import LossHead
+from .lora import AdapterSet, refuse_outside_layers
 from .host_adam import HostAdam
 from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
 from .mode import BackwardMode
 from .optim import sq_norm as _sq_norm
-from .placements import DeferredStep, HostLayer
+from .placements import DeferredStep, FrozenLayer, HostLayer
 from .resident import ResidentPlan
 from .step_norm import StepNorm
 from .slots import SlotQueue
@@ -62,6 +64,7 @@ class SlideEngine:
         # No strong reference to the model itself: the model owns the engine, and the finalizer that
         # closes the engine when the model is collected must not keep the model alive.
         self.adapter, self.config, self.store = adapter, config, store
+        self.model_ref = weakref.ref(model)
         self.device, self.dtype = config.torch_device, config.dtype
         units = store.units
         self.embed_unit: Unit = units[0]
@@ -85,7 +88,7 @@ class SlideEngine:
         self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
         # Each layer's place (placements.py): swapped whole when the plan moves the layer.
-        self.places = [HostLayer(self, u) for u in self.layer_units]
+        self.places = [HostLayer(self, u) if u.trainable else FrozenLayer(self, u) for u in self.layer_units]
         self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
         count, waiter = self.stats.add_h2d, self._wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
@@ -108,6 +111,8 @@ class SlideEngine:
         self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
         self.device_updates = DeviceUpdater(self)
         self.accumulator = DeviceAccumulator(self)
+        self.adapters = AdapterSet(self)
+        self._held = {id(p) for p in store.params()}      # the parameters the engine trains (and the adapters')
         self._step_no = 0              # optimizer steps taken
         self._backward_open = False
         self._inconsistent: str | None = None    # why training may not go on (see _close_interrupted_backward)
@@ -325,17 +330,47 @@ class SlideEngine:
                 self.places[i - 1].prefetch((slot,) if slot is not None else ())
             self.tier.prefetch(i - 1)
         x = self.tier.load(i).detach().requires_grad_()
-        ws = _leaves(ws)
+        ws, wrt = place.leaves(ws)
+        extra = self.adapters.by_layer[i]
         t = self._span_start()
         skip = self.output_projections[i] if self.skip_output_projection else None
         with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip):
             y = self._call_layer(i, x, args, kwargs)
-        grads = torch.autograd.grad(y, [x] + ws, gy, allow_unused=True)
+        grads = torch.autograd.grad(y, [x] + wrt + extra, gy, allow_unused=True)
         self._span_end(t)
         place.after_recompute(slot)
         self.tier.drop(i)
-        place.take_gradient(list(grads[1:]))
+        place.take_gradient(list(grads[1:1 + len(wrt)]))
+        self.adapters.take_gradient(i, grads[1 + len(wrt):])
         return grads[0]
+
+    def adopt_adapters(self) -> None:
+        """Take the trainable parameters a PEFT model added inside the layers (LoRA adapters) onto
+        the device (`AdapterSet`), and make the layers whose own parameters no longer train
+        `FrozenLayer`s. Raises for a trainable parameter no gradient would reach, or for adapters
+        added after the optimizer was built (it would never update them)."""
+        known = len(self.adapters.params)
+        if self.optimizer is not None and self.foreign_trainables():
+            names = [n for n, p in self.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise SlideStateError(
+                f"trainable parameters were added to the slid model after its optimizer was built ({', '.join(names[:3])}"
+                f"{more}; e.g. get_peft_model after create_optimizer): they would never be updated. Build the "
+                "optimizer after get_peft_model (a PEFT LoRA model trains its adapters), or freeze them "
+                "(requires_grad=False).")
+        refuse_outside_layers(self.adapters.adopt(self._held))
+        self._held |= {id(p) for p in self.adapters.params}
+        if len(self.adapters.params) == known and all(p.trainable == p.unit.trainable for p in self.places):
+            return
+        self.residents.evict()
+        for i, p in enumerate(self.places):
+            if p.trainable and not p.unit.trainable:
+                self.places[i] = FrozenLayer(self, p.unit)
+
+    def foreign_trainables(self) -> bool:
+        """Does the model have a trainable parameter that neither the host store nor the adapters hold?"""
+        model = self.model_ref()
+        return model is not None and any(p.requires_grad and id(p) not in self._held for p in model.parameters())
 
     def place_of(self, u: Unit):
         """The placement of layer unit `u`."""
@@ -365,18 +400,22 @@ class SlideEngine:
             early = self.micro < self.config.gradient_accumulation_steps
             grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
             resident = self.residents.layers
+            adapters = bool(self.adapters.params)
             if early:
                 self.norm.dev_valid = False
-                if resident and self.config.max_grad_norm is not None:
-                    # The norm is taken from every unit's sum now; the resident layers' sums are
-                    # on the device (the host accumulators of resident layers read as zeros).
+                if (resident or adapters) and self.config.max_grad_norm is not None:
+                    # The norm is taken from every unit's sum now; the resident layers' and the
+                    # adapters' sums are on the device (the host accumulators of resident layers
+                    # read as zeros).
                     self.norm.dev.zero_()
                     self.norm.dev += _sq_norm([r.grad for r in resident.values() if r.grad_valid])
+                    if adapters and self.adapters.sq_norm() is not None:
+                        self.norm.dev += self.adapters.sq_norm()
                     self.norm.dev_valid = True
             if self.single_micro or self.norm.dev_valid:
                 norm_ev = self.norm.copy(self.norm.host)
             device_updates = self.device_updates.on
-            clip_done = (threading.Event() if (device_updates or resident) and not self.single_micro
+            clip_done = (threading.Event() if (device_updates or resident or adapters) and not self.single_micro
                          else None)
             # `known`: the worker has judged the step's norm (a device update is skipped when it is
             # not finite, see HostUpdates.clip_task)
@@ -390,6 +429,8 @@ class SlideEngine:
                                     device_clip=lambda: self.residents.clip(clip_done))
             t = self._span_start()
             on_device = self.residents.step(deferred)
+            if adapters:
+                self.adapters.step(hp, *deferred.resident_clip())
             if device_updates and self.single_micro:
                 deferred.scale, deferred.ready = self.norm.grad_scale()
             self._span_end(t)
@@ -401,13 +442,14 @@ class SlideEngine:
                 elif u is self.embed_unit:
                     self.embedding.step(deferred)
                 else:
-                    self.begin_update(u)
-                    self.worker.submit(self.host.deferred_task, u, hp, grads_ev, done=(u.updated,))
+                    self.head.step(deferred)
         elif self.single_micro:
             # The updates ran in backward; the worker judges the whole step's norm (resident units
             # included) after them, to report a non-finite step once.
             slot = self.norm.step_slot(self._step_no)
             self.worker.submit(self.host.step_check_task, self.norm.copy(slot), slot)
+        if self.updated_in_backward and self.adapters.params:
+            self.adapters.step(self.hp, found_inf=self.norm.found_inf())
         self._step_no += 1
         self.micro = 0
         self.updated_in_backward = False
@@ -428,6 +470,7 @@ class SlideEngine:
             r.grad_valid = False
         self.accumulator.reset()
         self.embedding.reset_grad()
+        self.adapters.zero_grad()
         self.micro = 0
 
     def last_grad_norm(self) -> float:

@@ -55,6 +55,19 @@ class LossHead:
         self.scale_dev = None
         self._lm_index = None if engine.tied else self._find_lm_index()   # a tied one travels with the embedding
 
+    @property
+    def trainable(self) -> bool:
+        """Does the head take gradients (its own parameters, or a tied lm_head's embedding)?"""
+        return self.unit.trainable or (self.engine.tied and self.engine.embed_unit.trainable)
+
+    def step(self, deferred) -> None:
+        """optimizer.step() after a backward that did not update: the worker updates the head."""
+        e, u = self.engine, self.unit
+        if not u.trainable:
+            return
+        e.begin_update(u)
+        e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, done=(u.updated,))
+
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
         """(loss, the gradient of h or None): with gradients, the head's own are sent to the host now."""
@@ -75,6 +88,16 @@ class LossHead:
             return loss, None
         t = e._span_start()
         hx = h.detach().requires_grad_()
+        if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
+            with torch.enable_grad(), swapped(hu, hv):
+                hn = self.norm_fn(hx)
+                loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
+                                            chunk_tokens=e.config.head_chunk_tokens)
+            (gh,) = torch.autograd.grad(loss, [hx])
+            e._span_end(t)
+            self.slots.release(slot)
+            self.pending, self.done = True, None
+            return loss.detach(), gh
         leaves = _leaves(hv)
         wl = leaves[self._lm_index] if not e.tied else W.detach().requires_grad_()
         with torch.enable_grad(), swapped(hu, leaves):
@@ -95,7 +118,8 @@ class LossHead:
         self.slots.release(slot)
         # Send the head's gradients to the host now: they are final (the loss ends the graph).
         if self.pending:        # an earlier forward's gradients were never consumed by a backward
-            self.done.synchronize()
+            if self.done is not None:
+                self.done.synchronize()
             self.pending = False
             self.host_free.set()
             self._return_ring()
@@ -231,6 +255,8 @@ class LossHead:
         e, hu, emb = self.engine, self.unit, self.engine.embedding
         g = gloss.detach().float().reshape(1)
         self.scale_dev = g.reshape(())
+        if self.done is None:                      # a frozen head sent nothing
+            return
         if e.single_micro:
             e.norm.dev += self._sq * self.scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.

@@ -20,6 +20,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import SlideConfig, configure_logging
 from .engine import SlideEngine
+from .lora import peft_base, refuse_outside_layers
 from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
 from .optim import SlideOptimizer
@@ -46,13 +47,14 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
-def build_units(model: nn.Module, adapter) -> list[Unit]:
-    """Split `model` into embed, layer and head units (schedule order), entries in module order."""
+def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list[Unit]:
+    """Split `model` into embed, layer and head units (schedule order), entries in module order;
+    the parameters in `skip` (ids: LoRA adapters, which stay on the device) are left out."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
     holders = _holders(model)
-    seen: set[int] = set()
+    seen: set[int] = set(skip)
 
     def entries(module: nn.Module) -> list[ParamEntry]:
         out = []
@@ -93,31 +95,39 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     become views of them. The model should be on the CPU (any dtype).
 
     Args:
-        model: an HF `*ForCausalLM` of a supported family (`hf_slideformer.models.FAMILIES`).
+        model: an HF `*ForCausalLM` of a supported family (`hf_slideformer.models.FAMILIES`), or
+            a PEFT LoRA model of one (`get_peft_model(...)`): its base slides frozen and its
+            adapters train on the device (lora.py).
         config: the SlideConfig (default: SlideConfig()). The engine keeps a copy: changing `config`
             afterwards does not reach the model, and `model.slide_config` is a read-only view of
             the engine's settings (see `ReadOnlySlideConfig`).
 
     Returns:
-        The same model object, now a `SlideModel`.
+        The same model object: now a `SlideModel`, or the PEFT model around one.
     """
     if is_slid(model):
         raise ValueError("this model is already slid")
-    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
-        raise ValueError(f"slide() got a PEFT model ({type(model).__name__}): hf_slideformer trains every parameter "
-                         "of a causal LM, and PEFT / LoRA models are not supported yet. Slide the base model "
-                         "(before get_peft_model) for full fine-tuning.")
+    peft_model, base = model, peft_base(model)
+    if base is not None:                 # LoRA: the base slides frozen, the adapters stay on the device
+        model = base
+    elif hasattr(model, "peft_config"):
+        raise ValueError(f"slide() got {type(model).__name__}, a part of a PEFT model: pass the PeftModel that "
+                         "get_peft_model returned")
+    adapters = {id(p) for p in model.parameters() if p.requires_grad} if base is not None else set()
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
     configure_logging(config)
     adapter = get_adapter(getattr(model.config, "model_type", None))
     adapter.check(model)
+    if adapters:
+        inside = {id(p) for layer in adapter.layers(model) for p in layer.parameters()}
+        refuse_outside_layers([n for n, p in model.named_parameters() if id(p) in adapters and id(p) not in inside])
     if config.expandable_segments and config.is_cuda:
         enable_expandable_segments()
     if config.gpu_memory_limit is not None and config.is_cuda:
         total = torch.cuda.get_device_properties(config.torch_device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total),
                                                    config.torch_device)
-    units = build_units(model, adapter)
+    units = build_units(model, adapter, skip=adapters)
     for u in units:
         for e in u.entries:
             if _fill and e.param.device.type not in ("cpu", "meta"):
@@ -151,7 +161,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     _install_proxies(model, adapter, engine)
     closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
     closer.atexit = False                             # at exit the process tears everything down anyway
-    return model
+    if base is not None:
+        engine.adopt_adapters()
+    return peft_model
 
 
 def _apply_kernels(model, config) -> None:
@@ -166,30 +178,19 @@ def _apply_kernels(model, config) -> None:
     triton_ops.patch(model, cross_entropy=False)
 
 
-def _check_no_foreign_trainables(model, owned: set[int]) -> None:
-    """A parameter added after slide() (a LoRA adapter from get_peft_model, a new head) would get no
-    gradient and never be updated: refuse to train instead of training silently without it."""
-    if model is None or all(id(p) in owned or not p.requires_grad for p in model.parameters()):
-        return
-    foreign = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
-    if foreign:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise ValueError(f"trainable parameters were added to the model after slide() ({', '.join(foreign[:3])}"
-                         f"{more}): they would get no gradient. PEFT / LoRA models are not supported yet; "
-                         "hf_slideformer trains the slid model's own parameters (full fine-tuning). Add modules "
-                         "before slide(), or freeze them (requires_grad=False).")
-
-
 def _install_proxies(model, adapter, engine) -> None:
     from .functions import EmbedFunction, LayerFunction
 
     emb = adapter.embed(model)
-    model_ref = weakref.ref(model)
-    owned = {id(p) for p in engine.store.params()}
 
     def embed_forward(input_ids):
         if torch.is_grad_enabled():
-            _check_no_foreign_trainables(model_ref(), owned)
+            # Note: [Why a parameter added after slide() is checked at every forward] a trainable
+            # one that neither the store nor the adapters hold would get no gradient: LoRA
+            # adapters (get_peft_model on a slid model) are taken onto the device, anything
+            # else is refused, before any step trains without it.
+            if engine.foreign_trainables():
+                engine.adopt_adapters()
             engine.begin_graph()
             return EmbedFunction.apply(engine.anchor, engine, input_ids)
         return engine.embedding.forward(input_ids)

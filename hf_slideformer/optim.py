@@ -195,7 +195,8 @@ class SlideOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self.engine = engine
-        owned = {id(p) for p in engine.store.params()}
+        engine.adopt_adapters()                  # LoRA adapters a PEFT model added (lora.py)
+        owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.adapters.params}
         for g in self.param_groups:
             for p in g["params"]:
                 if id(p) not in owned:
@@ -209,6 +210,7 @@ class SlideOptimizer(torch.optim.Optimizer):
             for k, e in enumerate(u.entries):
                 self.state[e.param] = {"step": u.steps[k], "exp_avg": e.view(u.exp_avg),
                                        "exp_avg_sq": e.view(u.exp_avg_sq)}
+        engine.adapters.allocate(self.state)
         engine.attach_optimizer(self)
 
     def snapshot(self) -> tuple[list[dict], dict[int, int]]:

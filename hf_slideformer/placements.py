@@ -16,6 +16,9 @@ The schedule (`engine.py`) asks the placement and never which case a layer is in
                place.take_gradient(grads)
     step:      place.step(deferred)          (clipping, or a step that ends before its last micro-batch)
 
+`FrozenLayer` is a layer whose own weights do not train (the base under LoRA): they stream in,
+and the backward takes only the input's gradient and the adapters' (`lora.AdapterSet`).
+
 A new place for a layer's state (unit state on disk, a frozen base under LoRA, a shard of a
 data-parallel group) is a new subclass of `LayerPlacement`, not a new set of branches.
 
@@ -27,10 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .functions import leaves as _leaves
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
-__all__ = ["LayerPlacement", "HostLayer", "DeferredStep"]
+__all__ = ["LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep"]
 
 
 @dataclass
@@ -74,9 +78,15 @@ class LayerPlacement:
     """
 
     resident = False         # its weights are on the device: no slot, no copy in
+    trainable = True         # its weights take gradients (the plan may move it)
 
     def __init__(self, engine, unit: Unit):
         self.engine, self.unit = engine, unit
+
+    def leaves(self, ws: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """For the recompute: (the weights to compute with, those whose gradient it takes)."""
+        ws = _leaves(ws)
+        return ws, ws
 
     # ------------------------------------------------------------- weights (main thread)
     def weights(self, busy: tuple = ()) -> tuple[list[torch.Tensor], object]:
@@ -188,3 +198,20 @@ class HostLayer(LayerPlacement):
             e.host.check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
         e.host.update(u, u.grad, hp)
         u.grad_valid = False
+
+
+class FrozenLayer(LayerPlacement):
+    """A layer none of whose own parameters train (the base under LoRA): its weights stream in
+    like a host layer's, the backward computes the input's gradient only (and the adapters',
+    which stay on the device, `AdapterSet`), and nothing crosses back or is updated."""
+
+    trainable = False
+
+    def leaves(self, ws):
+        return list(ws), []
+
+    def take_gradient(self, grads: list) -> None:
+        pass
+
+    def step(self, deferred: DeferredStep) -> None:
+        pass

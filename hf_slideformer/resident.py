@@ -258,7 +258,7 @@ class ResidentPlan:
         resident before the first step])."""
         e, emb = self.engine, self.engine.embedding
         self.last_tokens = tokens
-        if (self.peak is None and self.planned is None and emb.resident is None
+        if (self.peak is None and self.planned is None and emb.resident is None and e.embed_unit.trainable
                 and e.single_micro and e.optimizer is not None and self.first_embed_plan(tokens)):
             emb.make_resident()
         if self.peak is None or not self.tokens or tokens <= self.tokens:
@@ -304,7 +304,7 @@ class ResidentPlan:
             e.pinned.adopt(eu.master)             # the head slot copies a tied one in again
         if not embed and emb.resident is not None:
             self.evict()                          # resident from the first step, not in the measured plan
-        if embed and emb.resident is None:
+        if embed and emb.resident is None and eu.trainable:
             emb.make_resident()
         if len(self.layers) >= n:
             return
@@ -314,7 +314,7 @@ class ResidentPlan:
                                            device=e.device)
         for i in range(n):
             p = e.places[i]
-            if not p.resident:
+            if not p.resident and p.trainable:
                 e.places[i] = ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p)
 
     def evict(self) -> None:

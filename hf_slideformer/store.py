@@ -75,6 +75,11 @@ class Unit:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [e.view(flat) for e in self.entries]
 
+    @property
+    def trainable(self) -> bool:
+        """Does any of its parameters train (a frozen base under LoRA does not)?"""
+        return any(e.param is None or e.param.requires_grad for e in self.entries)
+
 
 class HostStore:
     """Owns the host memory of the model: one slab of fp32 masters, moments and gradients.

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 STATE_DIR = "slide_state"
 INDEX = "index.json"
+ADAPTERS = "adapters.safetensors"
 FORMAT = "hf_slideformer.training_state/1"
 _TENSORS = ("master", "exp_avg", "exp_avg_sq", "step")
 PLAIN_OPTIMIZER_NAME = "optimizer.pt"
@@ -138,6 +139,13 @@ def save_training_state(directory: str, model, optimizer) -> None:
                           "crc32": {n: c.result() for n, c in crcs.items()}})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
+    if engine.adapters.params:         # LoRA adapters (lora.py): on the device, in a file of their own
+        tensors = engine.adapters.state()
+        path = os.path.join(out, ADAPTERS)
+        save_file(tensors, path, metadata={"format": FORMAT, "unit": "adapters"})
+        index["adapters"] = {"file": ADAPTERS, "bytes": os.path.getsize(path), "names": engine.adapters.names,
+                             "crc32": {n: tensor_crc32(t) for n, t in tensors.items()}}
+        fsync_file(path)
     for rec in units:                     # the index, written last, must never name a file not yet durable
         fsync_file(os.path.join(out, rec["file"]))
     with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
@@ -168,6 +176,15 @@ def verify_training_state(directory: str, model) -> dict:
     units = model.slide_engine.store.units
     if len(index["units"]) != len(units):
         raise CheckpointError(f"{ipath} describes {len(index['units'])} units, the model has {len(units)}")
+    adapters = model.slide_engine.adapters
+    saved = index.get("adapters", {}).get("names", [])
+    if saved != adapters.names:
+        raise CheckpointError(f"{ipath} holds the LoRA adapters {saved[:3]}..., the model has {adapters.names[:3]}...: "
+                              "a checkpoint of another model or adapter configuration")
+    if saved:
+        path = os.path.join(out, index["adapters"]["file"])
+        if not os.path.isfile(path) or os.path.getsize(path) != index["adapters"]["bytes"]:
+            raise CheckpointError(f"{path} is missing or truncated (the LoRA adapters)")
     for rec, u in zip(index["units"], units):
         path = os.path.join(out, rec["file"])
         if not os.path.isfile(path):
@@ -241,6 +258,17 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{path} could not be read: {e}") from e
         u.version += 1                              # device copies of the old weights are stale now
+    if "adapters" in index:
+        rec = index["adapters"]
+        path = os.path.join(out, rec["file"])
+        with safe_open(path, "pt") as f:
+            def read_adapter(name):
+                t = f.get_tensor(name)
+                if tensor_crc32(t) != rec["crc32"].get(name):
+                    raise CheckpointError(f"{path}: tensor {name!r} does not match its checksum (damaged on disk "
+                                          "or in transfer): load a good checkpoint before training")
+                return t
+            engine.adapters.load_state(read_adapter, weights=weights, optimizer=opt is not None)
     if opt is not None:
         for saved, group in zip(index["param_groups"], opt.param_groups):
             for k, v in saved.items():

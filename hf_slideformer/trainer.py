@@ -36,6 +36,7 @@ from .accelerate_plugin import multi_process_message, wrap_optimizer
 from .atomic_save import final_paths_in_logs, recover_directories
 from .checkpoint import CheckpointError
 from .engine import SlideStateError
+from .lora import peft_base
 from .model import is_slid, slide
 from .optim import SlideOptimizer
 from .train_checkpoint import (STATE_DIR, atomic_directory, load_training_state, recover_checkpoint,
@@ -96,8 +97,9 @@ class SlideTrainer(Trainer):
         if is_slid(model):
             sync_step_settings(model, self.args.gradient_accumulation_steps, self.args.max_grad_norm)
             return model
-        if not isinstance(model, PreTrainedModel):
-            raise SlideArgsError(f"SlideTrainer needs an HF causal LM (PreTrainedModel), got {type(model).__name__}")
+        if not isinstance(model, PreTrainedModel) and peft_base(model) is None:
+            raise SlideArgsError(f"SlideTrainer needs an HF causal LM (PreTrainedModel) or a PEFT LoRA model of one, "
+                                 f"got {type(model).__name__}")
         logger.info("sliding %s with %s", type(model).__name__, self.args.to_slide_config())
         return slide(model, self.args.to_slide_config())
 

@@ -55,15 +55,16 @@ def test_a_kv_cache_is_refused_for_training():
 
 
 def test_parameters_added_after_slide_are_refused_not_trained_silently():
-    """get_peft_model on a slid model adds LoRA parameters the engine never sees: a forward with
-    gradients raises, naming them, instead of training without them; frozen additions are fine."""
+    """Trainable parameters added to a slid model after its optimizer was built would never be
+    updated: a forward with gradients raises, naming them, instead of training without them;
+    frozen additions are fine (tests/test_lora.py: adapters added before the optimizer train)."""
     import torch.nn as nn
     _, slid = make_pair("llama", False)
     slid.create_optimizer(lr=1e-3)
     (b,) = batches(1)
     proj = slid.model.layers[1].self_attn.q_proj
     proj.lora_A = nn.Linear(proj.in_features, 2, bias=False)
-    with pytest.raises(ValueError, match=r"added to the model after slide\(\).*lora_A.*PEFT"):
+    with pytest.raises(hs.SlideStateError, match=r"after its optimizer was built \(.*lora_A"):
         slid(**b).loss.backward()
     proj.lora_A.weight.requires_grad_(False)
     slid(**b).loss.backward()

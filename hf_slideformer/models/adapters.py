@@ -50,9 +50,13 @@ class DecoderAdapter:
         In these families a decoder layer ends with `hidden = residual + mlp.down_proj(...)`: no
         gradient inside the layer reads that product's value, so the engine's recompute in
         backward can skip it. None (nothing skipped) when `down_proj` is not a plain
-        `nn.Linear` (a LoRA wrapper, a quantized layer).
+        `nn.Linear` or a LoRA wrapper of one (a quantized layer, say).
         """
         proj = getattr(getattr(layer, "mlp", None), "down_proj", None)
+        # A LoRA wrapper adds its adapter's branch to its frozen linear's product: the linear's
+        # output is skipped the same way, and the branch is computed as usual (the adapter's
+        # gradients need it).
+        proj = getattr(proj, "base_layer", proj)
         return proj if type(proj) is nn.Linear else None
 
     def check(self, model: nn.Module) -> None:

@@ -1,0 +1,205 @@
+"""LoRA on a streamed frozen base: PEFT models through the sliding engine.
+
+A PEFT LoRA model slides like its base model, with two kinds of parameters:
+
+- the base's, frozen: they stay in the host store and stream through the window like any layer,
+  but no gradient of theirs is computed, crosses back or updates anything (`FrozenLayer`);
+- the adapters' (`lora_A`, `lora_B`), small: they stay on the device in fp32 and are updated
+  there by torch's fused AdamW at `optimizer.step()` (`AdapterSet`). Their gradients come from
+  the layers' recompute in backward, summed on the device over the micro-batches.
+
+Note: [Why the adapters stay on the device] rank 16 on every linear layer of an 8B model is about
+42M parameters: 0.7 GB of fp32 master and moments, against the window's 0.4 GB per layer. On the
+device their update is one fused kernel per step; on the CPU worker each layer's adapters would
+cost a d2h, a worker task and an h2d for a few MB.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .host_adam import torch_fused_adamw
+from .optim import _grad_scale, sq_norm as _sq_norm
+
+__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers"]
+
+
+def _peft_model_class():
+    try:
+        from peft import PeftModel
+    except ImportError:          # peft is a dependency; a model can only be a PeftModel if it imports
+        return None
+    return PeftModel
+
+
+def peft_base(model: nn.Module) -> nn.Module | None:
+    """The HF model inside a PEFT model (`PeftModel.get_base_model()`), or None for a plain model."""
+    cls = _peft_model_class()
+    if cls is not None and isinstance(model, cls):
+        check_lora(model)
+        return model.get_base_model()
+    return None
+
+
+def check_lora(peft_model) -> None:
+    """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter, without
+    dropout, DoRA or modules_to_save, on linear layers inside the decoder layers."""
+    configs = getattr(peft_model, "peft_config", {})
+    if len(configs) != 1:
+        raise ValueError(f"hf_slideformer trains one LoRA adapter at a time; this PEFT model has {len(configs)} "
+                         f"({', '.join(configs)})")
+    (name, cfg), = configs.items()
+    kind = str(getattr(cfg.peft_type, "value", cfg.peft_type))
+    if kind != "LORA":
+        raise ValueError(f"PEFT method {kind} is not supported: hf_slideformer slides LoRA models (LoraConfig) "
+                         "and full fine-tuning of the base model")
+    unsupported = []
+    if getattr(cfg, "use_dora", False):
+        unsupported.append("use_dora=True (DoRA)")
+    if getattr(cfg, "modules_to_save", None):
+        unsupported.append(f"modules_to_save={cfg.modules_to_save!r}")
+    if float(getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0.0:
+        unsupported.append(f"lora_dropout={cfg.lora_dropout} (the recompute in backward would draw other "
+                           "dropout masks; use 0.0)")
+    if unsupported:
+        raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
+                         "Supported: LoRA on any linear layers inside the decoder layers, without dropout.")
+
+
+def refuse_outside_layers(names: list[str]) -> None:
+    """Raise for trainable parameters outside the decoder layers that the host store does not hold."""
+    if names:
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        raise ValueError(f"trainable parameters outside the decoder layers that the slid model does not hold "
+                         f"({', '.join(names[:3])}{more}): no gradient would reach them. LoRA is supported on "
+                         "linear layers inside the decoder layers (not on lm_head or embed_tokens); freeze the "
+                         "others (requires_grad=False) or add modules before slide().")
+
+
+class AdapterSet:
+    """The trainable parameters that stay on the device: LoRA adapters inside the slid layers.
+
+    Args:
+        engine: the SlideEngine.
+
+    Attributes:
+        by_layer: for each decoder layer, its adapters' parameters (module order).
+        params: all of them, flat.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.by_layer: list[list[nn.Parameter]] = [[] for _ in engine.layers]
+        self.params: list[nn.Parameter] = []
+        self.names: list[str] = []                  # the model's names of `params`
+        self.exp_avg: dict[int, torch.Tensor] = {}
+        self.exp_avg_sq: dict[int, torch.Tensor] = {}
+        self.steps: dict[int, torch.Tensor] = {}
+
+    def adopt(self, owned: set[int]) -> list[str]:
+        """Take the layers' trainable parameters that the host store does not hold (adapters a
+        PEFT model added) onto the device in fp32; the names of anything else trainable and not
+        held, which no gradient would reach."""
+        e = self.engine
+        layer_of = {}
+        for i, layer in enumerate(e.layers):
+            for p in layer.parameters():
+                layer_of.setdefault(id(p), i)
+        stray = []
+        for name, p in e.model_ref().named_parameters():
+            if not p.requires_grad or id(p) in owned or any(p is q for q in self.params):
+                continue
+            i = layer_of.get(id(p))
+            if i is None:
+                stray.append(name)
+                continue
+            with torch.no_grad():
+                p.data = p.data.to(e.device, torch.float32)
+            self.by_layer[i].append(p)
+            self.params.append(p)
+            self.names.append(name)
+        return stray
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Weights, moments and step counters by name, on the host (a training checkpoint)."""
+        out = {}
+        for n, p in zip(self.names, self.params):
+            out[f"weight/{n}"] = p.detach().cpu()
+            if id(p) in self.exp_avg:
+                out[f"exp_avg/{n}"] = self.exp_avg[id(p)].cpu()
+                out[f"exp_avg_sq/{n}"] = self.exp_avg_sq[id(p)].cpu()
+                out[f"step/{n}"] = self.steps[id(p)].cpu().reshape(1)
+        return out
+
+    @torch.no_grad()
+    def load_state(self, read, weights: bool = True, optimizer: bool = True) -> None:
+        """Restore from `read(key)` (keys as in `state`)."""
+        for n, p in zip(self.names, self.params):
+            if weights:
+                p.copy_(read(f"weight/{n}"))
+            if optimizer and id(p) in self.exp_avg:
+                self.exp_avg[id(p)].copy_(read(f"exp_avg/{n}"))
+                self.exp_avg_sq[id(p)].copy_(read(f"exp_avg_sq/{n}"))
+                self.steps[id(p)].copy_(read(f"step/{n}").reshape(()))
+
+    def allocate(self, state: dict) -> None:
+        """Zeroed AdamW moments and step counters on the device, registered in the optimizer's `state`."""
+        for p in self.params:
+            if id(p) not in self.exp_avg:
+                self.exp_avg[id(p)] = torch.zeros_like(p)
+                self.exp_avg_sq[id(p)] = torch.zeros_like(p)
+                self.steps[id(p)] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state[p] = {"step": self.steps[id(p)], "exp_avg": self.exp_avg[id(p)],
+                        "exp_avg_sq": self.exp_avg_sq[id(p)]}
+
+    def take_gradient(self, i: int, grads) -> None:
+        """The micro-batch's gradients of layer i's adapters: summed into `.grad` on the device,
+        their squared norm added to the step's where the step's norm is taken on the device."""
+        e = self.engine
+        ps = self.by_layer[i]
+        if not ps:
+            return
+        for p, g in zip(ps, grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.to(torch.float32)
+            else:
+                p.grad.add_(g)
+        if e.single_micro or e.mode.ends_step:
+            e.norm.dev += _sq_norm([p.grad for p in ps if p.grad is not None])
+
+    def sq_norm(self) -> torch.Tensor | None:
+        """The squared norm of the summed gradients so far (a step that ends early), or None."""
+        gs = [p.grad for p in self.params if p.grad is not None]
+        return _sq_norm(gs) if gs else None
+
+    def step(self, hp, clip_coef=None, found_inf=None) -> None:
+        """AdamW of every adapter with its summed gradient (divided by the clip factor), skipped
+        where `found_inf` is nonzero; the gradients are dropped after."""
+        if not self.params:
+            return
+        if found_inf is not None and found_inf.device.type == "cpu" and float(found_inf):
+            self.zero_grad()
+            return
+        groups, group_of = hp
+        by_group: dict[int, list[nn.Parameter]] = {}
+        for p in self.params:
+            gi = group_of.get(id(p))
+            if gi is not None and p.grad is not None and p.requires_grad:
+                by_group.setdefault(gi, []).append(p)
+        scale = _grad_scale(clip_coef, self.engine.device)
+        dev_inf = found_inf if found_inf is not None and found_inf.device.type != "cpu" else None
+        for gi, ps in by_group.items():
+            steps = [self.steps[id(p)] for p in ps]
+            torch._foreach_add_(steps, 1)
+            torch_fused_adamw(groups[gi], ps, [p.grad for p in ps], [self.exp_avg[id(p)] for p in ps],
+                              [self.exp_avg_sq[id(p)] for p in ps], steps, scale, dev_inf)
+            if dev_inf is not None:          # the kernel skipped; the counters go back (as torch.optim does)
+                torch._foreach_sub_(steps, [dev_inf] * len(steps))
+        self.engine.stats.gpu_adam_params += sum(p.numel() for ps in by_group.values() for p in ps)
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None

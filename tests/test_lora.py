@@ -1,0 +1,214 @@
+"""LoRA on a streamed frozen base: a PEFT model through the sliding engine against PEFT alone."""
+import copy
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+from hf_slideformer.placements import FrozenLayer
+from helpers import batches, family_config
+
+LR = 1e-2
+LOSS_RTOL = 1e-5
+TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def _base(model_type="llama", tied=True, seed=0):
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_config(family_config(model_type, tied)).float()
+    base.config.use_cache = False
+    return base
+
+
+def lora_pair(model_type="llama", tied=True, targets=TARGETS, **slide_kw):
+    """(PEFT model, slid deep copy of it) with identical weights; nonzero B so that every adapter
+    gradient is nonzero from the first step."""
+    pm = get_peft_model(_base(model_type, tied), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                           init_lora_weights=False))
+    slid = hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
+    return pm, slid
+
+
+def _adapters(model):
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def train_both(ref, slid, data, ga=1, clip=None):
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
+    for k in range(0, len(data), ga):
+        for b in data[k:k + ga]:
+            r, s = ref(**b).loss, slid(**b).loss
+            assert math.isclose(s.item(), r.item(), rel_tol=LOSS_RTOL), (s.item(), r.item())
+            (r / ga).backward()
+            (s / ga).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], clip)
+        ropt.step()
+        ropt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    a, b = _adapters(ref), _adapters(slid)
+    assert set(a) == set(b) and a
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.parametrize("model_type,tied", [("llama", True), ("qwen3", False)])
+@pytest.mark.parametrize("ga,clip", [(1, None), (2, None), (1, 0.05), (2, 0.05)])
+def test_lora_through_sliding_equals_peft(model_type, tied, ga, clip):
+    ref, slid = lora_pair(model_type, tied, gradient_accumulation_steps=ga, max_grad_norm=clip)
+    assert train_both(ref, slid, batches(3 * ga, pad=True), ga=ga, clip=clip) < 0.05 * LR
+
+
+def test_the_frozen_base_sends_nothing_back_and_never_changes():
+    ref, slid = lora_pair()
+    eng = slid.slide_engine
+    assert all(isinstance(p, FrozenLayer) for p in eng.places)
+    before = {n: p.detach().clone() for n, p in slid.named_parameters() if "lora_" not in n}
+    train_both(ref, slid, batches(2))
+    stats = slid.slide_stats()
+    assert stats["d2h_bytes"] == 0 and stats["cpu_adam_s"] == 0.0
+    after = {n: p.detach() for n, p in slid.named_parameters() if "lora_" not in n}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert all(p.grad is None for n, p in slid.named_parameters() if "lora_" not in n)
+
+
+def test_get_peft_model_on_a_slid_model_trains_the_adapters():
+    """The adapters a PEFT model adds to a model already slid (as after SlideModel.from_pretrained)
+    are taken onto the device when the optimizer is built."""
+    base = _base()
+    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                        init_lora_weights=False))
+    slid = get_peft_model(hs.slide(copy.deepcopy(base), hs.SlideConfig(device="cpu", dtype=torch.float32)),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    slid.load_state_dict(pm.state_dict())                     # the same adapter weights
+    assert train_both(pm, slid, batches(3)) < 0.05 * LR
+
+
+def test_adapters_added_after_the_optimizer_raise():
+    """The silent case: adapters added after create_optimizer would never train."""
+    m = hs.slide(_base(), hs.SlideConfig(device="cpu", dtype=torch.float32))
+    m.create_optimizer(lr=LR)
+    p = get_peft_model(m, LoraConfig(r=4, target_modules=TARGETS))
+    with pytest.raises(hs.SlideStateError, match="after its optimizer was built"):
+        p(**batches(1)[0])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(use_dora=True), "DoRA"),
+    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    (dict(lora_dropout=0.1), "lora_dropout"),
+])
+def test_unsupported_lora_settings_raise(kw, match):
+    pm = get_peft_model(_base(), LoraConfig(r=4, target_modules=TARGETS, **kw))
+    with pytest.raises(ValueError, match=match):
+        hs.slide(pm, hs.SlideConfig(device="cpu"))
+
+
+def test_lora_outside_the_layers_raises():
+    pm = get_peft_model(_base(tied=False), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="outside the decoder layers"):
+        hs.slide(pm, hs.SlideConfig(device="cpu"))
+
+
+def test_saved_adapter_loads_with_peft_and_gives_the_same_logits(tmp_path):
+    ref, slid = lora_pair()
+    train_both(ref, slid, batches(2))
+    slid.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    plain = PeftModel.from_pretrained(_base(), tmp_path / "adapter")
+    b = batches(1)[0]
+    with torch.no_grad():
+        want = plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        got = slid(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- the Trainer
+def _trainer_args(tmp_path, name, **kw):
+    args = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_grad_norm=0.05, learning_rate=1e-2, weight_decay=0.1, max_steps=4, logging_steps=1,
+                report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=1,
+                disable_tqdm=True, optim="adamw_torch")
+    args.update(kw)
+    return args
+
+
+def _trainer_data(n=16, seq=12):
+    g = torch.Generator().manual_seed(1)
+    return [{"input_ids": (x := torch.randint(2, 97, (seq,), generator=g)), "labels": x.clone()} for _ in range(n)]
+
+
+def test_slide_trainer_trains_a_peft_model_as_the_plain_trainer(tmp_path):
+    """Accumulation (2), active clipping, decay groups and a schedule: a PEFT model through
+    SlideTrainer against the same PEFT model through the plain Trainer."""
+    from transformers import Trainer, TrainingArguments
+    pm = get_peft_model(_base(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+    ref, model = pm, copy.deepcopy(pm)
+    data = _trainer_data()
+    plain = Trainer(model=ref, args=TrainingArguments(**_trainer_args(tmp_path, "plain")), train_dataset=data)
+    plain.train()
+    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(**_trainer_args(tmp_path, "slide")), train_dataset=data)
+    slid.train()
+    assert hs.is_slid(slid.model)
+    want = [h["loss"] for h in plain.state.log_history if "loss" in h]
+    got = [h["loss"] for h in slid.state.log_history if "loss" in h]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    a, b = _adapters(ref), _adapters(model)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 0.05 * 1e-2
+
+
+def test_peft_resume_equals_uninterrupted(tmp_path):
+    def run(name, resume=None):
+        pm = get_peft_model(_base(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+        args = hs.SlideArgs(**_trainer_args(tmp_path, name, max_steps=6, save_strategy="steps", save_steps=3))
+        t = hs.SlideTrainer(model=pm, args=args, train_dataset=_trainer_data(24))
+        t.train(resume_from_checkpoint=resume)
+        return t, pm
+
+    full, full_model = run("full")
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    assert (ckpt / "slide_state" / "adapters.safetensors").is_file()
+    resumed, resumed_model = run("resumed", resume=str(ckpt))
+    a, b = _adapters(full_model), _adapters(resumed_model)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [h["loss"] for h in resumed.state.log_history if "loss" in h][-3:] == \
+        [h["loss"] for h in full.state.log_history if "loss" in h][-3:]
+
+
+# ---------------------------------------------------------------------- on the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_bf16_lora_on_the_gpu_tracks_fp32_peft(kernels, clip):
+    """bf16 compute on the streamed base with fp32 adapters on the device, against fp32 PEFT on the
+    GPU: losses within 2% per step, the adapters within a few lr steps; nothing crosses back."""
+    from hf_slideformer.demo import tiny_config
+    torch.manual_seed(0)
+    cfg = tiny_config("llama", vocab_size=1001, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    pm = get_peft_model(AutoModelForCausalLM.from_config(cfg).float(),
+                        LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS + ["up_proj", "o_proj"],
+                                   init_lora_weights=False))
+    slid = hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cuda", dtype=torch.bfloat16, use_kernels=kernels,
+                                                      max_grad_norm=clip))
+    ref = pm.cuda()
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
+    opt = slid.create_optimizer(lr=1e-3)
+    for b in batches(4, bsz=4, seq=128, vocab=1001, pad=True):
+        b = {k: v.cuda() for k, v in b.items()}
+        r = ref(**b).loss
+        r.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], clip)
+        ropt.step(); ropt.zero_grad()
+        s = slid(**b).loss
+        s.backward(); opt.step(); opt.zero_grad()
+        assert abs(s.item() - r.item()) / r.item() < 2e-2, (s.item(), r.item())
+    a, b = _adapters(ref), _adapters(slid)
+    diffs = torch.cat([(a[n] - b[n]).abs().flatten() for n in a])
+    assert diffs.mean().item() < 0.1 * 1e-3 and diffs.max().item() < 2 * 4 * 1e-3, (diffs.mean(), diffs.max())
+    assert slid.slide_stats()["d2h_bytes"] == 0
