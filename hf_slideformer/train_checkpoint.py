@@ -6,7 +6,8 @@ from the fp32 masters) and, for an exact resume, `slide_state/`: one safetensors
 `exp_avg_sq` and its per-parameter AdamW `step` counters, plus `slide_state/index.json` naming
 every file with its size, tensor shapes and a CRC-32 per tensor, and the optimizer's
 hyper-parameters per group. No single pickle ever holds the whole state; host memory stays flat
-while saving.
+while saving. A frozen unit (the base under LoRA) is named in the index without a file: it never
+changes, and the LoRA adapters with their moments are `slide_state/adapters.safetensors`.
 
 `atomic_directory` builds a checkpoint in a hidden sibling directory and swaps it into place
 by renames (`atomic_save.staged_directory`): killed at any step, the directory reads as the old
@@ -127,6 +128,10 @@ def save_training_state(directory: str, model, optimizer) -> None:
     units = []
     with ThreadPoolExecutor(max_workers=len(_TENSORS)) as pool:     # zlib.crc32 releases the GIL
         for k, u in enumerate(engine.store.units):
+            if not u.trainable:
+                units.append({"name": u.name, "frozen": True, "numel": u.numel,
+                              "params": [[e.name, list(e.shape)] for e in u.entries]})
+                continue
             fname = _unit_file(k)
             path = os.path.join(out, fname)
             # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
@@ -147,7 +152,8 @@ def save_training_state(directory: str, model, optimizer) -> None:
                              "crc32": {n: tensor_crc32(t) for n, t in tensors.items()}}
         fsync_file(path)
     for rec in units:                     # the index, written last, must never name a file not yet durable
-        fsync_file(os.path.join(out, rec["file"]))
+        if "file" in rec:
+            fsync_file(os.path.join(out, rec["file"]))
     with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
         json.dump(index, f, indent=1)
         f.flush()
@@ -186,6 +192,16 @@ def verify_training_state(directory: str, model) -> dict:
         if not os.path.isfile(path) or os.path.getsize(path) != index["adapters"]["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated (the LoRA adapters)")
     for rec, u in zip(index["units"], units):
+        if rec.get("frozen", False) != (not u.trainable):
+            raise CheckpointError(f"{ipath}: unit {rec['name']} is {'frozen' if rec.get('frozen') else 'trained'} "
+                                  f"there and {'trained' if u.trainable else 'frozen'} in this model: a checkpoint of "
+                                  "another adapter configuration")
+        if rec.get("frozen"):
+            theirs = [(n, tuple(s)) for n, s in rec["params"]]
+            if theirs != [(e.name, tuple(e.shape)) for e in u.entries]:
+                raise CheckpointError(f"{ipath}: frozen unit {rec['name']} has other parameters than the model's "
+                                      f"{u.name}: a checkpoint of another model")
+            continue
         path = os.path.join(out, rec["file"])
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing (unit {rec['name']})")
@@ -229,9 +245,11 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
         raise CheckpointError(f"{directory}: {len(index['param_groups'])} optimizer param groups saved, "
                               f"this optimizer has {len(opt.param_groups)}")
     out = os.path.join(directory, STATE_DIR)
-    if any("crc32" not in rec for rec in index["units"]):
+    if any("crc32" not in rec for rec in index["units"] if not rec.get("frozen")):
         logger.warning("%s was written without checksums: damaged values cannot be detected", out)
     for rec, u in zip(index["units"], engine.store.units):
+        if rec.get("frozen"):
+            continue                                 # never changed: the model's own weights are the state
         path = os.path.join(out, rec["file"])
         try:
             with safe_open(path, "pt") as f:
