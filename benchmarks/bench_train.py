@@ -248,7 +248,7 @@ def run_parent(args: argparse.Namespace) -> int:
                        cap_gib=args.cap_gib if capped and args.device == "cuda" else None, lr=args.lr,
                        checkpointing=args.checkpointing or cls.default_checkpointing or "auto",
                        kernels=args.kernels or cls.default_kernels or "none",
-                       slide_options=json.loads(args.slide_config or "{}"),
+                       slide_options=json.loads(args.slide_config or "{}"), lora_r=args.lora_r,
                        alloc_conf=args.alloc_conf if args.device == "cuda" else "")
         if search:
             row = search_batches(lambda b, left: run_provider(name, dataclasses.replace(spec, batches=[b]), left),
@@ -444,6 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "is the fastest batch that fit (replaces --batch and --offload-batches)")
     ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the slide_lora and hf_lora providers")
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")
     ap.add_argument("--no-probe", action="store_true", help="skip measuring PCIe and CPU Adam (use DESIGN's figures)")
     ap.add_argument("--json", default=None, help="write the results here")

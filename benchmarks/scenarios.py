@@ -92,6 +92,21 @@ def baseline_row(s: Settings, name: str, provider: str, *, batch: int = 16, sear
     return Step(name, argv, timeout, kind="train")
 
 
+def lora_row(s: Settings, provider: str, batch: int, cap: float | None, *, model: str = "llama3-8b",
+             r: int = 16, timeout: float = 170) -> Step:
+    """A LoRA row (rank r on every linear layer): `hf_lora` uncapped, or `slide_lora` under `cap`."""
+    steps, warmup = (1, 1) if s.smoke else (3, 2)
+    short = model.replace("llama3-", "").replace("qwen2.5-", "q")
+    argv = ["benchmarks/bench_train.py", "--model", s.model(model), "--providers", provider, "--lora-r", str(r),
+            "--steps", str(steps), "--warmup", str(warmup), "--no-probe", "--timeout", str(int(timeout - 10)),
+            *s.device_args()]
+    batch = min(batch, 2) if s.smoke else batch
+    argv += ["--seq", "32"] if s.smoke else []
+    argv += ["--batch", str(batch)] if cap is None else ["--offload-batches", str(batch), "--cap-gib", f"{cap:g}"]
+    return Step(f"{short}_{provider}_b{batch}" + (f"_cap{cap:g}" if cap is not None else ""), argv, timeout,
+                kind="train")
+
+
 def tests(name: str, paths: tuple[str, ...] = ("tests",), marker: str | None = "gpu", timeout: float = 180) -> Step:
     """pytest on the GPU machine (on a CPU the `gpu` marker's tests skip themselves)."""
     argv = ["-m", "pytest", "-q", "-p", "no:cacheprovider", *(["-m", marker] if marker else []), *paths]
@@ -187,7 +202,12 @@ def long(s: Settings) -> list[Step]:
     return steps
 
 
+def lora(s: Settings) -> list[Step]:
+    """Llama-3.1-8B shape, LoRA r16 on every linear layer, batch 16: PEFT GPU-resident beside slide under 24 GiB."""
+    return [lora_row(s, "hf_lora", 16, None), lora_row(s, "slide_lora", 16, 24)]
+
+
 SCENARIOS: dict[str, Callable[[Settings], list[Step]]] = {
     "quick": quick, "full": full, "small-gpu": small_gpu, "soak": soak, "kernels": kernels,
-    "baselines": baselines, "long": long,
+    "baselines": baselines, "long": long, "lora": lora,
 }

@@ -127,7 +127,7 @@ def test_small_helpers():
     assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("mystery card") is None
     assert is_cuda_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
     assert not is_cuda_oom(RuntimeError("shape mismatch"))
-    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident"}
+    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora"}
     assert get_provider("hf").name == "hf"
 
 

@@ -45,6 +45,7 @@ class RunSpec:
                                                        "else triton_ops), liger, triton_ops, none"})
     slide_options: dict[str, Any] = field(default_factory=dict, metadata={"help": "extra SlideConfig fields"})
     seed: int = field(default=0, metadata={"help": "seed of the random tokens and weights"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank of the slide_lora and hf_lora providers"})
     alloc_conf: str = field(default="", metadata={"help": "PYTORCH_CUDA_ALLOC_CONF of the provider's process"})
 
     def __post_init__(self) -> None:
