@@ -32,7 +32,7 @@ class DeviceAccumulator:
     that a layer's running sum is brought into while the layer is recomputed.
 
     Args:
-        engine: the SlideEngine (streams, store, the backward's mode and norms, `_d2h`).
+        engine: the SlideEngine (streams, store, the backward's mode, the step's norm, the gradient ring).
     """
 
     def __init__(self, engine):

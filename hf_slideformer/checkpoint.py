@@ -17,6 +17,7 @@ order where every intermediate state loads as the old save or the new one:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -106,14 +107,19 @@ def load_weights(model, path) -> None:
             if not os.path.exists(fpath):
                 raise CheckpointError(f"checkpoint file {fpath} named in the index does not exist")
             with safe_open(fpath, "pt") as f:
-                for n in names:
-                    u, e = expected[n]
-                    t = f.get_tensor(aliases.get(n, n))
-                    if tuple(t.shape) != tuple(e.shape):
-                        mismatched.append(f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(e.shape)}")
-                        continue
-                    e.view(u.master).copy_(t)
-                    bar.update(e.numel * 4)
+                # one unit at a time: a layer on disk is read in and written back once per file
+                for u, group in itertools.groupby(names, key=lambda n: id(expected[n][0])):
+                    group = list(group)
+                    u = expected[group[0]][0]
+                    with store.unit_state(u, write=True):
+                        for n in group:
+                            e = expected[n][1]
+                            t = f.get_tensor(aliases.get(n, n))
+                            if tuple(t.shape) != tuple(e.shape):
+                                mismatched.append(f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(e.shape)}")
+                                continue
+                            e.view(u.master).copy_(t)
+                            bar.update(e.numel * 4)
     bar.close()
     if mismatched:
         raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {'; '.join(mismatched[:20])}")
@@ -214,8 +220,16 @@ def save_model(model, save_directory, max_shard_size="5GB", dtype=torch.float32)
 def _write(model, stage: str, plan, names: list[str], dtype) -> None:
     """Every file of the new save, fsynced, in the staging folder."""
     weight_map, total = {}, 0
+    store = model.slide_engine.store
     for fname, items in zip(names, plan):
-        tensors = {name: e.view(u.master).to(dtype).contiguous() for name, u, e in items}
+        tensors = {}
+        for _, group in itertools.groupby(items, key=lambda item: id(item[1])):
+            group = list(group)
+            u = group[0][1]
+            with store.unit_state(u):                  # a layer on disk: read in, and copied out below
+                for name, _, e in group:
+                    t = e.view(u.master).to(dtype).contiguous()       # fp32: the master itself
+                    tensors[name] = t.clone() if store.on_disk(u) and t.dtype == u.master.dtype else t
         save_file(tensors, os.path.join(stage, fname), metadata={"format": "pt"})
         fsync_file(os.path.join(stage, fname))
         for name in tensors:

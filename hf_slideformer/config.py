@@ -62,8 +62,17 @@ class SlideConfig:
         "Where each layer's input waits between forward and backward: 'device' (GPU memory), 'cpu' (pinned host "
         "memory), 'nvme' (files under nvme_path), or 'auto' ('cpu' on CUDA, 'device' on CPU).")
     nvme_path: str | None = option(
-        None, Directory(), "Directory on a fast disk for the 'nvme' activation tier. Its parent must exist; the "
-                           "directory itself is created if missing.", none="unset (the 'nvme' tier needs it)")
+        None, Directory(), "Directory on a fast disk for the 'nvme' activation tier and for the state files of the "
+                           "layers that do not fit in host_memory_limit. Its parent must exist; the directory itself "
+                           "is created if missing.",
+        none="unset (the 'nvme' tier and host_memory_limit need it)")
+    host_memory_limit: float | str | None = option(
+        None, Auto(Float(0.0, lo_open=True, unit="GiB")),
+        "Host memory the unit state may take, in GiB: the fp32 masters, AdamW moments and gradient accumulators "
+        "of the units held in host memory, plus a few pinned buffers of one layer each. The last decoder layers "
+        "whose state does not fit keep it in a preallocated file under nvme_path and are read in and written back "
+        "around each use (docs/disk.md). 'auto': the host's available memory at slide() less 20% (at least "
+        "4 GiB) for the rest of the process.", none="no limit: every unit's state in host memory")
     cpu_threads: int | None = option(
         None, Int(1, _host_cores, "at most the cores of this host"),
         "Threads of the CPU optimizer. Set explicitly because launchers such as `accelerate launch` export "
@@ -133,6 +142,9 @@ class SlideConfig:
             self.activation_tier = "cpu" if dev.type == "cuda" else "device"
         if self.activation_tier == "nvme" and not self.nvme_path:
             raise ValueError("SlideConfig.activation_tier='nvme' needs nvme_path (a directory on a fast disk)")
+        if self.host_memory_limit is not None and not self.nvme_path:
+            raise ValueError(f"SlideConfig.host_memory_limit={self.host_memory_limit!r} needs nvme_path (a directory "
+                             "on a fast disk for the state of the layers that do not fit), or host_memory_limit=None")
         if self.cpu_threads is None:
             cores = _host_cores()       # on larger hosts one core stays with the main thread, which feeds the GPU
             self.cpu_threads = cores - 1 if cores > 4 else cores

@@ -23,16 +23,17 @@ import torch
 from .accumulate import DeviceAccumulator
 from .activations import make_tier
 from .device_update import DeviceUpdater
+from .disk_placement import DiskLayer
 from .embedding import Embedding
 from .errors import SlideStateError
 from .functions import grad_only, swapped
 from .grad_ring import GradientRing
 from .head import LossHead
-from .lora import AdapterSet, refuse_outside_layers
+from .lora import AdapterSet
 from .host_adam import HostAdam
 from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
-from .mode import BackwardMode
+from .mode import BackwardGuard, BackwardMode
 from .optim import sq_norm as _sq_norm
 from .placements import DeferredStep, FrozenLayer, HostLayer
 from .resident import ResidentPlan
@@ -100,6 +101,9 @@ class SlideEngine:
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
+        for i, u in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
+            if store.on_disk(u):
+                self.places[i] = DiskLayer(self, u, store.disk, self.layers[i])
         # The parts that own their state: the worker's host updates, the embedding, the head, the
         # resident plan, the device updates and the device accumulation.
         self.host = HostUpdates(self)
@@ -112,11 +116,8 @@ class SlideEngine:
         self.device_updates = DeviceUpdater(self)
         self.accumulator = DeviceAccumulator(self)
         self.adapters = AdapterSet(self)
-        self._held = {id(p) for p in store.params()}      # the parameters the engine trains (and the adapters')
         self._step_no = 0              # optimizer steps taken
-        self._backward_open = False
-        self._inconsistent: str | None = None    # why training may not go on (see _close_interrupted_backward)
-        self._restored: set[str] = set()
+        self.guard = BackwardGuard(self._release_interrupted)
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
         self.hp = None                 # the optimizer's hyper-parameters, snapshot at each backward
@@ -159,6 +160,11 @@ class SlideEngine:
                 self.store.allocate_grad_accumulators()
             else:
                 self.store.deferred = True
+
+    @property
+    def in_backward(self) -> bool:
+        """Is a backward running (the schedule walks the layers from the last to the first)?"""
+        return self.guard.open
 
     def _wait(self, event: threading.Event, reason: str) -> None:
         """Main thread blocks on the CPU worker; timed by reason, worker failures re-raised."""
@@ -205,46 +211,23 @@ class SlideEngine:
                 "(or run that forward under torch.no_grad())."
             )
 
-    def _close_interrupted_backward(self) -> None:
-        """An exception stopped a backward half way: some layers of this step were updated, others
-        not. Release every waiter so nothing hangs, and mark the state inconsistent until both the
-        weights and the optimizer state are restored (`note_restored`)."""
-        if not self._backward_open:
-            return
-        self._backward_open = False
+    def _release_interrupted(self) -> None:
+        """An error stopped a backward half way: let every waiter go (BackwardGuard)."""
         try:
             self.worker.join()
         finally:
             for u in self.store.units:
                 u.updated.set()
             self.micro = 0
-            self._inconsistent = ("the previous backward() was interrupted by an error after some layers were "
-                                  "updated: the weights and AdamW state are inconsistent for this step. Reload the "
-                                  "model, or restore both its weights and optimizer state (load_training_state, a "
-                                  "Trainer resume, or model.load_state_dict and optimizer.load_state_dict), before "
-                                  "training on.")
-            self._restored = set()
-
-    def _check_backward_closed(self) -> None:
-        self._close_interrupted_backward()
-        if self._inconsistent is not None:
-            raise SlideStateError(self._inconsistent)
 
     def note_restored(self, weights: bool = False, optimizer: bool = False) -> None:
-        """The weights and/or the optimizer state were just loaded from a consistent source; once
-        both have been since an interrupted backward, training may go on."""
-        self._close_interrupted_backward()
-        if weights:
-            self._restored.add("weights")
-        if optimizer:
-            self._restored.add("optimizer")
-        if self._restored >= {"weights", "optimizer"}:
-            self._inconsistent = None
+        """The weights and/or the optimizer state were just loaded from a consistent source."""
+        self.guard.note_restored(weights=weights, optimizer=optimizer)
 
     def begin_graph(self) -> None:
         """A forward that records a graph: earlier unfinished graphs become invalid."""
         self.worker.raise_if_failed()
-        self._check_backward_closed()
+        self.guard.check()
         ga = self.config.gradient_accumulation_steps
         if self.micro >= ga:
             # The step's gradients wait for optimizer.step() (the lm_head's and the embedding's are
@@ -269,7 +252,7 @@ class SlideEngine:
         self.worker.raise_if_failed()
         if self.micro == 0:
             self.worker.submit(self.host.begin_step_task, self._step_no + 1)
-        self._backward_open = True
+        self.guard.open = True
         self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
         self.hp = self.optimizer.snapshot()
         if self.mode.ends_step:
@@ -281,7 +264,7 @@ class SlideEngine:
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
-        self._backward_open = False
+        self.guard.open = False
         self.micro += 1
         self.live_generation = None
         self.updated_in_backward = self.mode.updates
@@ -297,6 +280,7 @@ class SlideEngine:
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.worker.raise_if_failed()
+        self.store.flush()                             # the disk layers' writes behind
         self.residents.evict()
 
     # ----------------------------------------------------------------- layers
@@ -344,34 +328,6 @@ class SlideEngine:
         self.adapters.take_gradient(i, grads[1 + len(wrt):])
         return grads[0]
 
-    def adopt_adapters(self) -> None:
-        """Take the trainable parameters a PEFT model added inside the layers (LoRA adapters) onto
-        the device (`AdapterSet`), and make the layers whose own parameters no longer train
-        `FrozenLayer`s. Raises for a trainable parameter no gradient would reach, or for adapters
-        added after the optimizer was built (it would never update them)."""
-        known = len(self.adapters.params)
-        if self.optimizer is not None and self.foreign_trainables():
-            names = [n for n, p in self.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
-            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-            raise SlideStateError(
-                f"trainable parameters were added to the slid model after its optimizer was built ({', '.join(names[:3])}"
-                f"{more}; e.g. get_peft_model after create_optimizer): they would never be updated. Build the "
-                "optimizer after get_peft_model (a PEFT LoRA model trains its adapters), or freeze them "
-                "(requires_grad=False).")
-        refuse_outside_layers(self.adapters.adopt(self._held))
-        self._held |= {id(p) for p in self.adapters.params}
-        if len(self.adapters.params) == known and all(p.trainable == p.unit.trainable for p in self.places):
-            return
-        self.residents.evict()
-        for i, p in enumerate(self.places):
-            if p.trainable and not p.unit.trainable:
-                self.places[i] = FrozenLayer(self, p.unit)
-
-    def foreign_trainables(self) -> bool:
-        """Does the model have a trainable parameter that neither the host store nor the adapters hold?"""
-        model = self.model_ref()
-        return model is not None and any(p.requires_grad and id(p) not in self._held for p in model.parameters())
-
     def place_of(self, u: Unit):
         """The placement of layer unit `u`."""
         return self.places[self._layer_no[id(u)]]
@@ -390,7 +346,7 @@ class SlideEngine:
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
         self.worker.raise_if_failed()
-        self._check_backward_closed()
+        self.guard.check()
         if self.micro == 0:
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
         if not self.updated_in_backward:
@@ -484,5 +440,5 @@ class SlideEngine:
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.tier.close()
-        self.pinned.close()
+        self.store.close()                             # the host slabs, and the disk layers' file
 

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .errors import SlideStateError
 from .host_adam import torch_fused_adamw
 from .optim import _grad_scale, sq_norm as _sq_norm
+from .placements import FrozenLayer
 
 __all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers"]
 
@@ -95,12 +97,42 @@ class AdapterSet:
         self.exp_avg: dict[int, torch.Tensor] = {}
         self.exp_avg_sq: dict[int, torch.Tensor] = {}
         self.steps: dict[int, torch.Tensor] = {}
+        self._held = {id(p) for p in engine.store.params()}      # what the engine trains, the adapters included
 
-    def adopt(self, owned: set[int]) -> list[str]:
-        """Take the layers' trainable parameters that the host store does not hold (adapters a
-        PEFT model added) onto the device in fp32; the names of anything else trainable and not
-        held, which no gradient would reach."""
+    def foreign(self) -> bool:
+        """Does the model have a trainable parameter that neither the host store nor the adapters hold?"""
+        model = self.engine.model_ref()
+        return model is not None and any(p.requires_grad and id(p) not in self._held for p in model.parameters())
+
+    def adopt_all(self) -> None:
+        """Take the trainable parameters a PEFT model added inside the layers onto the device, and
+        make the layers whose own parameters no longer train `FrozenLayer`s. Raises for a trainable
+        parameter no gradient would reach, or for adapters added after the optimizer was built (it
+        would never update them)."""
         e = self.engine
+        known = len(self.params)
+        if e.optimizer is not None and self.foreign():
+            names = [n for n, p in e.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise SlideStateError(
+                f"trainable parameters were added to the slid model after its optimizer was built ({', '.join(names[:3])}"
+                f"{more}; e.g. get_peft_model after create_optimizer): they would never be updated. Build the "
+                "optimizer after get_peft_model (a PEFT LoRA model trains its adapters), or freeze them "
+                "(requires_grad=False).")
+        refuse_outside_layers(self._adopt())
+        self._held |= {id(p) for p in self.params}
+        if len(self.params) == known and all(p.trainable == p.unit.trainable for p in e.places):
+            return
+        e.residents.evict()
+        for i, p in enumerate(e.places):
+            if p.trainable and not p.unit.trainable:
+                e.places[i] = FrozenLayer(e, p.unit)
+
+    def _adopt(self) -> list[str]:
+        """Take the layers' trainable parameters that the engine does not hold onto the device in
+        fp32; the names of anything else trainable and not held, which no gradient would reach."""
+        e = self.engine
+        owned = self._held
         layer_of = {}
         for i, layer in enumerate(e.layers):
             for p in layer.parameters():

@@ -40,18 +40,28 @@ def estimate_host_bytes(numel: int, *, deferred: bool) -> int:
     return numel * per_param
 
 
-def check_host_memory(numel: int, *, deferred: bool, config) -> None:
-    """Fail before allocating when the store cannot fit, with the estimate and what to change."""
-    need = estimate_host_bytes(numel, deferred=deferred)
+def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = None) -> None:
+    """Fail before allocating when the store cannot fit, with the estimate and what to change.
+
+    `need`: the bytes the store takes in host memory when some layers keep their state on disk
+    (`SlideConfig.host_memory_limit`); default all of it, `estimate_host_bytes`."""
+    full = estimate_host_bytes(numel, deferred=deferred)
+    need = full if need is None else need
     avail = available_host_bytes()
     if avail is None or need <= avail:
         return
     hint = ("set gradient_accumulation_steps=1 and max_grad_norm=None to drop the gradient accumulator "
             "(4 bytes/param), " if deferred else "")
+    if need < full:
+        what = (f"of host memory for the part of the state of {numel / 1e9:.2f}B parameters kept there "
+                f"(host_memory_limit={config.host_memory_limit!r} puts the rest on disk)")
+        hint += "lower host_memory_limit (or 'auto'), "
+    else:
+        what = (f"of host memory for {numel / 1e9:.2f}B parameters ({12 + (4 if deferred else 0)} bytes each: fp32 "
+                f"master and Adam moments{' and gradient accumulator' if deferred else ''})")
+        hint += "set host_memory_limit (GiB, or 'auto') and nvme_path to keep the last layers' state on disk, "
     raise HostMemoryError(
-        f"hf_slideformer needs about {need / GiB:.1f} GiB of host memory for {numel / 1e9:.2f}B parameters "
-        f"({12 + (4 if deferred else 0)} bytes each: fp32 master and Adam moments"
-        f"{' and gradient accumulator' if deferred else ''}), but only {avail / GiB:.1f} GiB is available. "
+        f"hf_slideformer needs about {need / GiB:.1f} GiB {what}, but only {avail / GiB:.1f} GiB is available. "
         f"To fit: {hint}free host memory, use a machine with more RAM, or train a smaller model. "
         "Pass SlideConfig(check_host_memory=False) to try anyway."
     )

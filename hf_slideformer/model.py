@@ -137,8 +137,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     if _fill:
         with torch.no_grad():
             for u in units:
-                for e in u.entries:
-                    e.view(u.master).copy_(e.param.detach().reshape(e.shape))
+                with store.unit_state(u, write=True):          # a layer on disk: written to its file
+                    for e in u.entries:
+                        e.view(u.master).copy_(e.param.detach().reshape(e.shape))
     store.bind_parameters()
     for name, buf in model.named_buffers():
         if buf.device.type == "meta" and not name.endswith("inv_freq") and "rotary" not in name:
@@ -162,7 +163,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
     closer.atexit = False                             # at exit the process tears everything down anyway
     if base is not None:
-        engine.adopt_adapters()
+        engine.adapters.adopt_all()
     return peft_model
 
 
@@ -189,8 +190,8 @@ def _install_proxies(model, adapter, engine) -> None:
             # one that neither the store nor the adapters hold would get no gradient: LoRA
             # adapters (get_peft_model on a slid model) are taken onto the device, anything
             # else is refused, before any step trains without it.
-            if engine.foreign_trainables():
-                engine.adopt_adapters()
+            if engine.adapters.foreign():
+                engine.adapters.adopt_all()
             engine.begin_graph()
             return EmbedFunction.apply(engine.anchor, engine, input_ids)
         return engine.embedding.forward(input_ids)
@@ -323,13 +324,17 @@ class SlideModel:
         and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
         SlideConfig.resident_layers); device_updated_layers (host-held layers whose clipping-mode
         update runs on the GPU, see SlideConfig.device_update_share); worker_wait_s (the worker
-        blocked on GPU copies).
+        blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers,
+        disk_buffers, disk_read_bytes, disk_write_bytes and wait_disk_s (time the main thread and
+        the worker waited for a buffer, a read or a write).
         """
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
         out["resident_layers"] = len(eng.residents.layers)
         out["resident_embedding"] = eng.embedding.resident is not None
         out["device_updated_layers"] = len(eng.device_updates.units)
+        if eng.store.disk is not None:                  # host_memory_limit: layers' state on disk
+            out.update(eng.store.disk.stats())
         return out
 
     # ------------------------------------------------------------------ state

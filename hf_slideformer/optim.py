@@ -195,7 +195,7 @@ class SlideOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self.engine = engine
-        engine.adopt_adapters()                  # LoRA adapters a PEFT model added (lora.py)
+        engine.adapters.adopt_all()              # LoRA adapters a PEFT model added (lora.py)
         owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.adapters.params}
         for g in self.param_groups:
             for p in g["params"]:
@@ -205,11 +205,13 @@ class SlideOptimizer(torch.optim.Optimizer):
                         f"(shape {tuple(p.shape)}). Build the optimizer after slide()/from_pretrained, from "
                         "model.parameters(), e.g. with model.create_optimizer()."
                     )
-        engine.store.allocate_optimizer_state()
-        for u in engine.store.units:
+        store = engine.store
+        store.allocate_optimizer_state()
+        for u in store.units:
             for k, e in enumerate(u.entries):
-                self.state[e.param] = {"step": u.steps[k], "exp_avg": e.view(u.exp_avg),
-                                       "exp_avg_sq": e.view(u.exp_avg_sq)}
+                # a layer on disk has no moments in memory: state_dict() reads them (`_disk_moments`)
+                self.state[e.param] = {"step": u.steps[k]} if store.on_disk(u) else {
+                    "step": u.steps[k], "exp_avg": e.view(u.exp_avg), "exp_avg_sq": e.view(u.exp_avg_sq)}
         engine.adapters.allocate(self.state)
         engine.attach_optimizer(self)
 
@@ -241,7 +243,30 @@ class SlideOptimizer(torch.optim.Optimizer):
         """torch.optim's state dict, once every queued update has run and resident units' moments
         are back in the host store (which the state's tensors view)."""
         self.engine.synchronize()
-        return super().state_dict()
+        out = super().state_dict()
+        self._disk_moments(out["state"])
+        return out
+
+    def _indexed_units(self):
+        """(unit, [(entry, the state dict's index of its parameter)]) of the layers on disk."""
+        index, start = {}, 0
+        for g in self.param_groups:                  # torch.optim's numbering of the parameters
+            for i, p in enumerate(g["params"], start):
+                index.setdefault(id(p), i)
+            start += len(g["params"])
+        store = self.engine.store
+        for u in store.units:
+            if store.on_disk(u):
+                yield u, [(e, index[id(e.param)]) for e in u.entries if id(e.param) in index]
+
+    def _disk_moments(self, state: dict) -> None:
+        """Fill in the moments of the layers on disk, read one unit at a time (copies)."""
+        for u, entries in self._indexed_units():
+            with self.engine.store.unit_state(u):
+                for e, i in entries:
+                    if i in state:
+                        state[i] = {**state[i], "exp_avg": e.view(u.exp_avg).clone(),
+                                    "exp_avg_sq": e.view(u.exp_avg_sq).clone()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyper-parameters and moments in place (the moments are views of the host store)."""
@@ -250,6 +275,10 @@ class SlideOptimizer(torch.optim.Optimizer):
             raise ValueError(f"optimizer state has {len(groups)} param groups, this optimizer {len(self.param_groups)}")
         self.engine.synchronize()
         saved = state_dict["state"]
+        on_disk = {}                                # id(param) -> (unit, entry) of the layers on disk
+        for u, entries in self._indexed_units():
+            on_disk.update({id(e.param): (u, e) for e, _ in entries})
+        disk_moments: dict[int, list] = {}
         for sg, g in zip(groups, self.param_groups):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError("optimizer state does not match this model's parameter groups")
@@ -261,10 +290,19 @@ class SlideOptimizer(torch.optim.Optimizer):
                 if s is None:
                     continue
                 st = self.state[p]
-                if s["exp_avg"].shape != st["exp_avg"].shape:
+                if s["exp_avg"].shape != p.shape:
                     raise ValueError(f"optimizer state for a parameter of shape {tuple(p.shape)} has shape "
                                      f"{tuple(s['exp_avg'].shape)}")
-                st["exp_avg"].copy_(s["exp_avg"])
-                st["exp_avg_sq"].copy_(s["exp_avg_sq"])
+                if id(p) in on_disk:                # written to disk below, one unit at a time
+                    disk_moments.setdefault(id(on_disk[id(p)][0]), []).append((*on_disk[id(p)], s))
+                else:
+                    st["exp_avg"].copy_(s["exp_avg"])
+                    st["exp_avg_sq"].copy_(s["exp_avg_sq"])
                 st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
+        for items in disk_moments.values():
+            u = items[0][0]
+            with self.engine.store.unit_state(u, write=True):
+                for _, e, s in items:
+                    e.view(u.exp_avg).copy_(s["exp_avg"])
+                    e.view(u.exp_avg_sq).copy_(s["exp_avg_sq"])
         self.engine.note_restored(optimizer=True)

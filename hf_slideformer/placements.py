@@ -8,6 +8,7 @@ steps and swapped whole when the plan moves the layer:
 | `HostLayer` | host store | a slot, filled from the master | d2h into the ring; the CPU worker folds and/or updates | CPU worker |
 | `DeviceUpdateLayer` (device_update.py) | host store | a slot its pending update fills | d2h straight into its pinned accumulator | GPU, as it is copied in |
 | `ResidentLayer` (resident.py) | GPU | its device copy | summed and/or updated on the GPU | GPU |
+| `DiskLayer` (disk_placement.py) | a file on disk, in a pinned buffer around each use | a slot, filled from the buffer | as `HostLayer`, the state read in beside the copy and written back after | CPU worker |
 
 The schedule (`engine.py`) asks the placement and never which case a layer is in:
 
@@ -19,7 +20,7 @@ The schedule (`engine.py`) asks the placement and never which case a layer is in
 `FrozenLayer` is a layer whose own weights do not train (the base under LoRA): they stream in,
 and the backward takes only the input's gradient and the adapters' (`lora.AdapterSet`).
 
-A new place for a layer's state (unit state on disk, a frozen base under LoRA, a shard of a
+A new place for a layer's state (a frozen base under LoRA, unit state on disk, a shard of a
 data-parallel group) is a new subclass of `LayerPlacement`, not a new set of branches.
 
 Methods named `*_task` run on the CPU worker thread; the others on the main thread.
@@ -79,6 +80,7 @@ class LayerPlacement:
 
     resident = False         # its weights are on the device: no slot, no copy in
     trainable = True         # its weights take gradients (the plan may move it)
+    host_state = True        # its state is in the host store (the plan may make it resident or device-updated)
 
     def __init__(self, engine, unit: Unit):
         self.engine, self.unit = engine, unit

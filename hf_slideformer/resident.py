@@ -314,7 +314,7 @@ class ResidentPlan:
                                            device=e.device)
         for i in range(n):
             p = e.places[i]
-            if not p.resident and p.trainable:
+            if not p.resident and p.trainable and p.host_state:
                 e.places[i] = ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p)
 
     def evict(self) -> None:

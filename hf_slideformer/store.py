@@ -4,9 +4,15 @@ A *unit* is what slides as one piece: the token embedding, one decoder layer, or
 norm + an untied lm_head). Each unit's parameters are laid out back to back in one flat fp32
 buffer, a view of one large slab; the HF module's `nn.Parameter`s are views into that buffer, so
 `model.parameters()` and `model.state_dict()` *are* the masters, and nothing else holds a copy.
+
+Under `SlideConfig.host_memory_limit` the last decoder layers may keep their master and moments
+on disk instead (`disk_store.DiskStates`, `store.disk`): their parameters are then meta tensors
+(the state is not in memory), `model.state_dict()` reads them from disk, and whoever reads a
+unit's state outside the schedule goes through `unit_state(u)`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .disk_store import DiskStates, plan_disk_units, pool_buffers, record_bytes
 from .memory import PinnedBuffers, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
@@ -101,34 +108,71 @@ class HostStore:
             off += u.numel
         self.numel = off
         self.deferred = config.deferred
+        # The last layers' state on disk when host_memory_limit says so (disk_store.py).
+        on_disk = plan_disk_units(units, config)
+        self._on_disk = {id(u) for u in on_disk}
+        self.host_numel = self.numel - sum(u.numel for u in on_disk)
         if config.check_host_memory:
-            check_host_memory(self.numel, deferred=self.deferred, config=config)
+            pool = pool_buffers(len(on_disk)) * record_bytes(max(u.numel for u in on_disk)) if on_disk else 0
+            need = 12 * self.host_numel + pool + (4 * sum(u.numel for u in units if u.kind != "embed")
+                                                  if self.deferred else 0)
+            check_host_memory(self.numel, deferred=self.deferred, config=config, need=need)
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
         self.pinned = PinnedBuffers(bool(config.pin_memory and config.is_cuda))
         # The embedding's master is a buffer of its own: a resident embedding gives its host pages
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
-        self.master_slab = self.pinned.empty(self.numel - sum(u.numel for u in own))
+        self.master_slab = self.pinned.empty(self.host_numel - sum(u.numel for u in own))
         self._carve(self.master_slab, "master", skip=own)
         for u in own:
             u.master = self.pinned.empty(u.numel)
+        self.disk = DiskStates(on_disk, config.nvme_path, pin=self.pinned.enabled) if on_disk else None
         self.optimizer_ready = False
 
     def _carve(self, slab: torch.Tensor, attr: str, skip=()) -> None:
+        """Lay `slab` out over the host-held units (not those in `skip`, nor those on disk)."""
         off = 0
         for u in self.units:
-            if any(u is x for x in skip):
+            if any(u is x for x in skip) or self.on_disk(u):
                 continue
             setattr(u, attr, slab[off:off + u.numel])
             off += u.numel
+
+    # ------------------------------------------------------------------ units on disk
+    def on_disk(self, u: Unit) -> bool:
+        """Does `u` keep its master and moments on disk (`self.disk`)?"""
+        return id(u) in self._on_disk
+
+    @contextlib.contextmanager
+    def unit_state(self, u: Unit, write: bool = False):
+        """`u` with its master and moments in memory for the block: a host unit as it is, a disk
+        unit read into a pool buffer (and written back after it with `write`). For readers
+        outside the schedule (weights loading, state_dict, checkpoints); the engine is idle
+        (`SlideEngine.synchronize`)."""
+        if self.disk is None or not self.on_disk(u):
+            yield u
+            return
+        with self.disk.access(u, write=write):
+            yield u
+
+    def flush(self) -> None:
+        """Wait for the disk's reads and writes in flight (raising a failure)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        """Close the state file of the units on disk (its space comes back) and unpin the slabs."""
+        if self.disk is not None:
+            self.disk.close()
+        self.pinned.close()
 
     def allocate_optimizer_state(self) -> None:
         """Allocate zeroed Adam moments (and the gradient accumulator in deferred mode)."""
         if self.optimizer_ready:
             return
-        self.exp_avg_slab = lazy_zeros(self.numel)
-        self.exp_avg_sq_slab = lazy_zeros(self.numel)
+        self.exp_avg_slab = lazy_zeros(self.host_numel)        # a disk unit's moments are in its file
+        self.exp_avg_sq_slab = lazy_zeros(self.host_numel)
         self._carve(self.exp_avg_slab, "exp_avg")
         self._carve(self.exp_avg_sq_slab, "exp_avg_sq")
         for u in self.units:
@@ -152,10 +196,11 @@ class HostStore:
         self.deferred = True
 
     def bind_parameters(self) -> None:
-        """Replace every held parameter by an nn.Parameter viewing its master (ties preserved)."""
+        """Replace every held parameter by an nn.Parameter viewing its master (ties preserved); a
+        disk unit's by a meta tensor of its shape (its state is read through `unit_state`)."""
         for u in self.units:
             for e in u.entries:
-                view = e.view(u.master)
+                view = torch.empty(e.shape, device="meta") if self.on_disk(u) else e.view(u.master)
                 p = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
                 for mod, attr in e.holders:
                     mod._parameters[attr] = p

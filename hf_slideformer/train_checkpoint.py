@@ -134,14 +134,16 @@ def save_training_state(directory: str, model, optimizer) -> None:
                 continue
             fname = _unit_file(k)
             path = os.path.join(out, fname)
-            # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
-            tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
-                       "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)}
-            crcs = {n: pool.submit(tensor_crc32, t) for n, t in tensors.items()}
-            save_file(tensors, path, metadata={"format": FORMAT, "unit": u.name})
+            with engine.store.unit_state(u):          # a layer on disk: read into a buffer meanwhile
+                # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
+                tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
+                           "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)}
+                crcs = {n: pool.submit(tensor_crc32, t) for n, t in tensors.items()}
+                save_file(tensors, path, metadata={"format": FORMAT, "unit": u.name})
+                crcs = {n: c.result() for n, c in crcs.items()}
+                del tensors
             units.append({"name": u.name, "file": fname, "bytes": os.path.getsize(path), "numel": u.numel,
-                          "params": [[e.name, list(e.shape)] for e in u.entries],
-                          "crc32": {n: c.result() for n, c in crcs.items()}})
+                          "params": [[e.name, list(e.shape)] for e in u.entries], "crc32": crcs})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
     if engine.adapters.params:         # LoRA adapters (lora.py): on the device, in a file of their own
@@ -252,7 +254,7 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
             continue                                 # never changed: the model's own weights are the state
         path = os.path.join(out, rec["file"])
         try:
-            with safe_open(path, "pt") as f:
+            with safe_open(path, "pt") as f, engine.store.unit_state(u, write=True):
                 def read(name):
                     t = f.get_tensor(name)
                     want = rec.get("crc32", {}).get(name)

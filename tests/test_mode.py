@@ -1,8 +1,9 @@
-"""BackwardMode (mode.py): one backward's mode from the step's settings."""
+"""BackwardMode and BackwardGuard (mode.py): one backward's mode, and an interrupted backward's mark."""
 import dataclasses
 
 import pytest
 
+import hf_slideformer as hs
 from hf_slideformer.mode import BackwardMode
 
 
@@ -22,3 +23,20 @@ def test_mode_is_frozen():
     m = BackwardMode.of(0, 1, clipping=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.updates = False
+
+
+def test_guard_marks_an_interrupted_backward_until_both_halves_are_restored():
+    from hf_slideformer.mode import BackwardGuard
+    released = []
+    guard = BackwardGuard(lambda: released.append(1))
+    guard.check()                                 # nothing open: fine
+    guard.open = True                             # a backward began ... and an error stopped it
+    with pytest.raises(hs.SlideStateError, match="interrupted"):
+        guard.check()
+    assert released == [1] and not guard.open
+    guard.note_restored(weights=True)
+    with pytest.raises(hs.SlideStateError):
+        guard.check()                             # the optimizer state is still the interrupted step's
+    guard.note_restored(optimizer=True)
+    guard.check()
+    assert released == [1]                        # released once

@@ -1,0 +1,195 @@
+"""`DiskLayer`: the placement of a decoder layer whose fp32 master and AdamW moments live on disk.
+
+It is a `HostLayer` whose state is resident in host memory only around its uses
+(`disk_store.DiskStates`): the CPU worker updates it with the same host AdamW, from the same
+gradient ring, so training is bit-identical to the host store's (`tests/test_disk_placement.py`).
+
+Note: [When a disk layer's state is in memory] the state is read into a pool buffer for each use
+and written back after each update:
+
+- a slot copy (the forward's prefetch a window ahead, or the recompute's reload): pinned, read,
+  copied into the slot (waiting for the update's finished prefix as a host layer does), unpinned;
+  the buffer stays until that copy has completed on the device;
+- an update in backward: pinned by the main thread when the gradient is taken (the read starts
+  then, beside the gradient's copy), unpinned by the worker's task once its write is queued;
+- a deferred update (clipping, or a step that ends early): pinned by the worker's task itself;
+- `state_dict()`, `load_state_dict()`, checkpoints and `save_pretrained` read and write it
+  through `HostStore.unit_state` (this layer's module hooks for the first two).
+
+While it is resident every use shares the one buffer, and one that finds it resident reads
+nothing: the update a forward's copy waits for is the one in that buffer. Units not held are
+evicted least recently used first, and the layers next in the schedule (the next disk layers
+of the forward, the previous ones in backward, the next of a deferred update's order) are read
+ahead into idle buffers, so the disk works while the GPU and the worker do.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from .disk_store import DiskStates
+from .errors import SlideStateError
+from .placements import DeferredStep, HostLayer
+from .store import Unit
+
+__all__ = ["DiskLayer"]
+
+
+def _relative_names(module: torch.nn.Module, unit: Unit) -> list[tuple[str, object]]:
+    """(name inside `module`, entry) of every holder of the unit's parameters in `module`."""
+    where = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
+    out = []
+    for e in unit.entries:
+        for mod, attr in e.holders:
+            if id(mod) in where:
+                out.append((f"{where[id(mod)]}.{attr}" if where[id(mod)] else attr, e))
+    return out
+
+
+class DiskLayer(HostLayer):
+    """State in a file on disk, resident in a pinned buffer around each copy and update (the
+    module's Note); updated by the CPU worker like a `HostLayer`.
+
+    Args:
+        engine: the SlideEngine.
+        unit: the layer's unit (one of `states`).
+        states: the disk layers' file, buffers and residency.
+        module: the layer's HF module: its `state_dict()` reads the state from disk, its
+            `load_state_dict()` writes it there.
+    """
+
+    host_state = False
+
+    @property
+    def trainable(self) -> bool:
+        """True; read when LoRA adapters are adopted, which would make a layer whose own weights
+        no longer train a frozen base: refused here, since a frozen base streams from the host store."""
+        if not self.unit.trainable:
+            raise SlideStateError(f"{self.unit.name} keeps its state on disk (host_memory_limit) and cannot become a "
+                                  "frozen LoRA base: apply get_peft_model before slide(), or set host_memory_limit=None")
+        return True
+
+    def __init__(self, engine, unit: Unit, states: DiskStates, module: torch.nn.Module):
+        super().__init__(engine, unit)
+        self.states = states
+        states.check = engine.worker.check_alive
+        states.event = engine.stats.event
+        self._names = _relative_names(module, unit)
+        me = weakref.ref(self)                       # the module's hooks do not keep the placement alive
+
+        def save_hook(*args):
+            if me() is not None:
+                me()._state_dict_hook(*args)
+
+        def load_hook(*args):
+            if me() is not None:
+                me()._load_state_dict_hook(*args)
+        self._hooks = (module.register_state_dict_post_hook(save_hook),
+                       module.register_load_state_dict_pre_hook(load_hook))
+
+    # ------------------------------------------------------------- weights (main thread)
+    def weights(self, busy: tuple = ()):
+        self._copy_in(busy)
+        return super().weights(busy)                 # the slot holds it now
+
+    def prefetch(self, busy: tuple = ()) -> None:
+        self._copy_in(busy)
+
+    def _copy_in(self, busy) -> None:
+        e, u, s = self.engine, self.unit, self.states
+        s.read_ahead(s.ahead(u, -1 if e.in_backward else 1, s.read_ahead_count))
+        if e.slots.find((u,)) is not None:
+            return
+        s.pin(u)
+        try:
+            s.ready(u)
+            e.slots.load((u,), busy)                 # waits for the update's finished prefix, as a host layer
+        finally:
+            s.unpin(u)                               # the buffer stays until the copy is done (u.readers)
+
+    # ------------------------------------------------------------- gradient and update
+    def take_gradient(self, grads: list) -> None:
+        if not self.engine.mode.updates:
+            super().take_gradient(grads)             # only moved into the host accumulator
+            return
+        self.states.pin(self.unit)                   # the read starts beside the gradient's copy
+        try:
+            super().take_gradient(grads)             # queues exactly one update task, which unpins
+        except BaseException:
+            self.states.unpin(self.unit)
+            raise
+
+    def step(self, deferred: DeferredStep) -> None:
+        e = self.engine
+        e.begin_update(self.unit)
+        e.worker.submit(self._deferred_task, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
+
+    # ------------------------------------------------------------- worker side
+    @contextlib.contextmanager
+    def _updating(self):
+        """Around an update of the pinned unit: its read has landed and its previous write is
+        done before; its write is queued and its pin released after, even when the update raised
+        (the buffer is the state while it is resident)."""
+        s, u = self.states, self.unit
+        try:
+            s.ready(u)
+            s.before_update(u)
+        except BaseException:
+            s.unpin(u)
+            raise
+        try:
+            yield
+        finally:
+            try:
+                s.write_behind(u)
+            finally:
+                s.unpin(u)
+
+    def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
+        if not update:
+            super().layer_task(src, done, update, ends_step, hp, marks, norm)
+            return
+        with self._updating():
+            super().layer_task(src, done, update, ends_step, hp, marks, norm)
+
+    def _accumulated_update_task(self, done, hp, norm=None) -> None:
+        with self._updating():
+            super()._accumulated_update_task(done, hp, norm)
+
+    def _deferred_task(self, hp, grads_ev) -> None:
+        """The update at optimizer.step(); pinned here, on the worker ([Why pinning cannot deadlock])."""
+        s, u = self.states, self.unit
+        s.read_ahead([u] + s.ahead(u, 1, s.read_ahead_count))
+        s.pin(u)
+        with self._updating():
+            self.engine.host.deferred_task(u, hp, grads_ev)
+
+    # ------------------------------------------------------------- the module's state_dict
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        """`module.state_dict()`: the layer's fp32 masters, read from disk (copies)."""
+        keys = [(prefix + n, e) for n, e in self._names if prefix + n in state_dict]
+        if not keys:
+            return
+        u = self.unit
+        self.engine._wait(u.updated, "update")
+        with self.engine.store.unit_state(u):
+            for key, e in keys:
+                state_dict[key] = e.view(u.master).clone()
+
+    def _load_state_dict_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        """`module.load_state_dict()`: the layer's weights written to disk; the entries become meta
+        tensors, so the default copy into the meta parameters is a no-op (shape errors are its)."""
+        keys = [(prefix + n, e) for n, e in self._names
+                if prefix + n in state_dict and tuple(state_dict[prefix + n].shape) == tuple(e.shape)]
+        if not keys:
+            return
+        u = self.unit
+        self.engine._wait(u.updated, "update")
+        with torch.no_grad(), self.engine.store.unit_state(u, write=True):
+            for key, e in keys:
+                e.view(u.master).copy_(state_dict[key])
+                state_dict[key] = torch.empty(e.shape, device="meta")
+        u.version += 1                               # device copies of the old weights are stale

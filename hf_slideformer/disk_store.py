@@ -1,0 +1,398 @@
+"""Decoder layers whose state lives on disk: which ones, and their residency in a few pinned buffers.
+
+A model larger than host memory keeps the fp32 master and AdamW moments (12 bytes per parameter)
+of its last decoder layers in one preallocated `disk.UnitStateFile` under `nvme_path`, as much as
+`SlideConfig.host_memory_limit` leaves out of host memory. `DiskStates` owns that file and a
+`disk.HostBufferPool` of a few buffers, each the size of one layer's record. A unit is *resident*
+while its state is in a buffer: `unit.master`, `exp_avg` and `exp_avg_sq` are then views of that
+buffer, as a host unit's are views of the host store; otherwise they are None.
+
+`record_bytes`, `pool_buffers` and `split_layers` are the arithmetic of the split; the planner
+uses the same functions, so the engine and the plan cannot drift apart.
+
+Note: [Why a disk unit's state is in one place at a time] while a unit is resident, its buffer
+is the state; otherwise the file's current generation is. A buffer leaves its unit (eviction)
+only when nobody holds the unit (`pin` / `unpin`), its last write has completed, so the file
+holds what the buffer holds, and every device copy that read its master has completed (the
+unit's `readers` events). A read is issued only for a unit that is not resident, and the file
+runs a unit's operations in the order they were asked for, so a read returns the last write.
+Whoever reads or changes the master or the moments holds a pin: a slot copy (`DiskLayer`, for a
+forward or a recompute), an update on the CPU worker, a checkpoint (`access`). An update waits
+for the unit's previous write before it changes the buffer, and queues the next write after it.
+A copy and an update of the same unit share its one buffer, so the copy's wait for the update's
+finished prefix (`Unit.set_progress`) and the update's wait for copies of the old master
+(`Unit.readers`) are the host store's, unchanged.
+
+Note: [Why pinning cannot deadlock] only a pin of a unit that is not resident waits, for a
+buffer. The main thread holds at most one pin while it waits for the worker (a slot copy waits
+for its unit's update); its other pins belong to updates already queued, which the worker
+releases without waiting for the main thread. The worker pins only for a deferred update
+(clipping, or a step that ends early), only the unit it updates, and then holds no other pin;
+no update pin of the main thread is outstanding then, since the next backward comes after a
+forward whose copies waited for every layer's update. So with two buffers the worker always
+finds one that is free or frees itself: writes, reads and device copies complete without either
+thread. A single buffer serves a single disk unit, which every pin shares.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Sequence
+
+from .disk.buffers import ALIGN, HostBufferPool
+from .disk.unit_state import UnitStateFile
+from .memory import GiB, HostMemoryError, available_host_bytes
+
+if TYPE_CHECKING:
+    from .store import Unit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DiskStates", "STATE_BUFFERS", "record_bytes", "pool_buffers", "split_layers", "host_limit_bytes",
+           "plan_disk_units"]
+
+# Buffers of the pool: one read ahead, one for the copy or update in progress, one written
+# behind, one spare (fewer when fewer layers are on disk).
+STATE_BUFFERS = 4
+# host_memory_limit="auto": the host's available memory, less this share (at least AUTO_MARGIN)
+# for the rest of the process (the layer inputs, the gradient ring, Python and the CUDA runtime).
+AUTO_MARGIN_SHARE = 0.2
+AUTO_MARGIN = 4 * GiB
+_POLL_S = 0.005            # how often a wait for a buffer looks at device copies again
+
+
+def _round_up(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2 ** 20:.2f} MiB"
+
+
+def record_bytes(numel: int) -> int:
+    """Bytes of one unit's state in a buffer (the file's record payload): master, exp_avg and
+    exp_avg_sq, each rounded up to 4096."""
+    return 3 * _round_up(4 * numel)
+
+
+def pool_buffers(n_disk: int) -> int:
+    """Buffers of the pool for `n_disk` layers on disk."""
+    return min(n_disk, STATE_BUFFERS)
+
+
+def split_layers(limit: int, fixed: int, layer_numels: Sequence[int]) -> int | None:
+    """How many of the last layers keep their state on disk: the smallest k for which
+    `fixed` + 12 bytes per parameter of the other layers + the pool for k layers is at most
+    `limit` bytes (None when even every layer on disk is too much).
+
+    Args:
+        limit: bytes the host may give the unit state.
+        fixed: bytes of it that stay on the host whatever k (the embedding's and the head's
+            state, the gradient accumulators of every unit).
+        layer_numels: the layers that may go to disk, in schedule order.
+    """
+    n = len(layer_numels)
+    host = 12 * sum(layer_numels)
+    for k in range(n + 1):
+        if k:
+            host -= 12 * layer_numels[n - k]
+        pool = pool_buffers(k) * record_bytes(max(layer_numels[n - k:])) if k else 0
+        if fixed + host + pool <= limit:
+            return k
+    return None
+
+
+def host_limit_bytes(value) -> int | None:
+    """`SlideConfig.host_memory_limit` in bytes: GiB, 'auto' (what the host has available, less
+    the margin), or None (no limit; also 'auto' where the available memory cannot be read)."""
+    if value is None:
+        return None
+    if value == "auto":
+        avail = available_host_bytes()
+        if avail is None:
+            logger.warning("host_memory_limit='auto': this host's available memory cannot be read; no limit applied")
+            return None
+        return avail - max(AUTO_MARGIN, int(AUTO_MARGIN_SHARE * avail))
+    return int(float(value) * GiB)
+
+
+def plan_disk_units(units: list[Unit], config) -> list[Unit]:
+    """The layer units whose state goes to disk under `config.host_memory_limit`: the last layers
+    first (docs/disk.md says why), as few as fit. Frozen layers (a LoRA base) stay on the host.
+
+    Raises:
+        HostMemoryError: the limit is below what stays on the host even with every layer on disk.
+    """
+    limit = host_limit_bytes(config.host_memory_limit)
+    if limit is None:
+        return []
+    layers = [u for u in units if u.kind == "layer" and u.trainable]
+    total = sum(u.numel for u in units)
+    embed = sum(u.numel for u in units if u.kind == "embed")
+    accumulators = 4 * (total - embed) if config.deferred else 0
+    fixed = 12 * (total - sum(u.numel for u in layers)) + accumulators
+    numels = [u.numel for u in layers]
+    k = split_layers(limit, fixed, numels)
+    if k is None:
+        floor = fixed + (pool_buffers(len(layers)) * record_bytes(max(numels)) if numels else 0)
+        acc = ", the gradient accumulators of every unit" if accumulators else ""
+        raise HostMemoryError(
+            f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below what stays "
+            f"in host memory with the state of all {len(layers)} trainable decoder layers on disk: "
+            f"{_size(floor)} (the embedding's and the head's master and moments{acc}, and "
+            f"{pool_buffers(len(layers))} pinned buffers of one layer's state). Raise host_memory_limit, or set it "
+            "to None to keep every unit in host memory.")
+    if k:
+        logger.info("host_memory_limit: the state of layers %d..%d (%.2f GiB) goes to disk", len(layers) - k,
+                    len(layers) - 1, 12 * sum(numels[len(layers) - k:]) / GiB)
+    return layers[len(layers) - k:]
+
+
+class _Residency:
+    """One resident unit: its buffer, its read and last write, who holds it, when last used."""
+
+    __slots__ = ("buf", "read", "write", "pins", "used")
+
+    def __init__(self, buf, read):
+        self.buf, self.read, self.write, self.pins, self.used = buf, read, None, 0, 0
+
+
+class DiskStates:
+    """The state of the layers on disk: one preallocated file, a pool of pinned buffers, and
+    which units are resident in them (the module's Notes).
+
+    Args:
+        units: the layer units on disk, in schedule order (consecutive layers).
+        directory: where the state file goes (created if missing); its name is removed at once,
+            so its space comes back when it is closed, or when the process ends however it ends.
+        buffers: buffers of the pool (default `pool_buffers(len(units))`).
+        pin: page-lock the buffers (the slot copies read them by DMA).
+        backend: the file backend (default `disk.make_backend("auto")`).
+
+    Raises:
+        DiskSpaceError: the disk cannot hold the file (reported before anything trains).
+    """
+
+    def __init__(self, units: Sequence[Unit], directory: str, *, buffers: int | None = None, pin: bool = False,
+                 backend=None):
+        self.units = list(units)
+        self._index = {id(u): k for k, u in enumerate(self.units)}
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"slide-state-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin")
+        self.file = UnitStateFile(path, [u.numel for u in self.units], backend)
+        try:
+            self.pool = HostBufferPool(buffers or pool_buffers(len(self.units)), self.file.max_payload_bytes, pin=pin)
+        except BaseException:
+            self.file.close()
+            raise
+        self._res: dict[int, _Residency] = {}
+        self._cond = threading.Condition()
+        self._clock = 0
+        self._failure: BaseException | None = None
+        self.check = None           # callable that raises when a wait is pointless (the engine's worker failed)
+        self.event = None           # callable(label, t0, t1): the engine's trace
+        self.read_bytes = self.write_bytes = 0
+        self.wait_s = 0.0
+
+    # ------------------------------------------------------------------ queries
+    def holds(self, u: Unit) -> bool:
+        """Is `u`'s state on disk?"""
+        return id(u) in self._index
+
+    def is_resident(self, u: Unit) -> bool:
+        with self._cond:
+            return id(u) in self._res
+
+    def ahead(self, u: Unit, step: int, n: int) -> list[Unit]:
+        """The next `n` disk units after `u` in schedule order (`step` 1) or backwards (-1)."""
+        k = self._index[id(u)]
+        return [self.units[j] for j in range(k + step, k + step * (n + 1), step) if 0 <= j < len(self.units)]
+
+    @property
+    def read_ahead_count(self) -> int:
+        return max(1, self.pool.count - 2)
+
+    def stats(self) -> dict:
+        return {"disk_layers": len(self.units), "disk_buffers": self.pool.count, "disk_read_bytes": self.read_bytes,
+                "disk_write_bytes": self.write_bytes, "wait_disk_s": self.wait_s}
+
+    # ------------------------------------------------------------------ residency (caller holds the lock)
+    def _touch(self, r: _Residency) -> None:
+        self._clock += 1
+        r.used = self._clock
+
+    def _evictable(self, uid: int, r: _Residency) -> bool:
+        if r.pins or (r.read is not None and not r.read.done()):
+            return False
+        if r.write is not None and (not r.write.done() or r.write.exception() is not None):
+            return False                        # a failed write: the buffer is newer than the file
+        return all(ev.query() for ev in self.units[self._index[uid]].readers)
+
+    def _take(self, keep=()):
+        """A free buffer, evicting the least recently used unit nobody needs (not one in `keep`);
+        None when there is none now."""
+        if self.pool.free_count() == 0:
+            idle = [(r.used, uid) for uid, r in self._res.items() if uid not in keep and self._evictable(uid, r)]
+            if not idle:
+                return None
+            uid = min(idle)[1]
+            u, r = self.units[self._index[uid]], self._res.pop(uid)
+            u.master = u.exp_avg = u.exp_avg_sq = None
+            r.buf.release()
+        return self.pool.acquire_one()          # one is free: does not block
+
+    def _load(self, u: Unit, buf) -> _Residency:
+        """Make `u` resident in `buf`: its views set, its read issued (zeros if never written)."""
+        k = self._index[id(u)]
+        u.master, u.exp_avg, u.exp_avg_sq = self.file.views(k, buf)
+        if self.file.generation(k) == 0:         # never written: the state of a fresh unit is zeros
+            buf.tensor[:self.file.payload_bytes(k)].zero_()
+            read = None
+        else:
+            read = self.file.read(k, buf)
+            self.read_bytes += self.file.payload_bytes(k)
+        r = _Residency(buf, read)
+        self._res[id(u)] = r
+        return r
+
+    def _raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    # ------------------------------------------------------------------ pins
+    def pin(self, u: Unit) -> None:
+        """Hold `u` resident (reading it in if it is not): blocks only for a buffer. Its views
+        are valid once `ready(u)` returns, until the matching `unpin`."""
+        t0 = None
+        with self._cond:
+            while True:
+                self._raise_failure()
+                r = self._res.get(id(u))
+                if r is not None:
+                    break
+                buf = self._take()
+                if buf is not None:
+                    r = self._load(u, buf)
+                    break
+                if t0 is None:
+                    t0 = time.perf_counter()
+                if self.check is not None:
+                    self.check()
+                self._cond.wait(_POLL_S)         # an unpin or a finished write wakes it; device copies are polled
+            r.pins += 1
+            self._touch(r)
+        if t0 is not None:
+            self._waited(t0, f"wait_disk_buffer:{u.name}")
+
+    def unpin(self, u: Unit) -> None:
+        with self._cond:
+            r = self._res[id(u)]
+            r.pins -= 1
+            self._touch(r)
+            self._cond.notify_all()
+
+    def ready(self, u: Unit) -> None:
+        """Wait until a pinned unit's state has been read in (raises the read's failure)."""
+        with self._cond:
+            fut = self._res[id(u)].read
+        if fut is None:
+            return
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.exception()                     # waits
+            self._waited(t0, f"wait_disk_read:{u.name}")
+        fut.result()
+
+    def before_update(self, u: Unit) -> None:
+        """Wait until the previous write of a pinned unit no longer reads its buffer."""
+        with self._cond:
+            fut = self._res[id(u)].write
+        if fut is not None and not fut.done():
+            t0 = time.perf_counter()
+            fut.exception()
+            self._waited(t0, f"wait_disk_write:{u.name}")
+        if fut is not None:
+            fut.result()
+
+    def write_behind(self, u: Unit):
+        """Queue the write of a pinned unit's buffer as its next generation; returns its future."""
+        with self._cond:
+            r = self._res[id(u)]
+            k = self._index[id(u)]
+            r.write = fut = self.file.write(k, r.buf)
+            self.write_bytes += self.file.payload_bytes(k)
+        fut.add_done_callback(self._written)
+        return fut
+
+    def _written(self, fut) -> None:
+        with self._cond:
+            if fut.exception() is not None and self._failure is None:
+                self._failure = fut.exception()
+            self._cond.notify_all()
+
+    def read_ahead(self, units: Sequence[Unit]) -> None:
+        """Start reading in those of `units` that are not resident, in order, as far as buffers
+        are free or idle now (never waits; a unit read ahead stays evictable until pinned)."""
+        with self._cond:
+            keep = {id(u) for u in units}
+            started = []
+            for u in units:
+                if id(u) in self._res:
+                    continue
+                buf = self._take(keep)
+                if buf is None:
+                    break
+                started.append(self._load(u, buf))
+            for r in reversed(started):          # the nearest is the most recently used
+                self._touch(r)
+
+    @contextlib.contextmanager
+    def access(self, u: Unit, write: bool = False):
+        """`u` resident for a synchronous reader (state_dict, checkpoints): with `write`, its
+        buffer is written back when the block ends and the write waited for (raising its
+        failure). The engine must be idle (`SlideEngine.synchronize`)."""
+        self.pin(u)
+        try:
+            self.ready(u)
+            if write:
+                self.before_update(u)
+        except BaseException:
+            self.unpin(u)
+            raise
+        fut = None
+        try:
+            yield u
+        finally:
+            try:
+                if write:                        # even after an error: the buffer is the state ([Why ...])
+                    fut = self.write_behind(u)
+            finally:
+                self.unpin(u)
+        if fut is not None:
+            fut.result()
+
+    # ------------------------------------------------------------------ the whole
+    def flush(self) -> None:
+        """Wait for every read and write asked for; raise the first failure."""
+        self.file.flush()
+        self._raise_failure()
+
+    def close(self) -> None:
+        """Wait for the I/O in flight, close the file (its space comes back) and unpin the pool."""
+        with self._cond:
+            for uid, r in self._res.items():
+                u = self.units[self._index[uid]]
+                u.master = u.exp_avg = u.exp_avg_sq = None
+            self._res.clear()
+        self.file.close()
+        self.pool.close()
+
+    def _waited(self, t0: float, label: str) -> None:
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
+        if self.event is not None:
+            self.event(label, t0, t1)
