@@ -6,6 +6,7 @@ in host memory; a CPU worker runs AdamW while the GPU computes.
 from .config import SlideConfig
 from .engine import SlideEngine, SlideStateError
 from .errors import NonFiniteGradientError
+from .lora import merge_and_unload
 from .memory import HostMemoryError
 from .model import SlideModel, is_slid, slide
 from .models import SUPPORTED_MODEL_TYPES
@@ -50,5 +51,5 @@ def __getattr__(name):
 
 __all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "NonFiniteGradientError", "HostMemoryError",
            "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
-           "plan", "Plan", "install_trainer_hook",
+           "plan", "Plan", "install_trainer_hook", "merge_and_unload",
            *_LAZY]

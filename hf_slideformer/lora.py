@@ -23,7 +23,7 @@ from .host_adam import torch_fused_adamw
 from .optim import _grad_scale, sq_norm as _sq_norm
 from .placements import FrozenLayer
 
-__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers"]
+__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload"]
 
 
 def _peft_model_class():
@@ -66,6 +66,39 @@ def check_lora(peft_model) -> None:
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
                          "Supported: LoRA on any linear layers inside the decoder layers, without dropout.")
+
+
+@torch.no_grad()
+def merge_and_unload(peft_model) -> nn.Module:
+    """Merge the trained LoRA adapters of a slid PEFT model into its base and drop them.
+
+    The adapters come back to the host first and PEFT's own `merge_and_unload` adds each one's
+    product into its layer's weight in the host store; the result is the slid base model with the
+    merged weights under the plain HF names, which `save_pretrained` writes as a full checkpoint
+    (streamed from the host store, a layer at a time) and `AutoModelForCausalLM` loads.
+
+    Args:
+        peft_model: a PEFT LoRA model slid with `hs.slide` (or a slid model given `get_peft_model`).
+
+    Returns:
+        The base model, still slid (evaluation and generation run on the merged weights).
+    """
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else None
+    engine = getattr(base, "slide_engine", None)
+    if engine is None:
+        raise ValueError("merge_and_unload expects a slid PEFT model; for a plain one call its own merge_and_unload()")
+    engine.synchronize()
+    if engine.micro:
+        raise ValueError("merge_and_unload in the middle of an optimizer step: call optimizer.step() first")
+    for p in engine.adapters.params:
+        p.data = p.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
+    merged = peft_model.merge_and_unload()
+    for u in engine.store.units:
+        for e in u.entries:
+            e.name = e.name.replace(".base_layer.", ".")      # the wrapper's name goes with the wrapper
+        u.version += 1                                     # device copies of the old weights are stale
+    engine.adapters.clear()
+    return merged
 
 
 def refuse_outside_layers(names: list[str]) -> None:
@@ -235,3 +268,10 @@ class AdapterSet:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def clear(self) -> None:
+        """Forget the adapters (merged into the base)."""
+        self._held -= {id(p) for p in self.params}
+        self.by_layer = [[] for _ in self.by_layer]
+        self.params, self.names = [], []
+        self.exp_avg, self.exp_avg_sq, self.steps = {}, {}, {}

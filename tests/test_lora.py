@@ -214,3 +214,22 @@ def test_bf16_lora_on_the_gpu_tracks_fp32_peft(kernels, clip):
     diffs = torch.cat([(a[n] - b[n]).abs().flatten() for n in a])
     assert diffs.mean().item() < 0.1 * 1e-3 and diffs.max().item() < 2 * 4 * 1e-3, (diffs.mean(), diffs.max())
     assert slid.slide_stats()["d2h_bytes"] == 0
+
+
+def test_merged_model_saves_as_a_full_hf_checkpoint(tmp_path):
+    """After training, merge_and_unload gives the slid base with the adapters merged: its logits
+    equal PEFT's own merge of the same adapters, and save_pretrained writes a plain HF checkpoint."""
+    ref, slid = lora_pair()
+    train_both(ref, slid, batches(2))
+    want_model = ref.merge_and_unload()
+    merged = hs.merge_and_unload(slid)
+    assert hs.is_slid(merged) and not any("lora_" in n for n, _ in merged.named_parameters())
+    b = batches(1)[0]
+    with torch.no_grad():
+        want = want_model(input_ids=b["input_ids"]).logits
+        got = merged(input_ids=b["input_ids"]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    merged.save_pretrained(tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=b["input_ids"]).logits, want, rtol=1e-5, atol=1e-5)
