@@ -30,7 +30,6 @@ import weakref
 import torch
 
 from .disk_store import DiskStates
-from .errors import SlideStateError
 from .placements import DeferredStep, HostLayer
 from .store import Unit
 
@@ -61,15 +60,6 @@ class DiskLayer(HostLayer):
     """
 
     host_state = False
-
-    @property
-    def trainable(self) -> bool:
-        """True; read when LoRA adapters are adopted, which would make a layer whose own weights
-        no longer train a frozen base: refused here, since a frozen base streams from the host store."""
-        if not self.unit.trainable:
-            raise SlideStateError(f"{self.unit.name} keeps its state on disk (host_memory_limit) and cannot become a "
-                                  "frozen LoRA base: apply get_peft_model before slide(), or set host_memory_limit=None")
-        return True
 
     def __init__(self, engine, unit: Unit, states: DiskStates, module: torch.nn.Module):
         super().__init__(engine, unit)

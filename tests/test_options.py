@@ -17,7 +17,7 @@ from hf_slideformer.training_args import SlideArgsError
 def samples(tmp_path) -> dict:
     """A valid, non-default value for every option users write somewhere besides SlideConfig."""
     return dict(dtype="bfloat16", window=3, gradient_accumulation_steps=2, max_grad_norm=0.5, activation_tier="cpu",
-                nvme_path=str(tmp_path), cpu_threads=1, pin_memory=True, use_kernels=True, gpu_memory_limit=24.0,
+                nvme_path=str(tmp_path), host_memory_limit=64.0, cpu_threads=1, pin_memory=True, use_kernels=True, gpu_memory_limit=24.0,
                 head_chunk_tokens=64, grad_buffers=3,
                 resident_layers=1, resident_embedding=False, device_update_share=0.5, expandable_segments=False,
                 host_adam="torch", nonfinite_grads="raise", check_host_memory=False, debug=True)
@@ -121,7 +121,8 @@ def test_the_yaml_carries_every_setting(tmp_path):
 # ---------------------------------------------------------------- the harmful values of issue 18, on every surface
 HARMFUL = [("head_chunk_tokens", -1), ("cpu_threads", 100000), ("cpu_threads", 2.5), ("grad_buffers", 2.5),
            ("window", True), ("pin_memory", "no"), ("gpu_memory_limit", "lots"), ("nvme_path", "/nonexistent/dir"),
-           ("resident_layers", True), ("device_update_share", math.nan), ("dtype", "float16")]
+           ("resident_layers", True), ("device_update_share", math.nan), ("dtype", "float16"),
+           ("host_memory_limit", "lots"), ("host_memory_limit", 0)]
 
 
 @pytest.mark.parametrize("name, value", HARMFUL)

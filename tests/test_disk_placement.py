@@ -1,0 +1,278 @@
+"""Decoder layers whose state lives on disk (`DiskLayer`, `DiskStates`): training, checkpoints and
+the model's state dicts are bit-identical to the host store's; the split, the file's life and a
+full disk are as docs/disk.md says."""
+import copy
+import os
+import time
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+from hf_slideformer import disk_store, store as store_module
+from hf_slideformer.device_update import DeviceUpdateLayer
+from hf_slideformer.disk import DiskSpaceError, UnitStateFile
+from hf_slideformer.disk_placement import DiskLayer
+from hf_slideformer.memory import GiB, HostMemoryError
+from hf_slideformer.placements import HostLayer
+from hf_slideformer.resident import ResidentLayer
+from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from hf_slideformer.demo import tiny_config
+from helpers import batches, make_pair, max_param_diff
+
+LR = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def two_buffers(monkeypatch):
+    """Two buffers for three or more disk layers: every step evicts, reads and writes behind."""
+    monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
+
+
+def force_last(monkeypatch, k):
+    """Test hook: the store puts exactly the last `k` layers on disk, whatever the limit."""
+    def plan(units, config):
+        layers = [u for u in units if u.kind == "layer" and u.trainable]
+        return layers[len(layers) - k:] if config.host_memory_limit is not None and k else []
+    monkeypatch.setattr(store_module, "plan_disk_units", plan)
+
+
+def disk_pair(tmp_path, monkeypatch, k=3, seed=0, **kw):
+    """(slid model with its last k layers on disk, slid model all on the host), same weights."""
+    force_last(monkeypatch, k)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    _, on_disk = make_pair("llama", False, seed=seed, host_memory_limit=1.0, nvme_path=str(tmp_path / "nvme"), **kw)
+    _, on_host = make_pair("llama", False, seed=seed, **kw)
+    return on_disk, on_host
+
+
+def train(model, data, ga=1, opt=None):
+    opt = opt or model.create_optimizer(lr=LR, weight_decay=0.1)
+    for i, b in enumerate(data):
+        model(**b).loss.backward()
+        if (i + 1) % ga == 0:
+            opt.step()
+            opt.zero_grad()
+    return opt
+
+
+def same_optimizer_state(a, b) -> bool:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert set(sa) == set(sb)
+    return all(torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k]))
+               for i in sb for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+# ------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("ga,clip", [(1, None), (1, 0.5), (2, None), (2, 0.5)])
+def test_training_with_layers_on_disk_equals_the_host_store_bit_for_bit(tmp_path, monkeypatch, k, ga, clip):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, k, gradient_accumulation_steps=ga, max_grad_norm=clip)
+    eng = on_disk.slide_engine
+    assert [type(p) for p in eng.places] == [HostLayer] * (3 - k) + [DiskLayer] * k
+    data = batches(3 * ga)
+    a, b = train(on_disk, data, ga), train(on_host, data, ga)
+    assert max_param_diff(on_disk, on_host) == 0.0
+    assert same_optimizer_state(a, b)
+    stats = on_disk.slide_stats()
+    assert stats["disk_layers"] == k and stats["disk_buffers"] == 2
+    # written back after every update; read in again every step when two buffers serve three layers
+    assert stats["disk_write_bytes"] >= 3 * k * eng.store.disk.file.payload_bytes(0)
+    assert (stats["disk_read_bytes"] > 0) == (k > 2)
+
+
+@pytest.mark.parametrize("ga,clip", [(1, None), (2, 0.5)])
+def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip):
+    """Reads and writes that take long (so that copies, updates and evictions wait on them) give
+    the same bits."""
+    for name in ("_read", "_write"):
+        orig = getattr(UnitStateFile, name)
+
+        def slow(self, *args, _orig=orig):
+            time.sleep(0.01)
+            return _orig(self, *args)
+        monkeypatch.setattr(UnitStateFile, name, slow)
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3, gradient_accumulation_steps=ga, max_grad_norm=clip)
+    data = batches(3 * ga)
+    a, b = train(on_disk, data, ga), train(on_host, data, ga)
+    assert max_param_diff(on_disk, on_host) == 0.0 and same_optimizer_state(a, b)
+    assert on_disk.slide_stats()["wait_disk_s"] > 0
+
+
+# ------------------------------------------------------------------ the split
+def test_a_limit_puts_the_last_layers_on_disk(tmp_path):
+    """The smallest number of last layers whose state leaves the host within the limit."""
+    cfg = tiny_config("llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    units = [u for u in hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu")).slide_engine.store.units]
+    layers = [u.numel for u in units if u.kind == "layer"]
+    fixed = 12 * sum(u.numel for u in units if u.kind != "layer")
+    need = fixed + 12 * sum(layers[:2]) + 2 * disk_store.record_bytes(max(layers))     # 4 layers on disk
+    assert disk_store.split_layers(need, fixed, layers) == 4 and disk_store.split_layers(need - 1, fixed, layers) == 5
+    slid = hs.slide(model, hs.SlideConfig(device="cpu", host_memory_limit=need / GiB, nvme_path=str(tmp_path)))
+    eng = slid.slide_engine
+    assert [type(p) for p in eng.places] == [HostLayer] * 2 + [DiskLayer] * 4
+    assert eng.store.host_numel == sum(u.numel for u in eng.store.units) - 4 * layers[0]
+    assert eng.store.master_slab.numel() == eng.store.host_numel - eng.embed_unit.numel
+    assert all(p.is_meta for p in slid.model.layers[5].parameters())
+    assert not any(p.is_meta for p in slid.model.layers[1].parameters())
+
+
+def test_no_limit_changes_nothing(tmp_path):
+    _, slid = make_pair("llama", False, nvme_path=str(tmp_path))
+    eng = slid.slide_engine
+    assert eng.store.disk is None and all(type(p) is HostLayer for p in eng.places)
+    assert "disk_layers" not in slid.slide_stats() and os.listdir(tmp_path) == []
+
+
+def test_auto_is_what_the_host_has_available_less_a_margin(tmp_path, monkeypatch):
+    _, plain = make_pair("llama", False)
+    state = 12 * sum(u.numel for u in plain.slide_engine.store.units)
+    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: disk_store.AUTO_MARGIN + state - 1)
+    _, slid = make_pair("llama", False, host_memory_limit="auto", nvme_path=str(tmp_path))
+    assert isinstance(slid.slide_engine.places[-1], DiskLayer)
+    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: disk_store.AUTO_MARGIN + state)
+    _, slid = make_pair("llama", False, host_memory_limit="auto", nvme_path=str(tmp_path))
+    assert slid.slide_engine.store.disk is None
+    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: None)       # unknown: no limit
+    assert disk_store.host_limit_bytes("auto") is None and disk_store.host_limit_bytes(2) == 2 * GiB
+
+
+def test_a_limit_below_the_floor_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(HostMemoryError, match=r"SlideConfig\.host_memory_limit=1e-06 .* all 3 trainable decoder "
+                                              r"layers on disk: .*MiB .*Raise host_memory_limit"):
+        make_pair("llama", False, host_memory_limit=1e-6, nvme_path=str(tmp_path))
+
+
+# ------------------------------------------------------------------ state dicts and checkpoints
+def test_state_dict_and_load_state_dict_read_and_write_the_disk(tmp_path, monkeypatch):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2)
+    train(on_disk, batches(2))
+    train(on_host, batches(2))
+    sd = on_disk.state_dict()
+    assert not any(t.is_meta for t in sd.values()) and max_param_diff(on_disk, on_host) == 0.0
+    layer = on_disk.model.layers[2].state_dict()                      # a layer alone, and with keep_vars
+    assert all(torch.equal(t, on_host.model.layers[2].state_dict()[n]) for n, t in layer.items())
+    assert not any(t.is_meta for t in on_disk.state_dict(keep_vars=True).values())
+    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, 2, seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                # no "copying into a meta parameter"
+        fresh.load_state_dict(on_host.state_dict())
+    assert max_param_diff(fresh, on_host) == 0.0
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        fresh.load_state_dict({**on_host.state_dict(), "model.layers.2.mlp.up_proj.weight": torch.zeros(3, 3)})
+
+
+def test_the_optimizer_state_dict_reads_and_writes_the_disk(tmp_path, monkeypatch):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3)
+    a, b = train(on_disk, batches(2)), train(on_host, batches(2))
+    assert same_optimizer_state(a, b)
+    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, 3, seed=7)
+    opt = fresh.create_optimizer(lr=LR, weight_decay=0.1)
+    fresh.load_state_dict(on_host.state_dict())
+    opt.load_state_dict(b.state_dict())
+    more = batches(2, seed=3)
+    train(fresh, more, opt=opt)
+    train(on_host, more, opt=b)
+    assert max_param_diff(fresh, on_host) == 0.0 and same_optimizer_state(opt, b)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_resume_from_a_training_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch, clip):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3, max_grad_norm=clip)
+    first, then = batches(2), batches(2, seed=3)
+    opt = train(on_disk, first)
+    host_opt = train(on_host, first)
+    save_training_state(str(tmp_path / "ckpt"), on_disk, opt)
+    train(on_disk, then, opt=opt)                                      # the uninterrupted run
+    for target_on_disk in (True, False):
+        resumed, _ = disk_pair(tmp_path / f"r{target_on_disk}", monkeypatch, 3 if target_on_disk else 0, seed=7,
+                               max_grad_norm=clip)
+        ropt = resumed.create_optimizer(lr=LR, weight_decay=0.1)
+        load_training_state(str(tmp_path / "ckpt"), resumed, ropt)
+        train(resumed, then, opt=ropt)
+        assert max_param_diff(resumed, on_disk) == 0.0 and same_optimizer_state(ropt, opt)
+    save_training_state(str(tmp_path / "host"), on_host, host_opt)    # a host checkpoint resumes on disk too
+    resumed, _ = disk_pair(tmp_path / "h", monkeypatch, 3, seed=7, max_grad_norm=clip)
+    ropt = resumed.create_optimizer(lr=LR, weight_decay=0.1)
+    load_training_state(str(tmp_path / "host"), resumed, ropt)
+    train(resumed, then, opt=ropt)
+    assert max_param_diff(resumed, on_disk) == 0.0
+
+
+@pytest.mark.parametrize("shard", ["5GB", "20KB"])
+def test_save_pretrained_and_from_pretrained_go_through_the_disk(tmp_path, monkeypatch, shard):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2)
+    train(on_disk, batches(2))
+    train(on_host, batches(2))
+    on_disk.save_pretrained(tmp_path / "out", max_shard_size=shard)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert max_param_diff(on_host, hf) == 0.0
+    again = hs.SlideModel.from_pretrained(tmp_path / "out", slide_config=hs.SlideConfig(
+        device="cpu", dtype=torch.float32, host_memory_limit=1.0, nvme_path=str(tmp_path / "again")))
+    assert isinstance(again.slide_engine.places[-1], DiskLayer) and max_param_diff(again, on_host) == 0.0
+
+
+# ------------------------------------------------------------------ the file, the disk, the other placements
+def _open_state_files(directory) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and "slide-state-" in target:
+            out.append(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_the_state_file_has_no_name_and_its_space_comes_back_at_close(tmp_path, monkeypatch):
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, 3)
+    train(on_disk, batches(1))
+    nvme = tmp_path / "nvme"
+    assert os.listdir(nvme) == []                                      # the name went when it was opened
+    assert [t.endswith("(deleted)") for t in _open_state_files(nvme)] == [True]
+    on_disk.slide_engine.close()
+    assert _open_state_files(nvme) == []
+
+
+def test_a_full_disk_is_reported_when_the_model_is_slid(tmp_path, monkeypatch):
+    import collections
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("hf_slideformer.disk.space.shutil.disk_usage", lambda path: usage(10 ** 6, 10 ** 6, 1000))
+    with pytest.raises(DiskSpaceError, match=r"needs \d+ bytes .* has 1000 bytes .* free.*nvme_path"):
+        disk_pair(tmp_path, monkeypatch, 2)
+    assert os.listdir(tmp_path / "nvme") == []
+
+
+def test_a_failed_write_stops_training_with_the_error(tmp_path, monkeypatch):
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, 3)
+    opt = train(on_disk, batches(1))
+
+    def broken(self, *args):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(UnitStateFile, "_write", broken)
+    with pytest.raises(Exception, match="Input/output error"):
+        train(on_disk, batches(2), opt=opt)
+
+
+def test_disk_layers_are_neither_resident_nor_updated_on_the_device(tmp_path, monkeypatch):
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, 2, resident_layers=3)
+    train(on_disk, batches(2))
+    assert [type(p) for p in on_disk.slide_engine.places] == [ResidentLayer, DiskLayer, DiskLayer]
+    on_disk, on_host = disk_pair(tmp_path / "b", monkeypatch, 2, max_grad_norm=0.5, device_update_share=1.0)
+    train(on_disk, batches(2))
+    train(on_host, batches(2))
+    assert [type(p) for p in on_disk.slide_engine.places] == [DeviceUpdateLayer, DiskLayer, DiskLayer]
+    assert max_param_diff(on_disk, on_host) == 0.0
+
+
+def test_lora_on_a_model_with_layers_on_disk_is_refused(tmp_path, monkeypatch):
+    peft = pytest.importorskip("peft")
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, 2)
+    p = peft.get_peft_model(on_disk, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(hs.SlideStateError, match="keep their state on disk .*get_peft_model before slide"):
+        p.create_optimizer(lr=LR)
