@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-buffers", type=int, default=4, help="pinned host gradient buffers (default: 4)")
     p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
     p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
+    p.add_argument("--nvme-gb", type=float, default=None, metavar="GB",
+                   help="free space of a disk for the layers' state: the last layers whose masters and moments do "
+                        "not fit in --host-mem keep them there (SlideConfig.host_memory_limit; default: no disk)")
+    p.add_argument("--nvme-bw", type=float, default=7.0, metavar="GB/s",
+                   help="the rate that disk reads and writes the layers' state at (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
@@ -67,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                       gpu_efficiency=args.gpu_efficiency, gradient_accumulation_steps=args.gradient_accumulation_steps,
                       max_grad_norm=args.max_grad_norm, window=args.window, activation_tier=args.activation_tier,
                       grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
-                      nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident)
+                      nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident, nvme_gb=args.nvme_gb,
+                      nvme_bw=args.nvme_bw)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

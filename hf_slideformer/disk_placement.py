@@ -89,7 +89,10 @@ class DiskLayer(HostLayer):
 
     def _copy_in(self, busy) -> None:
         e, u, s = self.engine, self.unit, self.states
-        s.read_ahead(s.ahead(u, -1 if e.in_backward else 1, s.read_ahead_count))
+        if e.in_backward:                            # the next to update: this layer (when it updates here), then down
+            s.read_ahead(([u] if e.mode.updates else []) + s.ahead(u, -1, s.read_ahead_count))
+        else:
+            s.read_ahead(s.ahead(u, 1, s.read_ahead_count))
         if e.slots.find((u,)) is not None:
             return
         s.pin(u)

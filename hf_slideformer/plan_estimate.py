@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 
 from .budget import balanced_share
+from .disk.unit_state import record_layout
+from .disk_store import pool_buffers, record_bytes
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 
@@ -116,14 +118,18 @@ class Estimator:
     grad_buffers: int
     rates: dict
 
-    def host(self, B: int, tier: str, deferred: bool) -> dict:
+    def host(self, B: int, tier: str, deferred: bool, disk_layers: int = 0) -> dict:
+        """Host bytes by item; `disk_layers`: the last layers whose state is on disk (host_memory_limit)."""
         s, tok_h = self.s, B * self.seq * self.s.hidden
         # Pinned buffers count their exact size: the engine registers what it allocates
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         # the last layer's input stays on the device (activations.py)
         acts = {"cpu": (s.layers - 1) * 2 * tok_h, "device": 0,
                 "nvme": NVME_BUFFERS * 2 * tok_h}[tier]   # nvme: the I/O thread's bounce buffers
-        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * s.n_params}
+        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * (s.n_params - disk_layers * s.layer_params)}
+        if disk_layers:
+            out[f"state buffers of the layers on disk ({pool_buffers(disk_layers)} x one layer's, pinned)"] = \
+                pool_buffers(disk_layers) * record_bytes(s.layer_params)
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
@@ -199,8 +205,21 @@ class Estimator:
     def resident_params(self, res: tuple[bool, int]) -> int:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
 
+    def disk_state_bytes(self, disk_layers: int) -> int:
+        """Bytes of the state file of `disk_layers` layers (two records each: disk/unit_state.py)."""
+        if not disk_layers:
+            return 0
+        head, _, slots = record_layout([self.s.layer_params] * disk_layers)
+        return head + 2 * sum(slots)
+
+    def disk_traffic(self, N: int, disk_layers: int) -> int:
+        """Bytes the layers on disk read and write per optimizer step: each layer's state (master
+        and moments) is read for every forward's copy and every backward (the recompute's copy,
+        which its update shares), and written once after its update: 2 N + 1 records."""
+        return disk_layers * record_bytes(self.s.layer_params) * (2 * N + 1)
+
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
-              res: tuple[bool, int] = (False, 0)) -> dict:
+              res: tuple[bool, int] = (False, 0), disk_layers: int = 0) -> dict:
         """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
         r, s = self.rates, self.s
@@ -220,13 +239,16 @@ class Estimator:
         if tier == "nvme":
             acts = N * 2 * s.layers * B * self.seq * s.hidden
             out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
+        if disk_layers:              # the layers' state shares the disk with the nvme tier's inputs
+            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers) / (r["nvme_bw"] * 1e9)
         return out
 
-    def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None) -> int:
-        """Smallest power-of-two batch whose GPU term is the largest, capped at `limit` (0 if < 1)."""
+    def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None, disk_of=None) -> int:
+        """Smallest power-of-two batch whose GPU term is the largest, capped at `limit` (0 if < 1);
+        `disk_of(batch)`: the layers on disk at that batch (none by default)."""
         b = 1
         while b < limit:
-            if gpu_binds(self.times(b, N, tier, deferred)):
+            if gpu_binds(self.times(b, N, tier, deferred, disk_layers=disk_of(b) if disk_of else 0)):
                 return b
             b *= 2
         return max(0, limit)

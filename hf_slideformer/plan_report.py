@@ -50,6 +50,11 @@ class Plan:
     gpu_resident_s: float = 0.0
     resident_embedding: bool = False  # units the engine keeps and updates on the GPU (SlideConfig.resident_*)
     resident_layers: int = 0
+    disk_layers: int = 0              # the last layers whose state is on disk (SlideConfig.host_memory_limit)
+    disk_mem_bytes: int | None = None  # the disk's free space given (None: no disk for the state)
+    disk_state_bytes: int = 0         # the state file of the layers on disk
+    disk_bytes_per_step: int = 0      # read + written per optimizer step
+    host_memory_limit_gib: float | None = None   # the setting that gives this split
     bound_s: float = 0.0
     bound_by: str = ""
     expected_step_s: float = 0.0
@@ -68,8 +73,12 @@ class Plan:
         return self.gpu_peak <= self.gpu_limit
 
     @property
+    def disk_fits(self) -> bool | None:
+        return None if self.disk_mem_bytes is None else self.disk_state_bytes <= self.disk_mem_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.gpu_fits and self.host_fits is not False
+        return self.gpu_fits and self.host_fits is not False and self.disk_fits is not False
 
     @property
     def tokens_per_s(self) -> float:
@@ -84,7 +93,7 @@ class Plan:
         d = asdict(self)
         d["shape"]["n_params"] = self.shape.n_params
         d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
-                 fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
+                 disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
         return d
 
     def report(self) -> str:
@@ -99,9 +108,19 @@ def _gib(n: float) -> str:
 def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What to change, from the plan's shortfalls and its binding term."""
     s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    if p.disk_layers:
+        out.append(f"the state of the last {p.disk_layers} of {s.layers} layers on disk: SlideConfig("
+                   f"host_memory_limit={p.host_memory_limit_gib}, nvme_path=<a directory on that disk>)")
+    if p.disk_fits is False:
+        out.append(f"disk short by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
+                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (two records of 12 B/param "
+                   "each); free space there or use a larger disk")
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
+        if p.disk_mem_bytes is None:
+            fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
+                         "last layers' masters and moments there")
         if deferred:
             fixes.append(f"no clipping and no accumulation (max_grad_norm=None, gradient_accumulation_steps=1) "
                          f"saves {_gib(4 * (s.n_params - s.embed_params))}")
@@ -161,9 +180,18 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
         if p.bound_by == "pcie" and tier == "cpu" and est.gpu_peak(p.batch, "device") <= p.gpu_limit:
             out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     elif p.bound_by == "disk":
-        need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
-        out.append(f"disk-bound: the nvme tier writes and reads {_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} "
-                   f"per step; activation_tier='cpu' needs {_gib(need)} of host memory instead")
+        if p.disk_layers:
+            more = 12 * p.disk_layers * s.layer_params
+            out.append(f"disk-bound: the state of the {p.disk_layers} layers on disk moves "
+                       f"{p.disk_bytes_per_step / 1e9:.0f} GB per step at {p.rates['nvme_bw']} GB/s; it does not grow "
+                       f"with the batch, so a larger batch (or gradient accumulation) spreads it over more tokens; "
+                       f"{_gib(more)} more host memory keeps every layer in RAM; a faster disk (or several in RAID 0) "
+                       "shortens it")
+        if tier == "nvme":
+            need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
+            out.append(f"disk-bound: the nvme tier writes and reads "
+                       f"{_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
+                       f"{_gib(need)} of host memory instead")
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")
@@ -196,6 +224,14 @@ def _format_report(p: Plan) -> str:
     lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.host.items() if v]
     if p.host_steady < p.host_total:
         lines.append(f"  peak in the first step; {_gib(p.host_steady)} once the resident units' host pages are released")
+    if p.disk_mem_bytes is not None:
+        dverdict = "fits" if p.disk_fits else f"SHORT by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB"
+        lines.append(f"disk         {p.disk_state_bytes / 1e9:.1f} GB of {p.disk_mem_bytes / 1e9:.0f} GB (given): "
+                     f"{dverdict}")
+        lines.append(f"  RAM / disk split: layers 0..{s.layers - p.disk_layers - 1} in host memory, "
+                     + (f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) on disk "
+                        f"({p.disk_layers * s.layer_params / 1e9:.2f} B parameters, host_memory_limit="
+                        f"{p.host_memory_limit_gib} GiB)" if p.disk_layers else "none on disk"))
     gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
     lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
                  f"{_gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
@@ -225,7 +261,11 @@ def _format_report(p: Plan) -> str:
                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)",
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
         "cpu": f"AdamW over {(s.n_params - res_params) / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
-        "disk": f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s",
+        "disk": " + ".join(
+            ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
+             if p.activation_tier == "nvme" else [])
+            + ([f"the state of {p.disk_layers} layers, {p.disk_bytes_per_step / 1e9:.1f} GB read and written at "
+                f"{p.rates['nvme_bw']} GB/s"] if p.disk_layers else [])),
     }
     lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in p.times.items()]
     lines += ["", "advice"] + [f"  - {a}" for a in p.advice]

@@ -8,9 +8,12 @@ Nothing here touches a GPU or builds a model: the parameter counts come from the
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .budget import DEVICE_PIECE, balanced_share, plan_resident, resident_bytes_per_param
+from .disk_store import split_layers
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
     DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
@@ -40,6 +43,19 @@ def _largest(fits, hi: int = 1 << 16) -> int:
     return lo
 
 
+def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> int:
+    """How many of the last layers keep their state on disk so that the host's items fit in
+    `host_bytes` at this batch (`disk_store.split_layers`, as the engine decides); every layer when
+    even that does not fit (the plan then says the host is short)."""
+    items = est.host(batch, tier, deferred)
+    s = est.s
+    state = 12 * s.n_params
+    others = sum(items.values()) - state
+    fixed = 12 * (s.n_params - s.layers * s.layer_params) + others
+    k = split_layers(host_bytes, fixed, [s.layer_params] * s.layers)
+    return s.layers if k is None else k
+
+
 def _default_gpu_gib() -> tuple[float, str]:
     import torch
 
@@ -53,7 +69,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
-         nvme_read_gbs: float = 0.9, resident: bool = True) -> Plan:
+         nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
+         nvme_bw: float = 7.0) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -70,6 +87,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers: as in
             SlideConfig ("auto" means "cpu").
         nvme_write_gbs, nvme_read_gbs: disk rates for the "nvme" activation tier, GB/s.
+        nvme_gb: free space of a disk for the layers' state, GB: the last layers whose state does
+            not fit in host memory keep it there (SlideConfig.host_memory_limit with nvme_path;
+            the plan gives the limit to set). None: everything in host memory.
+        nvme_bw: the rate that disk reads and writes the layers' state at, GB/s (one figure for
+            both: they share the disk).
         resident: model the engine's resident units (SlideConfig.resident_embedding / resident_layers
             "auto"): in what the step leaves free under the card's memory, the embedding then layers
             keep their optimizer state on the GPU and leave the CPU's AdamW and PCIe. The engine
@@ -94,9 +116,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     if batch is not None:
         _check("batch", batch, isinstance(batch, int) and batch >= 1, "an int >= 1")
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
-                 nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs)
+                 nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw)
     for k, v in rates.items():
         _check(k, v, isinstance(v, (int, float)) and v > 0, "a positive number")
+    if nvme_gb is not None:
+        _check("nvme_gb", nvme_gb, isinstance(nvme_gb, (int, float)) and nvme_gb > 0, "a positive number of GB")
     clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
     deferred = N > 1 or clip is not None
     gpu_source = "given"
@@ -119,16 +143,28 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     if clip is not None:
         extras["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, shape.layer_params)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
-    max_host = None if not host_bytes else _largest(lambda b: sum(est.host(b, tier, deferred).values()) <= host_bytes)
+    # With a disk for the state, the last layers that do not fit in host memory go there.
+    split = nvme_gb is not None and bool(host_bytes)
+    disk_of = (lambda b: _disk_layers(est, b, tier, deferred, host_bytes)) if split else (lambda b: 0)
+    max_host = None if not host_bytes else _largest(
+        lambda b: sum(est.host(b, tier, deferred, shape.layers if split else 0).values()) <= host_bytes)
     chosen = batch is None
     if chosen:
-        batch = est.hiding_batch(N, tier, batch_limit(max_gpu, max_host), deferred) or 1
+        batch = est.hiding_batch(N, tier, batch_limit(max_gpu, max_host), deferred, disk_of if split else None) or 1
+    k_disk = disk_of(batch)
 
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,
              host_source, gpu_source, rates, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
              max_batch_host=max_host)
-    p.host = est.host(batch, tier, deferred)
+    p.host = est.host(batch, tier, deferred, k_disk)
     p.host_total = sum(p.host.values())
+    p.disk_layers, p.disk_mem_bytes = k_disk, None if nvme_gb is None else int(nvme_gb * 1e9)
+    p.disk_state_bytes = est.disk_state_bytes(k_disk)
+    p.disk_bytes_per_step = est.disk_traffic(N, k_disk)
+    if k_disk:
+        # what SlideConfig.host_memory_limit bounds: the store's part of the host items
+        state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))]
+        p.host_memory_limit_gib = math.ceil(sum(p.host[k] for k in state) / GiB * 10) / 10
     p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)
     p.gpu_fixed.update(extras)
     p.gpu_peak = est.gpu_peak(batch, tier) + sum(extras.values())
@@ -136,8 +172,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     res = (False, 0)
     if resident and N == 1:
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
-                            layer_numel=shape.layer_params, n_layers=shape.layers, embed_numel=shape.embed_params,
-                            dtype=torch.bfloat16, clipping=clip is not None)
+                            layer_numel=shape.layer_params, n_layers=shape.layers - k_disk,
+                            embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
         per = resident_bytes_per_param(torch.bfloat16)
@@ -163,7 +199,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     # accumulators) are released after it.
     p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
-    p.times = est.times(batch, N, tier, deferred, res)
+    p.times = est.times(batch, N, tier, deferred, res, disk_layers=k_disk)
     p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (
         gpu_tflops * 1e12 * gpu_efficiency)
     p.bound_by = max(p.times, key=p.times.get)

@@ -33,6 +33,17 @@ def test_nvme_tier_needs_a_path_whose_parent_exists(tmp_path):
     assert not (tmp_path / "not").exists()
 
 
+def test_a_host_memory_limit_is_gib_or_auto_and_needs_nvme_path(tmp_path):
+    assert hs.SlideConfig(device="cpu").host_memory_limit is None
+    assert hs.SlideConfig(device="cpu", host_memory_limit="64", nvme_path=str(tmp_path)).host_memory_limit == 64.0
+    assert hs.SlideConfig(device="cpu", host_memory_limit="AUTO", nvme_path=str(tmp_path)).host_memory_limit == "auto"
+    with pytest.raises(ValueError, match="SlideConfig.host_memory_limit=64.0 needs nvme_path"):
+        hs.SlideConfig(device="cpu", host_memory_limit=64)
+    for bad in (0, -1.0, "lots", True, float("nan")):
+        with pytest.raises(ValueError, match=r"SlideConfig\.host_memory_limit=.*'auto' or a number > 0.0 \(GiB\)"):
+            hs.SlideConfig(device="cpu", host_memory_limit=bad, nvme_path=str(tmp_path))
+
+
 def test_slide_config_is_read_only_after_slide():
     cfg = hs.SlideConfig(device="cpu", dtype=torch.float32)
     _, model = make_pair(max_grad_norm=None)

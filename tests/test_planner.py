@@ -285,3 +285,46 @@ def test_predicts_the_measured_small_gpu_rows_within_ten_percent(shape, cap):
     p = hs.plan(str(cfg), batch=16, gpu_mem=cap, host_mem=125)
     measured = MEASURED_SMALL_GPU[(shape, cap)]
     assert abs(p.expected_tokens_per_s - measured) / measured < 0.10, (p.expected_tokens_per_s, measured)
+
+
+# ---------------------------------------------------------------- layers' state on disk
+def test_a_disk_for_the_state_splits_the_layers_as_the_engine_would():
+    """--host-mem 64 --nvme-gb 2000: the last layers go to disk until the host items fit; the
+    host_memory_limit it names gives the engine the same split, and the disk's bytes per step
+    over its bandwidth are a term of the step."""
+    from hf_slideformer.disk_store import record_bytes, split_layers
+
+    p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, nvme_bw=7)
+    s = p.shape
+    assert 0 < p.disk_layers < s.layers and p.host_total <= 64 * GiB and p.fits and p.disk_fits
+    fixed = 12 * (s.n_params - s.layers * s.layer_params)          # what the engine's store keeps whatever k
+    assert split_layers(int(p.host_memory_limit_gib * GiB), fixed, [s.layer_params] * s.layers) == p.disk_layers
+    assert p.disk_bytes_per_step == p.disk_layers * record_bytes(s.layer_params) * 3   # two reads, one write
+    assert p.times["disk"] == pytest.approx(p.disk_bytes_per_step / 7e9)
+    assert p.bound_by == "disk" and any("disk-bound" in a for a in p.advice)
+    assert p.resident_layers <= s.layers - p.disk_layers
+    fewer = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=96, nvme_gb=2000, nvme_bw=7)
+    assert fewer.disk_layers < p.disk_layers                     # more memory, fewer layers on disk
+    text = p.report()
+    assert f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) on disk" in text
+    assert "GB read and written at 7 GB/s" in text and f"host_memory_limit={p.host_memory_limit_gib}" in text
+
+
+def test_a_disk_too_small_or_no_disk_is_told():
+    small = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=10)
+    assert small.disk_fits is False and not small.fits and any("disk short" in a for a in small.advice)
+    none = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64)
+    assert none.disk_layers == 0 and none.disk_fits is None and "disk" not in none.times
+    assert any("a disk for the state (--nvme-gb" in a for a in none.advice)
+    roomy = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, host_mem=125, nvme_gb=100)
+    assert roomy.disk_layers == 0 and "disk" not in roomy.times and roomy.fits
+
+
+def test_cli_takes_the_disk(capsys):
+    args = ["plan", str(CONFIGS / "llama3-8b.json"), "--batch", "16", "--gpu-mem", "24", "--host-mem", "64",
+            "--nvme-gb", "2000", "--nvme-bw", "7"]
+    assert main(args) == 0
+    assert "RAM / disk split" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["disk_layers"] > 0 and d["bound_by"] == "disk" and d["disk_fits"] is True
