@@ -30,6 +30,7 @@ class SlideProvider(Provider):
 
         model = build_model(self.config, "cpu", self.spec.torch_dtype, fill="tiled", seed=self.spec.seed)
         self.count(model)
+        model = self.prepare(model)
         options = {"device": self.spec.device, "dtype": self.spec.torch_dtype}
         if self.spec.cap_gib is not None and self.device.type == "cuda":
             options["gpu_memory_limit"] = self.spec.cap_gib
@@ -37,6 +38,10 @@ class SlideProvider(Provider):
         self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
         self.model = hs.slide(model, self.slide_config)
         self.optimizer = self.model.create_optimizer(lr=self.spec.lr)
+
+    def prepare(self, model):
+        """The model a user slides (a subclass wraps it, e.g. in a PEFT model)."""
+        return model
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # With gradient_accumulation_steps in --slide-config, one step is that many micro-batches.
