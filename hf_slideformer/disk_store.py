@@ -41,14 +41,13 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from .disk.buffers import ALIGN, HostBufferPool
 from .disk.unit_state import UnitStateFile
 from .memory import GiB, HostMemoryError, available_host_bytes
 
-if TYPE_CHECKING:
-    from .store import Unit
+# `Unit` in the annotations is `store.Unit`, which imports this module (annotations are not evaluated).
 
 logger = logging.getLogger(__name__)
 
