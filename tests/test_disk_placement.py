@@ -27,7 +27,9 @@ LR = 1e-2
 
 @pytest.fixture(autouse=True)
 def two_buffers(monkeypatch):
-    """Two buffers for three or more disk layers: every step evicts, reads and writes behind."""
+    """Two buffers for three or more disk layers: every step evicts, reads and writes behind, and
+    the worker's deferred updates pin while the main thread holds a copy's pin (disk_store.py:
+    [Why pinning cannot deadlock])."""
     monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
 
 
@@ -86,7 +88,7 @@ def test_training_with_layers_on_disk_equals_the_host_store_bit_for_bit(tmp_path
 @pytest.mark.parametrize("ga,clip", [(1, None), (2, 0.5)])
 def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip):
     """Reads and writes that take long (so that copies, updates and evictions wait on them) give
-    the same bits."""
+    the same bits (disk_store.py: [Why a disk unit's state is in one place at a time])."""
     for name in ("_read", "_write"):
         orig = getattr(UnitStateFile, name)
 
