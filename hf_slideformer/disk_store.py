@@ -139,6 +139,11 @@ def plan_disk_units(units: list[Unit], config) -> list[Unit]:
     if k is None:
         floor = fixed + (pool_buffers(len(layers)) * record_bytes(max(numels)) if numels else 0)
         acc = ", the gradient accumulators of every unit" if accumulators else ""
+        if not layers:
+            raise HostMemoryError(
+                f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below the "
+                f"{_size(fixed)} the host store needs, and no decoder layer can go to disk (a frozen LoRA base stays "
+                "in host memory). Raise host_memory_limit, or set it to None.")
         raise HostMemoryError(
             f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below what stays "
             f"in host memory with the state of all {len(layers)} trainable decoder layers on disk: "

@@ -119,7 +119,10 @@ class HostStore:
             check_host_memory(self.numel, deferred=self.deferred, config=config, need=need)
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
-        self.pinned = PinnedBuffers(bool(config.pin_memory and config.is_cuda))
+        pin = bool(config.pin_memory and config.is_cuda)
+        # The state file first: a disk too small is reported before any host memory is taken.
+        self.disk = DiskStates(on_disk, config.nvme_path, pin=pin) if on_disk else None
+        self.pinned = PinnedBuffers(pin)
         # The embedding's master is a buffer of its own: a resident embedding gives its host pages
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
@@ -127,7 +130,6 @@ class HostStore:
         self._carve(self.master_slab, "master", skip=own)
         for u in own:
             u.master = self.pinned.empty(u.numel)
-        self.disk = DiskStates(on_disk, config.nvme_path, pin=self.pinned.enabled) if on_disk else None
         self.optimizer_ready = False
 
     def _carve(self, slab: torch.Tensor, attr: str, skip=()) -> None:

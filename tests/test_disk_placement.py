@@ -20,7 +20,7 @@ from hf_slideformer.placements import HostLayer
 from hf_slideformer.resident import ResidentLayer
 from hf_slideformer.train_checkpoint import load_training_state, save_training_state
 from hf_slideformer.demo import tiny_config
-from helpers import batches, make_pair, max_param_diff
+from helpers import batches, family_config, make_pair, max_param_diff
 
 LR = 1e-2
 
@@ -270,6 +270,17 @@ def test_disk_layers_are_neither_resident_nor_updated_on_the_device(tmp_path, mo
     train(on_host, batches(2))
     assert [type(p) for p in on_disk.slide_engine.places] == [DeviceUpdateLayer, DiskLayer, DiskLayer]
     assert max_param_diff(on_disk, on_host) == 0.0
+
+
+def test_a_lora_base_stays_in_host_memory(tmp_path):
+    """slide() of a PEFT model: its frozen base layers never go to disk, and a limit below them is named."""
+    peft = pytest.importorskip("peft")
+    base = AutoModelForCausalLM.from_config(family_config("llama")).float()
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    slid = hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cpu", host_memory_limit=1.0, nvme_path=str(tmp_path)))
+    assert slid.base_model.model.slide_engine.store.disk is None
+    with pytest.raises(HostMemoryError, match="no decoder layer can go to disk .*frozen LoRA base"):
+        hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cpu", host_memory_limit=1e-6, nvme_path=str(tmp_path)))
 
 
 def test_lora_on_a_model_with_layers_on_disk_is_refused(tmp_path, monkeypatch):
