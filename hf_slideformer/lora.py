@@ -144,6 +144,10 @@ class AdapterSet:
         would never update them)."""
         e = self.engine
         known = len(self.params)
+        if e.store.disk is not None and self.foreign():
+            raise SlideStateError("LoRA adapters were added to a slid model whose last layers keep their state on "
+                                  "disk (host_memory_limit): not supported. Apply get_peft_model before slide(), "
+                                  "or slide with host_memory_limit=None.")
         if e.optimizer is not None and self.foreign():
             names = [n for n, p in e.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""

@@ -15,7 +15,6 @@ from typing import Iterable
 
 import torch
 
-from .errors import SlideStateError
 from .host_adam import torch_fused_adamw
 from .store import Unit
 
@@ -196,10 +195,6 @@ class SlideOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self.engine = engine
-        if engine.store.disk is not None and engine.adapters.foreign():
-            raise SlideStateError("LoRA adapters were added to a slid model whose last layers keep their state on "
-                                  "disk (host_memory_limit): not supported. Apply get_peft_model before slide(), "
-                                  "or slide with host_memory_limit=None.")
         engine.adapters.adopt_all()              # LoRA adapters a PEFT model added (lora.py)
         owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.adapters.params}
         for g in self.param_groups:

@@ -289,3 +289,5 @@ def test_lora_on_a_model_with_layers_on_disk_is_refused(tmp_path, monkeypatch):
     p = peft.get_peft_model(on_disk, peft.LoraConfig(r=4, target_modules=["q_proj"]))
     with pytest.raises(hs.SlideStateError, match="keep their state on disk .*get_peft_model before slide"):
         p.create_optimizer(lr=LR)
+    with pytest.raises(hs.SlideStateError, match="keep their state on disk"):     # a forward first: the same
+        p(**batches(1)[0])
