@@ -52,7 +52,9 @@ def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = 
         return
     hint = ("set gradient_accumulation_steps=1 and max_grad_norm=None to drop the gradient accumulator "
             "(4 bytes/param), " if deferred else "")
-    if need < full:
+    if need < full and config.host_memory_limit is None:
+        what = f"of host memory for {numel / 1e9:.2f}B parameters (a frozen base in the compute dtype, no moments)"
+    elif need < full:
         what = (f"of host memory for the part of the state of {numel / 1e9:.2f}B parameters kept there "
                 f"(host_memory_limit={config.host_memory_limit!r} puts the rest on disk)")
         hint += "lower host_memory_limit (or 'auto'), "

@@ -127,7 +127,7 @@ class SlotQueue:
                     # has finished element `lo` (it reports finished prefixes), copy what is final.
                     hi = min(b, self.wait_host(u, lo))
                     with st.on(st.h2d):        # entered per copy: never held across a yield
-                        if cast:                       # fp32 -> compute dtype on the GPU
+                        if cast and u.master.dtype != self.dtype:     # fp32 -> compute dtype on the GPU
                             staged_copy(dst[lo:hi], u.master[lo:hi], self.staging)
                         else:
                             dst[lo:hi].copy_(u.master[lo:hi], non_blocking=True)

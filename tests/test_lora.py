@@ -233,3 +233,33 @@ def test_merged_model_saves_as_a_full_hf_checkpoint(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=b["input_ids"]).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_frozen_base_is_kept_in_the_compute_dtype():
+    """With bf16 compute the frozen base is stored in bf16 (2 bytes per parameter) and copied in
+    as it is: training equals a frozen base kept in fp32 and cast on its way in, bit for bit, and
+    half the bytes cross per copy."""
+    cfg = hs.SlideConfig(device="cpu", dtype=torch.bfloat16)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    base = _base()
+    low = hs.slide(get_peft_model(copy.deepcopy(base), lora), cfg)                 # frozen at slide(): bf16
+    wide = get_peft_model(hs.slide(copy.deepcopy(base), cfg), lora)                # frozen after it: fp32
+    wide.load_state_dict(low.state_dict(), strict=False)                           # the same adapters
+    eng_low, eng_wide = low.slide_engine, wide.slide_engine
+    assert {u.master.dtype for u in eng_low.layer_units + [eng_low.head_unit]} == {torch.bfloat16}
+    assert eng_low.embed_unit.master.dtype == torch.float32
+    assert {u.master.dtype for u in eng_wide.layer_units} == {torch.float32}
+    opts = [m.create_optimizer(lr=LR) for m in (low, wide)]
+    for b in batches(3):
+        losses = []
+        for m, opt in zip((low, wide), opts):
+            loss = m(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    a, b = _adapters(low), _adapters(wide)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    h2d = [m.slide_stats()["h2d_bytes"] for m in (low, wide)]
+    assert h2d[0] < 0.6 * h2d[1]
