@@ -42,11 +42,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 def test_quick_start_has_the_documented_snippets():
-    assert len(QUICK_START) == 2
+    assert len(QUICK_START) == 3
     assert "for batch in loader:" in QUICK_START[0] and "SlideTrainer" in QUICK_START[1]
+    assert "get_peft_model" in QUICK_START[2] and "merge_and_unload" in QUICK_START[2]
 
 
-@pytest.mark.parametrize("snippet", QUICK_START, ids=["own-loop", "trainer"])
+@pytest.mark.parametrize("snippet", QUICK_START, ids=["own-loop", "trainer", "lora"])
 def test_quick_start_snippet_runs_as_printed(snippet, tiny_llama_dir, tmp_path):
     from hf_slideformer.demo import corpus_path
 
