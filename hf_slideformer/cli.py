@@ -10,7 +10,7 @@ import json
 import sys
 
 from .models import SUPPORTED_MODEL_TYPES
-from .planner import GPU_EFFICIENCY, PEAK_TFLOPS, TIERS, plan
+from .planner import FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, TIERS, plan
 
 __all__ = ["main", "build_parser"]
 
@@ -23,8 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         "plan", help="estimate memory, the largest batch and the step time of training a model",
         description="Estimate host and GPU memory, the largest batch and the step time of training a model with "
                     "hf_slideformer, from its config.json alone (model types: "
-                    f"{', '.join(SUPPORTED_MODEL_TYPES)}). The figures are estimates calibrated on H200 "
-                    "measurements (docs/planner.md).")
+                    f"{', '.join(SUPPORTED_MODEL_TYPES)}), for full fine-tuning or, with --lora-r, a PEFT LoRA run "
+                    "on a streamed frozen base. The figures are estimates calibrated on H200 measurements "
+                    "(docs/planner.md).")
     p.add_argument("model", help="a model directory holding config.json, or the path of a config.json")
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per micro-batch (default: the smallest power of two that hides AdamW behind the "
@@ -58,6 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rate that disk reads and writes the layers' state at (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
+    p.add_argument("--lora-r", type=int, default=None, metavar="R",
+                   help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
+                        "and streamed, the adapters on the GPU (default: full fine-tuning)")
+    p.add_argument("--lora-base-bytes", type=int, choices=(2, 4), default=FROZEN_BASE_BYTES,
+                   help="host bytes per parameter of the frozen layers and head: 2, the compute dtype the engine keeps "
+                        "them in, or 4 when the adapters are added to a model already slid (default: "
+                        f"{FROZEN_BASE_BYTES})")
+    p.add_argument("--gpu-hbm-gbs", type=float, default=PEAK_HBM_GBS,
+                   help=f"GPU memory bandwidth, GB/s: paces the LoRA adapters' work (default: {PEAK_HBM_GBS:g}, H200)")
+    p.add_argument("--gpu-fp32-tflops", type=float, default=PEAK_FP32_TFLOPS,
+                   help=f"fp32 peak of the GPU, TFLOPS: the LoRA adapters' products (default: {PEAK_FP32_TFLOPS})")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -73,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                       max_grad_norm=args.max_grad_norm, window=args.window, activation_tier=args.activation_tier,
                       grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
                       nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident, nvme_gb=args.nvme_gb,
-                      nvme_bw=args.nvme_bw)
+                      nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
+                      gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from .budget import balanced_share
+from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
 from .disk_store import pool_buffers, record_bytes
 from .memory import COPY_CHUNK, GiB
@@ -118,14 +118,14 @@ class Estimator:
     grad_buffers: int
     rates: dict
 
+    host_updates = True      # the CPU updates the host store's units: resident units and clipping's wait apply
+
     def host(self, B: int, tier: str, deferred: bool, disk_layers: int = 0) -> dict:
         """Host bytes by item; `disk_layers`: the last layers whose state is on disk (host_memory_limit)."""
         s, tok_h = self.s, B * self.seq * self.s.hidden
         # Pinned buffers count their exact size: the engine registers what it allocates
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
-        # the last layer's input stays on the device (activations.py)
-        acts = {"cpu": (s.layers - 1) * 2 * tok_h, "device": 0,
-                "nvme": NVME_BUFFERS * 2 * tok_h}[tier]   # nvme: the I/O thread's bounce buffers
+        acts = self.layer_inputs_host(B, tier)
         out = {"fp32 masters + Adam m, v (12 B/param)": 12 * (s.n_params - disk_layers * s.layer_params)}
         if disk_layers:
             out[f"state buffers of the layers on disk ({pool_buffers(disk_layers)} x one layer's, pinned)"] = \
@@ -146,6 +146,19 @@ class Estimator:
         })
         return out
 
+    def layer_inputs_host(self, B: int, tier: str) -> int:
+        """Host bytes of the layer inputs kept for backward on `tier` (bf16)."""
+        tok_h = B * self.seq * self.s.hidden
+        # the last layer's input stays on the device (activations.py); nvme: the I/O thread's bounce buffers
+        return {"cpu": (self.s.layers - 1) * 2 * tok_h, "device": 0, "nvme": NVME_BUFFERS * 2 * tok_h}[tier]
+
+    def logits_rows(self, T: int) -> int:
+        """Rows of the fused loss's logits chunk for T tokens (triton_ops' default_chunk_tokens: a
+        (C, V) bf16 buffer of max(T*H, V*H/8) elements, >= 32 MiB)."""
+        s = self.s
+        rows = max(2 * max(T * s.hidden, s.vocab * s.hidden // 8), 32 << 20) // (2 * s.vocab)
+        return min(T, max(64, rows // 64 * 64) if rows >= 64 else max(1, rows))
+
     def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
         """(bytes held all step, bytes of each phase); the peak is the first plus the larger phase."""
         s, T = self.s, B * self.seq
@@ -157,9 +170,7 @@ class Estimator:
         }
         if tier == "device":
             fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
-        # triton_ops' default_chunk_tokens: a (C, V) bf16 buffer of max(T*H, V*H/8) elements, >= 32 MiB
-        rows = max(2 * max(T * H, s.vocab * H // 8), 32 << 20) // (2 * s.vocab)
-        rows = min(T, max(64, rows // 64 * 64) if rows >= 64 else max(1, rows))
+        rows = self.logits_rows(T)
         phases = {
             f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16)":
                 2 * T * (ACT_HIDDEN * H + ACT_INTER * s.intermediate),
@@ -168,6 +179,16 @@ class Estimator:
             "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (8 * H + 4),
         }
         return fixed, phases
+
+    def gpu_extras(self, N: int, clipping: bool) -> dict:
+        """Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
+        (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py)."""
+        out = {}
+        if N > 1:
+            out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
+        if clipping:
+            out["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, self.s.layer_params)
+        return out
 
     def gpu_peak(self, B: int, tier: str) -> int:
         fixed, phases = self.gpu(B, tier)
@@ -181,6 +202,12 @@ class Estimator:
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
         lin = 6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
         return s.layers * lin + 6 * s.vocab * s.hidden + attn
+
+    def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
+        GPU-resident time, DESIGN.md's compute bound)."""
+        r = self.rates
+        return N * B * self.seq * self.flops_per_token(recompute) / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"])
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
@@ -228,7 +255,7 @@ class Estimator:
         on_cpu = s.n_params - self.resident_params(res)
         layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
         out = {
-            "gpu": N * B * self.seq * self.flops_per_token() / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]),
+            "gpu": self.gpu_seconds(B, N),
             "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
             # deferred mode: each micro-batch's gradients are copied (first) or added into the host
             # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping

@@ -55,6 +55,10 @@ class Plan:
     disk_state_bytes: int = 0         # the state file of the layers on disk
     disk_bytes_per_step: int = 0      # read + written per optimizer step
     host_memory_limit_gib: float | None = None   # the setting that gives this split
+    lora_r: int | None = None         # a LoRA plan's rank (None: full fine-tuning)
+    lora_params: int = 0              # its adapter parameters (fp32, on the GPU)
+    lora_base_bytes: int | None = None  # host bytes per parameter of its frozen layers and head
+    adapter_s: float = 0.0            # the adapters' part of the gpu term
     bound_s: float = 0.0
     bound_by: str = ""
     expected_step_s: float = 0.0
@@ -213,8 +217,12 @@ def _format_report(p: Plan) -> str:
         f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
         f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
         f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}",
-        "",
     ]
+    if p.lora_r:
+        lines.append(f"LoRA plan: rank {p.lora_r} on every linear layer of the decoder layers, "
+                     f"{p.lora_params / 1e6:.1f} M adapter parameters in fp32 on the GPU, updated there; the base "
+                     f"frozen and streamed ({p.lora_base_bytes} B/param, the embedding fp32), no CPU AdamW")
+    lines.append("")
     if p.host_mem_bytes is None:
         verdict = "limit unknown"
     else:
@@ -246,7 +254,7 @@ def _format_report(p: Plan) -> str:
             [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
         lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
                      f"{res_params / 1e9:.2f} B parameters (the engine decides after its first step)")
-    if p.max_grad_norm:
+    if p.max_grad_norm and not p.lora_r:
         host_layers = list(range(s.layers - p.resident_layers))
         n = len(pick_device_units(host_layers, balanced_share()))
         lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
@@ -257,8 +265,10 @@ def _format_report(p: Plan) -> str:
     lines.append(f"step time    bound {p.bound_s:.3f} s by {p.bound_by} ({p.tokens_per_s / 1e3:.1f} k tokens/s); "
                  f"expected about {p.expected_step_s:.2f} s ({p.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
     detail = {
-        "gpu": f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
-               f"(resident, no recompute: {p.gpu_resident_s:.3f} s)",
+        "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
+                f"+ {p.adapter_s:.3f} s of the adapters' fp32 work" if p.lora_r else
+                f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
+                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)"),
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
         "cpu": f"AdamW over {(s.n_params - res_params) / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
         "disk": " + ".join(

@@ -3,7 +3,8 @@
 `plan` checks the settings, finds the largest batch each memory allows, picks the batch when
 none is given, decides the resident units as the engine would, and fills a `Plan`. The model's
 shape, the calibrated constants and the formulas are in `plan_estimate`; the `Plan`, its advice
-and its text in `plan_report`. Every name the planner offered before stays importable from here.
+and its text in `plan_report`; a LoRA run's formulas and advice in `plan_lora`. Every name the
+planner offered before stays importable from here.
 Nothing here touches a GPU or builds a model: the parameter counts come from the config's sizes.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 
 import torch
 
-from .budget import DEVICE_PIECE, balanced_share, plan_resident, resident_bytes_per_param
+from .budget import balanced_share, plan_resident, resident_bytes_per_param
 from .disk_store import split_layers
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
@@ -22,6 +23,7 @@ from .plan_estimate import (
 from .plan_estimate import (  # noqa: F401 - the rest of the calibration, importable from the planner as well
     ACT_HIDDEN, ACT_INTER, ADD_VS_ADAM, DUPLEX, GRAD_BYTES, NVME_BUFFERS, PROCESS_HOST_BYTES,
 )
+from .plan_lora import FROZEN_BASE_BYTES, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora
 from .plan_report import Plan, advise
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -70,7 +72,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
          nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
-         nvme_bw: float = 7.0) -> Plan:
+         nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
+         gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -97,6 +100,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
             keep their optimizer state on the GPU and leave the CPU's AdamW and PCIe. The engine
             decides from the reserved peak it measures; the plan from its allocated-peak estimate
             times RESERVED_VS_ALLOCATED. No resident units with gradient accumulation.
+        lora_r: plan a PEFT LoRA run (lora.py) of this rank on every linear layer of the decoder
+            layers (q, k, v, o, gate, up, down): the base frozen and streamed, the adapters in fp32
+            on the GPU and updated there; no resident units, no CPU AdamW. None: full fine-tuning.
+        lora_base_bytes: host (and PCIe) bytes per parameter of the frozen layers and head: 2, the
+            compute dtype the engine keeps them in, or 4 when the adapters are added to a model
+            already slid (its fp32 masters stay). The embedding's master is fp32 either way.
+        gpu_hbm_gbs, gpu_fp32_tflops: the GPU's memory bandwidth (GB/s) and fp32 peak (TFLOPS),
+            which pace the LoRA adapters' fp32 work (H200: 4800, 66.9).
 
     Returns:
         A Plan; `Plan.report()` formats it, `Plan.to_dict()` serialises it.
@@ -116,11 +127,19 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     if batch is not None:
         _check("batch", batch, isinstance(batch, int) and batch >= 1, "an int >= 1")
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
-                 nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw)
+                 nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw,
+                 gpu_hbm_gbs=gpu_hbm_gbs, gpu_fp32_tflops=gpu_fp32_tflops)
     for k, v in rates.items():
         _check(k, v, isinstance(v, (int, float)) and v > 0, "a positive number")
     if nvme_gb is not None:
         _check("nvme_gb", nvme_gb, isinstance(nvme_gb, (int, float)) and nvme_gb > 0, "a positive number of GB")
+    lora = lora_r is not None
+    if lora:
+        _check("lora_r", lora_r, isinstance(lora_r, int) and lora_r >= 1, "an int >= 1")
+        _check("lora_base_bytes", lora_base_bytes, lora_base_bytes in (2, 4), "2 (the compute dtype) or 4 (fp32)")
+        if nvme_gb is not None:
+            raise ValueError("LoRA on a model whose layers keep their state on disk is not supported (the engine "
+                             "refuses it); plan a LoRA run without nvme_gb: its frozen base never goes to disk")
     clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
     deferred = N > 1 or clip is not None
     gpu_source = "given"
@@ -133,15 +152,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     else:
         _check("host_mem", host_mem, isinstance(host_mem, (int, float)) and host_mem > 0, "a positive number of GiB")
         host_bytes, host_source = int(host_mem * GiB), "given"
-    est = Estimator(shape, seq, window, grad_buffers, rates)
+    est = (LoraEstimator(shape, seq, window, grad_buffers, rates, r=lora_r, base_bytes=lora_base_bytes) if lora
+           else Estimator(shape, seq, window, grad_buffers, rates))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
-    # Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
-    # (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py).
-    extras = {}
-    if N > 1:
-        extras["accumulation buffer (fp32, one layer)"] = 4 * shape.layer_params
-    if clip is not None:
-        extras["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, shape.layer_params)
+    extras = est.gpu_extras(N, clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
     # With a disk for the state, the last layers that do not fit in host memory go there.
     split = nvme_gb is not None and bool(host_bytes)
@@ -156,6 +170,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,
              host_source, gpu_source, rates, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
              max_batch_host=max_host)
+    if lora:
+        p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params
+        p.adapter_s = est.adapter_seconds(batch, N)
     p.host = est.host(batch, tier, deferred, k_disk)
     p.host_total = sum(p.host.values())
     p.disk_layers, p.disk_mem_bytes = k_disk, None if nvme_gb is None else int(nvme_gb * 1e9)
@@ -170,7 +187,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     p.gpu_peak = est.gpu_peak(batch, tier) + sum(extras.values())
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
-    if resident and N == 1:
+    if resident and N == 1 and est.host_updates:
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
                             layer_numel=shape.layer_params, n_layers=shape.layers - k_disk,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
@@ -200,14 +217,13 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, N, tier, res)
     p.times = est.times(batch, N, tier, deferred, res, disk_layers=k_disk)
-    p.gpu_resident_s = N * batch * seq * est.flops_per_token(recompute=False) / (
-        gpu_tflops * 1e12 * gpu_efficiency)
+    p.gpu_resident_s = est.gpu_seconds(batch, N, recompute=False)
     p.bound_by = max(p.times, key=p.times.get)
     p.bound_s = p.times[p.bound_by]
     # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
     # other terms (activations.py: [Why the nvme tier's file work is on its own thread]).
     serial = p.times["gpu"]
-    if clip is not None:
+    if clip is not None and est.host_updates:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
         # needs the global norm); their AdamW then paces the next forward. A share of the host-held
         # layers is updated by the GPU as it is copied in (device_update.py): the CPU and the link
@@ -221,5 +237,5 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         first_forward = FORWARD_SHARE * p.times["gpu"] / N
         serial = max(serial, p.times["gpu"] - first_forward + max(first_forward, adam_after))
     p.expected_step_s = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
-    p.advice = advise(p, est, deferred)
+    p.advice = advise_lora(p, est) if lora else advise(p, est, deferred)
     return p

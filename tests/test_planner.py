@@ -328,3 +328,94 @@ def test_cli_takes_the_disk(capsys):
     assert main(args + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["disk_layers"] > 0 and d["bound_by"] == "disk" and d["disk_fits"] is True
+
+
+# ---------------------------------------------------------------- LoRA
+# Measured on the H200 (docs/benchmarks.md, "LoRA on a streamed frozen base", e3fbf73, whose frozen
+# base was fp32 masters: 4 B/param): Llama-3.1-8B shape, rank 16 on every linear layer (41.9 M adapter
+# parameters), batch 16 x 2048 under a 24 GiB cap: 7,903 tokens/s, the GPU busy the whole step.
+LORA_8B = dict(step=4.146, alloc=15.1, rss=46.0)
+HF_LORA_STEP = 4.239     # PEFT's own run of the same adapters, GPU-resident, HF's checkpointing
+
+
+def lora_8b(**kw):
+    """The measured row's setting (its engine kept the frozen base in fp32 masters), changed by `kw`."""
+    setting = dict(batch=16, gpu_mem=24, lora_r=16, lora_base_bytes=4, **H200)
+    return plan(CONFIGS / "llama3-8b.json", **{**setting, **kw})
+
+
+def test_lora_plan_lands_near_the_measured_8b_row():
+    p = lora_8b()
+    assert p.fits and p.bound_by == "gpu"
+    assert round(p.lora_params / 1e5) == 419
+    assert rel(p.expected_step_s, LORA_8B["step"]) < 0.15, p.expected_step_s
+    assert rel(p.host_total / GiB, LORA_8B["rss"]) < 0.15, p.host_total / GiB
+    assert rel(p.gpu_peak / GiB, LORA_8B["alloc"]) < 0.15, p.gpu_peak / GiB
+    assert p.bound_s <= LORA_8B["step"]
+    text = p.report()
+    assert "LoRA plan: rank 16" in text and f"bound {p.bound_s:.3f} s by gpu" in text
+    assert any(a.startswith("GPU-bound") for a in p.advice)
+
+
+def test_lora_adapter_work_matches_peft_own_run():
+    """The adapters' time is fitted on the slide_lora row; PEFT's own run of the same adapters (HF's
+    checkpointing recomputes the whole layer, down_proj included) checks it."""
+    from hf_slideformer.plan_lora import LoraEstimator
+
+    p = lora_8b()
+    s = p.shape
+    est = LoraEstimator(s, 2048, 2, 4, p.rates, r=16)
+    flops = s.layers * 6 * s.layer_params + 4 * s.vocab * s.hidden + 9 * 2048 * s.heads * s.head_dim * s.layers
+    hf = 16 * 2048 * flops / (p.rates["gpu_tflops"] * 1e12 * p.rates["gpu_efficiency"]) + est.adapter_seconds(16, 1)
+    assert rel(hf, HF_LORA_STEP) < 0.10, hf
+    assert p.adapter_s == pytest.approx(est.adapter_seconds(16, 1))
+
+
+def test_lora_moves_only_the_frozen_base():
+    """No gradient d2h, no CPU AdamW, no host moments, no resident units; the backward's input
+    gradients only; the frozen layers cross for the forward and the recompute."""
+    p, full = lora_8b(), plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, **H200)
+    s, T = p.shape, 16 * 2048
+    acts = 2 * (s.layers - 1) * T * s.hidden
+    assert "cpu" not in p.times and p.d2h_bytes == acts
+    assert p.h2d_bytes == 4 * 2 * (s.layers - 2) * s.layer_params + 4 * T * s.hidden + acts
+    assert (p.resident_embedding, p.resident_layers) == (False, 0)
+    assert not any("Adam" in k or "gradient (fp32" in k for k in p.host)
+    # the base's weight gradients are what full fine-tuning adds: 2 P per layer, 2 V H for the head
+    assert full.flops_per_token - p.flops_per_token == s.layers * 2 * s.layer_params + 2 * s.vocab * s.hidden
+    # the bytes per frozen parameter are one setting: the compute dtype halves the layers and the head
+    bf16 = lora_8b(lora_base_bytes=2)
+    assert 2 * bf16.host["frozen layers and head (2 B/param)"] == p.host["frozen layers and head (4 B/param)"]
+    assert bf16.h2d_bytes < p.h2d_bytes and any("get_peft_model before slide()" in a for a in p.advice)
+    assert lora_8b(lora_r=256).adapter_s > p.adapter_s            # a large rank: the fp32 products bind
+    with pytest.raises(ValueError, match="LoRA"):
+        lora_8b(nvme_gb=2000)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("r", [1, 4])
+def test_lora_adapter_counts_match_peft(model_type, r):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from helpers import family_config
+    from hf_slideformer.plan_lora import adapter_params
+
+    cfg = family_config(model_type)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=r, target_modules="all-linear"))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapter_params(model_shape(load_model_config(cfg)), r) == trained
+
+
+def test_cli_takes_the_lora_rank(capsys):
+    from hf_slideformer.cli import build_parser
+
+    assert "--lora-r" in build_parser()._subparsers._group_actions[0].choices["plan"].format_help()
+    args = ["plan", str(CONFIGS / "llama3-8b.json"), "--batch", "16", "--gpu-mem", "24", "--host-mem", "125",
+            "--lora-r", "16"]
+    assert main(args) == 0
+    assert "LoRA plan: rank 16" in capsys.readouterr().out
+    assert main(args + ["--lora-base-bytes", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["lora_r"] == 16 and d["lora_base_bytes"] == 4 and "cpu" not in d["times"]
+    assert main(args + ["--nvme-gb", "100"]) == 2

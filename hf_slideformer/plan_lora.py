@@ -1,0 +1,230 @@
+"""The planner's LoRA model: a PEFT LoRA run on a streamed frozen base, as the engine runs it.
+
+`LoraEstimator` is `plan_estimate.Estimator` for a model whose base is frozen (`lora.py`,
+`placements.FrozenLayer`) and whose adapters, rank r on every linear layer of the decoder layers,
+stay on the GPU. What changes against full fine-tuning:
+
+- host: the frozen base alone, without moments, accumulators or gradient buffers (the gradient
+  ring is made but unused): the layers and the head at `base_bytes` per parameter, the
+  embedding's master in fp32; no CPU AdamW;
+- GPU: the adapters in fp32 with their gradient and moments (16 B/param), and their inputs,
+  which PEFT casts to fp32 and autograd keeps for their gradients;
+- compute: the forward and the recompute as for full fine-tuning, the backward the input
+  gradients only (no weight-gradient products of the base); plus the adapters' own work;
+- PCIe: the frozen layers for the forward and the recompute; nothing of theirs crosses back.
+
+`advise_lora` is the advice of such a plan. `planner.plan(..., lora_r=r)` picks both, once.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .memory import GiB
+from .plan_estimate import (
+    ACT_HIDDEN, ACT_INTER, GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
+)
+
+__all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES"]
+
+# Host bytes per parameter of a frozen layer or head: the engine keeps them in the compute dtype
+# (store.py: [Why a frozen unit is kept in the compute dtype]). 4 where the adapters were added to
+# a model already slid, which keeps its fp32 masters. The embedding's master stays fp32 (its rows
+# are gathered from it on the host).
+FROZEN_BASE_BYTES = 2
+ADAPTER_GPU_BYTES = 16       # fp32 weight, gradient, Adam m and v, all on the GPU
+# GPU memory traffic of one adapted linear, bytes per token per input / output feature. PEFT's
+# `lora.Linear.forward` with fp32 adapters on a bf16 base: x cast to fp32 (2 + 4), read by
+# lora_A (4); lora_B's output written (4), scaled (4 + 4), added to the base's bf16 output
+# into fp32 (2 + 4 + 4) and cast back (4 + 2). Its backward: the output gradient cast up (2 + 4),
+# down for the base (4 + 2), scaled (4 + 4), read by both of lora_B's products (8); lora_A reads
+# its saved fp32 input (4) and writes the input's gradient (4), cast down (4 + 2) and added to the
+# base's (6). The rank-r intermediates are negligible while r is small against the features.
+LORA_PASS_BYTES = (10, 28)        # one forward (the engine runs two: forward and recompute)
+LORA_BACKWARD_BYTES = (20, 28)
+PEAK_HBM_GBS = 4800.0        # H200 memory bandwidth, GB/s (H100 SXM: 3350)
+PEAK_FP32_TFLOPS = 66.9      # H100 / H200 SXM fp32 peak without TF32 (torch's default for fp32 matmuls)
+# Achieved share of PEAK_HBM_GBS by the adapters' kernels: fitted to the measured slide_lora row
+# (docs/planner.md, "LoRA"); PEFT's own run of the same adapters checks it.
+HBM_EFFICIENCY = 0.75
+
+
+def lora_linears(s: ModelShape) -> dict[str, tuple[int, int]]:
+    """(input, output) features of each linear layer of one decoder layer (the Llama layout)."""
+    q, kv, H, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
+    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
+            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+
+def adapter_params(s: ModelShape, r: int) -> int:
+    """LoRA parameters of rank r on every linear layer of every decoder layer: r (in + out) each."""
+    return s.layers * sum(r * (i + o) for i, o in lora_linears(s).values())
+
+
+@dataclass(frozen=True)
+class LoraEstimator(Estimator):
+    """The formulas for a LoRA run of rank `r` whose frozen layers and head take `base_bytes`
+    per parameter on the host and over PCIe (rates as `Estimator`'s, plus `gpu_hbm_gbs` and
+    `gpu_fp32_tflops`)."""
+
+    r: int = 16
+    base_bytes: int = FROZEN_BASE_BYTES
+
+    host_updates = False     # the engine keeps frozen layers streaming: no resident units, no device updates
+
+    @property
+    def adapter_params(self) -> int:
+        return adapter_params(self.s, self.r)
+
+    @property
+    def frozen_params(self) -> int:
+        """Parameters the engine keeps at `base_bytes`: the layers and the head (the embedding's
+        master stays fp32; a tied lm_head is the embedding)."""
+        return self.s.layers * self.s.layer_params + self.s.head_params
+
+    def host(self, B: int, tier: str, deferred: bool = False, disk_layers: int = 0) -> dict:
+        """Host bytes by item (no moments, accumulators or gradients: nothing of the base trains)."""
+        s, n = self.s, self.grad_buffers
+        return {
+            "embedding master (fp32, frozen)": 4 * s.embed_params,
+            f"frozen layers and head ({self.base_bytes} B/param)": self.base_bytes * self.frozen_params,
+            f"gradient ring ({n} x largest layer, bf16; unused by a frozen base)": GRAD_BYTES * n * s.layer_params,
+            "embedding row buffer (B*S*H fp32, pinned)": 4 * B * self.seq * s.hidden,
+            f"layer inputs ({tier} tier)": self.layer_inputs_host(B, tier),
+            "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
+        }
+
+    def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
+        """As full fine-tuning's, plus the adapters and their fp32 inputs; a frozen head has no gradient."""
+        s, T = self.s, B * self.seq
+        fixed, _ = super().gpu(B, tier)
+        fixed[f"LoRA adapters (fp32 weight, gradient, Adam m, v: {ADAPTER_GPU_BYTES} B/param)"] = \
+            ADAPTER_GPU_BYTES * self.adapter_params
+        ins = sum(i for i, _ in lora_linears(s).values())
+        phases = {
+            f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16, the adapters' fp32 inputs "
+            f"B*S*{ins})": 2 * T * (ACT_HIDDEN * s.hidden + ACT_INTER * s.intermediate) + 4 * T * ins,
+            "head: logits chunk, hidden states (frozen: no gradient)":
+                2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4),
+        }
+        return fixed, phases
+
+    def gpu_extras(self, N: int, clipping: bool) -> dict:
+        """None: the adapters' gradients are summed and clipped on the GPU where they are."""
+        return {}
+
+    def flops_per_token(self, recompute: bool = True) -> float:
+        """bf16 matmul FLOPs per token: layers 4 P (forward, input gradients) plus the recompute's
+        2 P less down_proj's 2 I H, head 4 V H (its forward and its input's gradient), attention
+        as for full fine-tuning (its backward has no weights). The adapters' products are timed by
+        `adapter_seconds`."""
+        s = self.s
+        attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
+        lin = 4 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
+        return s.layers * lin + 4 * s.vocab * s.hidden + attn
+
+    def adapter_traffic_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        """The adapters' memory traffic per optimizer step at the achieved bandwidth."""
+        passes = 2 if recompute else 1
+        per_layer = sum((passes * LORA_PASS_BYTES[0] + LORA_BACKWARD_BYTES[0]) * i
+                        + (passes * LORA_PASS_BYTES[1] + LORA_BACKWARD_BYTES[1]) * o
+                        for i, o in lora_linears(self.s).values())
+        return N * B * self.seq * self.s.layers * per_layer / (self.rates["gpu_hbm_gbs"] * 1e9 * HBM_EFFICIENCY)
+
+    def adapter_product_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        """The adapters' fp32 products per optimizer step: 2 FLOPs per adapter parameter per token
+        in each forward, 4 in the backward (both of each adapter's gradients)."""
+        r = self.rates
+        flops = N * B * self.seq * (2 * (2 if recompute else 1) + 4) * self.adapter_params
+        return flops / (r["gpu_fp32_tflops"] * 1e12 * r["gpu_efficiency"])
+
+    def adapter_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        """The adapters' GPU time per optimizer step: their memory traffic, or their fp32 products
+        where the rank makes those the longer (from about r = 90 at the 8B shape on the H200)."""
+        return max(self.adapter_traffic_seconds(B, N, recompute), self.adapter_product_seconds(B, N, recompute))
+
+    def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        return super().gpu_seconds(B, N, recompute) + self.adapter_seconds(B, N, recompute)
+
+    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
+        """Bytes host-to-device and device-to-host per optimizer step (steady state).
+
+        A frozen layer's copy never goes stale (its version does not change), so the window's
+        layers stay in their slots: the last ones from the forward into the backward, the first
+        ones from a backward into the next forward; every other layer crosses for the forward and
+        for the recompute. The head stays in its slot. Only the embedding rows and the layer
+        inputs cross besides; nothing of the base crosses back."""
+        s, TH = self.s, B * self.seq * self.s.hidden
+        layers = 2 * max(0, s.layers - self.window) * s.layer_params * self.base_bytes
+        acts = 2 * (s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
+        return N * (layers + 4 * TH + acts), N * acts
+
+    def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
+              res: tuple[bool, int] = (False, 0), disk_layers: int = 0) -> dict:
+        """As `Estimator.times`, without a `cpu` term: nothing is updated on the CPU."""
+        out = super().times(B, N, tier, False)
+        del out["cpu"]
+        return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def advise_lora(p, est: LoraEstimator) -> list[str]:
+    """What to change in a LoRA plan, from its shortfalls and its binding term."""
+    s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    bf16 = (f"get_peft_model before slide() keeps the frozen layers and head in bf16 (saves "
+            f"{_gib((est.base_bytes - 2) * est.frozen_params)} of host memory and halves their copies)"
+            if est.base_bytes > 2 else None)
+    if p.host_fits is False:
+        fixes = [bf16] if bf16 else []
+        acts = p.host[f"layer inputs ({tier} tier)"]
+        if tier == "cpu" and acts:
+            if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+                fixes.append(f"activation_tier='device' saves {_gib(acts)} (the GPU has room for them)")
+            fixes.append(f"activation_tier='nvme' saves {_gib(acts - est.layer_inputs_host(p.batch, 'nvme'))} "
+                         f"(costs about {est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
+        if p.grad_buffers > 1:
+            fixes.append(f"grad_buffers=1 saves {_gib(GRAD_BYTES * (p.grad_buffers - 1) * s.layer_params)} (a frozen "
+                         "base sends no gradient)")
+        if p.max_batch_host and p.max_batch_host < p.batch:
+            fixes.append(f"batch {p.max_batch_host} fits")
+        out.append(f"host memory short by {_gib(p.host_total - p.host_mem_bytes)}"
+                   + (": " + "; ".join(fixes) if fixes else ": use a host with more memory or a smaller model"))
+    if not p.gpu_fits:
+        m = p.max_batch_gpu
+        if m >= 1:
+            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
+                       f"that fits is {m}; batch {m} with gradient_accumulation_steps={math.ceil(p.batch * N / m)} "
+                       f"keeps about {p.batch * N} sequences per step (the adapters' gradients are summed on the GPU)")
+        else:
+            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, a lower "
+                       "rank, window=1, or a GPU with more memory")
+    t = p.times
+    if p.bound_by == "pcie":
+        b = est.hiding_batch(N, tier, batch_limit(p.max_batch_gpu, p.max_batch_host))
+        base = f"the frozen base crosses PCIe twice per micro-batch whatever its size ({t['pcie']:.2f} s)"
+        if b > p.batch:
+            out.append(f"PCIe-bound: {base}; raise the batch to {b} to hide it behind the GPU's compute "
+                       f"({est.times(b, N, tier)['gpu']:.2f} s at batch {b})")
+        elif b and not gpu_binds(est.times(b, N, tier)):
+            out.append(f"PCIe-bound at the largest batch that fits ({b}): {base}; a larger window re-sends "
+                       "fewer layers")
+        if bf16:
+            out.append(bf16)
+        if tier == "cpu" and est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+            out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
+    elif p.bound_by == "disk":
+        out.append(f"disk-bound: the nvme tier writes and reads "
+                   f"{_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
+                   f"{_gib(est.layer_inputs_host(p.batch, 'cpu'))} of host memory instead")
+    else:
+        products = est.adapter_product_seconds(p.batch, N) >= est.adapter_traffic_seconds(p.batch, N)
+        out.append(f"GPU-bound: the frozen base's copies hide behind the compute; {p.adapter_s:.2f} s of the "
+                   f"{t['gpu']:.2f} s is the adapters' work (PEFT runs them in fp32; "
+                   + ("at this rank their products bind: a lower rank is faster)" if products else
+                      "their memory traffic binds, not their FLOPs)"))
+    if bf16 and p.host_fits is not False and p.bound_by != "pcie":
+        out.append(bf16)
+    return out
