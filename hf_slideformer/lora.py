@@ -23,7 +23,7 @@ from .host_adam import torch_fused_adamw
 from .optim import _grad_scale, sq_norm as _sq_norm
 from .placements import FrozenLayer
 
-__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload"]
+__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload", "peft_on_meta"]
 
 
 def _peft_model_class():
@@ -66,6 +66,27 @@ def check_lora(peft_model) -> None:
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
                          "Supported: LoRA on any linear layers inside the decoder layers, without dropout.")
+
+
+@torch.no_grad()
+def peft_on_meta(model: nn.Module, peft_config) -> nn.Module:
+    """`get_peft_model` of a model built on the meta device: the base stays on meta (its weights
+    are read into the host store later), the adapters are made on the CPU and initialised as
+    PEFT initialises them (`reset_lora_parameters` with the config's `init_lora_weights`)."""
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = get_peft_model(model, peft_config)
+    check_lora(peft_model)
+    for module in peft_model.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        for name in module.active_adapters:
+            for part in (module.lora_A, module.lora_B):
+                if name in part:
+                    part[name].to_empty(device="cpu")
+            module.reset_lora_parameters(name, peft_config.init_lora_weights)
+    return peft_model
 
 
 @torch.no_grad()

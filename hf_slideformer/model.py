@@ -52,7 +52,9 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
     the parameters in `skip` (ids: LoRA adapters, which stay on the device) are left out."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), n)
+        # A LoRA wrapper's frozen linear is named `<module>.base_layer.weight`; under the model's
+        # own name (`<module>.weight`) it loads from and saves as an HF checkpoint.
+        names.setdefault(id(p), n.replace(".base_layer.", "."))
     holders = _holders(model)
     seen: set[int] = set(skip)
 
@@ -217,23 +219,35 @@ class SlideModel:
     slide_config: SlideConfig
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, slide_config: SlideConfig | None = None, **kwargs):
+    def from_pretrained(cls, path: str | os.PathLike, slide_config: SlideConfig | None = None, *,
+                        peft_config=None, **kwargs):
         """Load a local HF checkpoint (single or sharded safetensors) layer by layer into the host store.
 
         The full model is never materialized: the HF model is built on the meta device and each
-        tensor is read from its file straight into its fp32 master.
+        tensor is read from its file straight into its master.
 
         Args:
             path: a directory with config.json and *.safetensors.
             slide_config: the SlideConfig.
+            peft_config: a `peft.LoraConfig`: the PEFT LoRA model of the checkpoint, its base frozen
+                from the start (kept in the compute dtype: 2 bytes per parameter with bf16), its
+                adapters initialised as `get_peft_model` does and trained on the device. Returns
+                the PEFT model.
             kwargs: extra config overrides (e.g. attn_implementation="sdpa").
         """
         from .checkpoint import load_model_meta, load_weights
 
         model = load_model_meta(path, **kwargs)
-        slide(model, slide_config, _fill=False)
-        load_weights(model, path)
-        return model
+        if peft_config is None:
+            slide(model, slide_config, _fill=False)
+            load_weights(model, path)
+            return model
+        from .lora import peft_on_meta
+
+        peft_model = peft_on_meta(model, peft_config)
+        slide(peft_model, slide_config, _fill=False)
+        load_weights(peft_model.get_base_model(), path)
+        return peft_model
 
     # ------------------------------------------------------------------ training API
     def create_optimizer(self, lr: float = 1e-5, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,

@@ -263,3 +263,34 @@ def test_the_frozen_base_is_kept_in_the_compute_dtype():
     assert all(torch.equal(a[n], b[n]) for n in a)
     h2d = [m.slide_stats()["h2d_bytes"] for m in (low, wide)]
     assert h2d[0] < 0.6 * h2d[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_from_pretrained_with_a_peft_config_equals_sliding_the_peft_model(tmp_path, dtype):
+    """SlideModel.from_pretrained(path, peft_config=...) builds the PEFT model on the meta device
+    and reads the checkpoint into a frozen store: the same training as sliding the PEFT model of
+    the loaded checkpoint (the adapters copied across), with the base in the compute dtype."""
+    _base().save_pretrained(tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    cfg = hs.SlideConfig(device="cpu", dtype=dtype)
+    loaded = hs.SlideModel.from_pretrained(tmp_path / "base", cfg, peft_config=lora)
+    assert isinstance(loaded, PeftModel)
+    adapters = _adapters(loaded)
+    assert any(bool(t.abs().sum()) for n, t in adapters.items() if "lora_A" in n)       # initialised, not empty
+    assert all(not t.any() for n, t in adapters.items() if "lora_B" in n)             # PEFT's zeros
+    eng = loaded.slide_engine
+    assert {u.master.dtype for u in eng.layer_units} == {dtype}
+    other = hs.slide(get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), lora), cfg)
+    other.load_state_dict(loaded.state_dict(), strict=False)
+    opts = [m.create_optimizer(lr=LR) for m in (loaded, other)]
+    for b in batches(2):
+        got = []
+        for m, opt in zip((loaded, other), opts):
+            loss = m(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            got.append(loss.item())
+        assert got[0] == got[1]
+    a, b = _adapters(loaded), _adapters(other)
+    assert all(torch.equal(a[n], b[n]) for n in a)
