@@ -208,7 +208,13 @@ def lora(s: Settings) -> list[Step]:
     return [lora_row(s, "hf_lora", 16, None), lora_row(s, "slide_lora", 16, 24)]
 
 
+def lora32(s: Settings) -> list[Step]:
+    """Qwen2.5-32B shape, LoRA r16, batch 8: slide under 24 GiB (the frozen base in bf16 in host memory) beside PEFT GPU-resident."""
+    return [lora_row(s, "slide_lora", 8, 24, model="qwen2.5-32b", timeout=300),
+            lora_row(s, "hf_lora", 8, None, model="qwen2.5-32b", timeout=250)]
+
+
 SCENARIOS: dict[str, Callable[[Settings], list[Step]]] = {
     "quick": quick, "full": full, "small-gpu": small_gpu, "soak": soak, "kernels": kernels,
-    "baselines": baselines, "long": long, "lora": lora,
+    "baselines": baselines, "long": long, "lora": lora, "lora32": lora32,
 }

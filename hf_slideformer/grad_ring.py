@@ -33,17 +33,29 @@ class GradientRing:
         self.engine = engine
         e = engine
         self.dtype = e.dtype if e.dtype == torch.bfloat16 else torch.float32
-        self.size = size
-        # One slab, registered once (no power-of-two rounding of large pins).
-        self.slab = e.pinned.empty(size * count, dtype=self.dtype)
-        self.buffers = list(self.slab.split(size))
-        self.free = [threading.Event() for _ in self.buffers]
+        self.size, self.count = size, count
+        self._slab: torch.Tensor | None = None         # made when first used (a frozen model never sends one)
+        self._buffers: list[torch.Tensor] = []
+        self.free = [threading.Event() for _ in range(count)]
         for ev in self.free:
             ev.set()
         self.next = 0
         cast = e.config.is_cuda and e.dtype != torch.float32
         self.stage = (torch.empty(min(stage_numel, COPY_CHUNK), dtype=torch.float32, device=e.device)
                       if cast else None)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The ring's pinned memory, one slab registered once (no power-of-two rounding of large pins)."""
+        if self._slab is None:
+            self._slab = self.engine.pinned.empty(self.size * self.count, dtype=self.dtype)
+            self._buffers = list(self._slab.split(self.size))
+        return self._slab
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        self.slab
+        return self._buffers
 
     def claim(self, k: int) -> None:
         """Main thread: wait until buffer k is free, then hold it (its task's `done` frees it)."""

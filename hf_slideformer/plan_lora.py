@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .memory import GiB
 from .plan_estimate import (
-    ACT_HIDDEN, ACT_INTER, GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
+    ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
 )
 
 __all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES"]
@@ -83,12 +83,12 @@ class LoraEstimator(Estimator):
         return self.s.layers * self.s.layer_params + self.s.head_params
 
     def host(self, B: int, tier: str, deferred: bool = False, disk_layers: int = 0) -> dict:
-        """Host bytes by item (no moments, accumulators or gradients: nothing of the base trains)."""
-        s, n = self.s, self.grad_buffers
+        """Host bytes by item (no moments, accumulators, gradients or gradient ring: nothing of the
+        base trains)."""
+        s = self.s
         return {
             "embedding master (fp32, frozen)": 4 * s.embed_params,
             f"frozen layers and head ({self.base_bytes} B/param)": self.base_bytes * self.frozen_params,
-            f"gradient ring ({n} x largest layer, bf16; unused by a frozen base)": GRAD_BYTES * n * s.layer_params,
             "embedding row buffer (B*S*H fp32, pinned)": 4 * B * self.seq * s.hidden,
             f"layer inputs ({tier} tier)": self.layer_inputs_host(B, tier),
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
@@ -185,9 +185,6 @@ def advise_lora(p, est: LoraEstimator) -> list[str]:
                 fixes.append(f"activation_tier='device' saves {_gib(acts)} (the GPU has room for them)")
             fixes.append(f"activation_tier='nvme' saves {_gib(acts - est.layer_inputs_host(p.batch, 'nvme'))} "
                          f"(costs about {est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
-        if p.grad_buffers > 1:
-            fixes.append(f"grad_buffers=1 saves {_gib(GRAD_BYTES * (p.grad_buffers - 1) * s.layer_params)} (a frozen "
-                         "base sends no gradient)")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
         out.append(f"host memory short by {_gib(p.host_total - p.host_mem_bytes)}"

@@ -46,6 +46,7 @@ def test_scenario_contents(tmp_path):
     assert names["long"] == ["8b_seq8k", "8b_seq16k", "8b_seq32k", "8b_seq64k", "8b_seq128k"]
     assert names["baselines"] == ["3b_b16_cap24", "hf_b16", "ds3_search", "ds2_search"]
     assert names["lora"] == ["8b_hf_lora_b16", "8b_slide_lora_b16_cap24"]
+    assert names["lora32"] == ["q32b_slide_lora_b8_cap24", "q32b_hf_lora_b8"]
     base = {s.name: s.argv for s in SCENARIOS["baselines"](Settings(workdir=tmp_path))}
     for name in ("hf_b16", "ds2_search", "ds3_search"):
         argv = base[name]

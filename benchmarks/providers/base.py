@@ -155,7 +155,7 @@ def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill:
                 continue
             if id(p) not in made:
                 t = torch.empty(p.shape, dtype=dtype, device=device)
-                _fill(t, f"{mod_name}.{p_name}", fill, gen, block)
+                fill_tensor(t, f"{mod_name}.{p_name}", fill, gen, block)
                 made[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
             module._parameters[p_name] = made[id(p)]
     model.to(device)  # the buffers
@@ -165,7 +165,8 @@ def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill:
 
 
 @torch.no_grad()
-def _fill(t: torch.Tensor, name: str, fill: str, gen: torch.Generator, block: torch.Tensor | None) -> None:
+def fill_tensor(t: torch.Tensor, name: str, fill: str, gen: torch.Generator | None, block: torch.Tensor | None) -> None:
+    """Write a benchmark weight: ones for a norm, zeros for another vector, else normal or the tiled block."""
     if t.ndim == 1:
         t.fill_(1.0 if "norm" in name else 0.0)
     elif fill == "normal":

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .base import INIT_STD, fill_tensor
 from .hf import HFProvider
 from .slide import SlideProvider
 
@@ -32,12 +33,33 @@ def _adapter_params(model) -> int:
 
 
 class SlideLoraProvider(SlideProvider):
+    """The PEFT model built on the meta device and slid with its base frozen from the start (as
+    `SlideModel.from_pretrained(path, peft_config=...)` does), its store then filled with random
+    weights: the model is never in host memory twice, so a base larger than half of it trains."""
+
     name = "slide_lora"
 
-    def prepare(self, model):
-        model = _lora(model, self.spec.lora_r)
-        self.notes.append(f"LoRA r={self.spec.lora_r} on every linear layer: {_adapter_params(model) / 1e6:.1f}M "
-                          "adapter parameters")
+    def build_slid(self):
+        import hf_slideformer as hs
+        from accelerate import init_empty_weights
+        from peft import LoraConfig
+        from transformers import AutoModelForCausalLM
+
+        from hf_slideformer.lora import peft_on_meta
+
+        with init_empty_weights(include_buffers=False):
+            base = AutoModelForCausalLM.from_config(self.config, dtype=self.spec.torch_dtype,
+                                                    attn_implementation="sdpa")
+        self.count(base)
+        r = self.spec.lora_r
+        model = peft_on_meta(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LINEAR_TARGETS))
+        self.notes.append(f"LoRA r={r} on every linear layer: {_adapter_params(model) / 1e6:.1f}M adapter parameters")
+        model = hs.slide(model, self.slide_config, _fill=False)        # the weights are written below
+        block = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(self.spec.seed)) * INIT_STD)
+        store = model.slide_engine.store
+        for u in store.units:
+            for e in u.entries:
+                fill_tensor(e.view(u.master), e.name, "tiled", None, block)
         return model
 
     def report(self) -> dict[str, Any]:

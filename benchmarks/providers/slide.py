@@ -28,20 +28,21 @@ class SlideProvider(Provider):
     def setup(self) -> None:
         import hf_slideformer as hs
 
-        model = build_model(self.config, "cpu", self.spec.torch_dtype, fill="tiled", seed=self.spec.seed)
-        self.count(model)
-        model = self.prepare(model)
         options = {"device": self.spec.device, "dtype": self.spec.torch_dtype}
         if self.spec.cap_gib is not None and self.device.type == "cuda":
             options["gpu_memory_limit"] = self.spec.cap_gib
         options.update(self.spec.slide_options)
         self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
-        self.model = hs.slide(model, self.slide_config)
+        self.model = self.build_slid()
         self.optimizer = self.model.create_optimizer(lr=self.spec.lr)
 
-    def prepare(self, model):
-        """The model a user slides (a subclass wraps it, e.g. in a PEFT model)."""
-        return model
+    def build_slid(self):
+        """The slid model: random weights built on the CPU in the benchmark dtype, slid in place."""
+        import hf_slideformer as hs
+
+        model = build_model(self.config, "cpu", self.spec.torch_dtype, fill="tiled", seed=self.spec.seed)
+        self.count(model)
+        return hs.slide(model, self.slide_config)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # With gradient_accumulation_steps in --slide-config, one step is that many micro-batches.
