@@ -26,7 +26,7 @@ from .device_update import DeviceUpdater
 from .disk_placement import DiskLayer
 from .embedding import Embedding
 from .errors import SlideStateError
-from .functions import grad_only, swapped
+from .functions import RngReplay, grad_only, swapped
 from .grad_ring import GradientRing
 from .head import LossHead
 from .lora import AdapterSet
@@ -77,6 +77,12 @@ class SlideEngine:
         # recompute returns zeros there: a quarter of a Llama layer's linear FLOPs saved on
         # every recompute. Set False to recompute the whole layer.
         self.skip_output_projection = True
+        # Note: [Why a layer with dropout replays its random state] a dropout inside a layer (a LoRA
+        # adapter's) draws its mask in the forward and again in the recompute: the recompute runs
+        # from the random state the forward started from, so both draw the same mask.
+        self.rng = RngReplay(self.device)
+        self.dropouts: list[list[torch.nn.Module]] = []
+        self.find_dropouts()
         self.output_projections = [adapter.output_projection(layer) for layer in self.layers]
         self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
         self.vocab, self.hidden = adapter.embed(model).weight.shape
@@ -293,6 +299,8 @@ class SlideEngine:
         self.head.prefetch()
         if save:
             self.tier.save(i, x, self.embedding.remake_input(i, x))
+            if any(m.training for m in self.dropouts[i]):
+                self.rng.save(i)
         t = self._span_start()
         with torch.no_grad(), swapped(place.unit, ws):
             y = self._call_layer(i, x, args, kwargs)
@@ -318,7 +326,7 @@ class SlideEngine:
         extra = self.adapters.by_layer[i]
         t = self._span_start()
         skip = self.output_projections[i] if self.skip_output_projection else None
-        with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip):
+        with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip), self.rng.replay(i):
             y = self._call_layer(i, x, args, kwargs)
         grads = torch.autograd.grad(y, [x] + wrt + extra, gy, allow_unused=True)
         self._span_end(t)
@@ -327,6 +335,11 @@ class SlideEngine:
         place.take_gradient(list(grads[1:1 + len(wrt)]))
         self.adapters.take_gradient(i, grads[1 + len(wrt):])
         return grads[0]
+
+    def find_dropouts(self) -> None:
+        """Note each layer's dropout modules with p > 0 (their random state is replayed in the recompute)."""
+        self.dropouts = [[m for m in layer.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+                         for layer in self.layers]
 
     def place_of(self, u: Unit):
         """The placement of layer unit `u`."""

@@ -12,7 +12,8 @@ import torch
 
 from .store import Unit
 
-__all__ = ["swapped", "leaves", "GradOnlyLinear", "grad_only", "EmbedFunction", "LayerFunction", "HeadFunction"]
+__all__ = ["swapped", "leaves", "GradOnlyLinear", "grad_only", "RngReplay", "EmbedFunction", "LayerFunction",
+           "HeadFunction"]
 
 
 @contextlib.contextmanager
@@ -27,6 +28,38 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
         for e in unit.entries:
             for mod, attr in e.holders:
                 mod._parameters[attr] = e.param
+
+
+class RngReplay:
+    """The random state each layer's forward drew its dropout masks from, so that its recompute in
+    backward draws the same masks (what `torch.utils.checkpoint` does with `preserve_rng_state`).
+
+    Args:
+        device: the compute device (its CUDA generator is saved beside the CPU one).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.states: dict[int, tuple] = {}
+
+    def save(self, i: int) -> None:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self.states[i] = (torch.get_rng_state(), cuda)
+
+    @contextlib.contextmanager
+    def replay(self, i: int):
+        """Layer i's recompute under the state its forward started from (if one was saved); the
+        global random state is left as it was."""
+        state = self.states.pop(i, None)
+        if state is None:
+            yield
+            return
+        cpu, cuda = state
+        with torch.random.fork_rng(devices=[self.device] if cuda is not None else []):
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            yield
 
 
 class GradOnlyLinear(torch.autograd.Function):

@@ -44,8 +44,8 @@ def peft_base(model: nn.Module) -> nn.Module | None:
 
 
 def check_lora(peft_model) -> None:
-    """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter, without
-    dropout, DoRA or modules_to_save, on linear layers inside the decoder layers."""
+    """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter, without DoRA
+    or modules_to_save, on linear layers inside the decoder layers."""
     configs = getattr(peft_model, "peft_config", {})
     if len(configs) != 1:
         raise ValueError(f"hf_slideformer trains one LoRA adapter at a time; this PEFT model has {len(configs)} "
@@ -60,12 +60,9 @@ def check_lora(peft_model) -> None:
         unsupported.append("use_dora=True (DoRA)")
     if getattr(cfg, "modules_to_save", None):
         unsupported.append(f"modules_to_save={cfg.modules_to_save!r}")
-    if float(getattr(cfg, "lora_dropout", 0.0) or 0.0) > 0.0:
-        unsupported.append(f"lora_dropout={cfg.lora_dropout} (the recompute in backward would draw other "
-                           "dropout masks; use 0.0)")
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
-                         "Supported: LoRA on any linear layers inside the decoder layers, without dropout.")
+                         "Supported: LoRA on any linear layers inside the decoder layers.")
 
 
 @torch.no_grad()
@@ -179,6 +176,7 @@ class AdapterSet:
                 "(requires_grad=False).")
         refuse_outside_layers(self._adopt())
         self._held |= {id(p) for p in self.params}
+        e.find_dropouts()                                  # a LoRA adapter's lora_dropout
         if len(self.params) == known and all(p.trainable == p.unit.trainable for p in e.places):
             return
         e.residents.evict()

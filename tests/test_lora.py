@@ -101,7 +101,6 @@ def test_adapters_added_after_the_optimizer_raise():
 @pytest.mark.parametrize("kw,match", [
     (dict(use_dora=True), "DoRA"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
-    (dict(lora_dropout=0.1), "lora_dropout"),
 ])
 def test_unsupported_lora_settings_raise(kw, match):
     pm = get_peft_model(_base(), LoraConfig(r=4, target_modules=TARGETS, **kw))
@@ -294,3 +293,34 @@ def test_from_pretrained_with_a_peft_config_equals_sliding_the_peft_model(tmp_pa
         assert got[0] == got[1]
     a, b = _adapters(loaded), _adapters(other)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_lora_dropout_draws_the_same_masks_in_the_recompute(after):
+    """With lora_dropout the recompute in backward replays the random state its forward started
+    from: the same masks, so the same training as PEFT without sliding (same seed, same order of
+    draws); also for adapters added to a model already slid."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.3, init_lora_weights=False)
+    base = _base()
+    ref = get_peft_model(copy.deepcopy(base), lora)
+    cfg = hs.SlideConfig(device="cpu", dtype=torch.float32)
+    if after:
+        slid = get_peft_model(hs.slide(copy.deepcopy(base), cfg), lora)
+    else:
+        slid = hs.slide(get_peft_model(copy.deepcopy(base), lora), cfg)
+    slid.load_state_dict(ref.state_dict(), strict=False)
+    ref.train()
+    slid.train()
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    opt = slid.create_optimizer(lr=LR)
+    for k, b in enumerate(batches(3)):
+        torch.manual_seed(100 + k)
+        r = ref(**b).loss
+        r.backward()
+        torch.manual_seed(100 + k)
+        s = slid(**b).loss
+        s.backward()
+        assert math.isclose(s.item(), r.item(), rel_tol=LOSS_RTOL), (s.item(), r.item())
+        ropt.step(); ropt.zero_grad(); opt.step(); opt.zero_grad()
+    a, b = _adapters(ref), _adapters(slid)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 0.05 * LR
