@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None,
                    help="sequences per micro-batch (default: the smallest power of two that hides AdamW behind the "
                         "GPU's compute, within memory)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="tokens per sequence (default: 2048, or the model's max_position_embeddings when smaller)")
     p.add_argument("--gpu-mem", type=float, default=None, metavar="GiB",
                    help="GPU memory (default: this machine's GPU, else 24)")
     p.add_argument("--host-mem", type=float, default=None, metavar="GiB",

@@ -55,6 +55,7 @@ class ModelShape:
     layer_params: int        # one decoder layer
     embed_params: int        # the token embedding (V * H)
     head_params: int         # final norm + lm_head (the norm alone when tied)
+    max_positions: int | None = None     # the config's max_position_embeddings
 
     @property
     def n_params(self) -> int:
@@ -104,8 +105,9 @@ def model_shape(cfg: dict) -> ModelShape:
     hd = int(cfg.get("head_dim") or H // nh)
     layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
     tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
+    maxpos = cfg.get("max_position_embeddings")
     return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
-                      head_params=H + (0 if tied else V * H))
+                      head_params=H + (0 if tied else V * H), max_positions=int(maxpos) if maxpos else None)
 
 
 @dataclass(frozen=True)

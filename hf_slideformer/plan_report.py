@@ -112,6 +112,9 @@ def _gib(n: float) -> str:
 def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What to change, from the plan's shortfalls and its binding term."""
     s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    if s.max_positions and p.seq > s.max_positions:
+        out.append(f"seq {p.seq} is beyond this model's max_position_embeddings ({s.max_positions}): it was not "
+                   f"trained on such positions; plan with --seq {s.max_positions} or raise the limit in its config")
     if p.disk_layers:
         out.append(f"the state of the last {p.disk_layers} of {s.layers} layers on disk: SlideConfig("
                    f"host_memory_limit={p.host_memory_limit_gib}, nvme_path=<a directory on that disk>)")
@@ -199,7 +202,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")
-        if not deferred and p.grad_buffers > 3:
+        if not deferred and p.grad_buffers > 3 and 4 * (p.grad_buffers - 3) * s.layer_params >= GiB // 10:
             # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
             # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
             out.append(f"grad_buffers=3 saves {_gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
@@ -207,11 +210,19 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     return out
 
 
+def _count(n: int) -> str:
+    """A parameter count with three significant digits in the unit that fits (B, M, K)."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return str(n)
+
+
 def _format_report(p: Plan) -> str:
     s = p.shape
     tie = "tied" if s.tied else "untied"
     lines = [
-        f"{s.model_type}: {s.n_params / 1e9:.2f} B parameters ({s.layers} layers x {s.layer_params / 1e6:.1f} M, "
+        f"{s.model_type}: {_count(s.n_params)} parameters ({s.layers} layers x {_count(s.layer_params)}, "
         f"hidden {s.hidden}, intermediate {s.intermediate}, vocab {s.vocab}, {tie})",
         f"batch {p.batch}{' (chosen)' if p.batch_chosen else ''} x seq {p.seq}"
         f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
@@ -238,7 +249,7 @@ def _format_report(p: Plan) -> str:
                      f"{dverdict}")
         lines.append(f"  RAM / disk split: layers 0..{s.layers - p.disk_layers - 1} in host memory, "
                      + (f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) on disk "
-                        f"({p.disk_layers * s.layer_params / 1e9:.2f} B parameters, host_memory_limit="
+                        f"({_count(p.disk_layers * s.layer_params)} parameters, host_memory_limit="
                         f"{p.host_memory_limit_gib} GiB)" if p.disk_layers else "none on disk"))
     gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
     lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
@@ -253,7 +264,7 @@ def _format_report(p: Plan) -> str:
         what = (["the embedding"] if p.resident_embedding else []) + (
             [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
         lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
-                     f"{res_params / 1e9:.2f} B parameters (the engine decides after its first step)")
+                     f"{_count(res_params)} parameters (the engine decides after its first step)")
     if p.max_grad_norm and not p.lora_r:
         host_layers = list(range(s.layers - p.resident_layers))
         n = len(pick_device_units(host_layers, balanced_share()))
@@ -270,7 +281,7 @@ def _format_report(p: Plan) -> str:
                 f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
                 f"(resident, no recompute: {p.gpu_resident_s:.3f} s)"),
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
-        "cpu": f"AdamW over {(s.n_params - res_params) / 1e9:.2f} B parameters at {p.rates['adam_gps']} G/s",
+        "cpu": f"AdamW over {_count(s.n_params - res_params)} parameters at {p.rates['adam_gps']} G/s",
         "disk": " + ".join(
             ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
              if p.activation_tier == "nvme" else [])

@@ -31,6 +31,11 @@ __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
 TIERS = ("cpu", "device", "nvme")
 
 
+DEFAULT_SEQ = 2048          # tokens per sequence when none is given (capped by max_position_embeddings)
+# A batch the plan chooses holds at most this many tokens: where nothing makes the GPU the bound
+# (a tiny model), a larger batch only grows the step, and no one trains on more per micro-batch.
+MAX_CHOSEN_TOKENS = 1 << 20
+
 def _check(name, value, ok, what):
     if not ok:
         raise ValueError(f"{name} must be {what}, got {value!r}")
@@ -66,7 +71,7 @@ def _default_gpu_gib() -> tuple[float, str]:
     return 24.0, "assumed: no GPU here"
 
 
-def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: float | None = None,
+def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gpu_mem: float | None = None,
          host_mem: float | None = None, pcie_gbs: float = 54.6, adam_gps: float = 3.5,
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
@@ -119,6 +124,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
     shape = model_shape(load_model_config(config_or_path))
     tier = "cpu" if activation_tier == "auto" else activation_tier
     _check("activation_tier", activation_tier, tier in TIERS, f"one of {TIERS}")
+    if seq is None:                   # 2048, or the model's own limit when it is shorter
+        seq = min(DEFAULT_SEQ, shape.max_positions or DEFAULT_SEQ)
     _check("seq", seq, isinstance(seq, int) and seq >= 1, "an int >= 1")
     _check("window", window, isinstance(window, int) and 1 <= window <= 16, "an int in [1, 16]")
     _check("grad_buffers", grad_buffers, isinstance(grad_buffers, int) and grad_buffers >= 1, "an int >= 1")
@@ -164,7 +171,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int = 2048, gpu_mem: 
         lambda b: sum(est.host(b, tier, deferred, shape.layers if split else 0).values()) <= host_bytes)
     chosen = batch is None
     if chosen:
-        batch = est.hiding_batch(N, tier, batch_limit(max_gpu, max_host), deferred, disk_of if split else None) or 1
+        limit = min(batch_limit(max_gpu, max_host), max(1, MAX_CHOSEN_TOKENS // seq))
+        batch = est.hiding_batch(N, tier, limit, deferred, disk_of if split else None) or 1
     k_disk = disk_of(batch)
 
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,

@@ -419,3 +419,20 @@ def test_cli_takes_the_lora_rank(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["lora_r"] == 16 and d["lora_base_bytes"] == 4 and "cpu" not in d["times"]
     assert main(args + ["--nvme-gb", "100"]) == 2
+
+
+def test_a_tiny_model_gets_a_plan_that_makes_sense(capsys):
+    """A tiny model prints its parameter count with its digits, plans at most its own sequence
+    length, chooses no batch beyond a million tokens, and says when a given seq is too long."""
+    from hf_slideformer.cli import main
+    tiny = str(CONFIGS / "tiny.json")
+    p = plan(tiny, gpu_mem=24, host_mem=24)
+    assert p.seq == 128                                   # its max_position_embeddings, not 2048
+    assert p.batch * p.seq <= 1 << 20
+    report = p.report()
+    assert "90.4 K parameters" in report and "0.00 B" not in report
+    assert not any("max_position_embeddings" in a for a in p.advice)
+    long = plan(tiny, gpu_mem=24, host_mem=24, seq=512, batch=2)
+    assert any("beyond this model's max_position_embeddings (128)" in a for a in long.advice)
+    assert main(["plan", tiny, "--gpu-mem", "24", "--host-mem", "24"]) == 0
+    assert "x seq 128 " in capsys.readouterr().out
