@@ -86,6 +86,11 @@ class SlideConfig:
                                                     "a consumer card).", none="no cap")
     head_chunk_tokens: int | None = option(None, Int(1), "Tokens per chunk of the fused linear-cross-entropy head.",
                                            none="chosen by the engine")
+    mlp_chunk_tokens: int | None = option(
+        None, Int(1), "Tokens per chunk of each layer's MLP (forward, recompute and backward): at long sequences "
+                      "its intermediates, not the layer input, fill the GPU; chunked, one chunk's are alive at a "
+                      "time (tiled_mlp.py). Gradients equal the whole MLP's within rounding.",
+        none="the whole sequence at once")
     grad_buffers: int = option(
         4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
                    "between forward and backward. 3 saves one layer's gradient of host memory and is as fast "

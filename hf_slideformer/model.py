@@ -25,6 +25,7 @@ from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
 from .optim import SlideOptimizer
 from .store import HostStore, ParamEntry, Unit
+from .tiled_mlp import tile_mlps
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
     _apply_kernels(model, config)
+    tile_mlps(adapter.layers(model), config.mlp_chunk_tokens)     # after the kernels: it wraps their forward
     engine = SlideEngine(model, adapter, config, store)
     model.__class__ = _slid_class(type(model))
     model.slide_engine = engine

@@ -324,3 +324,9 @@ def test_lora_dropout_draws_the_same_masks_in_the_recompute(after):
         ropt.step(); ropt.zero_grad(); opt.step(); opt.zero_grad()
     a, b = _adapters(ref), _adapters(slid)
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 0.05 * LR
+
+
+def test_lora_with_chunked_mlps_equals_peft():
+    """The MLP's adapters (gate, down) get their gradients through the chunked MLP's recompute."""
+    ref, slid = lora_pair(mlp_chunk_tokens=4)
+    assert train_both(ref, slid, batches(3)) < 0.05 * LR
