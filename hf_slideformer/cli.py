@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the rate that disk reads and writes the layers' state at (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
+    p.add_argument("--mlp-chunk-tokens", type=int, default=None, metavar="N",
+                   help="the MLP in chunks of N tokens (SlideConfig.mlp_chunk_tokens): for long sequences")
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
                         "and streamed, the adapters on the GPU (default: full fine-tuning)")
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                       grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
                       nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident, nvme_gb=args.nvme_gb,
                       nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
+                      mlp_chunk_tokens=args.mlp_chunk_tokens,
                       gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)

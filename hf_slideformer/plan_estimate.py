@@ -119,6 +119,15 @@ class Estimator:
     window: int
     grad_buffers: int
     rates: dict
+    mlp_chunk: int | None = None      # SlideConfig.mlp_chunk_tokens
+
+    def inter_tokens(self, T: int) -> int:
+        """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""
+        return min(T, self.mlp_chunk) if self.mlp_chunk else T
+
+    def chunk_flops(self, T: int) -> float:
+        """FLOPs per token the chunked MLP adds: its backward recomputes each chunk's forward."""
+        return 6 * self.s.hidden * self.s.intermediate * self.s.layers if self.inter_tokens(T) < T else 0.0
 
     host_updates = True      # the CPU updates the host store's units: resident units and clipping's wait apply
 
@@ -174,8 +183,9 @@ class Estimator:
             fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
         rows = self.logits_rows(T)
         phases = {
-            f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16)":
-                2 * T * (ACT_HIDDEN * H + ACT_INTER * s.intermediate),
+            f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
+            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'}, bf16)":
+                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate,
             # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
             # loss-gradient rows, and the last layer's input, kept for its backward
             "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (8 * H + 4),
@@ -209,7 +219,9 @@ class Estimator:
         """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
         GPU-resident time, DESIGN.md's compute bound)."""
         r = self.rates
-        return N * B * self.seq * self.flops_per_token(recompute) / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"])
+        T = B * self.seq
+        flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)
+        return N * T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"])
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches

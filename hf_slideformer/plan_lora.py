@@ -102,8 +102,9 @@ class LoraEstimator(Estimator):
             ADAPTER_GPU_BYTES * self.adapter_params
         ins = sum(i for i, _ in lora_linears(s).values())
         phases = {
-            f"layer recompute + backward (B*S*({ACT_HIDDEN} H + {ACT_INTER} I) bf16, the adapters' fp32 inputs "
-            f"B*S*{ins})": 2 * T * (ACT_HIDDEN * s.hidden + ACT_INTER * s.intermediate) + 4 * T * ins,
+            f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
+            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'} bf16, the adapters' fp32 inputs B*S*{ins})":
+                2 * T * ACT_HIDDEN * s.hidden + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate + 4 * T * ins,
             "head: logits chunk, hidden states (frozen: no gradient)":
                 2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4),
         }

@@ -78,6 +78,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
          nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
+         mlp_chunk_tokens: int | None = None,
          gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
@@ -92,8 +93,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         adam_gps: CPU fused AdamW rate, G parameters/s (H200 machine, 16 cores: 3.5).
         gpu_tflops: the GPU's dense bf16 peak, TFLOPS (H100 / H200 SXM: 989.4).
         gpu_efficiency: achieved share of that peak (calibrated on the H200: 0.61).
-        gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers: as in
-            SlideConfig ("auto" means "cpu").
+        gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers,
+            mlp_chunk_tokens: as in SlideConfig ("auto" means "cpu").
         nvme_write_gbs, nvme_read_gbs: disk rates for the "nvme" activation tier, GB/s.
         nvme_gb: free space of a disk for the layers' state, GB: the last layers whose state does
             not fit in host memory keep it there (SlideConfig.host_memory_limit with nvme_path;
@@ -159,8 +160,12 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     else:
         _check("host_mem", host_mem, isinstance(host_mem, (int, float)) and host_mem > 0, "a positive number of GiB")
         host_bytes, host_source = int(host_mem * GiB), "given"
-    est = (LoraEstimator(shape, seq, window, grad_buffers, rates, r=lora_r, base_bytes=lora_base_bytes) if lora
-           else Estimator(shape, seq, window, grad_buffers, rates))
+    if mlp_chunk_tokens is not None:
+        _check("mlp_chunk_tokens", mlp_chunk_tokens, isinstance(mlp_chunk_tokens, int) and mlp_chunk_tokens >= 1,
+               "an int >= 1")
+    est = (LoraEstimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, r=lora_r,
+                         base_bytes=lora_base_bytes) if lora
+           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
     extras = est.gpu_extras(N, clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
