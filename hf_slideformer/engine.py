@@ -390,8 +390,9 @@ class SlideEngine:
             # not finite, see HostUpdates.clip_task)
             known = threading.Event() if device_updates else None
             on_device = {id(r.unit) for r in resident.values()}
-            host_grads = [self.embedding.grad if u is self.embed_unit else u.grad for u in self.store.units
-                          if id(u) not in on_device] if early and not self.single_micro else ()
+            host_grads = [g for u in self.store.units if id(u) not in on_device and u.trainable
+                          and (g := self.embedding.grad if u is self.embed_unit else u.grad) is not None
+                          ] if early and not self.single_micro else ()
             self.worker.submit(self.host.clip_task, early, norm_ev, grads_ev, host_grads,
                                done=tuple(e for e in (clip_done, known) if e is not None))
             deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,

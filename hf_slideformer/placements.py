@@ -173,7 +173,7 @@ class HostLayer(LayerPlacement):
         """Fold the gradient in ring buffer `src` into the accumulator and/or update from it."""
         e, u = self.engine, self.unit
         if norm is not None:
-            # the running norm is copied before the gradient (engine._d2h)
+            # the running norm is copied before the gradient (GradientRing.d2h)
             e.host.sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
             e.host.check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
         if marks and update and u.grad is None and (e.single_micro or not ends_step):

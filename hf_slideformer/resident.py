@@ -306,8 +306,8 @@ class ResidentPlan:
             self.evict()                          # resident from the first step, not in the measured plan
         if embed and emb.resident is None and eu.trainable:
             emb.make_resident()
-        if len(self.layers) >= n:
-            return
+        if not any(not p.resident and p.trainable for p in e.places[:n]):
+            return                                # nothing (more) to make resident: a frozen base stays
         own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
         if self.shared_grad is None and not own_grad:
             self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,

@@ -137,8 +137,10 @@ class SlotQueue:
             base += u.numel
         slot.ready = st.record(st.h2d)
         for u in units:
-            # The CPU worker waits for this before it writes the master again.
-            u.readers.append(slot.ready)
+            # The CPU worker waits for this before it writes the master again. Every copy is on the
+            # one h2d stream, so the latest read's event covers the earlier ones (and a frozen
+            # unit, never updated, keeps one event, not one per step).
+            u.readers = [slot.ready]
         slot.key, slot.units = self.key_of(units), units
         self.clock += 1
         slot.last_use = self.clock

@@ -41,6 +41,8 @@ class TiledMLP(torch.autograd.Function):
     def forward(ctx, mlp, x, rows, names, *params):
         ctx.mlp, ctx.rows, ctx.names = mlp, rows, names
         ctx.save_for_backward(x, *params)
+        # The chunks' dropout masks (a LoRA adapter's) are drawn again in backward from this state.
+        ctx.rng = (torch.get_rng_state(), torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
         with torch.no_grad():
             return torch.cat([mlp(c) for c in x.split(rows, dim=-2)], dim=-2)
 
@@ -50,21 +52,28 @@ class TiledMLP(torch.autograd.Function):
         wrt = [k for k, p in enumerate(params) if ctx.needs_input_grad[4 + k]]
         bound = dict(zip(ctx.names, params))
         gx = torch.empty_like(x) if ctx.needs_input_grad[1] else None
-        gp: list[torch.Tensor | None] = [None] * len(params)
+        gp: list[torch.Tensor | None] = [None] * len(params)     # summed over the chunks in fp32
         start = 0
-        for c, g in zip(x.split(ctx.rows, dim=-2), gy.split(ctx.rows, dim=-2)):
-            xc = c.detach().requires_grad_(gx is not None)
-            with torch.enable_grad():
-                yc = torch.func.functional_call(ctx.mlp, bound, (xc,), strict=False)
-            inputs = ([xc] if gx is not None else []) + [params[k] for k in wrt]
-            grads = torch.autograd.grad(yc, inputs, g, allow_unused=True)
-            if gx is not None:
-                gx.narrow(-2, start, c.shape[-2]).copy_(grads[0])
-                grads = grads[1:]
-            for k, gk in zip(wrt, grads):
-                if gk is not None:
-                    gp[k] = gk if gp[k] is None else gp[k].add_(gk)
-            start += c.shape[-2]
+        cpu_state, cuda_state = ctx.rng
+        with torch.random.fork_rng(devices=[x.device] if cuda_state is not None else []):
+            torch.set_rng_state(cpu_state)
+            if cuda_state is not None:
+                torch.cuda.set_rng_state(cuda_state, x.device)
+            for c, g in zip(x.split(ctx.rows, dim=-2), gy.split(ctx.rows, dim=-2)):
+                xc = c.detach().requires_grad_(gx is not None)
+                with torch.enable_grad():
+                    yc = torch.func.functional_call(ctx.mlp, bound, (xc,), strict=False)
+                inputs = ([xc] if gx is not None else []) + [params[k] for k in wrt]
+                grads = torch.autograd.grad(yc, inputs, g, allow_unused=True)
+                if gx is not None:
+                    gx.narrow(-2, start, c.shape[-2]).copy_(grads[0])
+                    grads = grads[1:]
+                for k, gk in zip(wrt, grads):
+                    if gk is not None:
+                        wide = torch.promote_types(gk.dtype, torch.float32)     # bf16 sums in fp32
+                        gp[k] = gk.to(wide) if gp[k] is None else gp[k].add_(gk)
+                start += c.shape[-2]
+        gp = [g.to(p.dtype) if g is not None else None for g, p in zip(gp, params)]
         return (None, gx, None, None, *gp)
 
 

@@ -295,15 +295,18 @@ def test_from_pretrained_with_a_peft_config_equals_sliding_the_peft_model(tmp_pa
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-@pytest.mark.parametrize("after", [False, True])
-def test_lora_dropout_draws_the_same_masks_in_the_recompute(after):
+@pytest.mark.parametrize("after,chunk", [(False, None), (True, None), (False, 4)])
+def test_lora_dropout_draws_the_same_masks_in_the_recompute(after, chunk):
     """With lora_dropout the recompute in backward replays the random state its forward started
     from: the same masks, so the same training as PEFT without sliding (same seed, same order of
     draws); also for adapters added to a model already slid."""
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.3, init_lora_weights=False)
     base = _base()
     ref = get_peft_model(copy.deepcopy(base), lora)
-    cfg = hs.SlideConfig(device="cpu", dtype=torch.float32)
+    cfg = hs.SlideConfig(device="cpu", dtype=torch.float32, mlp_chunk_tokens=chunk)
+    if chunk:           # chunked, the masks are drawn a chunk at a time: the reference chunks its MLPs too
+        from hf_slideformer.tiled_mlp import tile_mlps
+        tile_mlps(ref.get_base_model().model.layers, chunk)
     if after:
         slid = get_peft_model(hs.slide(copy.deepcopy(base), cfg), lora)
     else:
@@ -330,3 +333,29 @@ def test_lora_with_chunked_mlps_equals_peft():
     """The MLP's adapters (gate, down) get their gradients through the chunked MLP's recompute."""
     ref, slid = lora_pair(mlp_chunk_tokens=4)
     assert train_both(ref, slid, batches(3)) < 0.05 * LR
+
+
+def test_an_early_step_with_accumulation_updates_the_adapters():
+    """optimizer.step() before the last micro-batch (a Trainer at an epoch's end): the frozen base
+    and embedding have no gradient to take a norm of; the adapters update as PEFT's do."""
+    ref, slid = lora_pair(gradient_accumulation_steps=2, max_grad_norm=0.05)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    opt = slid.create_optimizer(lr=LR)
+    b = batches(1)[0]
+    (ref(**b).loss / 2).backward()
+    (slid(**b).loss / 2).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.05)
+    ropt.step()
+    opt.step()
+    a, c = _adapters(ref), _adapters(slid)
+    assert max((a[n] - c[n]).abs().max().item() for n in a) < 0.05 * LR
+
+
+def test_the_frozen_base_holds_nothing_it_does_not_need():
+    """No fp32 resident-gradient buffer for layers that cannot be resident, and one reader event
+    per frozen unit however many steps ran."""
+    ref, slid = lora_pair(resident_layers=2)
+    train_both(ref, slid, batches(3))
+    eng = slid.slide_engine
+    assert eng.residents.shared_grad is None and not eng.residents.layers
+    assert all(len(u.readers) <= 1 for u in eng.store.units)

@@ -78,3 +78,17 @@ def test_a_peft_model_is_refused_by_slide():
     model.peft_config = {"default": object()}              # what PEFT's wrappers carry
     with pytest.raises(ValueError, match="PEFT model"):
         hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+def test_load_state_dict_reaches_the_next_forward():
+    """Weights loaded after a forward (which leaves copies in the slots) are what the next forward
+    computes with."""
+    from helpers import make_pair
+    ref, slid = make_pair("llama", False)
+    (b,) = batches(1)
+    with torch.no_grad():
+        slid(**b)
+        halved = {k: v * 0.5 for k, v in ref.state_dict().items()}
+        ref.load_state_dict(halved)
+        slid.load_state_dict(halved)
+        assert abs(slid(**b).loss.item() - ref(**b).loss.item()) < 1e-5
