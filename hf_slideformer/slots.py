@@ -137,10 +137,13 @@ class SlotQueue:
             base += u.numel
         slot.ready = st.record(st.h2d)
         for u in units:
-            # The CPU worker waits for this before it writes the master again. Every copy is on the
-            # one h2d stream, so the latest read's event covers the earlier ones (and a frozen
-            # unit, never updated, keeps one event, not one per step).
-            u.readers = [slot.ready]
+            # The CPU worker waits for this before it writes the master again (its update empties
+            # the list). A frozen unit is never updated: it keeps only the latest event, which
+            # covers the earlier ones (every copy is on the one h2d stream).
+            if u.trainable:
+                u.readers.append(slot.ready)
+            else:
+                u.readers = [slot.ready]
         slot.key, slot.units = self.key_of(units), units
         self.clock += 1
         slot.last_use = self.clock
