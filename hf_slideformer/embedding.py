@@ -210,8 +210,8 @@ class Embedding:
         """Persistent (n, H) fp32 scratch number k of the worker's embedding-row work.
 
         Note: [Why the row buffers persist] a fresh 100-400 MB tensor per step is a fresh mmap whose
-        pages fault in on first touch (docs/benchmarks.md, "Measurements behind the engine's
-        notes"). The buffers grow to the largest batch seen and stay.
+        pages fault in on first touch (the cost is measured in docs/engine.md, "Where the time
+        goes"). The buffers grow to the largest batch seen and stay.
         """
         bufs = self.row_buffers
         if bufs[k] is None or bufs[k].shape[0] < n:
