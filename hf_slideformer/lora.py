@@ -111,9 +111,7 @@ def merge_and_unload(peft_model) -> nn.Module:
     for p in engine.adapters.params:
         p.data = p.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
     merged = peft_model.merge_and_unload()
-    for u in engine.store.units:
-        for e in u.entries:
-            e.name = e.name.replace(".base_layer.", ".")      # the wrapper's name goes with the wrapper
+    for u in engine.store.units:        # the entries carry the plain HF names already (model.build_units)
         u.version += 1                                     # device copies of the old weights are stale
     engine.adapters.clear()
     return merged

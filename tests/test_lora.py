@@ -37,6 +37,23 @@ def _adapters(model):
     return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
 
 
+def assert_same_training(a, b, data):
+    """Two slid models trained side by side: the same loss at every step and the same adapters
+    after, bit for bit."""
+    opts = [m.create_optimizer(lr=LR) for m in (a, b)]
+    for batch in data:
+        losses = []
+        for m, opt in zip((a, b), opts):
+            loss = m(**batch).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    x, y = _adapters(a), _adapters(b)
+    assert all(torch.equal(x[n], y[n]) for n in x)
+
+
 def train_both(ref, slid, data, ga=1, clip=None):
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
@@ -248,18 +265,7 @@ def test_the_frozen_base_is_kept_in_the_compute_dtype():
     assert {u.master.dtype for u in eng_low.layer_units + [eng_low.head_unit]} == {torch.bfloat16}
     assert eng_low.embed_unit.master.dtype == torch.float32
     assert {u.master.dtype for u in eng_wide.layer_units} == {torch.float32}
-    opts = [m.create_optimizer(lr=LR) for m in (low, wide)]
-    for b in batches(3):
-        losses = []
-        for m, opt in zip((low, wide), opts):
-            loss = m(**b).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
-    a, b = _adapters(low), _adapters(wide)
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert_same_training(low, wide, batches(3))
     h2d = [m.slide_stats()["h2d_bytes"] for m in (low, wide)]
     assert h2d[0] < 0.6 * h2d[1]
 
@@ -281,18 +287,7 @@ def test_from_pretrained_with_a_peft_config_equals_sliding_the_peft_model(tmp_pa
     assert {u.master.dtype for u in eng.layer_units} == {dtype}
     other = hs.slide(get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), lora), cfg)
     other.load_state_dict(loaded.state_dict(), strict=False)
-    opts = [m.create_optimizer(lr=LR) for m in (loaded, other)]
-    for b in batches(2):
-        got = []
-        for m, opt in zip((loaded, other), opts):
-            loss = m(**b).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            got.append(loss.item())
-        assert got[0] == got[1]
-    a, b = _adapters(loaded), _adapters(other)
-    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert_same_training(loaded, other, batches(2))
 
 
 @pytest.mark.parametrize("after,chunk", [(False, None), (True, None), (False, 4)])
