@@ -198,12 +198,16 @@ def long(s: Settings) -> list[Step]:
     steps = []
     for seq in seqs:
         model = long_context_model(s.model("llama3-8b"), seq, s.workdir)
-        timeout = 120 if seq <= 32768 else 150 if seq <= 65536 else 240
+        timeout = 120 if seq <= 32768 else 150 if seq <= 65536 else 300
         # The MLP in chunks of 16k tokens (SlideConfig.mlp_chunk_tokens): a no-op up to 16k, and what
         # keeps a layer's recompute within the cap beyond it.
+        config = {"mlp_chunk_tokens": LONG_MLP_CHUNK}
+        if seq == seqs[-1]:
+            # The layer inputs go to files: at 128k they are 32 x 1 GiB, which beside the 8B shape's
+            # 89 GiB of masters and moments is more than the H200 host's 125 GiB.
+            config.update(activation_tier="nvme", nvme_path=str(Path(s.workdir) / "activations"))
         steps.append(slide_row(s, model, 1, 24, steps=2, warmup=1, seq=seq, timeout=timeout,
-                               name=f"8b_seq{_k(seq)}", chain="long",
-                               slide_config=json.dumps({"mlp_chunk_tokens": LONG_MLP_CHUNK})))
+                               name=f"8b_seq{_k(seq)}", chain="long", slide_config=json.dumps(config)))
     return steps
 
 
