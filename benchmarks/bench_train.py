@@ -444,7 +444,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "is the fastest batch that fit (replaces --batch and --offload-batches)")
     ap.add_argument("--slide-config", default=None, help="JSON object of extra SlideConfig fields")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the slide_lora and hf_lora providers")
+    ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the slide_lora, hf_lora and "
+                    "hf_lora_offload providers")
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")
     ap.add_argument("--no-probe", action="store_true", help="skip measuring PCIe and CPU Adam (use DESIGN's figures)")
     ap.add_argument("--json", default=None, help="write the results here")

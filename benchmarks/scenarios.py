@@ -212,8 +212,9 @@ def long(s: Settings) -> list[Step]:
 
 
 def lora(s: Settings) -> list[Step]:
-    """Llama-3.1-8B shape, LoRA r16 on every linear layer, batch 16: PEFT GPU-resident beside slide under 24 GiB."""
-    return [lora_row(s, "hf_lora", 16, None), lora_row(s, "slide_lora", 16, 24)]
+    """Llama-3.1-8B shape, LoRA r16 on every linear layer, batch 16: PEFT GPU-resident, slide under 24 GiB, and PEFT with Accelerate's CPU offload under 24 GiB."""
+    return [lora_row(s, "hf_lora", 16, None), lora_row(s, "slide_lora", 16, 24),
+            lora_row(s, "hf_lora_offload", 16, 24, timeout=200)]
 
 
 def lora32(s: Settings) -> list[Step]:

@@ -127,7 +127,7 @@ def test_small_helpers():
     assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("mystery card") is None
     assert is_cuda_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
     assert not is_cuda_oom(RuntimeError("shape mismatch"))
-    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora"}
+    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora", "hf_lora_offload"}
     assert get_provider("hf").name == "hf"
 
 
@@ -276,3 +276,106 @@ def test_batch_sweep_on_cpu(tmp_path):
     result = json.loads((tmp_path / "s.json").read_text())
     assert [r["batch"] for r in result["rows"]] == [4, 2]
     assert result["smallest_batch_at_90pct"] in (2, 4)
+
+
+def _offload_hooks(module: torch.nn.Module) -> list:
+    """The AlignDevicesHooks with offload on `module` (one hook, or inside a SequentialHook)."""
+    hook = getattr(module, "_hf_hook", None)
+    return [h for h in getattr(hook, "hooks", [hook]) if getattr(h, "offload", False)]
+
+
+def test_hf_lora_offload_trains_adapters_through_offload_hooks():
+    """hf_lora_offload on the CPU: the last decoder layer's frozen base behind Accelerate's offload hooks,
+    loaded at the forward and at the checkpointed recompute; loss and adapter gradients bit-identical to
+    hf_lora's on the same weights and adapters, and one step moves the adapters of the offloaded layer."""
+    import triton_ops
+    from benchmarks.providers.base import random_batch
+
+    spec = RunSpec(provider="hf_lora_offload", model="tiny", seq=32, batches=[2], device="cpu", lora_r=4,
+                   checkpointing="on", kernels="auto")
+    providers = {}
+    try:
+        for name in ("hf_lora_offload", "hf_lora"):
+            torch.manual_seed(0)                     # PEFT draws lora_A from the global generator
+            providers[name] = get_provider(name)(dataclasses.replace(spec, provider=name))
+            providers[name].setup()
+        offload, resident = providers["hf_lora_offload"], providers["hf_lora"]
+        base = offload.model.get_base_model()
+        hooked = {n: m for n, m in base.named_modules() if _offload_hooks(m)}
+        assert offload.plan.n_offloaded == 1 and sorted(hooked) == sorted(offload.plan.offloaded_modules)
+        assert {n.split(".")[2] for n in hooked} == {"1"} and len(hooked) == 7   # layer 1's seven base linears
+        assert all(m.weight.device.type == "meta" for m in hooked.values())       # in host memory between forwards
+        loads = []
+        hook = _offload_hooks(hooked["model.layers.1.mlp.down_proj.base_layer"])[0]
+        pre_forward = hook.pre_forward
+        hook.pre_forward = lambda *a, **k: loads.append(1) or pre_forward(*a, **k)
+
+        ids, labels = random_batch(256, 2, 32, torch.device("cpu"))
+        losses = {}
+        for name, provider in providers.items():
+            losses[name] = provider.loss(ids, labels)
+            losses[name].backward()
+        assert len(loads) == 2                       # the forward and the checkpointed recompute
+        assert torch.isfinite(losses["hf_lora_offload"]) and torch.equal(*losses.values())
+        grads = {n: p.grad for n, p in resident.model.named_parameters() if p.requires_grad}
+        for n, p in offload.model.named_parameters():
+            if p.requires_grad:
+                assert p.device.type == "cpu" and torch.equal(p.grad, grads.pop(n)), n
+        assert not grads
+
+        offload.optimizer.zero_grad(set_to_none=True)
+        before = {n: p.detach().clone() for n, p in offload.model.named_parameters() if p.requires_grad}
+        assert torch.isfinite(offload.train_step(ids, labels)) and offload._grads_checked
+        moved = {n for n, p in offload.model.named_parameters() if p.requires_grad and not torch.equal(before[n], p)}
+        lora_b = {n for n in before if "lora_B" in n}
+        assert lora_b <= moved and any(".layers.1." in n for n in lora_b)   # lora_A's first gradient is 0 (B = 0)
+        assert all(m.weight.device.type == "meta" for m in hooked.values())
+        report = offload.report()
+        assert report["offloaded_layers"] == 1 and report["gpu_layers"] == 1 and report["gradient_checkpointing"]
+        layer_bytes = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128)               # q o, k v, gate up down; bf16
+        assert report["h2d_bytes_per_step"] == 2 * report["offloaded_bytes"] == 2 * layer_bytes
+        assert any("1 of 2 decoder layers offloaded" in note for note in offload.notes)
+    finally:
+        for provider in providers.values():
+            triton_ops.unpatch(provider.model.get_base_model())
+
+
+def test_hf_lora_offload_refuses_to_run_without_checkpointing():
+    spec = RunSpec(provider="hf_lora_offload", model="tiny", seq=32, batches=[2], device="cpu", checkpointing="off")
+    with pytest.raises(ValueError, match="needs gradient checkpointing"):
+        get_provider("hf_lora_offload")(spec).setup()
+
+
+def test_plan_offload_keeps_what_fits_under_the_cap_on_the_8b_shape():
+    """The rule of HFLoraOffloadProvider on Llama-3.1-8B (meta device), r=16, seq 2048, 24 GiB cap."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    from accelerate.utils import check_device_map
+
+    from benchmarks.harness import GIB
+    from benchmarks.providers.lora import _device_map, _lora, plan_offload
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(load_config("llama3-8b"), dtype=torch.bfloat16)
+    _lora(model, 16)
+    h, i, kv, layers = 4096, 14336, 1024, 32
+    layer_bytes = 2 * (2 * h * h + 2 * h * kv + 3 * h * i)
+    assert plan_offload(model, 24 * GIB, 8, 2048, torch.bfloat16).n_offloaded == 0   # bf16 8B fits at batch 8
+    plan = plan_offload(model, 24 * GIB, 16, 2048, torch.bfloat16)
+    tokens = 16 * 2048
+    assert plan.layer_bytes == layer_bytes
+    assert plan.reserve_bytes == layers * tokens * h * 2 + 4 * tokens * i * 2 + 2 * GIB
+    assert plan.fixed_bytes + plan.gpu_layers * layer_bytes + plan.reserve_bytes <= 24 * GIB
+    assert plan.fixed_bytes + (plan.gpu_layers + 1) * layer_bytes + plan.reserve_bytes > 24 * GIB
+    assert (plan.gpu_layers, plan.n_offloaded) == (19, 13)
+    assert plan.offloaded_modules[0] == "model.layers.19.self_attn.q_proj.base_layer"
+    assert len(plan.offloaded_modules) == 13 * 7 and plan.h2d_bytes_per_step == 2 * 13 * layer_bytes
+    gpu = torch.device("cuda", 0)
+    device_map = _device_map(model, set(plan.offloaded_modules), gpu)
+    check_device_map(model, device_map)                  # every weight placed, as dispatch_model requires
+    assert device_map["model.layers.18"] == device_map["model.embed_tokens"] == device_map["lm_head"] == gpu
+    assert device_map["model.layers.19.mlp.up_proj.base_layer"] == "cpu"
+    assert device_map["model.layers.19.mlp.up_proj.lora_A"] == device_map["model.layers.19.input_layernorm"] == gpu
+    assert plan_offload(model, 4 * GIB, 16, 2048, torch.bfloat16).gpu_layers == 0
+    assert plan_offload(model, None, 16, 2048, torch.bfloat16).gpu_layers == 16       # a CPU run: half

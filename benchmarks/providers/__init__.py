@@ -20,6 +20,8 @@ PROVIDERS = {
     "resident": ("resident", "ResidentProvider", False, "GPU-resident with triton_ops kernels: the compute bound"),
     "slide_lora": ("lora", "SlideLoraProvider", True, "hf_slideformer, PEFT LoRA on every linear layer"),
     "hf_lora": ("lora", "HFLoraProvider", False, "PEFT LoRA on the GPU-resident model (checkpointing, kernels)"),
+    "hf_lora_offload": ("lora", "HFLoraOffloadProvider", True, "PEFT LoRA, last decoder layers' frozen base "
+                        "offloaded to host memory by Accelerate's hooks (checkpointing, kernels)"),
 }
 
 
