@@ -101,11 +101,11 @@ def lora_row(s: Settings, provider: str, batch: int, cap: float | None, *, model
     argv = ["benchmarks/bench_train.py", "--model", s.model(model), "--providers", provider, "--lora-r", str(r),
             "--steps", str(steps), "--warmup", str(warmup), "--no-probe", "--timeout", str(int(timeout - 10)),
             *s.device_args()]
+    name = f"{short}_{provider}_b{batch}" + (f"_cap{cap:g}" if cap is not None else "")   # the GPU-scale batch
     batch = min(batch, 2) if s.smoke else batch
     argv += ["--seq", "32"] if s.smoke else []
     argv += ["--batch", str(batch)] if cap is None else ["--offload-batches", str(batch), "--cap-gib", f"{cap:g}"]
-    return Step(f"{short}_{provider}_b{batch}" + (f"_cap{cap:g}" if cap is not None else ""), argv, timeout,
-                kind="train")
+    return Step(name, argv, timeout, kind="train")
 
 
 def tests(name: str, paths: tuple[str, ...] = ("tests",), marker: str | None = "gpu", timeout: float = 180) -> Step:
@@ -212,9 +212,9 @@ def long(s: Settings) -> list[Step]:
 
 
 def lora(s: Settings) -> list[Step]:
-    """Llama-3.1-8B shape, LoRA r16 on every linear layer, batch 16: PEFT GPU-resident, slide under 24 GiB, and PEFT with Accelerate's CPU offload under 24 GiB."""
+    """Llama-3.1-8B shape, LoRA r16 on every linear layer, batch 16: PEFT GPU-resident, slide under 24 GiB, and PEFT with Accelerate's CPU offload under 24 GiB (batch 16 and 8)."""
     return [lora_row(s, "hf_lora", 16, None), lora_row(s, "slide_lora", 16, 24),
-            lora_row(s, "hf_lora_offload", 16, 24, timeout=200)]
+            lora_row(s, "hf_lora_offload", 16, 24, timeout=160), lora_row(s, "hf_lora_offload", 8, 24, timeout=140)]
 
 
 def lora32(s: Settings) -> list[Step]:

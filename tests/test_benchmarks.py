@@ -361,21 +361,21 @@ def test_plan_offload_keeps_what_fits_under_the_cap_on_the_8b_shape():
     _lora(model, 16)
     h, i, kv, layers = 4096, 14336, 1024, 32
     layer_bytes = 2 * (2 * h * h + 2 * h * kv + 3 * h * i)
-    assert plan_offload(model, 24 * GIB, 8, 2048, torch.bfloat16).n_offloaded == 0   # bf16 8B fits at batch 8
-    plan = plan_offload(model, 24 * GIB, 16, 2048, torch.bfloat16)
-    tokens = 16 * 2048
+    assert (plan_offload(model, 24 * GIB, 16, 2048, torch.bfloat16).n_offloaded) == 32   # batch 16: every layer
+    plan = plan_offload(model, 24 * GIB, 8, 2048, torch.bfloat16)
+    tokens = 8 * 2048
     assert plan.layer_bytes == layer_bytes
-    assert plan.reserve_bytes == layers * tokens * h * 2 + 4 * tokens * i * 2 + 2 * GIB
+    assert plan.reserve_bytes == 2 * layers * tokens * h * 2 + 4 * tokens * i * 2 + 2 * GIB
     assert plan.fixed_bytes + plan.gpu_layers * layer_bytes + plan.reserve_bytes <= 24 * GIB
     assert plan.fixed_bytes + (plan.gpu_layers + 1) * layer_bytes + plan.reserve_bytes > 24 * GIB
-    assert (plan.gpu_layers, plan.n_offloaded) == (19, 13)
-    assert plan.offloaded_modules[0] == "model.layers.19.self_attn.q_proj.base_layer"
-    assert len(plan.offloaded_modules) == 13 * 7 and plan.h2d_bytes_per_step == 2 * 13 * layer_bytes
+    assert (plan.gpu_layers, plan.n_offloaded) == (23, 9)
+    assert plan.offloaded_modules[0] == "model.layers.23.self_attn.q_proj.base_layer"
+    assert len(plan.offloaded_modules) == 9 * 7 and plan.h2d_bytes_per_step == 2 * 9 * layer_bytes
     gpu = torch.device("cuda", 0)
     device_map = _device_map(model, set(plan.offloaded_modules), gpu)
     check_device_map(model, device_map)                  # every weight placed, as dispatch_model requires
-    assert device_map["model.layers.18"] == device_map["model.embed_tokens"] == device_map["lm_head"] == gpu
-    assert device_map["model.layers.19.mlp.up_proj.base_layer"] == "cpu"
-    assert device_map["model.layers.19.mlp.up_proj.lora_A"] == device_map["model.layers.19.input_layernorm"] == gpu
+    assert device_map["model.layers.22"] == device_map["model.embed_tokens"] == device_map["lm_head"] == gpu
+    assert device_map["model.layers.23.mlp.up_proj.base_layer"] == "cpu"
+    assert device_map["model.layers.23.mlp.up_proj.lora_A"] == device_map["model.layers.23.input_layernorm"] == gpu
     assert plan_offload(model, 4 * GIB, 16, 2048, torch.bfloat16).gpu_layers == 0
     assert plan_offload(model, None, 16, 2048, torch.bfloat16).gpu_layers == 16       # a CPU run: half

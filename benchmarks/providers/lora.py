@@ -27,7 +27,11 @@ __all__ = ["SlideLoraProvider", "HFLoraProvider", "HFLoraOffloadProvider", "Offl
            "LINEAR_TARGETS"]
 
 LINEAR_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-RECOMPUTE_COPIES = 4     # (B, S, I) activations alive at the recompute peak of one MLP (hf_lora_offload)
+# hf_lora_offload's activation reserve, per decoder layer's (B, S, H) checkpointed input: the input itself
+# and as much again for what the checkpointed forward keeps besides (hf_lora, GPU-resident, batch 16 on
+# the 8B shape: 33.9 GiB allocated at peak, 15 of them weights; docs/benchmarks.md)
+CHECKPOINT_COPIES = 2
+RECOMPUTE_COPIES = 4     # (B, S, I) activations alive at the recompute peak of one MLP
 
 
 def _lora(model, r: int):
@@ -152,7 +156,7 @@ def plan_offload(model: torch.nn.Module, cap_bytes: int | None, batch: int, seq:
     adapters = sum(p.nbytes for p in model.parameters() if p.requires_grad)
     fixed = _tensor_bytes(model) - n_layers * layer_bytes + 3 * adapters     # + gradient and two moments
     config, tokens, d = model.config, batch * seq, dtype.itemsize
-    reserve = (n_layers * tokens * config.hidden_size * d
+    reserve = (CHECKPOINT_COPIES * n_layers * tokens * config.hidden_size * d
                + RECOMPUTE_COPIES * tokens * config.intermediate_size * d + 2 * GIB)
     fit = max(0, cap_bytes - reserve - fixed) // layer_bytes
     return OffloadPlan(bases, min(n_layers, fit), layer_bytes, fixed, reserve)
@@ -174,8 +178,9 @@ class HFLoraOffloadProvider(HFProvider):
     Layers kept on the GPU: as many as fit in `cap - reserve - fixed`, where `fixed` is what is
     resident whatever the split (embeddings, head, norms, the adapters with their fp32 gradient
     and AdamW moments) and `reserve`, for the activations of the largest batch B at S tokens, is
-    `L*B*S*H*d` (the decoder layers' checkpointed inputs) `+ 4*B*S*I*d` (the recompute peak of
-    one MLP) `+ 2 GiB`, with d the bytes of the dtype. The last layers are offloaded first, as
+    `2*L*B*S*H*d` (the decoder layers' checkpointed inputs, and as much again for what the
+    checkpointed forward keeps besides, calibrated on `hf_lora`'s measured peak) `+ 4*B*S*I*d`
+    (the recompute peak of one MLP) `+ 2 GiB`, with d the bytes of the dtype. The last layers are offloaded first, as
     `infer_auto_device_map` does. A smaller batch tried after an out-of-memory one keeps the
     split. On a CPU run (no cap) half the layers are offloaded to the CPU itself, so that the
     same hooks run. Gradient checkpointing is always on: without it autograd keeps every copied
