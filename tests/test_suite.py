@@ -45,7 +45,8 @@ def test_scenario_contents(tmp_path):
     assert names["small-gpu"] == ["8b_b16_cap12", "8b_b16_cap16", "3b_b16_cap9", "host_adam_rate"]
     assert names["long"] == ["8b_seq8k", "8b_seq16k", "8b_seq32k", "8b_seq64k", "8b_seq128k"]
     assert names["baselines"] == ["3b_b16_cap24", "hf_b16", "ds3_search", "ds2_search"]
-    assert names["lora"] == ["8b_hf_lora_b16", "8b_slide_lora_b16_cap24"]
+    assert names["lora"] == ["8b_hf_lora_b16", "8b_slide_lora_b16_cap24", "8b_hf_lora_offload_b16_cap24",
+                             "8b_hf_lora_offload_b8_cap24"]
     assert names["lora32"] == ["q32b_slide_lora_b8_cap24", "q32b_hf_lora_b8"]
     base = {s.name: s.argv for s in SCENARIOS["baselines"](Settings(workdir=tmp_path))}
     for name in ("hf_b16", "ds2_search", "ds3_search"):
@@ -56,6 +57,8 @@ def test_scenario_contents(tmp_path):
     assert [int(s.argv[s.argv.index("--seq") + 1]) for s in long] == list(LONG_SEQS)
     assert all(s.chain == "long" and s.argv[s.argv.index("--batch") + 1] == "1" for s in long)
     assert all(s.argv[s.argv.index("--cap-gib") + 1] == "24" for s in long)
+    tiers = [json.loads(s.argv[s.argv.index("--slide-config") + 1]).get("activation_tier") for s in long]
+    assert tiers == [None] * (len(long) - 1) + ["nvme"]      # 128k's inputs do not fit beside the 8B state
 
 
 def test_long_context_config_copy_raises_max_positions(tmp_path):
