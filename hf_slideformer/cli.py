@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
     p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
     p.add_argument("--nvme-gb", type=float, default=None, metavar="GB",
-                   help="free space of a disk for the layers' state: the last layers whose masters and moments do "
-                        "not fit in --host-mem keep them there (SlideConfig.host_memory_limit; default: no disk)")
+                   help="free space of a disk for the layers' state: what does not fit in --host-mem goes there, the "
+                        "moments of the last layers first, then the whole state of the last ones "
+                        "(SlideConfig.host_memory_limit; default: no disk)")
     p.add_argument("--nvme-bw", type=float, default=7.0, metavar="GB/s",
                    help="the rate that disk reads and writes the layers' state at (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",

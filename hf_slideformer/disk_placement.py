@@ -1,26 +1,33 @@
-"""`DiskLayer`: the placement of a decoder layer whose fp32 master and AdamW moments live on disk.
+"""`DiskLayer`: the placement of a decoder layer whose AdamW moments, or fp32 master and
+moments, live on disk.
 
-It is a `HostLayer` whose state is resident in host memory only around its uses
-(`disk_store.DiskStates`): the CPU worker updates it with the same host AdamW, from the same
-gradient ring, so training is bit-identical to the host store's (`tests/test_disk_placement.py`).
+It is a `HostLayer` whose record (`disk_store.StateRecord`: the moments, or the whole state) is
+resident in host memory only around its uses (`disk_store.DiskStates`): the CPU worker updates
+it with the same host AdamW, from the same gradient ring, so training is bit-identical to the
+host store's (`tests/test_disk_placement.py`).
 
-Note: [When a disk layer's state is in memory] the state is read into a pool buffer for each use
-and written back after each update:
+Note: [When a disk layer's state is in memory] the record is read into a pool buffer for each
+use and written back after each update:
 
-- a slot copy (the forward's prefetch a window ahead, or the recompute's reload): pinned, read,
-  copied into the slot (waiting for the update's finished prefix as a host layer does), unpinned;
-  the buffer stays until that copy has completed on the device;
+- a slot copy (the forward's prefetch a window ahead, or the recompute's reload) of a layer whose
+  master is on disk: pinned, read, copied into the slot (waiting for the update's finished
+  prefix as a host layer does), unpinned; the buffer stays until that copy has completed on the
+  device. A layer with only its moments on disk copies its master from the host store, as a
+  host layer does, and reads nothing for it;
 - an update in backward: pinned by the main thread when the gradient is taken (the read starts
   then, beside the gradient's copy), unpinned by the worker's task once its write is queued;
 - a deferred update (clipping, or a step that ends early): pinned by the worker's task itself;
 - `state_dict()`, `load_state_dict()`, checkpoints and `save_pretrained` read and write it
-  through `HostStore.unit_state` (this layer's module hooks for the first two).
+  through `HostStore.unit_state` (this layer's module hooks for the first two, where the master
+  is on disk; otherwise the parameters are the host masters, as a host layer's).
 
 While it is resident every use shares the one buffer, and one that finds it resident reads
 nothing: the update a forward's copy waits for is the one in that buffer. Units not held are
-evicted least recently used first, and the layers next in the schedule (the next disk layers
-of the forward, the previous ones in backward, the next of a deferred update's order) are read
-ahead into idle buffers, so the disk works while the GPU and the worker do.
+evicted least recently used first, and the records next needed (in the forward the next layers
+whose master is on disk, and at its last disk layer the first ones its backward updates; in
+backward the previous ones, those whose master is on disk when it does not update; the next of
+a deferred update's order) are read ahead into idle buffers, so the disk works while the GPU
+and the worker do.
 """
 from __future__ import annotations
 
@@ -48,15 +55,16 @@ def _relative_names(module: torch.nn.Module, unit: Unit) -> list[tuple[str, obje
 
 
 class DiskLayer(HostLayer):
-    """State in a file on disk, resident in a pinned buffer around each copy and update (the
-    module's Note); updated by the CPU worker like a `HostLayer`.
+    """Moments, or master and moments, in a file on disk, resident in a pinned buffer around each
+    update and each copy of a master on disk (the module's Note); updated by the CPU worker like a
+    `HostLayer`.
 
     Args:
         engine: the SlideEngine.
         unit: the layer's unit (one of `states`).
         states: the disk layers' file, buffers and residency.
-        module: the layer's HF module: its `state_dict()` reads the state from disk, its
-            `load_state_dict()` writes it there.
+        module: the layer's HF module: where the master is on disk, its `state_dict()` reads it
+            from there and its `load_state_dict()` writes it there.
     """
 
     host_state = False
@@ -64,8 +72,12 @@ class DiskLayer(HostLayer):
     def __init__(self, engine, unit: Unit, states: DiskStates, module: torch.nn.Module):
         super().__init__(engine, unit)
         self.states = states
+        self.record = states.record(unit)
         states.check = engine.worker.check_alive
         states.event = engine.stats.event
+        self._hooks = ()
+        if not self.record.master:                   # the parameters view the host master
+            return
         self._names = _relative_names(module, unit)
         me = weakref.ref(self)                       # the module's hooks do not keep the placement alive
 
@@ -81,19 +93,21 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- weights (main thread)
     def weights(self, busy: tuple = ()):
+        self.states.read_ahead(self._needed_next())  # the schedule is at this layer: what it needs next
         self._copy_in(busy)
         return super().weights(busy)                 # the slot holds it now
 
     def prefetch(self, busy: tuple = ()) -> None:
+        # The window's look-ahead copies alone: a read-ahead from here, a layer beyond the one
+        # the schedule is at, would evict that layer's record before its update pins it.
         self._copy_in(busy)
 
     def _copy_in(self, busy) -> None:
         e, u, s = self.engine, self.unit, self.states
-        if e.in_backward:                            # the next to update: this layer (when it updates here), then down
-            s.read_ahead(([u] if e.mode.updates else []) + s.ahead(u, -1, s.read_ahead_count))
-        else:
-            s.read_ahead(s.ahead(u, 1, s.read_ahead_count))
         if e.slots.find((u,)) is not None:
+            return
+        if not self.record.master:
+            e.slots.load((u,), busy)                 # the master is in the host store: a host layer's copy
             return
         s.pin(u)
         try:
@@ -101,6 +115,18 @@ class DiskLayer(HostLayer):
             e.slots.load((u,), busy)                 # waits for the update's finished prefix, as a host layer
         finally:
             s.unpin(u)                               # the buffer stays until the copy is done (u.readers)
+
+    def _needed_next(self) -> list:
+        """The disk records the schedule needs next, nearest first, from this layer on."""
+        e, u, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
+        if e.in_backward:                            # this layer (when it updates here), then down
+            updates = e.mode.updates
+            return ([u] if updates else []) + s.ahead(u, -1, n, masters=not updates)
+        nxt = s.ahead(u, 1, n, masters=True)         # the forward's next copies
+        if not s.ahead(u, 1, 1) and e.live_generation is not None and not e.config.deferred:
+            # the forward's last disk layer: its backward, which updates, starts with it and goes down
+            nxt += [u] + s.ahead(u, -1, n - 1)
+        return nxt
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:

@@ -1,37 +1,45 @@
-"""Decoder layers whose state lives on disk: which ones, and their residency in a few pinned buffers.
+"""Decoder layers whose state lives on disk: which ones and which part, and their residency in a few pinned buffers.
 
-A model larger than host memory keeps the fp32 master and AdamW moments (12 bytes per parameter)
-of its last decoder layers in one preallocated `disk.UnitStateFile` under `nvme_path`, as much as
-`SlideConfig.host_memory_limit` leaves out of host memory. `DiskStates` owns that file and a
-`disk.HostBufferPool` of a few buffers, each the size of one layer's record. A unit is *resident*
-while its state is in a buffer: `unit.master`, `exp_avg` and `exp_avg_sq` are then views of that
-buffer, as a host unit's are views of the host store; otherwise they are None.
+A model larger than host memory keeps part of its last decoder layers' state in one preallocated
+`disk.UnitStateFile` under `nvme_path`, as much as `SlideConfig.host_memory_limit` leaves out of
+host memory, in two tiers (`split_layers`): first the AdamW moments alone of the last layers (8
+bytes per parameter; the fp32 master stays in host memory), and only when the moments of every
+trainable layer are on disk and the host's part still does not fit, the whole state (master and
+moments, 12 bytes per parameter) of the last of them. A `StateRecord` says which arrays a unit's
+record holds. `DiskStates` owns the file and a `disk.HostBufferPool` of a few buffers, each the
+size of the largest record. A unit is *resident* while its record is in a buffer: the arrays the
+record holds (`exp_avg` and `exp_avg_sq`, and `master` for the whole state) are then views of
+that buffer, as a host unit's are views of the host store; otherwise they are None. A unit with
+only its moments on disk keeps its master in the host store at all times.
 
 `record_bytes`, `pool_buffers` and `split_layers` are the arithmetic of the split; the planner
 uses the same functions, so the engine and the plan cannot drift apart.
 
 Note: [Why a disk unit's state is in one place at a time] while a unit is resident, its buffer
-is the state; otherwise the file's current generation is. A buffer leaves its unit (eviction)
-only when nobody holds the unit (`pin` / `unpin`), its last write has completed, so the file
-holds what the buffer holds, and every device copy that read its master has completed (the
-unit's `readers` events). A read is issued only for a unit that is not resident, and the file
-runs a unit's operations in the order they were asked for, so a read returns the last write.
-Whoever reads or changes the master or the moments holds a pin: a slot copy (`DiskLayer`, for a
-forward or a recompute), an update on the CPU worker, a checkpoint (`access`). An update waits
+holds the arrays of its record; otherwise the file's current generation does. A buffer leaves
+its unit (eviction) only when nobody holds the unit (`pin` / `unpin`), its last write has
+completed, so the file holds what the buffer holds, and, when the record holds the master,
+every device copy that read the master from the buffer has completed (the unit's `readers`
+events). A read is issued only for a unit that is not resident, and the file runs a unit's
+operations in the order they were asked for, so a read returns the last write. Whoever reads or
+changes the arrays of a record holds a pin: a slot copy of a whole-state unit (`DiskLayer`, for
+a forward or a recompute), an update on the CPU worker, a checkpoint (`access`). An update waits
 for the unit's previous write before it changes the buffer, and queues the next write after it.
-A copy and an update of the same unit share its one buffer, so the copy's wait for the update's
-finished prefix (`Unit.set_progress`) and the update's wait for copies of the old master
-(`Unit.readers`) are the host store's, unchanged.
+A copy and an update of the same unit read and write one master (the buffer's, or for a
+moments-only unit the host store's, which a slot copy reads as a host layer's and without a
+pin), so the copy's wait for the update's finished prefix (`Unit.set_progress`) and the update's
+wait for copies of the old master (`Unit.readers`) are the host store's, unchanged.
 
 Note: [Why pinning cannot deadlock] only a pin of a unit that is not resident waits, for a
-buffer. The main thread holds at most one pin while it waits for the worker (a slot copy waits
-for its unit's update); its other pins belong to updates already queued, which the worker
-releases without waiting for the main thread. The worker pins only for a deferred update
-(clipping, or a step that ends early), only the unit it updates, and then holds no other pin;
-no update pin of the main thread is outstanding then, since the next backward comes after a
-forward whose copies waited for every layer's update. So with two buffers the worker always
-finds one that is free or frees itself: writes, reads and device copies complete without either
-thread. A single buffer serves a single disk unit, which every pin shares.
+buffer. The main thread holds at most one pin while it waits for the worker (a slot copy of a
+whole-state unit waits for its unit's update; a moments-only unit's copy holds none); its other
+pins belong to updates already queued, which the worker releases without waiting for the main
+thread. The worker pins only for a deferred update (clipping, or a step that ends early), only
+the unit it updates, and then holds no other pin; no update pin of the main thread is
+outstanding then, since the next backward comes after a forward whose copies waited for every
+layer's update. So with two buffers the worker always finds one that is free or frees itself:
+writes, reads and device copies complete without either thread. A single buffer serves a
+single disk unit, which every pin shares.
 """
 from __future__ import annotations
 
@@ -41,7 +49,9 @@ import os
 import threading
 import time
 import uuid
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+import torch
 
 from .disk.buffers import ALIGN, HostBufferPool
 from .disk.unit_state import UnitStateFile
@@ -51,8 +61,8 @@ from .memory import GiB, HostMemoryError, available_host_bytes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DiskStates", "STATE_BUFFERS", "record_bytes", "pool_buffers", "split_layers", "host_limit_bytes",
-           "plan_disk_units"]
+__all__ = ["DiskStates", "DiskSplit", "StateRecord", "MOMENTS", "WHOLE", "STATE_BUFFERS", "record_bytes",
+           "pool_buffers", "split_layers", "host_limit_bytes", "plan_disk_units"]
 
 # Buffers of the pool: one read ahead, one for the copy or update in progress, one written
 # behind, one spare (fewer when fewer layers are on disk).
@@ -63,6 +73,13 @@ AUTO_MARGIN_SHARE = 0.2
 AUTO_MARGIN = 4 * GiB
 _POLL_S = 0.005            # how often a wait for a buffer looks at device copies again
 
+# The part of a layer's state on disk: its AdamW moments alone, or its whole state.
+MOMENTS, WHOLE = "moments", "all"
+_ARRAYS = {MOMENTS: ("exp_avg", "exp_avg_sq"), WHOLE: ("master", "exp_avg", "exp_avg_sq")}
+# Host bytes per parameter of a trainable layer's state: in host memory, with its moments on
+# disk, with all of it on disk.
+_HOST_BYTES = {None: 12, MOMENTS: 4, WHOLE: 0}
+
 
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
@@ -72,10 +89,78 @@ def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2 ** 20:.2f} MiB"
 
 
-def record_bytes(numel: int) -> int:
-    """Bytes of one unit's state in a buffer (the file's record payload): master, exp_avg and
-    exp_avg_sq, each rounded up to 4096."""
-    return 3 * _round_up(4 * numel)
+class StateRecord:
+    """What one disk unit's record holds, and where its arrays sit in a buffer.
+
+    The arrays are fp32, numel values each, each starting on a 4096-byte boundary, in the order
+    of `arrays`. The file lays every record out as three arrays of the numel it is told
+    (`disk/unit_state.py`); a moments record, two arrays, is told the smallest numel whose
+    three arrays hold its two (`file_numel`: at most 8 KiB more per record).
+
+    Args:
+        numel: the unit's parameter count.
+        part: MOMENTS (exp_avg, exp_avg_sq) or WHOLE (master, exp_avg, exp_avg_sq).
+    """
+
+    __slots__ = ("numel", "part", "arrays")
+
+    def __init__(self, numel: int, part: str = WHOLE):
+        if part not in _ARRAYS:
+            raise ValueError(f"a record holds {MOMENTS!r} or {WHOLE!r}, not {part!r}")
+        self.numel, self.part, self.arrays = int(numel), part, _ARRAYS[part]
+
+    @property
+    def master(self) -> bool:
+        """Does the record hold the master (a slot copy then reads the buffer)?"""
+        return self.part == WHOLE
+
+    @property
+    def file_numel(self) -> int:
+        """The numel the state file is told for this record."""
+        if self.master:
+            return self.numel
+        pages = len(self.arrays) * _round_up(4 * self.numel) // ALIGN
+        return -(-pages // 3) * ALIGN // 4
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the record in a buffer, and moved by each read or write (the file's payload)."""
+        return 3 * _round_up(4 * self.file_numel)
+
+    def attach(self, u: Unit, buf) -> None:
+        """Make the unit's arrays of this record views of `buf` (a tensor or a `HostBuffer`)."""
+        flat = getattr(buf, "tensor", buf).detach().reshape(-1).view(torch.uint8)
+        n, stride = self.numel, _round_up(4 * self.numel)
+        for k, name in enumerate(self.arrays):
+            setattr(u, name, flat[k * stride:k * stride + 4 * n].view(torch.float32))
+
+    def detach(self, u: Unit) -> None:
+        """The record left its buffer: its arrays are no longer in memory."""
+        for name in self.arrays:
+            setattr(u, name, None)
+
+
+class DiskSplit(NamedTuple):
+    """Which of the last trainable layers keep state on disk: the last `whole` layers all of it
+    (master and moments), the `moments` layers before them their moments alone."""
+
+    moments: int = 0
+    whole: int = 0
+
+    @property
+    def layers(self) -> int:
+        """Layers with any state on disk."""
+        return self.moments + self.whole
+
+    def parts(self, n: int) -> list[str | None]:
+        """Per layer of `n`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
+        return [None] * (n - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
+
+
+def record_bytes(numel: int, part: str = WHOLE) -> int:
+    """Bytes of one unit's record in a buffer (the file's payload): master, exp_avg and
+    exp_avg_sq (WHOLE) or the moments alone (MOMENTS), each array rounded up to 4096."""
+    return StateRecord(numel, part).nbytes
 
 
 def pool_buffers(n_disk: int) -> int:
@@ -83,25 +168,38 @@ def pool_buffers(n_disk: int) -> int:
     return min(n_disk, STATE_BUFFERS)
 
 
-def split_layers(limit: int, fixed: int, layer_numels: Sequence[int]) -> int | None:
-    """How many of the last layers keep their state on disk: the smallest k for which
-    `fixed` + 12 bytes per parameter of the other layers + the pool for k layers is at most
-    `limit` bytes (None when even every layer on disk is too much).
+def _host_bytes(fixed: int, layer_numels: Sequence[int], split: DiskSplit) -> int:
+    """What the host gives the state with `split`: `fixed`, each layer's bytes per parameter by
+    where its state is, and the pool (its buffers the size of the largest record)."""
+    parts = split.parts(len(layer_numels))
+    pool = max((record_bytes(n, p) for n, p in zip(layer_numels, parts) if p), default=0)
+    return (fixed + sum(_HOST_BYTES[p] * n for n, p in zip(layer_numels, parts))
+            + pool_buffers(split.layers) * pool)
+
+
+def split_layers(limit: int, fixed: int, layer_numels: Sequence[int]) -> DiskSplit | None:
+    """Which part of which of the last layers goes to disk so that the host's part of the state
+    is at most `limit` bytes (None when even every layer's whole state on disk is too much).
+
+    Moments first: moving a layer's moments to disk frees 8 bytes per parameter for 16 bytes of
+    disk traffic per step (read and written once around its update), 2 per byte freed; moving
+    its whole state frees 12 for 36 with one micro-batch (read for the forward's copy and the
+    backward's, written after the update), 3 per byte freed. So the moments of the fewest last
+    layers that fit; when the moments of every layer are not enough, the whole state of the
+    fewest last layers besides. The pool's buffers hold the largest record: the first whole
+    layer makes each of them 4 bytes per parameter of one layer larger, and each whole layer
+    frees its master's 4, so with four buffers the fifth is the first that frees more.
 
     Args:
         limit: bytes the host may give the unit state.
-        fixed: bytes of it that stay on the host whatever k (the embedding's and the head's
-            state, the gradient accumulators of every unit).
+        fixed: bytes of it that stay on the host whatever the split (the embedding's and the
+            head's state, the gradient accumulators of every unit).
         layer_numels: the layers that may go to disk, in schedule order.
     """
     n = len(layer_numels)
-    host = 12 * sum(layer_numels)
-    for k in range(n + 1):
-        if k:
-            host -= 12 * layer_numels[n - k]
-        pool = pool_buffers(k) * record_bytes(max(layer_numels[n - k:])) if k else 0
-        if fixed + host + pool <= limit:
-            return k
+    for split in [DiskSplit(k, 0) for k in range(n + 1)] + [DiskSplit(n - w, w) for w in range(1, n + 1)]:
+        if _host_bytes(fixed, layer_numels, split) <= limit:
+            return split
     return None
 
 
@@ -119,9 +217,14 @@ def host_limit_bytes(value) -> int | None:
     return int(float(value) * GiB)
 
 
-def plan_disk_units(units: list[Unit], config) -> list[Unit]:
-    """The layer units whose state goes to disk under `config.host_memory_limit`: the last layers
-    first (docs/disk.md says why), as few as fit. Frozen layers (a LoRA base) stay on the host.
+def _span(units: Sequence[Unit]) -> str:
+    return f"{units[0].name}..{units[-1].name}" if len(units) > 1 else units[0].name
+
+
+def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
+    """The layer units that keep state on disk under `config.host_memory_limit`, each with its
+    part on disk (MOMENTS or WHOLE), in schedule order: the split of `split_layers`, the last
+    layers first (docs/disk.md says why). Frozen layers (a LoRA base) stay on the host.
 
     Raises:
         HostMemoryError: the limit is below what stays on the host even with every layer on disk.
@@ -135,9 +238,9 @@ def plan_disk_units(units: list[Unit], config) -> list[Unit]:
     accumulators = 4 * (total - embed) if config.deferred else 0
     fixed = 12 * (total - sum(u.numel for u in layers)) + accumulators
     numels = [u.numel for u in layers]
-    k = split_layers(limit, fixed, numels)
-    if k is None:
-        floor = fixed + (pool_buffers(len(layers)) * record_bytes(max(numels)) if numels else 0)
+    split = split_layers(limit, fixed, numels)
+    if split is None:
+        floor = _host_bytes(fixed, numels, DiskSplit(0, len(layers)))
         acc = ", the gradient accumulators of every unit" if accumulators else ""
         if not layers:
             raise HostMemoryError(
@@ -150,10 +253,13 @@ def plan_disk_units(units: list[Unit], config) -> list[Unit]:
             f"{_size(floor)} (the embedding's and the head's master and moments{acc}, and "
             f"{pool_buffers(len(layers))} pinned buffers of one layer's state). Raise host_memory_limit, or set it "
             "to None to keep every unit in host memory.")
-    if k:
-        logger.info("host_memory_limit: the state of layers %d..%d (%.2f GiB) goes to disk", len(layers) - k,
-                    len(layers) - 1, 12 * sum(numels[len(layers) - k:]) / GiB)
-    return layers[len(layers) - k:]
+    out = [(u, p) for u, p in zip(layers, split.parts(len(layers))) if p]
+    for part, what, per in ((MOMENTS, "the moments", 8), (WHOLE, "the whole state", 12)):
+        some = [u for u, p in out if p == part]
+        if some:
+            logger.info("host_memory_limit: %s of %s (%.2f GiB) go to disk", what, _span(some),
+                        per * sum(u.numel for u in some) / GiB)
+    return out
 
 
 class _Residency:
@@ -166,11 +272,12 @@ class _Residency:
 
 
 class DiskStates:
-    """The state of the layers on disk: one preallocated file, a pool of pinned buffers, and
-    which units are resident in them (the module's Notes).
+    """The records of the layers on disk (their moments, or their whole state): one preallocated
+    file, a pool of pinned buffers, and which units are resident in them (the module's Notes).
 
     Args:
         units: the layer units on disk, in schedule order (consecutive layers).
+        parts: each unit's part on disk, MOMENTS or WHOLE (default: WHOLE for every unit).
         directory: where the state file goes (created if missing); its name is removed at once,
             so its space comes back when it is closed, or when the process ends however it ends.
         buffers: buffers of the pool (default `pool_buffers(len(units))`).
@@ -181,13 +288,17 @@ class DiskStates:
         DiskSpaceError: the disk cannot hold the file (reported before anything trains).
     """
 
-    def __init__(self, units: Sequence[Unit], directory: str, *, buffers: int | None = None, pin: bool = False,
-                 backend=None):
+    def __init__(self, units: Sequence[Unit], directory: str, *, parts: Sequence[str] | None = None,
+                 buffers: int | None = None, pin: bool = False, backend=None):
         self.units = list(units)
         self._index = {id(u): k for k, u in enumerate(self.units)}
+        parts = [WHOLE] * len(self.units) if parts is None else list(parts)
+        if len(parts) != len(self.units):
+            raise ValueError(f"{len(parts)} parts for {len(self.units)} disk units")
+        self.records = [StateRecord(u.numel, p) for u, p in zip(self.units, parts)]
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, f"slide-state-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin")
-        self.file = UnitStateFile(path, [u.numel for u in self.units], backend)
+        self.file = UnitStateFile(path, [r.file_numel for r in self.records], backend)
         try:
             self.pool = HostBufferPool(buffers or pool_buffers(len(self.units)), self.file.max_payload_bytes, pin=pin)
         except BaseException:
@@ -204,24 +315,31 @@ class DiskStates:
 
     # ------------------------------------------------------------------ queries
     def holds(self, u: Unit) -> bool:
-        """Is `u`'s state on disk?"""
+        """Is some of `u`'s state on disk?"""
         return id(u) in self._index
+
+    def record(self, u: Unit) -> StateRecord:
+        """What `u`'s record on disk holds."""
+        return self.records[self._index[id(u)]]
 
     def is_resident(self, u: Unit) -> bool:
         with self._cond:
             return id(u) in self._res
 
-    def ahead(self, u: Unit, step: int, n: int) -> list[Unit]:
-        """The next `n` disk units after `u` in schedule order (`step` 1) or backwards (-1)."""
+    def ahead(self, u: Unit, step: int, n: int, masters: bool = False) -> list[Unit]:
+        """The next `n` disk units after `u` in schedule order (`step` 1) or backwards (-1); with
+        `masters`, only those of them whose record holds the master (the ones a slot copy reads)."""
         k = self._index[id(u)]
-        return [self.units[j] for j in range(k + step, k + step * (n + 1), step) if 0 <= j < len(self.units)]
+        near = [j for j in range(k + step, k + step * (n + 1), step) if 0 <= j < len(self.units)]
+        return [self.units[j] for j in near if not masters or self.records[j].master]
 
     @property
     def read_ahead_count(self) -> int:
         return max(1, self.pool.count - 2)
 
     def stats(self) -> dict:
-        return {"disk_layers": len(self.units), "disk_buffers": self.pool.count, "disk_read_bytes": self.read_bytes,
+        return {"disk_layers": len(self.units), "disk_moment_layers": sum(not r.master for r in self.records),
+                "disk_buffers": self.pool.count, "disk_read_bytes": self.read_bytes,
                 "disk_write_bytes": self.write_bytes, "wait_disk_s": self.wait_s}
 
     # ------------------------------------------------------------------ residency (caller holds the lock)
@@ -234,7 +352,8 @@ class DiskStates:
             return False
         if r.write is not None and (not r.write.done() or r.write.exception() is not None):
             return False                        # a failed write: the buffer is newer than the file
-        return all(ev.query() for ev in self.units[self._index[uid]].readers)
+        k = self._index[uid]                    # device copies read the buffer only where it holds the master
+        return not self.records[k].master or all(ev.query() for ev in self.units[k].readers)
 
     def _take(self, keep=()):
         """A free buffer, evicting the least recently used unit nobody needs (not one in `keep`);
@@ -244,15 +363,15 @@ class DiskStates:
             if not idle:
                 return None
             uid = min(idle)[1]
-            u, r = self.units[self._index[uid]], self._res.pop(uid)
-            u.master = u.exp_avg = u.exp_avg_sq = None
+            k, r = self._index[uid], self._res.pop(uid)
+            self.records[k].detach(self.units[k])
             r.buf.release()
         return self.pool.acquire_one()          # one is free: does not block
 
     def _load(self, u: Unit, buf) -> _Residency:
         """Make `u` resident in `buf`: its views set, its read issued (zeros if never written)."""
         k = self._index[id(u)]
-        u.master, u.exp_avg, u.exp_avg_sq = self.file.views(k, buf)
+        self.records[k].attach(u, buf)
         if self.file.generation(k) == 0:         # never written: the state of a fresh unit is zeros
             buf.tensor[:self.file.payload_bytes(k)].zero_()
             read = None
@@ -388,9 +507,9 @@ class DiskStates:
     def close(self) -> None:
         """Wait for the I/O in flight, close the file (its space comes back) and unpin the pool."""
         with self._cond:
-            for uid, r in self._res.items():
-                u = self.units[self._index[uid]]
-                u.master = u.exp_avg = u.exp_avg_sq = None
+            for uid in self._res:
+                k = self._index[uid]
+                self.records[k].detach(self.units[k])
             self._res.clear()
         self.file.close()
         self.pool.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
-from .disk_store import pool_buffers, record_bytes
+from .disk_store import MOMENTS, WHOLE, DiskSplit, StateRecord, pool_buffers, record_bytes
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 
@@ -131,16 +131,22 @@ class Estimator:
 
     host_updates = True      # the CPU updates the host store's units: resident units and clipping's wait apply
 
-    def host(self, B: int, tier: str, deferred: bool, disk_layers: int = 0) -> dict:
-        """Host bytes by item; `disk_layers`: the last layers whose state is on disk (host_memory_limit)."""
+    def host(self, B: int, tier: str, deferred: bool, disk_layers: DiskSplit = DiskSplit()) -> dict:
+        """Host bytes by item; `disk_layers`: the last layers with their moments, or their whole
+        state, on disk (host_memory_limit)."""
         s, tok_h = self.s, B * self.seq * self.s.hidden
         # Pinned buffers count their exact size: the engine registers what it allocates
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         acts = self.layer_inputs_host(B, tier)
-        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * (s.n_params - disk_layers * s.layer_params)}
-        if disk_layers:
-            out[f"state buffers of the layers on disk ({pool_buffers(disk_layers)} x one layer's, pinned)"] = \
-                pool_buffers(disk_layers) * record_bytes(s.layer_params)
+        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * (s.n_params - disk_layers.layers * s.layer_params)}
+        if disk_layers.moments:
+            out["fp32 masters of the layers with moments on disk (4 B/param)"] = \
+                4 * disk_layers.moments * s.layer_params
+        if disk_layers.layers:
+            n = pool_buffers(disk_layers.layers)
+            part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
+            out[f"state buffers of the layers on disk ({n} x one layer's {what}, pinned)"] = \
+                n * record_bytes(s.layer_params, part)
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
@@ -246,21 +252,27 @@ class Estimator:
     def resident_params(self, res: tuple[bool, int]) -> int:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
 
-    def disk_state_bytes(self, disk_layers: int) -> int:
-        """Bytes of the state file of `disk_layers` layers (two records each: disk/unit_state.py)."""
-        if not disk_layers:
+    def disk_state_bytes(self, disk_layers: DiskSplit) -> int:
+        """Bytes of the state file of the layers on disk (two records each: disk/unit_state.py)."""
+        if not disk_layers.layers:
             return 0
-        head, _, slots = record_layout([self.s.layer_params] * disk_layers)
+        P = self.s.layer_params
+        head, _, slots = record_layout([StateRecord(P, part).file_numel
+                                        for part in disk_layers.parts(disk_layers.layers)])
         return head + 2 * sum(slots)
 
-    def disk_traffic(self, N: int, disk_layers: int) -> int:
-        """Bytes the layers on disk read and write per optimizer step: each layer's state (master
-        and moments) is read for every forward's copy and every backward (the recompute's copy,
-        which its update shares), and written once after its update: 2 N + 1 records."""
-        return disk_layers * record_bytes(self.s.layer_params) * (2 * N + 1)
+    def disk_traffic(self, N: int, disk_layers: DiskSplit) -> int:
+        """Bytes the layers on disk read and write per optimizer step of N micro-batches. A layer
+        with its moments on disk reads them once for its update and writes them once after it:
+        2 records of 8 B/param, whatever N. A layer with its whole state there reads it for every
+        forward's copy and every backward (the recompute's copy, which its update shares), and
+        writes it once after its update: 2 N + 1 records of 12 B/param."""
+        P = self.s.layer_params
+        return (disk_layers.moments * 2 * record_bytes(P, MOMENTS)
+                + disk_layers.whole * (2 * N + 1) * record_bytes(P, WHOLE))
 
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
-              res: tuple[bool, int] = (False, 0), disk_layers: int = 0) -> dict:
+              res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:
         """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
         r, s = self.rates, self.s
@@ -280,7 +292,7 @@ class Estimator:
         if tier == "nvme":
             acts = N * 2 * s.layers * B * self.seq * s.hidden
             out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
-        if disk_layers:              # the layers' state shares the disk with the nvme tier's inputs
+        if disk_layers.layers:       # the layers' state shares the disk with the nvme tier's inputs
             out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers) / (r["nvme_bw"] * 1e9)
         return out
 
@@ -289,7 +301,7 @@ class Estimator:
         `disk_of(batch)`: the layers on disk at that batch (none by default)."""
         b = 1
         while b < limit:
-            if gpu_binds(self.times(b, N, tier, deferred, disk_layers=disk_of(b) if disk_of else 0)):
+            if gpu_binds(self.times(b, N, tier, deferred, disk_layers=disk_of(b) if disk_of else DiskSplit())):
                 return b
             b *= 2
         return max(0, limit)

@@ -50,7 +50,8 @@ class Plan:
     gpu_resident_s: float = 0.0
     resident_embedding: bool = False  # units the engine keeps and updates on the GPU (SlideConfig.resident_*)
     resident_layers: int = 0
-    disk_layers: int = 0              # the last layers whose state is on disk (SlideConfig.host_memory_limit)
+    disk_layers: int = 0              # the last layers with state on disk (SlideConfig.host_memory_limit)
+    disk_moment_layers: int = 0       # of them, those with their moments alone there (the rest: the whole state)
     disk_mem_bytes: int | None = None  # the disk's free space given (None: no disk for the state)
     disk_state_bytes: int = 0         # the state file of the layers on disk
     disk_bytes_per_step: int = 0      # read + written per optimizer step
@@ -79,6 +80,11 @@ class Plan:
     @property
     def disk_fits(self) -> bool | None:
         return None if self.disk_mem_bytes is None else self.disk_state_bytes <= self.disk_mem_bytes
+
+    @property
+    def disk_whole_layers(self) -> int:
+        """The last layers whose whole state (master and moments) is on disk."""
+        return self.disk_layers - self.disk_moment_layers
 
     @property
     def fits(self) -> bool:
@@ -116,12 +122,12 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
         out.append(f"seq {p.seq} is beyond this model's max_position_embeddings ({s.max_positions}): it was not "
                    f"trained on such positions; plan with --seq {s.max_positions} or raise the limit in its config")
     if p.disk_layers:
-        out.append(f"the state of the last {p.disk_layers} of {s.layers} layers on disk: SlideConfig("
-                   f"host_memory_limit={p.host_memory_limit_gib}, nvme_path=<a directory on that disk>)")
+        out.append(f"{_disk_parts(p)} on disk: SlideConfig(host_memory_limit={p.host_memory_limit_gib}, "
+                   "nvme_path=<a directory on that disk>)")
     if p.disk_fits is False:
         out.append(f"disk short by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
-                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (two records of 12 B/param "
-                   "each); free space there or use a larger disk")
+                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (two records each, of "
+                   "8 B/param for the moments, 12 for the whole state); free space there or use a larger disk")
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
@@ -188,7 +194,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     elif p.bound_by == "disk":
         if p.disk_layers:
-            more = 12 * p.disk_layers * s.layer_params
+            more = (8 * p.disk_moment_layers + 12 * p.disk_whole_layers) * s.layer_params
             out.append(f"disk-bound: the state of the {p.disk_layers} layers on disk moves "
                        f"{p.disk_bytes_per_step / 1e9:.0f} GB per step at {p.rates['nvme_bw']} GB/s; it does not grow "
                        f"with the batch, so a larger batch (or gradient accumulation) spreads it over more tokens; "
@@ -208,6 +214,20 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             out.append(f"grad_buffers=3 saves {_gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
+
+
+def _disk_parts(p: Plan) -> str:
+    """Which part of which layers is on disk, in words."""
+    s, m, w = p.shape, p.disk_moment_layers, p.disk_whole_layers
+    if not w:
+        return f"the moments of the last {m} of {s.layers} layers"
+    if not m:
+        return f"the whole state of the last {w} of {s.layers} layers"
+    return f"the moments of the last {m + w} of {s.layers} layers and the whole state of the last {w}"
+
+
+def _span(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}..{last}"
 
 
 def _count(n: int) -> str:
@@ -247,10 +267,15 @@ def _format_report(p: Plan) -> str:
         dverdict = "fits" if p.disk_fits else f"SHORT by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB"
         lines.append(f"disk         {p.disk_state_bytes / 1e9:.1f} GB of {p.disk_mem_bytes / 1e9:.0f} GB (given): "
                      f"{dverdict}")
-        lines.append(f"  RAM / disk split: layers 0..{s.layers - p.disk_layers - 1} in host memory, "
-                     + (f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) on disk "
-                        f"({_count(p.disk_layers * s.layer_params)} parameters, host_memory_limit="
-                        f"{p.host_memory_limit_gib} GiB)" if p.disk_layers else "none on disk"))
+        first, whole = s.layers - p.disk_layers, s.layers - p.disk_whole_layers
+        parts = ([f"{_span(0, first - 1)} in host memory"] if first else []) + (
+            [f"{_span(first, whole - 1)} ({p.disk_moment_layers}) with their moments on disk, masters in RAM"]
+            if p.disk_moment_layers else []) + (
+            [f"{_span(whole, s.layers - 1)} ({p.disk_whole_layers}) with their whole state on disk"]
+            if p.disk_whole_layers else [])
+        lines.append("  RAM / disk split: " + ", ".join(parts) + (
+            f" ({_count(p.disk_layers * s.layer_params)} parameters, host_memory_limit={p.host_memory_limit_gib} GiB)"
+            if p.disk_layers else ", none on disk"))
     gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
     lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
                  f"{_gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
@@ -285,7 +310,7 @@ def _format_report(p: Plan) -> str:
         "disk": " + ".join(
             ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
              if p.activation_tier == "nvme" else [])
-            + ([f"the state of {p.disk_layers} layers, {p.disk_bytes_per_step / 1e9:.1f} GB read and written at "
+            + ([f"{_disk_parts(p)}, {p.disk_bytes_per_step / 1e9:.1f} GB read and written at "
                 f"{p.rates['nvme_bw']} GB/s"] if p.disk_layers else [])),
     }
     lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in p.times.items()]

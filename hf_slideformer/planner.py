@@ -14,7 +14,7 @@ import math
 import torch
 
 from .budget import balanced_share, plan_resident, resident_bytes_per_param
-from .disk_store import split_layers
+from .disk_store import DiskSplit, split_layers
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
     DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
@@ -50,17 +50,18 @@ def _largest(fits, hi: int = 1 << 16) -> int:
     return lo
 
 
-def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> int:
-    """How many of the last layers keep their state on disk so that the host's items fit in
-    `host_bytes` at this batch (`disk_store.split_layers`, as the engine decides); every layer when
-    even that does not fit (the plan then says the host is short)."""
+def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> DiskSplit:
+    """Which of the last layers keep their moments, or their whole state, on disk so that the
+    host's items fit in `host_bytes` at this batch (`disk_store.split_layers`, as the engine
+    decides); every layer's whole state when even that does not fit (the plan then says the host
+    is short)."""
     items = est.host(batch, tier, deferred)
     s = est.s
     state = 12 * s.n_params
     others = sum(items.values()) - state
     fixed = 12 * (s.n_params - s.layers * s.layer_params) + others
-    k = split_layers(host_bytes, fixed, [s.layer_params] * s.layers)
-    return s.layers if k is None else k
+    split = split_layers(host_bytes, fixed, [s.layer_params] * s.layers)
+    return DiskSplit(0, s.layers) if split is None else split
 
 
 def _default_gpu_gib() -> tuple[float, str]:
@@ -96,9 +97,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers,
             mlp_chunk_tokens: as in SlideConfig ("auto" means "cpu").
         nvme_write_gbs, nvme_read_gbs: disk rates for the "nvme" activation tier, GB/s.
-        nvme_gb: free space of a disk for the layers' state, GB: the last layers whose state does
-            not fit in host memory keep it there (SlideConfig.host_memory_limit with nvme_path;
-            the plan gives the limit to set). None: everything in host memory.
+        nvme_gb: free space of a disk for the layers' state, GB: what does not fit in host memory
+            goes there, the moments of the last layers first, then the whole state of the last
+            ones (SlideConfig.host_memory_limit with nvme_path; the plan gives the limit to set).
+            None: everything in host memory.
         nvme_bw: the rate that disk reads and writes the layers' state at, GB/s (one figure for
             both: they share the disk).
         resident: model the engine's resident units (SlideConfig.resident_embedding / resident_layers
@@ -171,9 +173,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
     # With a disk for the state, the last layers that do not fit in host memory go there.
     split = nvme_gb is not None and bool(host_bytes)
-    disk_of = (lambda b: _disk_layers(est, b, tier, deferred, host_bytes)) if split else (lambda b: 0)
+    disk_of = (lambda b: _disk_layers(est, b, tier, deferred, host_bytes)) if split else (lambda b: DiskSplit())
+    floor = DiskSplit(0, shape.layers) if split else DiskSplit()        # every layer's whole state on disk
     max_host = None if not host_bytes else _largest(
-        lambda b: sum(est.host(b, tier, deferred, shape.layers if split else 0).values()) <= host_bytes)
+        lambda b: sum(est.host(b, tier, deferred, floor).values()) <= host_bytes)
     chosen = batch is None
     if chosen:
         limit = min(batch_limit(max_gpu, max_host), max(1, MAX_CHOSEN_TOKENS // seq))
@@ -188,10 +191,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         p.adapter_s = est.adapter_seconds(batch, N)
     p.host = est.host(batch, tier, deferred, k_disk)
     p.host_total = sum(p.host.values())
-    p.disk_layers, p.disk_mem_bytes = k_disk, None if nvme_gb is None else int(nvme_gb * 1e9)
+    p.disk_layers, p.disk_moment_layers = k_disk.layers, k_disk.moments
+    p.disk_mem_bytes = None if nvme_gb is None else int(nvme_gb * 1e9)
     p.disk_state_bytes = est.disk_state_bytes(k_disk)
     p.disk_bytes_per_step = est.disk_traffic(N, k_disk)
-    if k_disk:
+    if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
         state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))]
         p.host_memory_limit_gib = math.ceil(sum(p.host[k] for k in state) / GiB * 10) / 10
@@ -202,7 +206,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     res = (False, 0)
     if resident and N == 1 and est.host_updates:
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
-                            layer_numel=shape.layer_params, n_layers=shape.layers - k_disk,
+                            layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):

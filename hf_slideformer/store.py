@@ -5,10 +5,11 @@ norm + an untied lm_head). Each unit's parameters are laid out back to back in o
 buffer, a view of one large slab; the HF module's `nn.Parameter`s are views into that buffer, so
 `model.parameters()` and `model.state_dict()` *are* the masters, and nothing else holds a copy.
 
-Under `SlideConfig.host_memory_limit` the last decoder layers may keep their master and moments
-on disk instead (`disk_store.DiskStates`, `store.disk`): their parameters are then meta tensors
-(the state is not in memory), `model.state_dict()` reads them from disk, and whoever reads a
-unit's state outside the schedule goes through `unit_state(u)`.
+Under `SlideConfig.host_memory_limit` the last decoder layers may keep their AdamW moments, or
+their master and moments, on disk instead (`disk_store.DiskStates`, `store.disk`). A layer whose
+master is on disk has meta tensors for parameters (the master is not in memory) and
+`model.state_dict()` reads it from disk; one with only its moments there keeps its master here,
+like a host unit. Whoever reads a unit's state outside the schedule goes through `unit_state(u)`.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .disk_store import DiskStates, plan_disk_units, pool_buffers, record_bytes
+from .disk_store import WHOLE, DiskStates, plan_disk_units, pool_buffers, record_bytes
 from .memory import PinnedBuffers, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
@@ -108,10 +109,12 @@ class HostStore:
             off += u.numel
         self.numel = off
         self.deferred = config.deferred
-        # The last layers' state on disk when host_memory_limit says so (disk_store.py).
-        on_disk = plan_disk_units(units, config)
-        self._on_disk = {id(u) for u in on_disk}
-        self.host_numel = self.numel - sum(u.numel for u in on_disk)
+        # The last layers' moments, or whole state, on disk when host_memory_limit says so (disk_store.py).
+        on_disk = plan_disk_units(units, config)                 # [(unit, part)]
+        self._on_disk = {id(u) for u, _ in on_disk}
+        self._master_on_disk = {id(u) for u, part in on_disk if part == WHOLE}
+        self.host_numel = self.numel - sum(u.numel for u in units if self.master_on_disk(u))   # masters here
+        self.moments_numel = self.numel - sum(u.numel for u, _ in on_disk)                       # moments here
         # Note: [Why a frozen unit is kept in the compute dtype] a layer or head none of whose
         # parameters train (the base under LoRA) is never updated and has no moments: its weights
         # need only the precision they are computed in. Kept in bf16 they take 2 bytes per
@@ -122,21 +125,23 @@ class HostStore:
         self._frozen = {id(u) for u in frozen}
         frozen_numel = sum(u.numel for u in frozen)
         if config.check_host_memory:
-            pool = pool_buffers(len(on_disk)) * record_bytes(max(u.numel for u in on_disk)) if on_disk else 0
-            need = (12 * (self.host_numel - frozen_numel) + 2 * frozen_numel + pool
+            pool = pool_buffers(len(on_disk)) * max((record_bytes(u.numel, part) for u, part in on_disk), default=0)
+            need = (4 * (self.host_numel - frozen_numel) + 8 * (self.moments_numel - frozen_numel)
+                    + 2 * frozen_numel + pool
                     + (4 * sum(u.numel for u in units if u.kind != "embed" and u.trainable) if self.deferred else 0))
             check_host_memory(self.numel, deferred=self.deferred, config=config, need=need)
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
         pin = bool(config.pin_memory and config.is_cuda)
         # The state file first: a disk too small is reported before any host memory is taken.
-        self.disk = DiskStates(on_disk, config.nvme_path, pin=pin) if on_disk else None
+        self.disk = (DiskStates([u for u, _ in on_disk], config.nvme_path, parts=[p for _, p in on_disk], pin=pin)
+                     if on_disk else None)
         self.pinned = PinnedBuffers(pin)
         # The embedding's master is a buffer of its own: a resident embedding gives its host pages
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
         self.master_slab = self.pinned.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel)
-        self._carve(self.master_slab, "master", skip=own + frozen)
+        self._carve(self.master_slab, "master", [u for u in units if not self.master_on_disk(u)], skip=own + frozen)
         for u in own:
             u.master = self.pinned.empty(u.numel)
         if frozen:
@@ -147,24 +152,29 @@ class HostStore:
                 off += u.numel
         self.optimizer_ready = False
 
-    def _carve(self, slab: torch.Tensor, attr: str, skip=()) -> None:
-        """Lay `slab` out over the host-held units (not those in `skip`, nor those on disk)."""
+    @staticmethod
+    def _carve(slab: torch.Tensor, attr: str, units, skip=()) -> None:
+        """Lay `slab` out over `units` (not those in `skip`)."""
         off = 0
-        for u in self.units:
-            if any(u is x for x in skip) or self.on_disk(u):
+        for u in units:
+            if any(u is x for x in skip):
                 continue
             setattr(u, attr, slab[off:off + u.numel])
             off += u.numel
 
     # ------------------------------------------------------------------ units on disk
     def on_disk(self, u: Unit) -> bool:
-        """Does `u` keep its master and moments on disk (`self.disk`)?"""
+        """Does `u` keep some of its state on disk (`self.disk`): its moments, or its master and moments?"""
         return id(u) in self._on_disk
+
+    def master_on_disk(self, u: Unit) -> bool:
+        """Does `u` keep its master on disk too (its parameters are then meta tensors)?"""
+        return id(u) in self._master_on_disk
 
     @contextlib.contextmanager
     def unit_state(self, u: Unit, write: bool = False):
         """`u` with its master and moments in memory for the block: a host unit as it is, a disk
-        unit read into a pool buffer (and written back after it with `write`). For readers
+        unit's record read into a pool buffer (and written back after it with `write`). For readers
         outside the schedule (weights loading, state_dict, checkpoints); the engine is idle
         (`SlideEngine.synchronize`)."""
         if self.disk is None or not self.on_disk(u):
@@ -188,10 +198,11 @@ class HostStore:
         """Allocate zeroed Adam moments (and the gradient accumulator in deferred mode)."""
         if self.optimizer_ready:
             return
-        self.exp_avg_slab = lazy_zeros(self.host_numel)        # a disk unit's moments are in its file
-        self.exp_avg_sq_slab = lazy_zeros(self.host_numel)
-        self._carve(self.exp_avg_slab, "exp_avg")
-        self._carve(self.exp_avg_sq_slab, "exp_avg_sq")
+        held = [u for u in self.units if not self.on_disk(u)]   # a disk unit's moments are in its file
+        self.exp_avg_slab = lazy_zeros(self.moments_numel)
+        self.exp_avg_sq_slab = lazy_zeros(self.moments_numel)
+        self._carve(self.exp_avg_slab, "exp_avg", held)
+        self._carve(self.exp_avg_sq_slab, "exp_avg_sq", held)
         for u in self.units:
             u.steps = [torch.zeros((), dtype=torch.float32) for _ in u.entries]
         if self.deferred:
@@ -213,11 +224,11 @@ class HostStore:
         self.deferred = True
 
     def bind_parameters(self) -> None:
-        """Replace every held parameter by an nn.Parameter viewing its master (ties preserved); a
-        disk unit's by a meta tensor of its shape (its state is read through `unit_state`)."""
+        """Replace every held parameter by an nn.Parameter viewing its master (ties preserved); that
+        of a unit whose master is on disk by a meta tensor of its shape (read through `unit_state`)."""
         for u in self.units:
             for e in u.entries:
-                view = torch.empty(e.shape, device="meta") if self.on_disk(u) else e.view(u.master)
+                view = torch.empty(e.shape, device="meta") if self.master_on_disk(u) else e.view(u.master)
                 p = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
                 for mod, attr in e.holders:
                     mod._parameters[attr] = p

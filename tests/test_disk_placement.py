@@ -1,6 +1,6 @@
-"""Decoder layers whose state lives on disk (`DiskLayer`, `DiskStates`): training, checkpoints and
-the model's state dicts are bit-identical to the host store's; the split, the file's life and a
-full disk are as docs/disk.md says."""
+"""Decoder layers whose moments, or whole state, live on disk (`DiskLayer`, `DiskStates`): training,
+checkpoints and the model's state dicts are bit-identical to the host store's; the split, the
+file's life and a full disk are as docs/disk.md says."""
 import copy
 import os
 import time
@@ -15,6 +15,7 @@ from hf_slideformer import disk_store, store as store_module
 from hf_slideformer.device_update import DeviceUpdateLayer
 from hf_slideformer.disk import DiskSpaceError, UnitStateFile
 from hf_slideformer.disk_placement import DiskLayer
+from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskSplit
 from hf_slideformer.memory import GiB, HostMemoryError
 from hf_slideformer.placements import HostLayer
 from hf_slideformer.resident import ResidentLayer
@@ -33,17 +34,26 @@ def two_buffers(monkeypatch):
     monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
 
 
-def force_last(monkeypatch, k):
-    """Test hook: the store puts exactly the last `k` layers on disk, whatever the limit."""
+def force_parts(monkeypatch, parts):
+    """Test hook: the store puts the last len(parts) layers on disk, with these parts (MOMENTS or
+    WHOLE, in schedule order), whatever the limit."""
     def plan(units, config):
         layers = [u for u in units if u.kind == "layer" and u.trainable]
-        return layers[len(layers) - k:] if config.host_memory_limit is not None and k else []
+        if config.host_memory_limit is None or not parts:
+            return []
+        return list(zip(layers[len(layers) - len(parts):], parts))
     monkeypatch.setattr(store_module, "plan_disk_units", plan)
 
 
-def disk_pair(tmp_path, monkeypatch, k=3, seed=0, **kw):
-    """(slid model with its last k layers on disk, slid model all on the host), same weights."""
-    force_last(monkeypatch, k)
+# The tiny models have three layers: the parts of their last layers, M for the moments, A for all.
+PARTS = {"MM": [MOMENTS] * 2, "MMM": [MOMENTS] * 3, "MAA": [MOMENTS, WHOLE, WHOLE], "MMA": [MOMENTS, MOMENTS, WHOLE],
+         "AAA": [WHOLE] * 3}
+
+
+def disk_pair(tmp_path, monkeypatch, k=3, seed=0, part=WHOLE, parts=None, **kw):
+    """(slid model with its last k layers' `part` on disk, or its last layers' `parts`, slid model
+    all on the host), same weights."""
+    force_parts(monkeypatch, [part] * k if parts is None else PARTS[parts])
     tmp_path.mkdir(parents=True, exist_ok=True)
     _, on_disk = make_pair("llama", False, seed=seed, host_memory_limit=1.0, nvme_path=str(tmp_path / "nvme"), **kw)
     _, on_host = make_pair("llama", False, seed=seed, **kw)
@@ -85,8 +95,54 @@ def test_training_with_layers_on_disk_equals_the_host_store_bit_for_bit(tmp_path
     assert (stats["disk_read_bytes"] > 0) == (k > 2)
 
 
+@pytest.mark.parametrize("parts", ["MM", "MMM", "MAA", "MMA"])
+@pytest.mark.parametrize("ga,clip", [(1, None), (1, 0.5), (2, None), (2, 0.5)])
+def test_training_with_moments_on_disk_equals_the_host_store_bit_for_bit(tmp_path, monkeypatch, parts, ga, clip):
+    """The moments of the last layers on disk, their masters in host memory (and the whole state
+    of the last ones in a mixed plan): the same bits as the host store. A layer with its moments
+    alone there reads them once per step at most (for its update), never for a slot copy."""
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, parts=parts, gradient_accumulation_steps=ga,
+                                 max_grad_norm=clip)
+    eng = on_disk.slide_engine
+    k, m = len(PARTS[parts]), PARTS[parts].count(MOMENTS)
+    assert [type(p) for p in eng.places] == [HostLayer] * (3 - k) + [DiskLayer] * k
+    moments = eng.layer_units[3 - k:3 - k + m]
+    assert all(not p.is_meta for u in moments for e in u.entries for p in [e.param])    # the host masters
+    assert all(e.param.is_meta for u in eng.layer_units[3 - k + m:] for e in u.entries)
+    data = batches(3 * ga)
+    a, b = train(on_disk, data, ga), train(on_host, data, ga)
+    assert max_param_diff(on_disk, on_host) == 0.0
+    assert same_optimizer_state(a, b)
+    stats = on_disk.slide_stats()
+    assert stats["disk_layers"] == k and stats["disk_moment_layers"] == m
+    disk = eng.store.disk
+    assert stats["disk_write_bytes"] >= 3 * sum(disk.file.payload_bytes(j) for j in range(k))
+    if m == k:                                   # the moments alone: at most one read per layer and step
+        assert stats["disk_read_bytes"] <= 3 * sum(disk.file.payload_bytes(j) for j in range(k))
+        assert (stats["disk_read_bytes"] > 0) == (k > 2)
+
+
+@pytest.mark.parametrize("parts", ["MMM", "MAA"])
+def test_a_moments_layer_copies_its_master_from_host_memory(tmp_path, monkeypatch, parts):
+    """A forward copies a moments-only layer's master from the host store, with no pin and no
+    read; a whole-state layer's from its buffer, pinned."""
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, parts=parts)
+    train(on_disk, batches(1))
+    on_disk.slide_engine.synchronize()
+    disk = on_disk.slide_engine.store.disk
+    pinned, read = [], disk.read_bytes
+    monkeypatch.setattr(disk, "pin", lambda u, _pin=disk.pin: (pinned.append(u.name), _pin(u))[1])
+    with torch.no_grad():
+        on_disk(**batches(1, seed=5)[0])
+    whole = {u.name for u in disk.units if disk.record(u).master}
+    assert set(pinned) == whole
+    if not whole:
+        assert disk.read_bytes == read
+
+
+@pytest.mark.parametrize("parts", ["AAA", "MMM", "MAA"])
 @pytest.mark.parametrize("ga,clip", [(1, None), (2, 0.5)])
-def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip):
+def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip, parts):
     """Reads and writes that take long (so that copies, updates and evictions wait on them) give
     the same bits (disk_store.py: [Why a disk unit's state is in one place at a time])."""
     for name in ("_read", "_write"):
@@ -96,7 +152,8 @@ def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip):
             time.sleep(0.01)
             return _orig(self, *args)
         monkeypatch.setattr(UnitStateFile, name, slow)
-    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3, gradient_accumulation_steps=ga, max_grad_norm=clip)
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, parts=parts, gradient_accumulation_steps=ga,
+                                 max_grad_norm=clip)
     data = batches(3 * ga)
     a, b = train(on_disk, data, ga), train(on_host, data, ga)
     assert max_param_diff(on_disk, on_host) == 0.0 and same_optimizer_state(a, b)
@@ -104,22 +161,42 @@ def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip):
 
 
 # ------------------------------------------------------------------ the split
-def test_a_limit_puts_the_last_layers_on_disk(tmp_path):
-    """The smallest number of last layers whose state leaves the host within the limit."""
+def test_a_limit_puts_the_moments_of_the_fewest_last_layers_on_disk_first(tmp_path):
+    """The moments of the fewest last layers that fit; when every layer's moments are not enough,
+    their moments and the whole state of the fewest last ones (disk_store.split_layers)."""
     cfg = tiny_config("llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6)
     model = AutoModelForCausalLM.from_config(cfg).float()
     units = [u for u in hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu")).slide_engine.store.units]
     layers = [u.numel for u in units if u.kind == "layer"]
+    n = layers[0]
     fixed = 12 * sum(u.numel for u in units if u.kind != "layer")
-    need = fixed + 12 * sum(layers[:2]) + 2 * disk_store.record_bytes(max(layers))     # 4 layers on disk
-    assert disk_store.split_layers(need, fixed, layers) == 4 and disk_store.split_layers(need - 1, fixed, layers) == 5
-    slid = hs.slide(model, hs.SlideConfig(device="cpu", host_memory_limit=need / GiB, nvme_path=str(tmp_path)))
+    mom, whole = disk_store.record_bytes(n, MOMENTS), disk_store.record_bytes(n, WHOLE)
+    need = fixed + 12 * n + 4 * 5 * n + 2 * mom                  # the moments of the last 5 layers (two buffers)
+    assert disk_store.split_layers(need, fixed, layers) == DiskSplit(5, 0)
+    assert disk_store.split_layers(need - 1, fixed, layers) == DiskSplit(6, 0)
+    tight = fixed + 4 * 3 * n + 2 * whole                         # every layer's moments, the last 3 whole
+    assert disk_store.split_layers(tight, fixed, layers) == DiskSplit(3, 3)
+    assert disk_store.split_layers(tight - 1, fixed, layers) == DiskSplit(2, 4)
+
+    slid = hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu", host_memory_limit=need / GiB,
+                                                          nvme_path=str(tmp_path / "a")))
     eng = slid.slide_engine
-    assert [type(p) for p in eng.places] == [HostLayer] * 2 + [DiskLayer] * 4
-    assert eng.store.host_numel == sum(u.numel for u in eng.store.units) - 4 * layers[0]
+    assert [type(p) for p in eng.places] == [HostLayer] + [DiskLayer] * 5
+    assert slid.slide_stats()["disk_moment_layers"] == 5 and eng.store.disk.file.payload_bytes(0) == mom
+    assert eng.store.host_numel == sum(u.numel for u in eng.store.units)         # every master in host memory
+    assert eng.store.moments_numel == eng.store.host_numel - 5 * n
+    assert not any(p.is_meta for p in slid.model.parameters())
+
+    slid = hs.slide(model, hs.SlideConfig(device="cpu", host_memory_limit=tight / GiB, nvme_path=str(tmp_path / "b")))
+    eng = slid.slide_engine
+    stats = slid.slide_stats()
+    assert [type(p) for p in eng.places] == [DiskLayer] * 6
+    assert stats["disk_layers"] == 6 and stats["disk_moment_layers"] == 3
+    assert eng.store.host_numel == sum(u.numel for u in eng.store.units) - 3 * n
     assert eng.store.master_slab.numel() == eng.store.host_numel - eng.embed_unit.numel
+    assert eng.store.moments_numel == eng.store.host_numel - 3 * n
     assert all(p.is_meta for p in slid.model.layers[5].parameters())
-    assert not any(p.is_meta for p in slid.model.layers[1].parameters())
+    assert not any(p.is_meta for p in slid.model.layers[2].parameters())
 
 
 def test_no_limit_changes_nothing(tmp_path):
@@ -149,8 +226,9 @@ def test_a_limit_below_the_floor_is_refused_naming_the_field(tmp_path):
 
 
 # ------------------------------------------------------------------ state dicts and checkpoints
-def test_state_dict_and_load_state_dict_read_and_write_the_disk(tmp_path, monkeypatch):
-    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2)
+@pytest.mark.parametrize("part", [WHOLE, MOMENTS])
+def test_state_dict_and_load_state_dict_read_and_write_the_disk(tmp_path, monkeypatch, part):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2, part=part)
     train(on_disk, batches(2))
     train(on_host, batches(2))
     sd = on_disk.state_dict()
@@ -158,7 +236,7 @@ def test_state_dict_and_load_state_dict_read_and_write_the_disk(tmp_path, monkey
     layer = on_disk.model.layers[2].state_dict()                      # a layer alone, and with keep_vars
     assert all(torch.equal(t, on_host.model.layers[2].state_dict()[n]) for n, t in layer.items())
     assert not any(t.is_meta for t in on_disk.state_dict(keep_vars=True).values())
-    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, 2, seed=7)
+    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, 2, seed=7, part=part)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                                # no "copying into a meta parameter"
         fresh.load_state_dict(on_host.state_dict())
@@ -167,11 +245,12 @@ def test_state_dict_and_load_state_dict_read_and_write_the_disk(tmp_path, monkey
         fresh.load_state_dict({**on_host.state_dict(), "model.layers.2.mlp.up_proj.weight": torch.zeros(3, 3)})
 
 
-def test_the_optimizer_state_dict_reads_and_writes_the_disk(tmp_path, monkeypatch):
-    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3)
+@pytest.mark.parametrize("parts", ["AAA", "MMM", "MAA"])
+def test_the_optimizer_state_dict_reads_and_writes_the_disk(tmp_path, monkeypatch, parts):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, parts=parts)
     a, b = train(on_disk, batches(2)), train(on_host, batches(2))
     assert same_optimizer_state(a, b)
-    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, 3, seed=7)
+    fresh, _ = disk_pair(tmp_path / "b", monkeypatch, seed=7, parts=parts)
     opt = fresh.create_optimizer(lr=LR, weight_decay=0.1)
     fresh.load_state_dict(on_host.state_dict())
     opt.load_state_dict(b.state_dict())
@@ -181,32 +260,34 @@ def test_the_optimizer_state_dict_reads_and_writes_the_disk(tmp_path, monkeypatc
     assert max_param_diff(fresh, on_host) == 0.0 and same_optimizer_state(opt, b)
 
 
+@pytest.mark.parametrize("parts", ["AAA", "MMM", "MAA"])
 @pytest.mark.parametrize("clip", [None, 0.5])
-def test_resume_from_a_training_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch, clip):
-    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 3, max_grad_norm=clip)
+def test_resume_from_a_training_checkpoint_equals_the_uninterrupted_run(tmp_path, monkeypatch, clip, parts):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, parts=parts, max_grad_norm=clip)
     first, then = batches(2), batches(2, seed=3)
     opt = train(on_disk, first)
     host_opt = train(on_host, first)
     save_training_state(str(tmp_path / "ckpt"), on_disk, opt)
     train(on_disk, then, opt=opt)                                      # the uninterrupted run
     for target_on_disk in (True, False):
-        resumed, _ = disk_pair(tmp_path / f"r{target_on_disk}", monkeypatch, 3 if target_on_disk else 0, seed=7,
-                               max_grad_norm=clip)
+        resumed, _ = disk_pair(tmp_path / f"r{target_on_disk}", monkeypatch, 0, seed=7, max_grad_norm=clip,
+                               parts=parts if target_on_disk else None)
         ropt = resumed.create_optimizer(lr=LR, weight_decay=0.1)
         load_training_state(str(tmp_path / "ckpt"), resumed, ropt)
         train(resumed, then, opt=ropt)
         assert max_param_diff(resumed, on_disk) == 0.0 and same_optimizer_state(ropt, opt)
     save_training_state(str(tmp_path / "host"), on_host, host_opt)    # a host checkpoint resumes on disk too
-    resumed, _ = disk_pair(tmp_path / "h", monkeypatch, 3, seed=7, max_grad_norm=clip)
+    resumed, _ = disk_pair(tmp_path / "h", monkeypatch, seed=7, max_grad_norm=clip, parts=parts)
     ropt = resumed.create_optimizer(lr=LR, weight_decay=0.1)
     load_training_state(str(tmp_path / "host"), resumed, ropt)
     train(resumed, then, opt=ropt)
     assert max_param_diff(resumed, on_disk) == 0.0
 
 
+@pytest.mark.parametrize("part", [WHOLE, MOMENTS])
 @pytest.mark.parametrize("shard", ["5GB", "20KB"])
-def test_save_pretrained_and_from_pretrained_go_through_the_disk(tmp_path, monkeypatch, shard):
-    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2)
+def test_save_pretrained_and_from_pretrained_go_through_the_disk(tmp_path, monkeypatch, shard, part):
+    on_disk, on_host = disk_pair(tmp_path, monkeypatch, 2, part=part)
     train(on_disk, batches(2))
     train(on_host, batches(2))
     on_disk.save_pretrained(tmp_path / "out", max_shard_size=shard)
@@ -250,8 +331,9 @@ def test_a_full_disk_is_reported_when_the_model_is_slid(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "nvme") == []
 
 
-def test_a_failed_write_stops_training_with_the_error(tmp_path, monkeypatch):
-    on_disk, _ = disk_pair(tmp_path, monkeypatch, 3)
+@pytest.mark.parametrize("part", [WHOLE, MOMENTS])
+def test_a_failed_write_stops_training_with_the_error(tmp_path, monkeypatch, part):
+    on_disk, _ = disk_pair(tmp_path, monkeypatch, 3, part=part)
     opt = train(on_disk, batches(1))
 
     def broken(self, *args):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_slideformer.disk import DiskIOError
-from hf_slideformer.disk_store import DiskStates, pool_buffers, record_bytes, split_layers
+from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskSplit, DiskStates, pool_buffers, record_bytes, split_layers
 from hf_slideformer.store import Unit
 
 
@@ -35,15 +35,47 @@ def _write(s, u, value):
 
 
 def test_the_split_takes_the_fewest_last_layers_that_fit():
+    """Moments first, the fewest last layers; then every layer's moments and the whole state of
+    the fewest last layers (disk_store.split_layers)."""
     layers = [100_000] * 6
-    per = record_bytes(100_000)
-    assert per == 3 * 401408 and pool_buffers(6) == 4 and pool_buffers(2) == 2
-    assert split_layers(12 * 600_000, 0, layers) == 0                          # everything fits
-    # one to four layers on disk take as much as they free (four buffers of one layer each): five
-    five = 12 * 100_000 + 4 * per
-    assert split_layers(five, 0, layers) == 5 and split_layers(five - 1, 0, layers) == 6
-    assert split_layers(4 * per, 0, layers) == 6 and split_layers(4 * per - 1, 0, layers) is None
-    assert split_layers(4 * per + 7, 7, layers) == 6                           # what stays whatever k
+    per, mom = record_bytes(100_000), record_bytes(100_000, MOMENTS)
+    assert per == 3 * 401408 and 2 * 401408 <= mom <= 2 * 401408 + 8192
+    assert pool_buffers(6) == 4 and pool_buffers(2) == 2
+    assert split_layers(12 * 600_000, 0, layers) == DiskSplit(0, 0)                # everything fits
+    # one to four layers' moments on disk take as much as they free (a buffer of one layer's
+    # moments each): five
+    assert split_layers(12 * 600_000 - 1, 0, layers) == DiskSplit(5, 0)
+    five = 12 * 100_000 + 4 * 5 * 100_000 + 4 * mom
+    assert split_layers(five, 0, layers) == DiskSplit(5, 0) and split_layers(five - 1, 0, layers) == DiskSplit(6, 0)
+    six = 4 * 6 * 100_000 + 4 * mom
+    assert split_layers(six, 0, layers) == DiskSplit(6, 0)
+    # whole records in the buffers: the fourth whole layer is the first to free more than they take
+    assert split_layers(six - 1, 0, layers) == DiskSplit(2, 4)
+    assert split_layers(4 * per, 0, layers) == DiskSplit(0, 6) and split_layers(4 * per - 1, 0, layers) is None
+    assert split_layers(4 * per + 7, 7, layers) == DiskSplit(0, 6)                 # what stays whatever split
+    assert DiskSplit(2, 4).parts(7) == [None, MOMENTS, MOMENTS, WHOLE, WHOLE, WHOLE, WHOLE]
+
+
+def test_a_moments_record_holds_the_moments_and_never_the_master(tmp_path):
+    a, b, c = _units(3, numel=10_000)
+    s = DiskStates([a, b, c], str(tmp_path), parts=[MOMENTS, WHOLE, WHOLE], buffers=2)
+    a.master = torch.full((10_000,), 7.0)                 # a moments unit's master is the host store's
+    assert s.file.payload_bytes(0) == record_bytes(10_000, MOMENTS) < s.file.payload_bytes(1)
+    with s.access(a, write=True):
+        assert not a.exp_avg.any() and a.exp_avg.numel() == 10_000
+        a.exp_avg.fill_(1.0)
+        a.exp_avg_sq.fill_(2.0)
+    a.readers.append(type("Pending", (), {"query": lambda self: False})())   # copies read the host master:
+    for u in (b, c):                                                         # they do not hold the buffer
+        with s.access(u):
+            pass
+    assert not s.is_resident(a) and a.exp_avg is None and (a.master == 7).all()
+    with s.access(a):                                      # read back
+        assert (a.exp_avg == 1).all() and (a.exp_avg_sq == 2).all() and (a.master == 7).all()
+    assert s.read_bytes == s.file.payload_bytes(0)
+    assert s.stats()["disk_moment_layers"] == 1 and s.stats()["disk_layers"] == 3
+    s.close()
+    assert a.exp_avg is None and (a.master == 7).all()    # the master never left the host
 
 
 def test_a_unit_never_written_is_zeros_and_reads_back_what_was_written(states):

@@ -168,22 +168,25 @@ def test_device_updates_under_slow_streams(monkeypatch, ga):
         assert torch.equal(fast[k], slow[k]), k
 
 
+@pytest.mark.parametrize("part", ["all", "moments"])
 @pytest.mark.parametrize("kw", [{}, {"max_grad_norm": 1.0}, {"ga": 2, "steps": 6, "max_grad_norm": 1.0}])
-def test_layers_on_disk_bit_identical_on_gpu_under_slow_streams(monkeypatch, tmp_path, kw):
-    """Three of four layers' state on disk through two pinned buffers (every step evicts, reads and
+def test_layers_on_disk_bit_identical_on_gpu_under_slow_streams(monkeypatch, tmp_path, kw, part):
+    """Three of four layers' state ("all": master and moments; "moments": the moments alone, the
+    masters in pinned host memory) on disk through two pinned buffers (every step evicts, reads and
     writes behind): with the compute and copy streams slowed down, a buffer reused before the slot
     copy that reads it has run would change the result (disk_store.py: [Why a disk unit's state is
     in one place at a time])."""
     from hf_slideformer import disk_store, store
     monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
-    monkeypatch.setattr(store, "plan_disk_units", lambda units, config: [u for u in units if u.kind == "layer"][1:]
-                        if config.host_memory_limit is not None else [])
+    monkeypatch.setattr(store, "plan_disk_units", lambda units, config: [
+        (u, part) for u in [u for u in units if u.kind == "layer"][1:]] if config.host_memory_limit is not None else [])
     # No layer updated on the device in either run (a disk layer never is): the same host AdamW.
     kw = dict(HOST_ONLY, device_update_share=0.0, **kw)
     host = _train_state(False, **kw)
     models = []
     on_disk = _train_state(True, models=models, host_memory_limit=1.0, nvme_path=str(tmp_path), **kw)
-    assert models[0].slide_stats()["disk_layers"] == 3
+    stats = models[0].slide_stats()
+    assert stats["disk_layers"] == 3 and stats["disk_moment_layers"] == (3 if part == "moments" else 0)
     for k in host:
         assert torch.equal(host[k], on_disk[k]), k
 

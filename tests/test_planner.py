@@ -289,25 +289,51 @@ def test_predicts_the_measured_small_gpu_rows_within_ten_percent(shape, cap):
 
 # ---------------------------------------------------------------- layers' state on disk
 def test_a_disk_for_the_state_splits_the_layers_as_the_engine_would():
-    """--host-mem 64 --nvme-gb 2000: the last layers go to disk until the host items fit; the
-    host_memory_limit it names gives the engine the same split, and the disk's bytes per step
-    over its bandwidth are a term of the step."""
-    from hf_slideformer.disk_store import record_bytes, split_layers
+    """--host-mem 64 --nvme-gb 2000: the moments of the last layers go to disk until the host
+    items fit; the host_memory_limit it names gives the engine the same split, and the disk's
+    bytes per step over its bandwidth are a term of the step."""
+    from hf_slideformer.disk_store import MOMENTS, DiskSplit, record_bytes, split_layers
 
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, nvme_bw=7)
     s = p.shape
     assert 0 < p.disk_layers < s.layers and p.host_total <= 64 * GiB and p.fits and p.disk_fits
-    fixed = 12 * (s.n_params - s.layers * s.layer_params)          # what the engine's store keeps whatever k
-    assert split_layers(int(p.host_memory_limit_gib * GiB), fixed, [s.layer_params] * s.layers) == p.disk_layers
-    assert p.disk_bytes_per_step == p.disk_layers * record_bytes(s.layer_params) * 3   # two reads, one write
+    assert p.disk_moment_layers == p.disk_layers and p.disk_whole_layers == 0     # moments first
+    fixed = 12 * (s.n_params - s.layers * s.layer_params)          # what the engine's store keeps whatever split
+    assert (split_layers(int(p.host_memory_limit_gib * GiB), fixed, [s.layer_params] * s.layers)
+            == DiskSplit(p.disk_layers, 0))
+    # read once for the update and written once after it, whatever the micro-batches
+    assert p.disk_bytes_per_step == p.disk_layers * 2 * record_bytes(s.layer_params, MOMENTS)
     assert p.times["disk"] == pytest.approx(p.disk_bytes_per_step / 7e9)
     assert p.bound_by == "disk" and any("disk-bound" in a for a in p.advice)
     assert p.resident_layers <= s.layers - p.disk_layers
     fewer = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=96, nvme_gb=2000, nvme_bw=7)
     assert fewer.disk_layers < p.disk_layers                     # more memory, fewer layers on disk
     text = p.report()
-    assert f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) on disk" in text
+    assert (f"layers {s.layers - p.disk_layers}..{s.layers - 1} ({p.disk_layers}) with their moments on disk, "
+            "masters in RAM") in text
     assert "GB read and written at 7 GB/s" in text and f"host_memory_limit={p.host_memory_limit_gib}" in text
+
+
+@pytest.mark.parametrize("N,host_mem", [(1, 40), (2, 72)])
+def test_a_tighter_host_puts_every_moment_and_the_last_whole_states_on_disk(N, host_mem):
+    """--host-mem 40 (72 with the accumulators of N = 2): the moments of every layer are not
+    enough; the whole state of the last layers goes too, and each of those moves (2 N + 1)
+    records of 12 B/param per step (the moments still 2 of 8 B/param)."""
+    from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskSplit, record_bytes, split_layers
+
+    p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=host_mem, nvme_gb=2000, nvme_bw=7,
+             gradient_accumulation_steps=N)
+    s, m, w = p.shape, p.disk_moment_layers, p.disk_whole_layers
+    assert p.disk_layers == s.layers and 0 < m and 0 < w and p.host_total <= host_mem * GiB
+    extra = 4 * (s.n_params - s.embed_params) if N > 1 else 0      # the accumulators
+    fixed = 12 * (s.n_params - s.layers * s.layer_params) + extra
+    assert split_layers(int(p.host_memory_limit_gib * GiB), fixed, [s.layer_params] * s.layers) == DiskSplit(m, w)
+    P = s.layer_params
+    assert p.disk_bytes_per_step == m * 2 * record_bytes(P, MOMENTS) + w * (2 * N + 1) * record_bytes(P, WHOLE)
+    text = p.report()
+    assert (f"layers 0..{m - 1} ({m}) with their moments on disk, masters in RAM, layers {m}..{s.layers - 1} "
+            f"({w}) with their whole state on disk") in text
+    assert f"the moments of the last {s.layers} of {s.layers} layers and the whole state of the last {w}" in text
 
 
 def test_a_disk_too_small_or_no_disk_is_told():
@@ -328,6 +354,7 @@ def test_cli_takes_the_disk(capsys):
     assert main(args + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["disk_layers"] > 0 and d["bound_by"] == "disk" and d["disk_fits"] is True
+    assert d["disk_moment_layers"] == d["disk_layers"]
 
 
 # ---------------------------------------------------------------- LoRA
