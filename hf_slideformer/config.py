@@ -69,10 +69,11 @@ class SlideConfig:
     host_memory_limit: float | str | None = option(
         None, Auto(Float(0.0, lo_open=True, unit="GiB")),
         "Host memory the unit state may take, in GiB: the fp32 masters, AdamW moments and gradient accumulators "
-        "of the units held in host memory, plus a few pinned buffers of one layer each. The last decoder layers "
-        "whose state does not fit keep it in a preallocated file under nvme_path and are read in and written back "
-        "around each use (docs/disk.md). 'auto': the host's available memory at slide() less 20% (at least "
-        "4 GiB) for the rest of the process.", none="no limit: every unit's state in host memory")
+        "of the units held in host memory, plus a few pinned buffers of one layer each. What does not fit goes to "
+        "a preallocated file under nvme_path, read in and written back around each use: first the AdamW moments "
+        "of the last decoder layers (their masters stay in host memory), then, when every layer's moments are on "
+        "disk, the whole state of the last layers (docs/disk.md). 'auto': the host's available memory at slide() "
+        "less 20% (at least 4 GiB) for the rest of the process.", none="no limit: every unit's state in host memory")
     cpu_threads: int | None = option(
         None, Int(1, _host_cores, "at most the cores of this host"),
         "Threads of the CPU optimizer. Set explicitly because launchers such as `accelerate launch` export "
