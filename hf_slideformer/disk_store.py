@@ -12,8 +12,9 @@ record holds (`exp_avg` and `exp_avg_sq`, and `master` for the whole state) are 
 that buffer, as a host unit's are views of the host store; otherwise they are None. A unit with
 only its moments on disk keeps its master in the host store at all times.
 
-`record_bytes`, `pool_buffers` and `split_layers` are the arithmetic of the split; the planner
-uses the same functions, so the engine and the plan cannot drift apart.
+`record_bytes` and `pool_buffers` are the arithmetic of the records; which layers and which part go
+to disk is `disk_plan.py`'s, whose functions the planner shares, so the engine and the plan cannot
+drift apart.
 
 Note: [Why a disk unit's state is in one place at a time] while a unit is resident, its buffer
 holds the arrays of its record; otherwise the file's current generation does. A buffer leaves
@@ -44,49 +45,31 @@ single disk unit, which every pin shares.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 import uuid
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from .disk.buffers import ALIGN, HostBufferPool
 from .disk.unit_state import UnitStateFile
-from .memory import GiB, HostMemoryError, available_host_bytes
 
 # `Unit` in the annotations is `store.Unit`, which imports this module (annotations are not evaluated).
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["DiskStates", "DiskSplit", "StateRecord", "MOMENTS", "WHOLE", "STATE_BUFFERS", "record_bytes",
-           "pool_buffers", "split_layers", "host_limit_bytes", "plan_disk_units"]
+__all__ = ["DiskStates", "StateRecord", "MOMENTS", "WHOLE", "STATE_BUFFERS", "record_bytes", "pool_buffers"]
 
 # Buffers of the pool: one read ahead, one for the copy or update in progress, one written
 # behind, one spare (fewer when fewer layers are on disk).
 STATE_BUFFERS = 4
-# host_memory_limit="auto": the host's available memory, less this share (at least AUTO_MARGIN)
-# for the rest of the process (the layer inputs, the gradient ring, Python and the CUDA runtime).
-AUTO_MARGIN_SHARE = 0.2
-AUTO_MARGIN = 4 * GiB
 _POLL_S = 0.005            # how often a wait for a buffer looks at device copies again
 
 # The part of a layer's state on disk: its AdamW moments alone, or its whole state.
 MOMENTS, WHOLE = "moments", "all"
 _ARRAYS = {MOMENTS: ("exp_avg", "exp_avg_sq"), WHOLE: ("master", "exp_avg", "exp_avg_sq")}
-# Host bytes per parameter of a trainable layer's state: in host memory, with its moments on
-# disk, with all of it on disk.
-_HOST_BYTES = {None: 12, MOMENTS: 4, WHOLE: 0}
-
-
 def _round_up(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2 ** 20:.2f} MiB"
 
 
 class StateRecord:
@@ -140,23 +123,6 @@ class StateRecord:
             setattr(u, name, None)
 
 
-class DiskSplit(NamedTuple):
-    """Which of the last trainable layers keep state on disk: the last `whole` layers all of it
-    (master and moments), the `moments` layers before them their moments alone."""
-
-    moments: int = 0
-    whole: int = 0
-
-    @property
-    def layers(self) -> int:
-        """Layers with any state on disk."""
-        return self.moments + self.whole
-
-    def parts(self, n: int) -> list[str | None]:
-        """Per layer of `n`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
-        return [None] * (n - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
-
-
 def record_bytes(numel: int, part: str = WHOLE) -> int:
     """Bytes of one unit's record in a buffer (the file's payload): master, exp_avg and
     exp_avg_sq (WHOLE) or the moments alone (MOMENTS), each array rounded up to 4096."""
@@ -166,100 +132,6 @@ def record_bytes(numel: int, part: str = WHOLE) -> int:
 def pool_buffers(n_disk: int) -> int:
     """Buffers of the pool for `n_disk` layers on disk."""
     return min(n_disk, STATE_BUFFERS)
-
-
-def _host_bytes(fixed: int, layer_numels: Sequence[int], split: DiskSplit) -> int:
-    """What the host gives the state with `split`: `fixed`, each layer's bytes per parameter by
-    where its state is, and the pool (its buffers the size of the largest record)."""
-    parts = split.parts(len(layer_numels))
-    pool = max((record_bytes(n, p) for n, p in zip(layer_numels, parts) if p), default=0)
-    return (fixed + sum(_HOST_BYTES[p] * n for n, p in zip(layer_numels, parts))
-            + pool_buffers(split.layers) * pool)
-
-
-def split_layers(limit: int, fixed: int, layer_numels: Sequence[int]) -> DiskSplit | None:
-    """Which part of which of the last layers goes to disk so that the host's part of the state
-    is at most `limit` bytes (None when even every layer's whole state on disk is too much).
-
-    Moments first: moving a layer's moments to disk frees 8 bytes per parameter for 16 bytes of
-    disk traffic per step (read and written once around its update), 2 per byte freed; moving
-    its whole state frees 12 for 36 with one micro-batch (read for the forward's copy and the
-    backward's, written after the update), 3 per byte freed. So the moments of the fewest last
-    layers that fit; when the moments of every layer are not enough, the whole state of the
-    fewest last layers besides. The pool's buffers hold the largest record: the first whole
-    layer makes each of them 4 bytes per parameter of one layer larger, and each whole layer
-    frees its master's 4, so with four buffers the fifth is the first that frees more.
-
-    Args:
-        limit: bytes the host may give the unit state.
-        fixed: bytes of it that stay on the host whatever the split (the embedding's and the
-            head's state, the gradient accumulators of every unit).
-        layer_numels: the layers that may go to disk, in schedule order.
-    """
-    n = len(layer_numels)
-    for split in [DiskSplit(k, 0) for k in range(n + 1)] + [DiskSplit(n - w, w) for w in range(1, n + 1)]:
-        if _host_bytes(fixed, layer_numels, split) <= limit:
-            return split
-    return None
-
-
-def host_limit_bytes(value) -> int | None:
-    """`SlideConfig.host_memory_limit` in bytes: GiB, 'auto' (what the host has available, less
-    the margin), or None (no limit; also 'auto' where the available memory cannot be read)."""
-    if value is None:
-        return None
-    if value == "auto":
-        avail = available_host_bytes()
-        if avail is None:
-            logger.warning("host_memory_limit='auto': this host's available memory cannot be read; no limit applied")
-            return None
-        return avail - max(AUTO_MARGIN, int(AUTO_MARGIN_SHARE * avail))
-    return int(float(value) * GiB)
-
-
-def _span(units: Sequence[Unit]) -> str:
-    return f"{units[0].name}..{units[-1].name}" if len(units) > 1 else units[0].name
-
-
-def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
-    """The layer units that keep state on disk under `config.host_memory_limit`, each with its
-    part on disk (MOMENTS or WHOLE), in schedule order: the split of `split_layers`, the last
-    layers first (docs/disk.md says why). Frozen layers (a LoRA base) stay on the host.
-
-    Raises:
-        HostMemoryError: the limit is below what stays on the host even with every layer on disk.
-    """
-    limit = host_limit_bytes(config.host_memory_limit)
-    if limit is None:
-        return []
-    layers = [u for u in units if u.kind == "layer" and u.trainable]
-    total = sum(u.numel for u in units)
-    embed = sum(u.numel for u in units if u.kind == "embed")
-    accumulators = 4 * (total - embed) if config.deferred else 0
-    fixed = 12 * (total - sum(u.numel for u in layers)) + accumulators
-    numels = [u.numel for u in layers]
-    split = split_layers(limit, fixed, numels)
-    if split is None:
-        floor = _host_bytes(fixed, numels, DiskSplit(0, len(layers)))
-        acc = ", the gradient accumulators of every unit" if accumulators else ""
-        if not layers:
-            raise HostMemoryError(
-                f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below the "
-                f"{_size(fixed)} the host store needs, and no decoder layer can go to disk (a frozen LoRA base stays "
-                "in host memory). Raise host_memory_limit, or set it to None.")
-        raise HostMemoryError(
-            f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below what stays "
-            f"in host memory with the state of all {len(layers)} trainable decoder layers on disk: "
-            f"{_size(floor)} (the embedding's and the head's master and moments{acc}, and "
-            f"{pool_buffers(len(layers))} pinned buffers of one layer's state). Raise host_memory_limit, or set it "
-            "to None to keep every unit in host memory.")
-    out = [(u, p) for u, p in zip(layers, split.parts(len(layers))) if p]
-    for part, what, per in ((MOMENTS, "the moments", 8), (WHOLE, "the whole state", 12)):
-        some = [u for u, p in out if p == part]
-        if some:
-            logger.info("host_memory_limit: %s of %s (%.2f GiB) go to disk", what, _span(some),
-                        per * sum(u.numel for u in some) / GiB)
-    return out
 
 
 class _Residency:

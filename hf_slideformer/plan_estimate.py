@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
-from .disk_store import MOMENTS, WHOLE, DiskSplit, StateRecord, pool_buffers, record_bytes
+from .disk_plan import DiskSplit
+from .disk_store import MOMENTS, WHOLE, StateRecord, pool_buffers, record_bytes
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from .budget import balanced_share, plan_resident, resident_bytes_per_param
-from .disk_store import DiskSplit, split_layers
+from .disk_plan import DiskSplit, split_layers
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
     DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
@@ -52,7 +52,7 @@ def _largest(fits, hi: int = 1 << 16) -> int:
 
 def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> DiskSplit:
     """Which of the last layers keep their moments, or their whole state, on disk so that the
-    host's items fit in `host_bytes` at this batch (`disk_store.split_layers`, as the engine
+    host's items fit in `host_bytes` at this batch (`disk_plan.split_layers`, as the engine
     decides); every layer's whole state when even that does not fit (the plan then says the host
     is short)."""
     items = est.host(batch, tier, deferred)

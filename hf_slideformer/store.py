@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from .disk_store import WHOLE, DiskStates, plan_disk_units, pool_buffers, record_bytes
+from .disk_plan import plan_disk_units
+from .disk_store import WHOLE, DiskStates, pool_buffers, record_bytes
 from .memory import PinnedBuffers, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)

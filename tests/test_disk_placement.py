@@ -11,11 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer import disk_store, store as store_module
+from hf_slideformer import disk_plan, disk_store, store as store_module
 from hf_slideformer.device_update import DeviceUpdateLayer
 from hf_slideformer.disk import DiskSpaceError, UnitStateFile
 from hf_slideformer.disk_placement import DiskLayer
-from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskSplit
+from hf_slideformer.disk_plan import DiskSplit
+from hf_slideformer.disk_store import MOMENTS, WHOLE
 from hf_slideformer.memory import GiB, HostMemoryError
 from hf_slideformer.placements import HostLayer
 from hf_slideformer.resident import ResidentLayer
@@ -163,7 +164,7 @@ def test_slow_disk_io_changes_nothing(tmp_path, monkeypatch, ga, clip, parts):
 # ------------------------------------------------------------------ the split
 def test_a_limit_puts_the_moments_of_the_fewest_last_layers_on_disk_first(tmp_path):
     """The moments of the fewest last layers that fit; when every layer's moments are not enough,
-    their moments and the whole state of the fewest last ones (disk_store.split_layers)."""
+    their moments and the whole state of the fewest last ones (disk_plan.split_layers)."""
     cfg = tiny_config("llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6)
     model = AutoModelForCausalLM.from_config(cfg).float()
     units = [u for u in hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu")).slide_engine.store.units]
@@ -172,11 +173,11 @@ def test_a_limit_puts_the_moments_of_the_fewest_last_layers_on_disk_first(tmp_pa
     fixed = 12 * sum(u.numel for u in units if u.kind != "layer")
     mom, whole = disk_store.record_bytes(n, MOMENTS), disk_store.record_bytes(n, WHOLE)
     need = fixed + 12 * n + 4 * 5 * n + 2 * mom                  # the moments of the last 5 layers (two buffers)
-    assert disk_store.split_layers(need, fixed, layers) == DiskSplit(5, 0)
-    assert disk_store.split_layers(need - 1, fixed, layers) == DiskSplit(6, 0)
+    assert disk_plan.split_layers(need, fixed, layers) == DiskSplit(5, 0)
+    assert disk_plan.split_layers(need - 1, fixed, layers) == DiskSplit(6, 0)
     tight = fixed + 4 * 3 * n + 2 * whole                         # every layer's moments, the last 3 whole
-    assert disk_store.split_layers(tight, fixed, layers) == DiskSplit(3, 3)
-    assert disk_store.split_layers(tight - 1, fixed, layers) == DiskSplit(2, 4)
+    assert disk_plan.split_layers(tight, fixed, layers) == DiskSplit(3, 3)
+    assert disk_plan.split_layers(tight - 1, fixed, layers) == DiskSplit(2, 4)
 
     slid = hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu", host_memory_limit=need / GiB,
                                                           nvme_path=str(tmp_path / "a")))
@@ -209,14 +210,14 @@ def test_no_limit_changes_nothing(tmp_path):
 def test_auto_is_what_the_host_has_available_less_a_margin(tmp_path, monkeypatch):
     _, plain = make_pair("llama", False)
     state = 12 * sum(u.numel for u in plain.slide_engine.store.units)
-    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: disk_store.AUTO_MARGIN + state - 1)
+    monkeypatch.setattr(disk_plan, "available_host_bytes", lambda: disk_plan.AUTO_MARGIN + state - 1)
     _, slid = make_pair("llama", False, host_memory_limit="auto", nvme_path=str(tmp_path))
     assert isinstance(slid.slide_engine.places[-1], DiskLayer)
-    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: disk_store.AUTO_MARGIN + state)
+    monkeypatch.setattr(disk_plan, "available_host_bytes", lambda: disk_plan.AUTO_MARGIN + state)
     _, slid = make_pair("llama", False, host_memory_limit="auto", nvme_path=str(tmp_path))
     assert slid.slide_engine.store.disk is None
-    monkeypatch.setattr(disk_store, "available_host_bytes", lambda: None)       # unknown: no limit
-    assert disk_store.host_limit_bytes("auto") is None and disk_store.host_limit_bytes(2) == 2 * GiB
+    monkeypatch.setattr(disk_plan, "available_host_bytes", lambda: None)       # unknown: no limit
+    assert disk_plan.host_limit_bytes("auto") is None and disk_plan.host_limit_bytes(2) == 2 * GiB
 
 
 def test_a_limit_below_the_floor_is_refused_naming_the_field(tmp_path):

@@ -292,7 +292,8 @@ def test_a_disk_for_the_state_splits_the_layers_as_the_engine_would():
     """--host-mem 64 --nvme-gb 2000: the moments of the last layers go to disk until the host
     items fit; the host_memory_limit it names gives the engine the same split, and the disk's
     bytes per step over its bandwidth are a term of the step."""
-    from hf_slideformer.disk_store import MOMENTS, DiskSplit, record_bytes, split_layers
+    from hf_slideformer.disk_plan import DiskSplit, split_layers
+    from hf_slideformer.disk_store import MOMENTS, record_bytes
 
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, nvme_bw=7)
     s = p.shape
@@ -319,7 +320,8 @@ def test_a_tighter_host_puts_every_moment_and_the_last_whole_states_on_disk(N, h
     """--host-mem 40 (72 with the accumulators of N = 2): the moments of every layer are not
     enough; the whole state of the last layers goes too, and each of those moves (2 N + 1)
     records of 12 B/param per step (the moments still 2 of 8 B/param)."""
-    from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskSplit, record_bytes, split_layers
+    from hf_slideformer.disk_plan import DiskSplit, split_layers
+    from hf_slideformer.disk_store import MOMENTS, WHOLE, record_bytes
 
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=host_mem, nvme_gb=2000, nvme_bw=7,
              gradient_accumulation_steps=N)
