@@ -254,13 +254,14 @@ class Estimator:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
 
     def disk_state_bytes(self, disk_layers: DiskSplit) -> int:
-        """Bytes of the state file of the layers on disk (two records each: disk/unit_state.py)."""
+        """Bytes of the state file of the layers on disk (one record each: the engine's file is not
+        kept, disk/unit_state.py)."""
         if not disk_layers.layers:
             return 0
         P = self.s.layer_params
-        head, _, slots = record_layout([StateRecord(P, part).file_numel
-                                        for part in disk_layers.parts(disk_layers.layers)])
-        return head + 2 * sum(slots)
+        head, _, sizes = record_layout([StateRecord(P, part).file_numel
+                                        for part in disk_layers.parts(disk_layers.layers)], slots=1)
+        return head + sum(sizes)
 
     def disk_traffic(self, N: int, disk_layers: DiskSplit) -> int:
         """Bytes the layers on disk read and write per optimizer step of N micro-batches. A layer

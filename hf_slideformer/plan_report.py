@@ -126,7 +126,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
                    "nvme_path=<a directory on that disk>)")
     if p.disk_fits is False:
         out.append(f"disk short by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
-                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (two records each, of "
+                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (one record each, of "
                    "8 B/param for the moments, 12 for the whole state); free space there or use a larger disk")
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes

@@ -262,7 +262,8 @@ def test_a_full_disk_is_reported_before_anything_is_written(tmp_path, monkeypatc
     with pytest.raises(DiskSpaceError) as e:
         UnitStateFile(path, NUMELS, make_backend("plain"))
     msg = str(e.value)
-    need = record_layout(NUMELS)[0] + 2 * sum(record_layout(NUMELS)[2])
+    head, _, sizes = record_layout(NUMELS, slots=1)                    # not kept: one slot per unit
+    need = head + sum(sizes)
     assert path in msg and f"needs {need} bytes" in msg and "has 1000 bytes" in msg and "nvme_path" in msg
     assert e.value.errno == errno.ENOSPC and not os.path.exists(path)
 
@@ -394,18 +395,26 @@ def test_a_unit_never_written_is_a_clear_error(tmp_path):
         f.close()
 
 
+def _tear(be, f, where):
+    """The next write of unit 1 stops part-way: in its second array, or in its record header."""
+    if where == "payload":
+        be.tear, be.keep = (lambda n, off: n == 4000), 2000           # the second array, half written
+    else:
+        target = f.slot_offset(1, 0)                                  # the slot the third write goes to
+        be.tear, be.keep = (lambda n, off: off == target), 28
+
+
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_a_torn_write_leaves_the_previous_generation(tmp_path, where):
-    """unit_state.py: [Why an interrupted write never reads as valid], in the process."""
+    """unit_state.py: [Why an interrupted write never reads as valid], in the process (a kept
+    file, two slots per unit)."""
     be = Faulty()
-    f = _file(tmp_path, be)
+    f = _file(tmp_path, be, keep=True)
     try:
+        assert f.slots == 2
         f.write(1, _state(1000, 1)).result()
         f.write(1, _state(1000, 2)).result()
-        if where == "payload":
-            be.tear, be.keep = (lambda n, off: n == 4000), 2000   # the second array, half written
-        else:
-            be.tear, be.keep = (lambda n, off: off == f.slot_offset(1, 0)), 28
+        _tear(be, f, where)
         with pytest.raises(DiskIOError, match="simulated crash"):
             f.write(1, _state(1000, 3)).result()
         got = f.read(1, tuple(torch.empty(1000) for _ in range(3))).result()
@@ -413,6 +422,33 @@ def test_a_torn_write_leaves_the_previous_generation(tmp_path, where):
         with pytest.raises(DiskIOError, match="simulated crash"):
             f.flush()                                             # also when nobody looked at the future
         f.flush()                                                 # reported once
+        assert f.write(1, _state(1000, 4)).result() == 3
+        assert _same(f.read(1, tuple(torch.empty(1000) for _ in range(3))).result()[:3], _state(1000, 4))
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_torn_write_in_a_file_not_kept_reads_as_lost(tmp_path, where):
+    """unit_state.py: [Why a file not kept has one slot per unit]: half the space; a unit whose
+    write failed part-way raises on read (never a record mixing two generations), the other
+    units read as before, and the next complete write of it is read back."""
+    be = Faulty()
+    f = _file(tmp_path, be)
+    try:
+        head, _, sizes = record_layout(NUMELS, slots=1)
+        assert f.slots == 1 and f.nbytes == head + sum(sizes) and f.slot_offset(1, 0) + sizes[1] == f.slot_offset(2, 0)
+        f.write(1, _state(1000, 1)).result()
+        f.write(2, _state(12345, 5)).result()
+        f.write(1, _state(1000, 2)).result()
+        _tear(be, f, where)
+        with pytest.raises(DiskIOError, match="simulated crash"):
+            f.write(1, _state(1000, 3)).result()
+        with pytest.raises(UnitStateError, match="unit 1 .*state is lost"):
+            f.read(1, tuple(torch.empty(1000) for _ in range(3))).result()
+        assert _same(f.read(2, tuple(torch.empty(12345) for _ in range(3))).result()[:3], _state(12345, 5))
+        with pytest.raises(DiskIOError, match="simulated crash"):
+            f.flush()
         assert f.write(1, _state(1000, 4)).result() == 3
         assert _same(f.read(1, tuple(torch.empty(1000) for _ in range(3))).result()[:3], _state(1000, 4))
     finally:

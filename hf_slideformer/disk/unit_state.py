@@ -5,8 +5,11 @@ Layout (every offset a multiple of 4096 bytes; little-endian):
 
     file header   magic, version, file id, unit count, each unit's numel, CRC-32    (rounded up to 4096)
     unit 0        slot 0: record header (4096) | master | exp_avg | exp_avg_sq
-                  slot 1: record header (4096) | master | exp_avg | exp_avg_sq
+                  slot 1: record header (4096) | master | exp_avg | exp_avg_sq     (a kept file only)
     unit 1        ...
+
+A file kept for a resume (`keep=True`) has two slots per unit; a file that lives only as long as
+its process (the default: its name is removed at once) has one, half the space (see the Notes).
 
 Each of a record's three arrays holds numel fp32 values and starts on a 4096-byte boundary, so a
 record's payload is `3 * round_up(4 * numel, 4096)` bytes: the buffer a read fills and a write
@@ -26,6 +29,14 @@ process, a unit's current slot changes only after its header write has returned,
 that failed leaves reads at g, and the next write goes to the same spare slot. After a power
 loss this holds only with `durable=True` (without it the page cache may reach the disk header
 first): the default for a file kept for resume.
+
+Note: [Why a file not kept has one slot per unit] the second slot serves a reader after a crash
+(`UnitStateFile.open`). A file that is not kept has no name from the start, so after a crash
+nobody can open it, and within the process a unit's operations run one at a time (below): no
+read overlaps the write that replaces the record. One slot is then enough, with one rule: a
+write that fails may have overwritten part of the record, so the unit is marked torn before the
+payload is written and unmarked only once its header is; a read of a torn unit raises (its state
+is lost: resume from a checkpoint) instead of returning a record that mixes two generations.
 
 Note: [Why a unit's operations run in the order they were asked for] a read that follows a write
 of the same unit must see that write, and a write must not start in a slot that a read still
@@ -77,16 +88,19 @@ class UnitState(NamedTuple):
     generation: int
 
 
-def record_layout(numels: Sequence[int]) -> tuple[int, list[int], list[int]]:
-    """(file header bytes, each unit's offset, each unit's slot bytes) for units of these sizes."""
+def record_layout(numels: Sequence[int], slots: int = 2) -> tuple[int, list[int], list[int]]:
+    """(file header bytes, each unit's offset, each unit's slot bytes) for units of these sizes,
+    with `slots` slots per unit (2 in a kept file, 1 otherwise)."""
+    if slots not in (1, 2):
+        raise ValueError(f"a unit has one or two slots, not {slots}")
     head = _round_up(_FILE_HEAD.size + 8 * len(numels) + _CRC.size)
-    offsets, slots, pos = [], [], head
+    offsets, sizes, pos = [], [], head
     for n in numels:
-        slot = HEADER_BYTES + 3 * _round_up(4 * n)
+        size = HEADER_BYTES + 3 * _round_up(4 * n)
         offsets.append(pos)
-        slots.append(slot)
-        pos += 2 * slot
-    return head, offsets, slots
+        sizes.append(size)
+        pos += slots * size
+    return head, offsets, sizes
 
 
 def _pack_record(file_id: int, unit: int, slot: int, generation: int, numel: int) -> bytes:
@@ -133,7 +147,8 @@ class UnitStateFile:
         path: the file to create (its directory must exist); an existing file is overwritten.
         numels: each unit's parameter count.
         backend: the I/O backend (default `make_backend("auto")`, closed with this file).
-        keep: leave the file in place at close, for `UnitStateFile.open` (a resume).
+        keep: leave the file in place at close, for `UnitStateFile.open` (a resume): two slots per
+            unit; otherwise one (see the Notes).
         durable: flush each record to the disk before it counts (see the Note); default `keep`.
         workers: operations (of different units) that run at once.
     """
@@ -147,12 +162,14 @@ class UnitStateFile:
             raise ValueError("a unit's numel cannot be negative")
         self.keep = keep
         self.durable = keep if durable is None else durable
-        self.header_bytes, self._offsets, self._slot_bytes = record_layout(self.numels)
-        self.nbytes = self.header_bytes + 2 * sum(self._slot_bytes)
+        self.slots = 2 if keep else 1
+        self.header_bytes, self._offsets, self._slot_bytes = record_layout(self.numels, self.slots)
+        self.nbytes = self.header_bytes + self.slots * sum(self._slot_bytes)
         self._owns_backend = backend is None
         self.backend = backend or make_backend("auto")
         self._slot: list[int | None] = [None] * len(self.numels)       # the slot holding the current generation
         self._gen = [0] * len(self.numels)
+        self._torn: set[int] = set()            # one slot: units whose write failed part-way
         self._lock = threading.Lock()
         self._tail: dict[int, cf.Future] = {}
         self._failures: list[BaseException] = []
@@ -182,7 +199,7 @@ class UnitStateFile:
         return max((self.payload_bytes(u) for u in range(len(self.numels))), default=0)
 
     def slot_offset(self, unit: int, slot: int) -> int:
-        """Where slot `slot` (0 or 1) of `unit` starts: its record header, then the payload."""
+        """Where slot `slot` (0, or 1 in a kept file) of `unit` starts: its record header, then the payload."""
         return self._offsets[unit] + slot * self._slot_bytes[unit]
 
     def views(self, unit: int, buf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -290,7 +307,8 @@ class UnitStateFile:
 
     def write(self, unit: int, source) -> cf.Future:
         """Write `source` (as for `read`) as the unit's next generation. The future's result is
-        that generation; on failure the unit stays at the one before (see the Note)."""
+        that generation; on failure a kept file's unit stays at the one before, and another file's
+        unit reads as lost (see the Notes)."""
         arrays, offs = self._arrays(unit, source)
         return self._submit(unit, self._write, arrays, offs)
 
@@ -318,7 +336,10 @@ class UnitStateFile:
 
     def _read(self, unit: int, into, arrays, offs) -> UnitState:
         with self._lock:
-            slot, gen = self._slot[unit], self._gen[unit]
+            slot, gen, torn = self._slot[unit], self._gen[unit], unit in self._torn
+        if torn:
+            raise UnitStateError(f"unit {unit} of {self.path}: a write that failed overwrote part of its record, so its "
+                                 "state is lost; resume from the last checkpoint")
         if slot is None:
             raise UnitStateError(f"unit {unit} of {self.path} has no state on disk yet: write it before reading it")
         base = self.slot_offset(unit, slot) + HEADER_BYTES
@@ -330,7 +351,9 @@ class UnitStateFile:
     def _write(self, unit: int, arrays, offs) -> int:
         with self._lock:
             slot, gen = self._slot[unit], self._gen[unit] + 1
-        target = 0 if slot is None else 1 - slot
+            if self.slots == 1:                         # [Why a file not kept has one slot per unit]
+                self._torn.add(unit)
+        target = 0 if slot is None or self.slots == 1 else 1 - slot
         start = self.slot_offset(unit, target)
         sizes = self._payload_sizes(unit, arrays)
         self._all(self.handle.pwrite, [(a, n, start + HEADER_BYTES + o) for a, n, o in zip(arrays, sizes, offs)])
@@ -342,6 +365,7 @@ class UnitStateFile:
             self.handle.sync()
         with self._lock:
             self._slot[unit], self._gen[unit] = target, gen
+            self._torn.discard(unit)
         return gen
 
     def flush(self) -> None:
