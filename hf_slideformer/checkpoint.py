@@ -91,6 +91,13 @@ def load_weights(model, path) -> None:
             if n.endswith("embed_tokens.weight") and alt in weight_map:
                 aliases[n] = alt
                 missing.remove(n)
+    elif getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
+        # PEFT's modules_to_save untied a tied model (modules_to_save.py): its lm_head, a copy or the
+        # frozen original, starts as the checkpoint's one table.
+        alt = next((n for n in weight_map if n.endswith("embed_tokens.weight")), None)
+        if alt is not None:
+            aliases["lm_head.weight"] = alt
+            missing.remove("lm_head.weight")
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {', '.join(missing[:20])}"
                               f"{' ...' if len(missing) > 20 else ''}")

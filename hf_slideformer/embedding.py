@@ -176,7 +176,9 @@ class Embedding:
         u = self.unit
         norm = e.norm.slot(u) if e.single_micro else None
         done = e.grads.d2h([S], [host], norm_dst=norm)
-        update = e.mode.updates                   # scheduled with the head (see head.backward)
+        update = e.mode.updates                   # begun with the head's (see head.backward) ...
+        if update and not e.head.trainable:
+            e.begin_update(u)                     # ... unless the head is frozen and sent nothing
         e.worker.submit(self._embed_task, host, rows, done, update, e.mode.ends_step, e.hp, norm,
                         done=(self.host_free,) + ((u.updated,) if update else ()))
         e.end_backward()

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SlideStateError
-from .functions import leaves as _leaves, swapped
+from .functions import swapped
 from .optim import sq_norm as _sq_norm
 from .slots import SlotQueue
 from .store import Unit
@@ -98,15 +98,21 @@ class LossHead:
             self.slots.release(slot)
             self.pending, self.done = True, None
             return loss.detach(), gh
-        leaves = _leaves(hv)
+        # Note: [Why a frozen part of a trained head takes no gradient] the head unit trains when
+        # any of its parameters does (PEFT's lm_head copy beside the base's frozen norm). A frozen
+        # one is a leaf without gradient: zeros cross in its place, so the step's norm counts the
+        # trained parameters only, as torch's clipping of the trainable parameters does.
+        leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
         wl = leaves[self._lm_index] if not e.tied else W.detach().requires_grad_()
         with torch.enable_grad(), swapped(hu, leaves):
             hn = self.norm_fn(hx)
             loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
                                         chunk_tokens=e.config.head_chunk_tokens)
-        wrt = [hx] + leaves + ([wl] if e.tied else [])
+        trained = [t for t in leaves if t.requires_grad]
+        wrt = [hx] + trained + ([wl] if e.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-        pgrads = list(grads[1:])
+        own = iter(grads[1:1 + len(trained)])
+        pgrads = [next(own) if t.requires_grad else None for t in leaves] + list(grads[1 + len(trained):])
         emb = e.embedding
         if e.single_micro:
             self._sq = _sq_norm([g for g in pgrads[:len(leaves)] if g is not None])
@@ -274,13 +280,14 @@ class LossHead:
         embed_on_host = emb.resident is None
         if e.tied and not embed_on_host:
             emb.rgrad.mul_(self.scale_dev)
+        bulk = embed_on_host and e.embed_unit.trainable     # the embedding's update starts in the head task
         if update:
             e.begin_update(hu)
-            if embed_on_host:
-                e.begin_update(e.embed_unit)      # its bulk update starts in the head task
+            if bulk:
+                e.begin_update(e.embed_unit)
         ring, self.ring = self.ring, ()
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
-                        emb.touch if embed_on_host else None, embed_on_host, ring, norm,
+                        emb.touch if bulk else None, embed_on_host, ring, norm,
                         done=(self.host_free,) + tuple(e.grads.free[k] for k in ring)
                         + ((hu.updated,) if update else ()))
 

@@ -8,6 +8,9 @@ A PEFT LoRA model slides like its base model, with two kinds of parameters:
   there by torch's fused AdamW at `optimizer.step()` (`AdapterSet`). Their gradients come from
   the layers' recompute in backward, summed on the device over the micro-batches.
 
+`modules_to_save` naming the input embedding or the lm_head makes that unit trainable again: its
+PEFT copy trains in full on the host, as in full fine-tuning (modules_to_save.py).
+
 Note: [Why the adapters stay on the device] rank 16 on every linear layer of an 8B model is about
 42M parameters: 0.7 GB of fp32 master and moments, against the window's 0.4 GB per layer. On the
 device their update is one fused kernel per step; on the CPU worker each layer's adapters would
@@ -20,6 +23,7 @@ import torch.nn as nn
 
 from .errors import SlideStateError
 from .host_adam import torch_fused_adamw
+from .modules_to_save import saved_wrappers
 from .optim import _grad_scale, sq_norm as _sq_norm
 from .placements import FrozenLayer
 
@@ -44,8 +48,11 @@ def peft_base(model: nn.Module) -> nn.Module | None:
 
 
 def check_lora(peft_model) -> None:
-    """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter, without DoRA
-    or modules_to_save, on linear layers inside the decoder layers."""
+    """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter without DoRA.
+
+    Where the adapters and `modules_to_save` may be is checked at `slide()`, which knows the family:
+    LoRA on linear layers inside the decoder layers (`refuse_outside_layers`), modules_to_save of the
+    input embedding and the lm_head (`modules_to_save.check_modules_to_save`)."""
     configs = getattr(peft_model, "peft_config", {})
     if len(configs) != 1:
         raise ValueError(f"hf_slideformer trains one LoRA adapter at a time; this PEFT model has {len(configs)} "
@@ -58,18 +65,18 @@ def check_lora(peft_model) -> None:
     unsupported = []
     if getattr(cfg, "use_dora", False):
         unsupported.append("use_dora=True (DoRA)")
-    if getattr(cfg, "modules_to_save", None):
-        unsupported.append(f"modules_to_save={cfg.modules_to_save!r}")
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
-                         "Supported: LoRA on any linear layers inside the decoder layers.")
+                         "Supported: LoRA on any linear layers inside the decoder layers, and modules_to_save "
+                         "of the input embedding and the lm_head.")
 
 
 @torch.no_grad()
 def peft_on_meta(model: nn.Module, peft_config) -> nn.Module:
     """`get_peft_model` of a model built on the meta device: the base stays on meta (its weights
-    are read into the host store later), the adapters are made on the CPU and initialised as
-    PEFT initialises them (`reset_lora_parameters` with the config's `init_lora_weights`)."""
+    are read into the host store later, the copies of `modules_to_save` too: they are units), the
+    adapters are made on the CPU and initialised as PEFT initialises them (`reset_lora_parameters`
+    with the config's `init_lora_weights`)."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -91,9 +98,11 @@ def merge_and_unload(peft_model) -> nn.Module:
     """Merge the trained LoRA adapters of a slid PEFT model into its base and drop them.
 
     The adapters come back to the host first and PEFT's own `merge_and_unload` adds each one's
-    product into its layer's weight in the host store; the result is the slid base model with the
-    merged weights under the plain HF names, which `save_pretrained` writes as a full checkpoint
-    (streamed from the host store, a layer at a time) and `AutoModelForCausalLM` loads.
+    product into its layer's weight in the host store, and puts the trained copies of
+    `modules_to_save` (embedding, lm_head: already units) in their wrappers' place; the result is
+    the slid base model with the merged weights under the plain HF names, which `save_pretrained`
+    writes as a full checkpoint (streamed from the host store, a layer at a time) and
+    `AutoModelForCausalLM` loads.
 
     Args:
         peft_model: a PEFT LoRA model slid with `hs.slide` (or a slid model given `get_peft_model`).
@@ -123,7 +132,8 @@ def refuse_outside_layers(names: list[str]) -> None:
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise ValueError(f"trainable parameters outside the decoder layers that the slid model does not hold "
                          f"({', '.join(names[:3])}{more}): no gradient would reach them. LoRA is supported on "
-                         "linear layers inside the decoder layers (not on lm_head or embed_tokens); freeze the "
+                         "linear layers inside the decoder layers (not on lm_head or embed_tokens; train those "
+                         "in full with modules_to_save, in the PEFT model given to slide()); freeze the "
                          "others (requires_grad=False) or add modules before slide().")
 
 
@@ -147,6 +157,8 @@ class AdapterSet:
         self.exp_avg_sq: dict[int, torch.Tensor] = {}
         self.steps: dict[int, torch.Tensor] = {}
         self._held = {id(p) for p in engine.store.params()}      # what the engine trains, the adapters included
+        # PEFT's modules_to_save wrappers, whose trainable copies are the embedding / head units
+        self.saved: list[nn.Module] = saved_wrappers(engine.model_ref())
 
     def foreign(self) -> bool:
         """Does the model have a trainable parameter that neither the host store nor the adapters hold?"""
@@ -291,8 +303,9 @@ class AdapterSet:
             p.grad = None
 
     def clear(self) -> None:
-        """Forget the adapters (merged into the base)."""
+        """Forget the adapters (merged into the base; the modules_to_save copies replaced their wrappers)."""
         self._held -= {id(p) for p in self.params}
+        self.saved = []
         self.by_layer = [[] for _ in self.by_layer]
         self.params, self.names = [], []
         self.exp_avg, self.exp_avg_sq, self.steps = {}, {}, {}

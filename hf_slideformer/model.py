@@ -11,6 +11,7 @@ import functools
 import inspect
 import logging
 import os
+import re
 import time
 import weakref
 
@@ -23,6 +24,7 @@ from .engine import SlideEngine
 from .lora import peft_base, refuse_outside_layers
 from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
+from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
 from .optim import SlideOptimizer
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
@@ -48,24 +50,36 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
+# A PEFT wrapper's inner module is `<module>.base_layer` (LoRA's frozen linear) or
+# `<module>.modules_to_save.<adapter>` (a trainable copy); under the model's own name
+# (`<module>.weight`) its weight loads from and saves as an HF checkpoint.
+_PEFT_PART = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)\.")
+
+
+def _hf_name(name: str) -> str:
+    return _PEFT_PART.sub(".", name)
+
+
 def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list[Unit]:
     """Split `model` into embed, layer and head units (schedule order), entries in module order;
-    the parameters in `skip` (ids: LoRA adapters, which stay on the device) are left out."""
-    names = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        # A LoRA wrapper's frozen linear is named `<module>.base_layer.weight`; under the model's
-        # own name (`<module>.weight`) it loads from and saves as an HF checkpoint.
-        names.setdefault(id(p), n.replace(".base_layer.", "."))
+    the parameters in `skip` (ids: LoRA adapters, which stay on the device, and the frozen
+    originals of PEFT `modules_to_save`) are left out. An entry is named by the module the unit
+    takes it from (a tied lm_head's weight is the embedding's entry)."""
+    paths: dict[int, str] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), n)
     holders = _holders(model)
     seen: set[int] = set(skip)
 
     def entries(module: nn.Module) -> list[ParamEntry]:
         out = []
-        for _, p in module.named_parameters():
+        prefix = paths[id(module)]
+        for n, p in module.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            out.append(ParamEntry(names[id(p)], p.shape, 0, p.numel(), holders[id(p)], p))
+            name = _hf_name(f"{prefix}.{n}" if prefix else n)
+            out.append(ParamEntry(name, p.shape, 0, p.numel(), holders[id(p)], p))
         return out
 
     units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]
@@ -100,7 +114,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     Args:
         model: an HF `*ForCausalLM` of a supported family (`hf_slideformer.models.FAMILIES`), or
             a PEFT LoRA model of one (`get_peft_model(...)`): its base slides frozen and its
-            adapters train on the device (lora.py).
+            adapters train on the device (lora.py); the copies of its `modules_to_save` (the
+            embedding, the lm_head) train in full on the host (modules_to_save.py).
         config: the SlideConfig (default: SlideConfig()). The engine keeps a copy: changing `config`
             afterwards does not reach the model, and `model.slide_config` is a read-only view of
             the engine's settings (see `ReadOnlySlideConfig`).
@@ -116,10 +131,17 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     elif hasattr(model, "peft_config"):
         raise ValueError(f"slide() got {type(model).__name__}, a part of a PEFT model: pass the PeftModel that "
                          "get_peft_model returned")
-    adapters = {id(p) for p in model.parameters() if p.requires_grad} if base is not None else set()
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
     configure_logging(config)
     adapter = get_adapter(getattr(model.config, "model_type", None))
+    adapters, originals = set(), set()
+    if base is not None:
+        # The LoRA adapters stay on the device; the trainable copies of modules_to_save are the
+        # embedding / head units, and their frozen originals stay out of the store (modules_to_save.py).
+        check_modules_to_save(model, adapter)
+        copies = copy_params(model)
+        adapters = {id(p) for p in model.parameters() if p.requires_grad and id(p) not in copies}
+        originals = original_params(model, adapter)
     adapter.check(model)
     if adapters:
         inside = {id(p) for layer in adapter.layers(model) for p in layer.parameters()}
@@ -130,7 +152,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         total = torch.cuda.get_device_properties(config.torch_device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total),
                                                    config.torch_device)
-    units = build_units(model, adapter, skip=adapters)
+    units = build_units(model, adapter, skip=adapters | originals)
     for u in units:
         for e in u.entries:
             if _fill and e.param.device.type not in ("cpu", "meta"):
@@ -233,8 +255,9 @@ class SlideModel:
             slide_config: the SlideConfig.
             peft_config: a `peft.LoraConfig`: the PEFT LoRA model of the checkpoint, its base frozen
                 from the start (kept in the compute dtype: 2 bytes per parameter with bf16), its
-                adapters initialised as `get_peft_model` does and trained on the device. Returns
-                the PEFT model.
+                adapters initialised as `get_peft_model` does and trained on the device; the copies
+                of its `modules_to_save` (embedding, lm_head) start from the checkpoint's weights and
+                train in full. Returns the PEFT model.
             kwargs: extra config overrides (e.g. attn_implementation="sdpa").
         """
         from .checkpoint import load_model_meta, load_weights
@@ -249,6 +272,7 @@ class SlideModel:
         peft_model = peft_on_meta(model, peft_config)
         slide(peft_model, slide_config, _fill=False)
         load_weights(peft_model.get_base_model(), path)
+        fill_originals(peft_model)          # modules_to_save: the originals start as their copies, loaded
         return peft_model
 
     # ------------------------------------------------------------------ training API
@@ -273,6 +297,7 @@ class SlideModel:
         Without labels, or under `torch.no_grad()`, returns logits for evaluation.
         """
         eng = self.slide_engine
+        check_active(eng.adapters.saved)
         if inputs_embeds is not None:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:
@@ -340,7 +365,8 @@ class SlideModel:
         and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
         SlideConfig.resident_layers); device_updated_layers (host-held layers whose clipping-mode
         update runs on the GPU, see SlideConfig.device_update_share); worker_wait_s (the worker
-        blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers,
+        blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers
+        (with any state on disk), disk_moment_layers (of them, those with only their moments there),
         disk_buffers, disk_read_bytes, disk_write_bytes and wait_disk_s (time the main thread and
         the worker waited for a buffer, a read or a write).
         """

@@ -199,7 +199,9 @@ class SlideOptimizer(torch.optim.Optimizer):
         owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.adapters.params}
         for g in self.param_groups:
             for p in g["params"]:
-                if id(p) not in owned:
+                # A frozen parameter outside the store (the original beside a PEFT modules_to_save
+                # copy, modules_to_save.py) is in `model.parameters()` but never updated.
+                if id(p) not in owned and p.requires_grad:
                     raise ValueError(
                         "SlideOptimizer got a parameter that is not a master weight of the slid model "
                         f"(shape {tuple(p.shape)}). Build the optimizer after slide()/from_pretrained, from "

@@ -2,6 +2,7 @@
 import copy
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -34,7 +35,12 @@ def lora_pair(model_type="llama", tied=True, targets=TARGETS, **slide_kw):
 
 
 def _adapters(model):
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+    """The trained parameters by name: the LoRA adapters and the modules_to_save copies (of a slid
+    model once its queued host updates have run)."""
+    if hs.is_slid(model):
+        model.slide_engine.synchronize()
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+            if "lora_" in n or "modules_to_save" in n}
 
 
 def assert_same_training(a, b, data):
@@ -54,7 +60,7 @@ def assert_same_training(a, b, data):
     assert all(torch.equal(x[n], y[n]) for n in x)
 
 
-def train_both(ref, slid, data, ga=1, clip=None):
+def train_both(ref, slid, data, ga=1, clip=None, after_step=None):
     ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     opt = slid.create_optimizer(lr=LR, weight_decay=0.1)
     for k in range(0, len(data), ga):
@@ -69,6 +75,8 @@ def train_both(ref, slid, data, ga=1, clip=None):
         ropt.zero_grad()
         opt.step()
         opt.zero_grad()
+        if after_step is not None:
+            after_step()
     a, b = _adapters(ref), _adapters(slid)
     assert set(a) == set(b) and a
     return max((a[n] - b[n]).abs().max().item() for n in a)
@@ -117,7 +125,10 @@ def test_adapters_added_after_the_optimizer_raise():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(use_dora=True), "DoRA"),
-    (dict(modules_to_save=["lm_head"]), "modules_to_save"),
+    # modules_to_save of anything but the embedding and the lm_head: a norm, a module inside the layers
+    (dict(modules_to_save=["model.norm"]), "model.norm is not supported.*Supported: the input embedding"),
+    (dict(modules_to_save=["lm_head", "post_attention_layernorm"]),
+     "post_attention_layernorm is not supported.*Supported: the input embedding"),
 ])
 def test_unsupported_lora_settings_raise(kw, match):
     pm = get_peft_model(_base(), LoraConfig(r=4, target_modules=TARGETS, **kw))
@@ -201,16 +212,18 @@ def test_peft_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels", [False, True])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_bf16_lora_on_the_gpu_tracks_fp32_peft(kernels, clip):
+@pytest.mark.parametrize("modules", [None, ["lm_head"], ["embed_tokens", "lm_head"]])
+def test_bf16_lora_on_the_gpu_tracks_fp32_peft(kernels, clip, modules):
     """bf16 compute on the streamed base with fp32 adapters on the device, against fp32 PEFT on the
-    GPU: losses within 2% per step, the adapters within a few lr steps; nothing crosses back."""
+    GPU: losses within 2% per step, the adapters (and the modules_to_save copies, trained on the
+    host) within a few lr steps; without copies nothing crosses back."""
     from hf_slideformer.demo import tiny_config
     torch.manual_seed(0)
     cfg = tiny_config("llama", vocab_size=1001, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+                      num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=modules is None)
     pm = get_peft_model(AutoModelForCausalLM.from_config(cfg).float(),
                         LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS + ["up_proj", "o_proj"],
-                                   init_lora_weights=False))
+                                   init_lora_weights=False, modules_to_save=list(modules) if modules else None))
     slid = hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cuda", dtype=torch.bfloat16, use_kernels=kernels,
                                                       max_grad_norm=clip))
     ref = pm.cuda()
@@ -229,7 +242,7 @@ def test_bf16_lora_on_the_gpu_tracks_fp32_peft(kernels, clip):
     a, b = _adapters(ref), _adapters(slid)
     diffs = torch.cat([(a[n] - b[n]).abs().flatten() for n in a])
     assert diffs.mean().item() < 0.1 * 1e-3 and diffs.max().item() < 2 * 4 * 1e-3, (diffs.mean(), diffs.max())
-    assert slid.slide_stats()["d2h_bytes"] == 0
+    assert (slid.slide_stats()["d2h_bytes"] == 0) == (modules is None)
 
 
 def test_merged_model_saves_as_a_full_hf_checkpoint(tmp_path):
@@ -354,3 +367,208 @@ def test_the_frozen_base_holds_nothing_it_does_not_need():
     eng = slid.slide_engine
     assert eng.residents.shared_grad is None and not eng.residents.layers
     assert all(len(u.readers) <= 1 for u in eng.store.units)
+
+
+# ---------------------------------------------------------------------- modules_to_save
+def mts_pair(modules, model_type="qwen3", tied=False, ensure_tying=False, **slide_kw):
+    """(PEFT model, slid deep copy of it): LoRA adapters plus the trainable copies of `modules`
+    (PEFT's modules_to_save), nonzero B as in `lora_pair`."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False,
+                      modules_to_save=list(modules), ensure_weight_tying=ensure_tying)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")             # PEFT warns that it unties a tied model's copies
+        pm = get_peft_model(_base(model_type, tied), lora)
+    slid = hs.slide(copy.deepcopy(pm), hs.SlideConfig(device="cpu", dtype=torch.float32, **slide_kw))
+    return pm, slid
+
+
+@pytest.mark.parametrize("modules", [["lm_head"], ["embed_tokens"], ["embed_tokens", "lm_head"]])
+@pytest.mark.parametrize("ga,clip", [(1, None), (2, None), (1, 0.05), (2, 0.05)])
+def test_modules_to_save_through_sliding_equals_peft(modules, ga, clip):
+    """The copies of modules_to_save are the head (and embedding) units of the host store, trained
+    in full as in full fine-tuning, beside the adapters on the device and the frozen layers: the
+    loss, the adapters and the copies equal PEFT's without sliding."""
+    ref, slid = mts_pair(modules, gradient_accumulation_steps=ga, max_grad_norm=clip)
+    eng = slid.slide_engine
+    assert eng.head_unit.trainable == ("lm_head" in modules)
+    assert eng.embed_unit.trainable == ("embed_tokens" in modules)
+    assert all(isinstance(p, FrozenLayer) for p in eng.places)
+    before = _adapters(slid)
+    assert train_both(ref, slid, batches(3 * ga, pad=True), ga=ga, clip=clip) < 0.05 * LR
+    after = _adapters(slid)
+    copies = [n for n in after if "modules_to_save" in n]
+    assert len(copies) == len(modules) and not any(torch.equal(before[n], after[n]) for n in copies)
+    assert slid.slide_stats()["cpu_adam_s"] > 0                 # the copies' host updates
+
+
+@pytest.mark.parametrize("modules,ensure_tying,tied", [
+    (["lm_head"], True, True),                    # one trained table for both ends: the slid model stays tied
+    (["lm_head"], False, False),                  # PEFT unties: the lm_head's copy trains, the embedding is frozen
+    (["embed_tokens", "lm_head"], False, False),  # two copies, trained apart
+])
+@pytest.mark.parametrize("ga,clip", [(1, None), (2, 0.05)])
+def test_modules_to_save_of_a_tied_model_train_as_peft_ties_them(modules, ensure_tying, tied, ga, clip):
+    """A tied model: with ensure_weight_tying PEFT's lm_head copy shares the embedding copy's
+    weight, else each copy trains on its own; the slid model does the same as PEFT."""
+    ref, slid = mts_pair(modules, "llama", tied=True, ensure_tying=ensure_tying,
+                         gradient_accumulation_steps=ga, max_grad_norm=clip)
+    assert slid.slide_engine.tied == tied
+    assert train_both(ref, slid, batches(3 * ga, pad=True), ga=ga, clip=clip) < 0.05 * LR
+
+
+@pytest.mark.parametrize("model_type,tied,ensure_tying", [("qwen3", False, False), ("llama", True, True)])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_resident_embedding_copy_trains_as_peft(model_type, tied, ensure_tying, clip):
+    """The embedding's copy kept on the device and updated there (resident_embedding, one backward
+    per step), as the engine does for a fully trained embedding."""
+    ref, slid = mts_pair(["embed_tokens", "lm_head"], model_type, tied, ensure_tying, resident_embedding=True,
+                         max_grad_norm=clip)
+    resident = []
+    assert train_both(ref, slid, batches(3, pad=True), clip=clip,
+                      after_step=lambda: resident.append(slid.slide_stats()["resident_embedding"])) < 0.05 * LR
+    assert all(resident)
+
+
+def _copy_weights(model) -> dict[str, torch.Tensor]:
+    """The trained copies' weights under the keys PEFT's adapter file gives them."""
+    base = model.get_base_model()
+    return {f"base_model.model.{n}.weight": m.modules_to_save["default"].weight.detach().clone()
+            for n, m in base.named_modules() if type(m).__name__ == "ModulesToSaveWrapper"}
+
+
+@pytest.mark.parametrize("modules,tied,ensure_tying", [
+    (["lm_head"], False, False), (["embed_tokens", "lm_head"], False, False),
+    (["lm_head"], True, True), (["lm_head"], True, False),
+])
+def test_saved_modules_to_save_load_with_peft_and_give_the_same_logits(tmp_path, modules, tied, ensure_tying):
+    """save_pretrained writes the trained copies into the adapter file; PEFT loads it on a plain
+    model, which then gives the slid model's logits."""
+    from safetensors.torch import load_file
+    ref, slid = mts_pair(modules, "llama", tied, ensure_tying)
+    train_both(ref, slid, batches(2))
+    slid.save_pretrained(tmp_path / "adapter")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    copies = _copy_weights(slid)
+    assert {k for k in saved if "lora_" not in k} == set(copies)
+    assert all(torch.equal(saved[k], t) for k, t in copies.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = PeftModel.from_pretrained(_base("llama", tied), tmp_path / "adapter")
+    b = batches(1)[0]
+    with torch.no_grad():
+        want = plain(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        got = slid(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("modules,tied,ensure_tying", [
+    (["embed_tokens", "lm_head"], False, False), (["lm_head"], True, False), (["lm_head"], True, True),
+])
+def test_merged_modules_to_save_are_the_trained_copies(tmp_path, modules, tied, ensure_tying):
+    """hs.merge_and_unload puts the trained copies in their wrappers' place, as PEFT's own merge
+    does (a tied model they untied is saved untied); the full checkpoint loads with HF alone."""
+    ref, slid = mts_pair(modules, "llama", tied, ensure_tying)
+    train_both(ref, slid, batches(2))
+    copies = _copy_weights(slid)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want_model = ref.merge_and_unload()
+        merged = hs.merge_and_unload(slid)
+    assert all(torch.equal(merged.get_submodule(k.removeprefix("base_model.model.")[:-len(".weight")]).weight, t)
+               for k, t in copies.items())
+    assert merged.config.tie_word_embeddings == want_model.config.tie_word_embeddings
+    b = batches(1)[0]
+    with torch.no_grad():
+        want = want_model(input_ids=b["input_ids"]).logits
+        torch.testing.assert_close(merged(input_ids=b["input_ids"]).logits, want, rtol=1e-5, atol=1e-5)
+    merged.save_pretrained(tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=b["input_ids"]).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slide_trainer_trains_modules_to_save_as_the_plain_trainer(tmp_path):
+    """Accumulation, active clipping, decay groups and a schedule, with the lm_head's copy trained
+    in full: SlideTrainer against the plain Trainer on the same PEFT model."""
+    from transformers import Trainer, TrainingArguments
+    ref, _ = mts_pair(["lm_head"], "llama")
+    model = copy.deepcopy(ref)
+    data = _trainer_data()
+    plain = Trainer(model=ref, args=TrainingArguments(**_trainer_args(tmp_path, "plain")), train_dataset=data)
+    plain.train()
+    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(**_trainer_args(tmp_path, "slide")), train_dataset=data)
+    slid.train()
+    want = [h["loss"] for h in plain.state.log_history if "loss" in h]
+    got = [h["loss"] for h in slid.state.log_history if "loss" in h]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    a, b = _adapters(ref), _adapters(model)
+    assert any("modules_to_save" in n for n in a)
+    assert max((a[n] - b[n]).abs().max().item() for n in a) < 0.05 * 1e-2
+
+
+def test_modules_to_save_resume_equals_uninterrupted(tmp_path):
+    def run(name, resume=None):
+        pm, _ = mts_pair(["embed_tokens", "lm_head"], "llama")
+        args = hs.SlideArgs(**_trainer_args(tmp_path, name, max_steps=6, save_strategy="steps", save_steps=3))
+        t = hs.SlideTrainer(model=pm, args=args, train_dataset=_trainer_data(24))
+        t.train(resume_from_checkpoint=resume)
+        return t, pm
+
+    full, full_model = run("full")
+    ckpt = tmp_path / "full" / "checkpoint-3"
+    # the trained embedding and head units with their moments, and the adapters; the frozen layers
+    # are named in the index, never written
+    assert sorted(os.listdir(ckpt / "slide_state")) == ["adapters.safetensors", "index.json",
+                                                        "unit-00000.safetensors", "unit-00004.safetensors"]
+    resumed, resumed_model = run("resumed", resume=str(ckpt))
+    a, b = _adapters(full_model), _adapters(resumed_model)
+    assert any("modules_to_save" in n for n in a)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert [h["loss"] for h in resumed.state.log_history if "loss" in h][-3:] == \
+        [h["loss"] for h in full.state.log_history if "loss" in h][-3:]
+
+
+@pytest.mark.parametrize("modules,tied,ensure_tying,dtype", [
+    (["embed_tokens", "lm_head"], False, False, torch.float32),
+    (["lm_head"], False, False, torch.bfloat16),
+    (["lm_head"], True, False, torch.float32),     # the untied lm_head's copy starts as the checkpoint's table
+    (["lm_head"], True, True, torch.float32),
+])
+def test_from_pretrained_with_modules_to_save_equals_sliding_the_peft_model(tmp_path, modules, tied, ensure_tying,
+                                                                              dtype):
+    """The meta build: the copies start as the checkpoint's weights, the originals beside them are
+    filled (no meta tensor is left), and training equals sliding the PEFT model of the loaded
+    checkpoint; a trained head is kept in fp32 masters whatever the compute dtype."""
+    _base("llama", tied).save_pretrained(tmp_path / "base")
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, modules_to_save=list(modules),
+                          ensure_weight_tying=ensure_tying)
+    cfg = hs.SlideConfig(device="cpu", dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = hs.SlideModel.from_pretrained(tmp_path / "base", cfg, peft_config=lora())
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        other = hs.slide(get_peft_model(copy.deepcopy(plain), lora()), cfg)
+    assert not any(p.is_meta for p in loaded.parameters())
+    table = plain.get_input_embeddings().weight
+    assert all(torch.equal(t, table if "embed_tokens" in k else plain.lm_head.weight)
+               for k, t in _copy_weights(loaded).items())
+    eng = loaded.slide_engine
+    assert eng.head_unit.master.dtype == torch.float32 and {u.master.dtype for u in eng.layer_units} == {dtype}
+    other.load_state_dict(loaded.state_dict(), strict=False)
+    assert_same_training(loaded, other, batches(2))
+
+
+def test_modules_to_save_misuse_raises():
+    """A forward with the adapter disabled would need the originals the engine does not compute
+    with; modules_to_save added to a model already slid would never train."""
+    _, slid = mts_pair(["lm_head"])
+    b = batches(1)[0]
+    with slid.disable_adapter(), pytest.raises(hs.SlideStateError, match="disable_adapter"):
+        slid(**b)
+    slid(**b)                                                  # enabled again: fine
+    late = get_peft_model(hs.slide(_base(tied=False), hs.SlideConfig(device="cpu", dtype=torch.float32)),
+                          LoraConfig(r=4, target_modules=TARGETS, modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match="modules_to_save, in the PEFT model given to slide"):
+        late(**b)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from ..modules_to_save import trained_copy
 from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, get_family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
@@ -30,7 +31,8 @@ class DecoderAdapter:
         return getattr(model, self.base_attr)
 
     def embed(self, model: nn.Module) -> nn.Embedding:
-        return self.base(model).embed_tokens
+        """The input embedding; under PEFT `modules_to_save`, its trainable copy (modules_to_save.py)."""
+        return trained_copy(self.base(model).embed_tokens)
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return self.base(model).layers
@@ -39,7 +41,8 @@ class DecoderAdapter:
         return self.base(model).norm
 
     def lm_head(self, model: nn.Module) -> nn.Linear:
-        return model.lm_head
+        """The lm_head; under PEFT `modules_to_save`, its trainable copy (modules_to_save.py)."""
+        return trained_copy(model.lm_head)
 
     def rotary(self, model: nn.Module) -> nn.Module | None:
         return getattr(self.base(model), "rotary_emb", None)
