@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="host bytes per parameter of the frozen layers and head: 2, the compute dtype the engine keeps "
                         "them in, or 4 when the adapters are added to a model already slid (default: "
                         f"{FROZEN_BASE_BYTES})")
+    p.add_argument("--lora-modules-to-save", default="", metavar="NAMES",
+                   help="with --lora-r: PEFT's modules_to_save, comma-separated among embed_tokens, lm_head (trained in "
+                        "full on the host beside the adapters)")
     p.add_argument("--gpu-hbm-gbs", type=float, default=PEAK_HBM_GBS,
                    help=f"GPU memory bandwidth, GB/s: paces the LoRA adapters' work (default: {PEAK_HBM_GBS:g}, H200)")
     p.add_argument("--gpu-fp32-tflops", type=float, default=PEAK_FP32_TFLOPS,
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                       grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
                       nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident, nvme_gb=args.nvme_gb,
                       nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
+                      lora_modules_to_save=tuple(m.strip() for m in args.lora_modules_to_save.split(",") if m.strip()),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
                       gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops)
     except (OSError, ValueError) as e:

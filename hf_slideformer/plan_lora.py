@@ -13,6 +13,12 @@ stay on the GPU. What changes against full fine-tuning:
   gradients only (no weight-gradient products of the base); plus the adapters' own work;
 - PCIe: the frozen layers for the forward and the recompute; nothing of theirs crosses back.
 
+With PEFT `modules_to_save` (`trained`: "embed_tokens", "lm_head"; modules_to_save.py) the
+copy trains in full as the embedding or head unit does in full fine-tuning: fp32 master and
+moments on the host (the embedding's dense fp32 gradient too), the frozen original beside it in
+the compute dtype, the CPU AdamW over it, the head's gradient back over PCIe and its weights in
+again after each update. On a tied model the lm_head is the embedding.
+
 `advise_lora` is the advice of such a plan. `planner.plan(..., lora_r=r)` picks both, once.
 """
 from __future__ import annotations
@@ -25,13 +31,14 @@ from .plan_estimate import (
     ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
 )
 
-__all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES"]
+__all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES", "MODULES_TO_SAVE"]
 
 # Host bytes per parameter of a frozen layer or head: the engine keeps them in the compute dtype
 # (store.py: [Why a frozen unit is kept in the compute dtype]). 4 where the adapters were added to
 # a model already slid, which keeps its fp32 masters. The embedding's master stays fp32 (its rows
 # are gathered from it on the host).
 FROZEN_BASE_BYTES = 2
+MODULES_TO_SAVE = ("embed_tokens", "lm_head")      # what modules_to_save may name (modules_to_save.py)
 ADAPTER_GPU_BYTES = 16       # fp32 weight, gradient, Adam m and v, all on the GPU
 # GPU memory traffic of one adapted linear, bytes per token per input / output feature. PEFT's
 # `lora.Linear.forward` with fp32 adapters on a bf16 base: x cast to fp32 (2 + 4), read by
@@ -69,6 +76,7 @@ class LoraEstimator(Estimator):
 
     r: int = 16
     base_bytes: int = FROZEN_BASE_BYTES
+    trained: tuple[str, ...] = ()       # PEFT modules_to_save: a subset of MODULES_TO_SAVE
 
     host_updates = False     # the engine keeps frozen layers streaming: no resident units, no device updates
 
@@ -79,20 +87,45 @@ class LoraEstimator(Estimator):
     @property
     def frozen_params(self) -> int:
         """Parameters the engine keeps at `base_bytes`: the layers and the head (the embedding's
-        master stays fp32; a tied lm_head is the embedding)."""
-        return self.s.layers * self.s.layer_params + self.s.head_params
+        master stays fp32; a tied lm_head is the embedding; a trained lm_head is not frozen)."""
+        return self.s.layers * self.s.layer_params + self.s.head_params - self.trained_head_params
+
+    @property
+    def trained_head_params(self) -> int:
+        """The untied lm_head's parameters when modules_to_save trains it (the final norm stays frozen)."""
+        s = self.s
+        return s.head_params - s.hidden if "lm_head" in self.trained and not s.tied else 0
+
+    @property
+    def trained_embed_params(self) -> int:
+        """The embedding's parameters when modules_to_save trains it (or the lm_head tied to it)."""
+        s = self.s
+        on = "embed_tokens" in self.trained or ("lm_head" in self.trained and s.tied)
+        return s.embed_params if on else 0
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters the CPU AdamW updates: the modules_to_save copies."""
+        return self.trained_head_params + self.trained_embed_params
 
     def host(self, B: int, tier: str, deferred: bool = False, disk_layers: int = 0) -> dict:
         """Host bytes by item (no moments, accumulators, gradients or gradient ring: nothing of the
         base trains)."""
-        s = self.s
-        return {
-            "embedding master (fp32, frozen)": 4 * s.embed_params,
+        s, head, emb = self.s, self.trained_head_params, self.trained_embed_params
+        out = {
+            f"embedding master (fp32, {'trained' if emb else 'frozen'})": 4 * s.embed_params,
             f"frozen layers and head ({self.base_bytes} B/param)": self.base_bytes * self.frozen_params,
             "embedding row buffer (B*S*H fp32, pinned)": 4 * B * self.seq * s.hidden,
             f"layer inputs ({tier} tier)": self.layer_inputs_host(B, tier),
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         }
+        if head:
+            out["lm_head copy (modules_to_save: fp32 master, m, v)"] = 12 * head
+        if emb:
+            out["embedding copy's moments and gradient (modules_to_save: m, v, fp32 gradient)"] = 12 * emb
+        if head or emb:
+            out["modules_to_save originals (frozen, bf16)"] = 2 * (head + emb)
+        return out
 
     def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
         """As full fine-tuning's, plus the adapters and their fp32 inputs; a frozen head has no gradient."""
@@ -105,8 +138,9 @@ class LoraEstimator(Estimator):
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
             f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'} bf16, the adapters' fp32 inputs B*S*{ins})":
                 2 * T * ACT_HIDDEN * s.hidden + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate + 4 * T * ins,
-            "head: logits chunk, hidden states (frozen: no gradient)":
-                2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4),
+            "head: logits chunk, hidden states (frozen: no gradient)" if not self.trained_head_params else
+            "head: gradient (bf16, modules_to_save), logits chunk, hidden states":
+                2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4) + 2 * self.trained_head_params,
         }
         return fixed, phases
 
@@ -117,12 +151,14 @@ class LoraEstimator(Estimator):
     def flops_per_token(self, recompute: bool = True) -> float:
         """bf16 matmul FLOPs per token: layers 4 P (forward, input gradients) plus the recompute's
         2 P less down_proj's 2 I H, head 4 V H (its forward and its input's gradient), attention
-        as for full fine-tuning (its backward has no weights). The adapters' products are timed by
+        as for full fine-tuning (its backward has no weights); a trained lm_head (modules_to_save) adds
+        its weight gradient's 2 V H. The adapters' products are timed by
         `adapter_seconds`."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
         lin = 4 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
-        return s.layers * lin + 4 * s.vocab * s.hidden + attn
+        head = (6 if self.trained_head_params else 4) * s.vocab * s.hidden     # a trained head: its weight gradient
+        return s.layers * lin + head + attn
 
     def adapter_traffic_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The adapters' memory traffic per optimizer step at the achieved bandwidth."""
@@ -158,13 +194,20 @@ class LoraEstimator(Estimator):
         s, TH = self.s, B * self.seq * self.s.hidden
         layers = 2 * max(0, s.layers - self.window) * s.layer_params * self.base_bytes
         acts = 2 * (s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
-        return N * (layers + 4 * TH + acts), N * acts
+        # a trained lm_head: its bf16 gradient out per micro-batch, its updated weights in once per
+        # step; a trained embedding: its rows' fp32 gradient out
+        head = 2 * self.trained_head_params
+        rows = 4 * TH if self.trained_embed_params else 0
+        return N * (layers + 4 * TH + acts) + head, N * (acts + head + rows)
 
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
               res: tuple[bool, int] = (False, 0), disk_layers: int = 0) -> dict:
-        """As `Estimator.times`, without a `cpu` term: nothing is updated on the CPU."""
+        """As `Estimator.times`; the `cpu` term is the modules_to_save copies' AdamW, absent without them."""
         out = super().times(B, N, tier, False)
-        del out["cpu"]
+        if self.trained_params:
+            out["cpu"] = self.trained_params / (self.rates["adam_gps"] * 1e9)
+        else:
+            del out["cpu"]
         return out
 
 

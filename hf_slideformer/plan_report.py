@@ -59,6 +59,8 @@ class Plan:
     lora_r: int | None = None         # a LoRA plan's rank (None: full fine-tuning)
     lora_params: int = 0              # its adapter parameters (fp32, on the GPU)
     lora_base_bytes: int | None = None  # host bytes per parameter of its frozen layers and head
+    lora_trained: tuple = ()          # its modules_to_save (trained in full on the host)
+    lora_trained_params: int = 0      # their parameters
     adapter_s: float = 0.0            # the adapters' part of the gpu term
     bound_s: float = 0.0
     bound_by: str = ""
@@ -252,7 +254,10 @@ def _format_report(p: Plan) -> str:
     if p.lora_r:
         lines.append(f"LoRA plan: rank {p.lora_r} on every linear layer of the decoder layers, "
                      f"{p.lora_params / 1e6:.1f} M adapter parameters in fp32 on the GPU, updated there; the base "
-                     f"frozen and streamed ({p.lora_base_bytes} B/param, the embedding fp32), no CPU AdamW")
+                     f"frozen and streamed ({p.lora_base_bytes} B/param, the embedding fp32), "
+                     + (f"modules_to_save {', '.join(p.lora_trained)} trained in full ("
+                        f"{p.lora_trained_params / 1e6:.1f} M parameters, CPU AdamW)" if p.lora_trained
+                        else "no CPU AdamW"))
     lines.append("")
     if p.host_mem_bytes is None:
         verdict = "limit unknown"
@@ -306,7 +311,8 @@ def _format_report(p: Plan) -> str:
                 f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
                 f"(resident, no recompute: {p.gpu_resident_s:.3f} s)"),
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
-        "cpu": f"AdamW over {_count(s.n_params - res_params)} parameters at {p.rates['adam_gps']} G/s",
+        "cpu": f"AdamW over {_count(p.lora_trained_params if p.lora_r else s.n_params - res_params)} parameters "
+               f"at {p.rates['adam_gps']} G/s" + (" (modules_to_save)" if p.lora_r else ""),
         "disk": " + ".join(
             ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
              if p.activation_tier == "nvme" else [])

@@ -23,7 +23,9 @@ from .plan_estimate import (
 from .plan_estimate import (  # noqa: F401 - the rest of the calibration, importable from the planner as well
     ACT_HIDDEN, ACT_INTER, ADD_VS_ADAM, DUPLEX, GRAD_BYTES, NVME_BUFFERS, PROCESS_HOST_BYTES,
 )
-from .plan_lora import FROZEN_BASE_BYTES, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora
+from .plan_lora import (
+    FROZEN_BASE_BYTES, MODULES_TO_SAVE, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora,
+)
 from .plan_report import Plan, advise
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
@@ -79,7 +81,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
          nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
-         mlp_chunk_tokens: int | None = None,
+         lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = None,
          gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
@@ -114,6 +116,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         lora_base_bytes: host (and PCIe) bytes per parameter of the frozen layers and head: 2, the
             compute dtype the engine keeps them in, or 4 when the adapters are added to a model
             already slid (its fp32 masters stay). The embedding's master is fp32 either way.
+        lora_modules_to_save: PEFT's modules_to_save of the LoRA run, of "embed_tokens" and
+            "lm_head": their copies train in full (12 B/param on the host, the CPU AdamW).
         gpu_hbm_gbs, gpu_fp32_tflops: the GPU's memory bandwidth (GB/s) and fp32 peak (TFLOPS),
             which pace the LoRA adapters' fp32 work (H200: 4800, 66.9).
 
@@ -147,9 +151,13 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     if lora:
         _check("lora_r", lora_r, isinstance(lora_r, int) and lora_r >= 1, "an int >= 1")
         _check("lora_base_bytes", lora_base_bytes, lora_base_bytes in (2, 4), "2 (the compute dtype) or 4 (fp32)")
+        _check("lora_modules_to_save", lora_modules_to_save,
+               all(m in MODULES_TO_SAVE for m in lora_modules_to_save), f"names among {', '.join(MODULES_TO_SAVE)}")
         if nvme_gb is not None:
             raise ValueError("LoRA on a model whose layers keep their state on disk is not supported (the engine "
                              "refuses it); plan a LoRA run without nvme_gb: its frozen base never goes to disk")
+    elif lora_modules_to_save:
+        raise ValueError("lora_modules_to_save needs lora_r: modules_to_save is a setting of a LoRA run")
     clip = float(max_grad_norm) if max_grad_norm is not None and max_grad_norm > 0 else None
     deferred = N > 1 or clip is not None
     gpu_source = "given"
@@ -166,7 +174,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         _check("mlp_chunk_tokens", mlp_chunk_tokens, isinstance(mlp_chunk_tokens, int) and mlp_chunk_tokens >= 1,
                "an int >= 1")
     est = (LoraEstimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, r=lora_r,
-                         base_bytes=lora_base_bytes) if lora
+                         base_bytes=lora_base_bytes, trained=tuple(dict.fromkeys(lora_modules_to_save))) if lora
            else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
     extras = est.gpu_extras(N, clip is not None)
@@ -188,6 +196,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
              max_batch_host=max_host)
     if lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params
+        p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
         p.adapter_s = est.adapter_seconds(batch, N)
     p.host = est.host(batch, tier, deferred, k_disk)
     p.host_total = sum(p.host.values())

@@ -421,6 +421,33 @@ def test_lora_moves_only_the_frozen_base():
         lora_8b(nvme_gb=2000)
 
 
+def test_lora_modules_to_save_trains_its_copies_on_the_host(capsys):
+    """PEFT modules_to_save: the copy's fp32 master and moments (and the embedding's gradient) on
+    the host, the frozen original beside it, the CPU AdamW over the copies alone, the head's
+    gradient out and its weights in again, and its weight gradient's FLOPs."""
+    p = lora_8b(lora_base_bytes=2)
+    s = p.shape
+    head = s.vocab * s.hidden                                       # the untied lm_head, the norm stays frozen
+    h = lora_8b(lora_base_bytes=2, lora_modules_to_save=("lm_head",))
+    assert h.host["lm_head copy (modules_to_save: fp32 master, m, v)"] == 12 * head
+    assert h.host["modules_to_save originals (frozen, bf16)"] == 2 * head
+    assert p.host["frozen layers and head (2 B/param)"] - h.host["frozen layers and head (2 B/param)"] == 2 * head
+    assert "cpu" not in p.times and h.times["cpu"] == pytest.approx(head / (H200["adam_gps"] * 1e9))
+    assert h.d2h_bytes - p.d2h_bytes == 2 * head and h.h2d_bytes - p.h2d_bytes == 2 * head
+    assert h.flops_per_token - p.flops_per_token == 2 * head
+    both = lora_8b(lora_base_bytes=2, lora_modules_to_save=("embed_tokens", "lm_head"))
+    assert both.lora_trained_params == 2 * head and both.times["cpu"] == pytest.approx(2 * h.times["cpu"])
+    assert "embedding master (fp32, trained)" in both.host
+    assert main(["plan", str(CONFIGS / "llama3-8b.json"), "--batch", "16", "--gpu-mem", "24", "--host-mem", "125",
+                 "--lora-r", "16", "--lora-modules-to-save", "lm_head"]) == 0
+    out = capsys.readouterr().out
+    assert "modules_to_save lm_head trained in full" in out and "(modules_to_save)" in out
+    with pytest.raises(ValueError, match="lora_modules_to_save"):
+        lora_8b(lora_modules_to_save=("norm",))
+    with pytest.raises(ValueError, match="needs lora_r"):
+        plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, lora_modules_to_save=("lm_head",), **H200)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("r", [1, 4])
 def test_lora_adapter_counts_match_peft(model_type, r):
