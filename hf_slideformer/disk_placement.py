@@ -10,7 +10,8 @@ Note: [When a disk layer's state is in memory] the record is read into a pool bu
 use and written back after each update:
 
 - a slot copy (the forward's prefetch a window ahead, or the recompute's reload) of a layer whose
-  master is on disk: pinned, read, copied into the slot (waiting for the update's finished
+  master is on disk: pinned, read (the master alone unless the copy's backward updates:
+  disk_store.py, [Why a copy reads the master alone]), copied into the slot (waiting for the update's finished
   prefix as a host layer does), unpinned; the buffer stays until that copy has completed on the
   device. A layer with only its moments on disk copies its master from the host store, as a
   host layer does, and reads nothing for it;
@@ -93,7 +94,7 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- weights (main thread)
     def weights(self, busy: tuple = ()):
-        self.states.read_ahead(self._needed_next())  # the schedule is at this layer: what it needs next
+        self.states.read_ahead(*self._needed_next())  # the schedule is at this layer: what it needs next
         self._copy_in(busy)
         return super().weights(busy)                 # the slot holds it now
 
@@ -109,24 +110,24 @@ class DiskLayer(HostLayer):
         if not self.record.master:
             e.slots.load((u,), busy)                 # the master is in the host store: a host layer's copy
             return
-        s.pin(u)
+        s.pin(u, whole=e.in_backward and e.mode.updates)    # [Why a copy reads the master alone]
         try:
             s.ready(u)
             e.slots.load((u,), busy)                 # waits for the update's finished prefix, as a host layer
         finally:
             s.unpin(u)                               # the buffer stays until the copy is done (u.readers)
 
-    def _needed_next(self) -> list:
-        """The disk records the schedule needs next, nearest first, from this layer on."""
+    def _needed_next(self) -> tuple[list, bool]:
+        """The disk records the schedule needs next, nearest first, from this layer on, and
+        whether whole (for updates) or their masters alone (for copies)."""
         e, u, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
         if e.in_backward:                            # this layer (when it updates here), then down
             updates = e.mode.updates
-            return ([u] if updates else []) + s.ahead(u, -1, n, masters=not updates)
-        nxt = s.ahead(u, 1, n, masters=True)         # the forward's next copies
+            return ([u] if updates else []) + s.ahead(u, -1, n, masters=not updates), updates
         if not s.ahead(u, 1, 1) and e.live_generation is not None and not e.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
-            nxt += [u] + s.ahead(u, -1, n - 1)
-        return nxt
+            return [u] + s.ahead(u, -1, n - 1), True
+        return s.ahead(u, 1, n, masters=True), False     # the forward's next copies
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:

@@ -65,8 +65,9 @@ def split_layers(limit: int, fixed: int, layer_numels: Sequence[int]) -> DiskSpl
 
     Moments first: moving a layer's moments to disk frees 8 bytes per parameter for 16 bytes of
     disk traffic per step (read and written once around its update), 2 per byte freed; moving
-    its whole state frees 12 for 36 with one micro-batch (read for the forward's copy and the
-    backward's, written after the update), 3 per byte freed. So the moments of the fewest last
+    its whole state frees 12 for 28 with one micro-batch (its master read for the forward's copy,
+    the whole record for the backward's, written after the update), 2.3 per byte freed, and the
+    4 bytes of its master that the moments tier kept cost 12 more. So the moments of the fewest last
     layers that fit; when the moments of every layer are not enough, the whole state of the
     fewest last layers besides. The pool's buffers hold the largest record: the first whole
     layer makes each of them 4 bytes per parameter of one layer larger, and each whole layer

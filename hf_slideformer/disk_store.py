@@ -31,6 +31,15 @@ moments-only unit the host store's, which a slot copy reads as a host layer's an
 pin), so the copy's wait for the update's finished prefix (`Unit.set_progress`) and the update's
 wait for copies of the old master (`Unit.readers`) are the host store's, unchanged.
 
+Note: [Why a copy reads the master alone] a slot copy needs a whole-state layer's master and
+nothing else, so a pin or a read-ahead for a copy reads the first array of the record (4 of its
+12 bytes per parameter) and marks the residency partial; a pin or read-ahead for an update or a
+checkpoint reads the rest into the same buffer first (the unit's operations run in order, so
+both reads see one generation: a partial residency never has a write pending, since a write
+follows an update, which needs the whole record). A partial residency is evicted like any other:
+nothing of it is newer than the file. A write of a partial one would write moments never read,
+and is refused.
+
 Note: [Why pinning cannot deadlock] only a pin of a unit that is not resident waits, for a
 buffer. The main thread holds at most one pin while it waits for the worker (a slot copy of a
 whole-state unit waits for its unit's update; a moments-only unit's copy holds none); its other
@@ -135,12 +144,17 @@ def pool_buffers(n_disk: int) -> int:
 
 
 class _Residency:
-    """One resident unit: its buffer, its read and last write, who holds it, when last used."""
+    """One resident unit: its buffer, its reads and last write, who holds it, when last used, and
+    whether all of its record is in the buffer or only the master (`whole`: [Why a copy reads
+    the master alone])."""
 
-    __slots__ = ("buf", "read", "write", "pins", "used")
+    __slots__ = ("buf", "reads", "write", "pins", "used", "whole")
 
-    def __init__(self, buf, read):
-        self.buf, self.read, self.write, self.pins, self.used = buf, read, None, 0, 0
+    def __init__(self, buf, read, whole: bool):
+        self.buf, self.reads, self.write, self.pins, self.used, self.whole = buf, [read] if read else [], None, 0, 0, whole
+
+    def reading(self) -> bool:
+        return any(not f.done() for f in self.reads)
 
 
 class DiskStates:
@@ -220,7 +234,7 @@ class DiskStates:
         r.used = self._clock
 
     def _evictable(self, uid: int, r: _Residency) -> bool:
-        if r.pins or (r.read is not None and not r.read.done()):
+        if r.pins or r.reading():
             return False
         if r.write is not None and (not r.write.done() or r.write.exception() is not None):
             return False                        # a failed write: the buffer is newer than the file
@@ -240,38 +254,52 @@ class DiskStates:
             r.buf.release()
         return self.pool.acquire_one()          # one is free: does not block
 
-    def _load(self, u: Unit, buf) -> _Residency:
-        """Make `u` resident in `buf`: its views set, its read issued (zeros if never written)."""
+    def _load(self, u: Unit, buf, whole: bool = True) -> _Residency:
+        """Make `u` resident in `buf`: its views set, its read issued (zeros if never written);
+        without `whole`, the read of a record that holds the master covers the master alone."""
         k = self._index[id(u)]
         self.records[k].attach(u, buf)
         if self.file.generation(k) == 0:         # never written: the state of a fresh unit is zeros
             buf.tensor[:self.file.payload_bytes(k)].zero_()
-            read = None
+            read, whole = None, True
         else:
-            read = self.file.read(k, buf)
-            self.read_bytes += self.file.payload_bytes(k)
-        r = _Residency(buf, read)
+            whole = whole or not self.records[k].master
+            span = None if whole else (0, self.file.array_bytes(k))
+            read = self.file.read(k, buf, span)
+            self.read_bytes += self.file.payload_bytes(k) if whole else span[1]
+        r = _Residency(buf, read, whole)
         self._res[id(u)] = r
         return r
+
+    def _complete(self, u: Unit, r: _Residency) -> None:
+        """A unit resident with its master alone: read the rest of its record into its buffer."""
+        k = self._index[id(u)]
+        lo, hi = self.file.array_bytes(k), self.file.payload_bytes(k)
+        r.reads.append(self.file.read(k, r.buf, (lo, hi)))
+        r.whole = True
+        self.read_bytes += hi - lo
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
             raise self._failure
 
     # ------------------------------------------------------------------ pins
-    def pin(self, u: Unit) -> None:
+    def pin(self, u: Unit, whole: bool = True) -> None:
         """Hold `u` resident (reading it in if it is not): blocks only for a buffer. Its views
-        are valid once `ready(u)` returns, until the matching `unpin`."""
+        are valid once `ready(u)` returns, until the matching `unpin`; without `whole`, only its
+        master's (a slot copy: [Why a copy reads the master alone])."""
         t0 = None
         with self._cond:
             while True:
                 self._raise_failure()
                 r = self._res.get(id(u))
                 if r is not None:
+                    if whole and not r.whole:
+                        self._complete(u, r)
                     break
                 buf = self._take()
                 if buf is not None:
-                    r = self._load(u, buf)
+                    r = self._load(u, buf, whole)
                     break
                 if t0 is None:
                     t0 = time.perf_counter()
@@ -293,14 +321,13 @@ class DiskStates:
     def ready(self, u: Unit) -> None:
         """Wait until a pinned unit's state has been read in (raises the read's failure)."""
         with self._cond:
-            fut = self._res[id(u)].read
-        if fut is None:
-            return
-        if not fut.done():
-            t0 = time.perf_counter()
-            fut.exception()                     # waits
-            self._waited(t0, f"wait_disk_read:{u.name}")
-        fut.result()
+            reads = list(self._res[id(u)].reads)
+        for fut in reads:
+            if not fut.done():
+                t0 = time.perf_counter()
+                fut.exception()                 # waits
+                self._waited(t0, f"wait_disk_read:{u.name}")
+            fut.result()
 
     def before_update(self, u: Unit) -> None:
         """Wait until the previous write of a pinned unit no longer reads its buffer."""
@@ -317,6 +344,8 @@ class DiskStates:
         """Queue the write of a pinned unit's buffer as its next generation; returns its future."""
         with self._cond:
             r = self._res[id(u)]
+            if not r.whole:                     # its moments were never read: writing them would lose them
+                raise RuntimeError(f"internal: a write of {u.name}, resident with its master alone")
             k = self._index[id(u)]
             r.write = fut = self.file.write(k, r.buf)
             self.write_bytes += self.file.payload_bytes(k)
@@ -329,19 +358,23 @@ class DiskStates:
                 self._failure = fut.exception()
             self._cond.notify_all()
 
-    def read_ahead(self, units: Sequence[Unit]) -> None:
+    def read_ahead(self, units: Sequence[Unit], whole: bool = True) -> None:
         """Start reading in those of `units` that are not resident, in order, as far as buffers
-        are free or idle now (never waits; a unit read ahead stays evictable until pinned)."""
+        are free or idle now (never waits; a unit read ahead stays evictable until pinned);
+        without `whole`, the master alone of a record that holds it (for a slot copy)."""
         with self._cond:
             keep = {id(u) for u in units}
             started = []
             for u in units:
-                if id(u) in self._res:
+                r = self._res.get(id(u))
+                if r is not None:
+                    if whole and not r.whole:
+                        self._complete(u, r)
                     continue
                 buf = self._take(keep)
                 if buf is None:
                     break
-                started.append(self._load(u, buf))
+                started.append(self._load(u, buf, whole))
             for r in reversed(started):          # the nearest is the most recently used
                 self._touch(r)
 

@@ -263,15 +263,23 @@ class Estimator:
                                         for part in disk_layers.parts(disk_layers.layers)], slots=1)
         return head + sum(sizes)
 
-    def disk_traffic(self, N: int, disk_layers: DiskSplit) -> int:
-        """Bytes the layers on disk read and write per optimizer step of N micro-batches. A layer
-        with its moments on disk reads them once for its update and writes them once after it:
-        2 records of 8 B/param, whatever N. A layer with its whole state there reads it for every
-        forward's copy and every backward (the recompute's copy, which its update shares), and
-        writes it once after its update: 2 N + 1 records of 12 B/param."""
+    def disk_traffic(self, N: int, disk_layers: DiskSplit, deferred: bool | None = None) -> int:
+        """Bytes the layers on disk read and write per optimizer step of N micro-batches (deferred:
+        default N > 1). A layer with its moments on disk reads them once for its update and writes
+        them once after it: 2 records of 8 B/param, whatever N. A layer with its whole state there
+        reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
+        and its whole record for its update, and writes it once after: updating in backward, the
+        forward's copy (4 B/param) then the recompute's copy, which the update shares (12), per
+        micro-batch; deferred, the forward's and the recompute's copies (4 + 4) per micro-batch
+        and the whole record once for the update at the step. Evictions in between are assumed
+        (the pool holds four records), so a record read for the forward is read again."""
+        deferred = N > 1 if deferred is None else deferred
         P = self.s.layer_params
+        master = record_bytes(P, WHOLE) // 3
+        whole = (N * 2 * master + record_bytes(P, WHOLE) if deferred
+                 else N * (master + record_bytes(P, WHOLE)))
         return (disk_layers.moments * 2 * record_bytes(P, MOMENTS)
-                + disk_layers.whole * (2 * N + 1) * record_bytes(P, WHOLE))
+                + disk_layers.whole * (whole + record_bytes(P, WHOLE)))
 
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
               res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:
@@ -295,7 +303,7 @@ class Estimator:
             acts = N * 2 * s.layers * B * self.seq * s.hidden
             out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
         if disk_layers.layers:       # the layers' state shares the disk with the nvme tier's inputs
-            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers) / (r["nvme_bw"] * 1e9)
+            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers, deferred) / (r["nvme_bw"] * 1e9)
         return out
 
     def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None, disk_of=None) -> int:

@@ -203,7 +203,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.disk_layers, p.disk_moment_layers = k_disk.layers, k_disk.moments
     p.disk_mem_bytes = None if nvme_gb is None else int(nvme_gb * 1e9)
     p.disk_state_bytes = est.disk_state_bytes(k_disk)
-    p.disk_bytes_per_step = est.disk_traffic(N, k_disk)
+    p.disk_bytes_per_step = est.disk_traffic(N, k_disk, deferred)
     if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
         state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))]

@@ -56,6 +56,40 @@ def test_a_moments_record_holds_the_moments_and_never_the_master(tmp_path):
     assert a.exp_avg is None and (a.master == 7).all()    # the master never left the host
 
 
+def test_a_copy_reads_the_master_alone_and_an_update_the_rest(states):
+    """[Why a copy reads the master alone]: a pin for a copy reads the first array; a pin for an
+    update then reads the rest into the same buffer; the partial residency is never written."""
+    a = states.units[0]
+    _write(states, a, 10.0)
+    _evict_all(states)
+    read = states.read_bytes
+    states.pin(a, whole=False)
+    states.ready(a)
+    assert (a.master == 10).all() and states.read_bytes - read == states.file.array_bytes(0)
+    with pytest.raises(RuntimeError, match="master alone"):
+        states.write_behind(a)
+    states.pin(a)                                          # an update's pin: the moments come in too
+    states.ready(a)
+    assert (a.exp_avg == 11).all() and (a.exp_avg_sq == 12).all() and (a.master == 10).all()
+    assert states.read_bytes - read == states.file.payload_bytes(0)
+    states.unpin(a)
+    states.unpin(a)
+    _evict_all(states)
+    states.read_ahead([a], whole=False)                    # a read-ahead for a copy: the master alone too
+    states.pin(a)
+    states.ready(a)
+    assert (a.exp_avg_sq == 12).all() and states.read_bytes - read == 2 * states.file.payload_bytes(0)
+    states.unpin(a)
+
+
+def _evict_all(states):
+    """Fill the buffers with the other units, so that units[0] is evicted."""
+    for u in states.units[1:]:
+        with states.access(u):
+            pass
+    assert not states.is_resident(states.units[0])
+
+
 def test_a_unit_never_written_is_zeros_and_reads_back_what_was_written(states):
     a, b, c = states.units
     with states.access(a):

@@ -318,8 +318,9 @@ def test_a_disk_for_the_state_splits_the_layers_as_the_engine_would():
 @pytest.mark.parametrize("N,host_mem", [(1, 40), (2, 72)])
 def test_a_tighter_host_puts_every_moment_and_the_last_whole_states_on_disk(N, host_mem):
     """--host-mem 40 (72 with the accumulators of N = 2): the moments of every layer are not
-    enough; the whole state of the last layers goes too, and each of those moves (2 N + 1)
-    records of 12 B/param per step (the moments still 2 of 8 B/param)."""
+    enough; the whole state of the last layers goes too. Each of those reads its master alone
+    (4 B/param) for each copy and its whole record (12) for its update, and writes it once: 4 + 12
+    + 12 with one micro-batch, 2 N x 4 + 12 + 12 with accumulation (the moments still 2 x 8)."""
     from hf_slideformer.disk_plan import DiskSplit, split_layers
     from hf_slideformer.disk_store import MOMENTS, WHOLE, record_bytes
 
@@ -331,7 +332,9 @@ def test_a_tighter_host_puts_every_moment_and_the_last_whole_states_on_disk(N, h
     fixed = 12 * (s.n_params - s.layers * s.layer_params) + extra
     assert split_layers(int(p.host_memory_limit_gib * GiB), fixed, [s.layer_params] * s.layers) == DiskSplit(m, w)
     P = s.layer_params
-    assert p.disk_bytes_per_step == m * 2 * record_bytes(P, MOMENTS) + w * (2 * N + 1) * record_bytes(P, WHOLE)
+    whole, master = record_bytes(P, WHOLE), record_bytes(P, WHOLE) // 3
+    per_whole = master + 2 * whole if N == 1 else 2 * N * master + 2 * whole
+    assert p.disk_bytes_per_step == m * 2 * record_bytes(P, MOMENTS) + w * per_whole
     text = p.report()
     assert (f"layers 0..{m - 1} ({m}) with their moments on disk, masters in RAM, layers {m}..{s.layers - 1} "
             f"({w}) with their whole state on disk") in text

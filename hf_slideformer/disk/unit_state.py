@@ -294,16 +294,33 @@ class UnitStateFile:
             raise ValueError(f"unit {unit} takes a flat buffer or three fp32 tensors of {self.numels[unit]} values")
         return arrays, [k * _round_up(nbytes) for k in range(3)]
 
-    def read(self, unit: int, into) -> cf.Future:
+    def read(self, unit: int, into, span: tuple[int, int] | None = None) -> cf.Future:
         """Read the unit's current generation into `into`: a flat buffer of at least
         `payload_bytes(unit)` bytes (a `HostBuffer` of a `HostBufferPool`, say) or three fp32 tensors (CPU or
         CUDA). Runs after every operation asked for earlier on this unit.
+
+        Args:
+            span: with a flat buffer, only the payload's bytes [lo, hi), into the same bytes of
+                `into` (both multiples of 4096, or hi the payload's end): the master alone is
+                `(0, array_bytes(unit))`, the moments after it the rest.
 
         Returns:
             A future of a `UnitState` (views into `into` for a flat buffer).
         """
         arrays, offs = self._arrays(unit, into)
+        if span is not None:
+            lo, hi = span
+            end = self.payload_bytes(unit)
+            if len(arrays) != 1 or not (0 <= lo < hi <= end) or lo % ALIGN or (hi % ALIGN and hi != end):
+                raise ValueError(f"unit {unit}: a span is an aligned byte range of a flat buffer's payload "
+                                 f"(0..{end}), got {span}")
+            flat = arrays[0].detach().reshape(-1).view(torch.uint8)
+            return self._submit(unit, self._read, arrays[0], [flat[lo:hi]], [lo])
         return self._submit(unit, self._read, arrays[0] if len(arrays) == 1 else None, arrays, offs)
+
+    def array_bytes(self, unit: int) -> int:
+        """Bytes of one of the unit's arrays in a payload (its numel's fp32, rounded up to 4096)."""
+        return _round_up(4 * self.numels[unit])
 
     def write(self, unit: int, source) -> cf.Future:
         """Write `source` (as for `read`) as the unit's next generation. The future's result is
@@ -313,7 +330,9 @@ class UnitStateFile:
         return self._submit(unit, self._write, arrays, offs)
 
     def _payload_sizes(self, unit: int, arrays) -> list[int]:
-        return [self.payload_bytes(unit)] if len(arrays) == 1 else [4 * self.numels[unit]] * 3
+        if len(arrays) == 1:                        # a flat buffer (maybe larger), or one span of its payload
+            return [min(arrays[0].numel() * arrays[0].element_size(), self.payload_bytes(unit))]
+        return [4 * self.numels[unit]] * 3
 
     @staticmethod
     def _all(start, requests) -> None:
