@@ -376,3 +376,69 @@ def test_lora_on_a_model_with_layers_on_disk_is_refused(tmp_path, monkeypatch):
         p.create_optimizer(lr=LR)
     with pytest.raises(hs.SlideStateError, match="keep their state on disk"):     # a forward first: the same
         p(**batches(1)[0])
+
+
+# ------------------------------------------------------------------ a killed process
+_KILLED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+from hf_slideformer import disk_store, host_tasks, store as store_module
+from hf_slideformer.disk import UnitStateFile
+from hf_slideformer.disk_store import MOMENTS, WHOLE
+from hf_slideformer.train_checkpoint import save_training_state
+from helpers import batches, make_pair
+
+disk_store.STATE_BUFFERS = 2
+parts = {parts!r}
+def plan(units, config):
+    layers = [u for u in units if u.kind == "layer" and u.trainable]
+    return list(zip(layers[len(layers) - len(parts):], parts)) if config.host_memory_limit is not None else []
+store_module.plan_disk_units = plan
+_, model = make_pair("llama", False, seed=0, host_memory_limit=1.0, nvme_path={nvme!r}, max_grad_norm={clip!r})
+opt = model.create_optimizer(lr={lr!r}, weight_decay=0.1)
+def step(b):
+    model(**b).loss.backward()
+    opt.step()
+    opt.zero_grad()
+for b in batches(2):
+    step(b)
+save_training_state({ckpt!r}, model, opt)
+
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+if {where!r} == "update":          # in the middle of the next step, on the worker, as it updates a layer
+    host_tasks.HostUpdates.update = kill
+else:                               # as a layer's state is written back to disk
+    UnitStateFile._write = kill
+for b in batches(2, seed=3):
+    step(b)
+"""
+
+
+@pytest.mark.parametrize("where", ["update", "write"])
+@pytest.mark.parametrize("clip,parts", [(None, "MAA"), (0.5, "AAA")])
+def test_a_kill_in_the_middle_of_a_step_resumes_as_the_uninterrupted_run(tmp_path, monkeypatch, where, clip, parts):
+    """SIGKILL in the middle of a step with state on disk (on the worker's update, or as a record
+    is written back), then resume from the last training checkpoint: equal to the uninterrupted
+    run bit for bit, and no state file is left behind."""
+    import signal
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = _KILLED.format(tests=tests, parts=PARTS[parts], nvme=str(tmp_path / "nvme"), clip=clip, lr=LR,
+                          ckpt=str(tmp_path / "ckpt"), where=where)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))      # the threads of this process: the same sums
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert os.listdir(tmp_path / "nvme") == []                         # the state file had no name
+
+    on_disk, _ = disk_pair(tmp_path / "a", monkeypatch, parts=parts, max_grad_norm=clip)
+    opt = train(on_disk, batches(2))
+    train(on_disk, batches(2, seed=3), opt=opt)                        # the uninterrupted run
+    resumed, _ = disk_pair(tmp_path / "b", monkeypatch, seed=7, parts=parts, max_grad_norm=clip)
+    ropt = resumed.create_optimizer(lr=LR, weight_decay=0.1)
+    load_training_state(str(tmp_path / "ckpt"), resumed, ropt)
+    train(resumed, batches(2, seed=3), opt=ropt)
+    assert max_param_diff(resumed, on_disk) == 0.0 and same_optimizer_state(ropt, opt)
