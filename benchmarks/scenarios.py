@@ -223,7 +223,35 @@ def lora32(s: Settings) -> list[Step]:
             lora_row(s, "hf_lora", 8, None, model="qwen2.5-32b", timeout=250)]
 
 
+def disk_bandwidth(s: Settings) -> Step:
+    """`disk_bandwidth.py` on the disk the state goes to: dd with O_DIRECT beside the disk backend."""
+    size = "0.0625" if s.smoke else "8"
+    return Step("disk_bandwidth", ["benchmarks/disk_bandwidth.py", "--dir", str(Path(s.workdir) / "bandwidth"),
+                                   "--size-gib", size], 90, tail=6)
+
+
+def state_on_disk(s: Settings, model: str, limit: float, timeout: float) -> Step:
+    """`model` at batch 16 under 24 GiB with `host_memory_limit=limit` GiB (the rest of the state in
+    a file under the suite's directory); two timed steps. At CPU scale the limit does not bite
+    (the tiny model's state is smaller than the pool of buffers a disk layer needs)."""
+    short = model.replace("llama3-", "").replace("mistral-nemo-", "nemo")
+    config = {"host_memory_limit": 1.0 if s.smoke else limit, "nvme_path": str(Path(s.workdir) / "state")}
+    return slide_row(s, model, 16, 24, steps=2, warmup=1, timeout=timeout, name=f"{short}_b16_cap24_hml{limit:g}",
+                     slide_config=json.dumps(config))
+
+
+def disk(s: Settings) -> list[Step]:
+    """The disk's bandwidth; Llama-3.1-8B shape, batch 16, 24 GiB cap, all in host memory and then with host_memory_limit=48 (the moments of most layers on disk)."""
+    return [disk_bandwidth(s), slide_row(s, "llama3-8b", 16, 24, steps=2, warmup=1, timeout=130),
+            state_on_disk(s, "llama3-8b", 48, timeout=360)]
+
+
+def disk12(s: Settings) -> list[Step]:
+    """The disk's bandwidth; the Mistral-Nemo-12B shape (147 GB of state: more than the H200 host holds), batch 16, 24 GiB cap, host_memory_limit=100."""
+    return [disk_bandwidth(s), state_on_disk(s, "mistral-nemo-12b", 100, timeout=480)]
+
+
 SCENARIOS: dict[str, Callable[[Settings], list[Step]]] = {
     "quick": quick, "full": full, "small-gpu": small_gpu, "soak": soak, "kernels": kernels,
-    "baselines": baselines, "long": long, "lora": lora, "lora32": lora32,
+    "baselines": baselines, "long": long, "lora": lora, "lora32": lora32, "disk": disk, "disk12": disk12,
 }

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -379,3 +380,19 @@ def test_plan_offload_keeps_what_fits_under_the_cap_on_the_8b_shape():
     assert device_map["model.layers.23.mlp.up_proj.lora_A"] == device_map["model.layers.23.input_layernorm"] == gpu
     assert plan_offload(model, 4 * GIB, 16, 2048, torch.bfloat16).gpu_layers == 0
     assert plan_offload(model, None, 16, 2048, torch.bfloat16).gpu_layers == 16       # a CPU run: half
+
+
+def test_disk_bandwidth_measures_dd_and_the_backend(tmp_path, capsys):
+    """benchmarks/disk_bandwidth.py: both methods write and read a file, report GB/s, and leave no
+    file behind; the last line names the better of each."""
+    from benchmarks import disk_bandwidth
+
+    out = tmp_path / "bw.json"
+    assert disk_bandwidth.main(["--dir", str(tmp_path / "d"), "--size-gib", "0.03", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    back = doc["rows"]["backend"]
+    assert back["backend"] == "plain" and back["write_gbs"] > 0 and back["read_gbs"] > 0
+    dd = doc["rows"]["dd (O_DIRECT)"]
+    assert dd is None or "error" in dd or (dd["write_gbs"] > 0 and dd["read_gbs"] > 0)
+    assert doc["best"]["read_gbs"] >= back["read_gbs"] and os.listdir(tmp_path / "d") == []
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("best: write ")

@@ -48,6 +48,10 @@ def test_scenario_contents(tmp_path):
     assert names["lora"] == ["8b_hf_lora_b16", "8b_slide_lora_b16_cap24", "8b_hf_lora_offload_b16_cap24",
                              "8b_hf_lora_offload_b8_cap24"]
     assert names["lora32"] == ["q32b_slide_lora_b8_cap24", "q32b_hf_lora_b8"]
+    assert names["disk"] == ["disk_bandwidth", "8b_b16_cap24", "8b_b16_cap24_hml48"]
+    assert names["disk12"] == ["disk_bandwidth", "nemo12b_b16_cap24_hml100"]
+    hml = SCENARIOS["disk12"](Settings(workdir=tmp_path))[-1].argv
+    assert json.loads(hml[hml.index("--slide-config") + 1])["host_memory_limit"] == 100
     base = {s.name: s.argv for s in SCENARIOS["baselines"](Settings(workdir=tmp_path))}
     for name in ("hf_b16", "ds2_search", "ds3_search"):
         argv = base[name]
