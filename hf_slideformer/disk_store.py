@@ -62,7 +62,7 @@ from typing import Sequence
 
 import torch
 
-from .disk.buffers import ALIGN, HostBufferPool
+from .disk.buffers import ALIGN, HostBufferPool, round_up
 from .disk.unit_state import UnitStateFile
 
 # `Unit` in the annotations is `store.Unit`, which imports this module (annotations are not evaluated).
@@ -77,8 +77,6 @@ _POLL_S = 0.005            # how often a wait for a buffer looks at device copie
 # The part of a layer's state on disk: its AdamW moments alone, or its whole state.
 MOMENTS, WHOLE = "moments", "all"
 _ARRAYS = {MOMENTS: ("exp_avg", "exp_avg_sq"), WHOLE: ("master", "exp_avg", "exp_avg_sq")}
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class StateRecord:
@@ -111,18 +109,18 @@ class StateRecord:
         """The numel the state file is told for this record."""
         if self.master:
             return self.numel
-        pages = len(self.arrays) * _round_up(4 * self.numel) // ALIGN
+        pages = len(self.arrays) * round_up(4 * self.numel) // ALIGN
         return -(-pages // 3) * ALIGN // 4
 
     @property
     def nbytes(self) -> int:
         """Bytes of the record in a buffer, and moved by each read or write (the file's payload)."""
-        return 3 * _round_up(4 * self.file_numel)
+        return 3 * round_up(4 * self.file_numel)
 
     def attach(self, u: Unit, buf) -> None:
         """Make the unit's arrays of this record views of `buf` (a tensor or a `HostBuffer`)."""
         flat = getattr(buf, "tensor", buf).detach().reshape(-1).view(torch.uint8)
-        n, stride = self.numel, _round_up(4 * self.numel)
+        n, stride = self.numel, round_up(4 * self.numel)
         for k, name in enumerate(self.arrays):
             setattr(u, name, flat[k * stride:k * stride + 4 * n].view(torch.float32))
 

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .memory import GiB
 from .plan_estimate import (
     ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
 )
+from .plan_report import gib
 
 __all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES", "MODULES_TO_SAVE"]
 
@@ -211,36 +211,32 @@ class LoraEstimator(Estimator):
         return out
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
 def advise_lora(p, est: LoraEstimator) -> list[str]:
     """What to change in a LoRA plan, from its shortfalls and its binding term."""
     s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
     bf16 = (f"get_peft_model before slide() keeps the frozen layers and head in bf16 (saves "
-            f"{_gib((est.base_bytes - 2) * est.frozen_params)} of host memory and halves their copies)"
+            f"{gib((est.base_bytes - 2) * est.frozen_params)} of host memory and halves their copies)"
             if est.base_bytes > 2 else None)
     if p.host_fits is False:
         fixes = [bf16] if bf16 else []
         acts = p.host[f"layer inputs ({tier} tier)"]
         if tier == "cpu" and acts:
             if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
-                fixes.append(f"activation_tier='device' saves {_gib(acts)} (the GPU has room for them)")
-            fixes.append(f"activation_tier='nvme' saves {_gib(acts - est.layer_inputs_host(p.batch, 'nvme'))} "
+                fixes.append(f"activation_tier='device' saves {gib(acts)} (the GPU has room for them)")
+            fixes.append(f"activation_tier='nvme' saves {gib(acts - est.layer_inputs_host(p.batch, 'nvme'))} "
                          f"(costs about {est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
-        out.append(f"host memory short by {_gib(p.host_total - p.host_mem_bytes)}"
+        out.append(f"host memory short by {gib(p.host_total - p.host_mem_bytes)}"
                    + (": " + "; ".join(fixes) if fixes else ": use a host with more memory or a smaller model"))
     if not p.gpu_fits:
         m = p.max_batch_gpu
         if m >= 1:
-            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
+            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
                        f"that fits is {m}; batch {m} with gradient_accumulation_steps={math.ceil(p.batch * N / m)} "
                        f"keeps about {p.batch * N} sequences per step (the adapters' gradients are summed on the GPU)")
         else:
-            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, a lower "
+            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, a lower "
                        "rank, window=1, or a GPU with more memory")
     t = p.times
     if p.bound_by == "pcie":
@@ -258,8 +254,8 @@ def advise_lora(p, est: LoraEstimator) -> list[str]:
             out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     elif p.bound_by == "disk":
         out.append(f"disk-bound: the nvme tier writes and reads "
-                   f"{_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
-                   f"{_gib(est.layer_inputs_host(p.batch, 'cpu'))} of host memory instead")
+                   f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
+                   f"{gib(est.layer_inputs_host(p.batch, 'cpu'))} of host memory instead")
     else:
         products = est.adapter_product_seconds(p.batch, N) >= est.adapter_traffic_seconds(p.batch, N)
         out.append(f"GPU-bound: the frozen base's copies hide behind the compute; {p.adapter_s:.2f} s of the "

@@ -13,7 +13,7 @@ from .budget import balanced_share, pick_device_units
 from .memory import GiB
 from .plan_estimate import PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
 
-__all__ = ["Plan", "advise"]
+__all__ = ["Plan", "advise", "gib"]
 
 
 @dataclass
@@ -113,7 +113,8 @@ class Plan:
         return _format_report(self)
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """Bytes as GiB with one decimal, as the report prints them."""
     return f"{n / GiB:.1f} GiB"
 
 
@@ -138,35 +139,35 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
                          "last layers' masters and moments there")
         if deferred:
             fixes.append(f"no clipping and no accumulation (max_grad_norm=None, gradient_accumulation_steps=1) "
-                         f"saves {_gib(4 * (s.n_params - s.embed_params))}")
+                         f"saves {gib(4 * (s.n_params - s.embed_params))}")
         acts = p.host[f"layer inputs ({tier} tier)"]
         if tier == "cpu" and acts:
             if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
-                fixes.append(f"activation_tier='device' saves {_gib(acts)} (the GPU has room for them)")
+                fixes.append(f"activation_tier='device' saves {gib(acts)} (the GPU has room for them)")
             saved = acts - est.host(p.batch, "nvme", deferred)["layer inputs (nvme tier)"]
-            fixes.append(f"activation_tier='nvme' saves {_gib(saved)} (costs about "
+            fixes.append(f"activation_tier='nvme' saves {gib(saved)} (costs about "
                          f"{est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
         if p.grad_buffers > 2:
-            fixes.append(f"grad_buffers=2 saves {_gib(4 * (p.grad_buffers - 2) * s.layer_params)}")
+            fixes.append(f"grad_buffers=2 saves {gib(4 * (p.grad_buffers - 2) * s.layer_params)}")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
         floor = 12 * s.n_params + 4 * s.embed_params + PROCESS_HOST_BYTES
-        msg = f"host memory short by {_gib(short)}: " + "; ".join(fixes) if fixes else \
-            f"host memory short by {_gib(short)}"
+        msg = f"host memory short by {gib(short)}: " + "; ".join(fixes) if fixes else \
+            f"host memory short by {gib(short)}"
         if p.host_mem_bytes < floor:
-            msg += (f". Masters, moments and the embedding gradient alone need {_gib(floor)}: use a host with "
+            msg += (f". Masters, moments and the embedding gradient alone need {gib(floor)}: use a host with "
                     "more memory or a smaller model")
         out.append(msg)
     if not p.gpu_fits:
         m = p.max_batch_gpu
         if m >= 1:
             k = math.ceil(p.batch * N / m)
-            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
+            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
                        f"that fits is {m}; batch {m} with gradient_accumulation_steps={k} keeps about "
-                       f"{p.batch * N} sequences per step (+{_gib(4 * (s.n_params - s.embed_params))} of host "
+                       f"{p.batch * N} sequences per step (+{gib(4 * (s.n_params - s.embed_params))} of host "
                        "memory for the accumulator)")
         else:
-            out.append(f"GPU memory short by {_gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, use "
+            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, use "
                        "window=1, or a GPU with more memory")
     limit = batch_limit(p.max_batch_gpu, p.max_batch_host)
     t = p.times
@@ -184,10 +185,10 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             need = sum(est.host(b, tier, True).values())
             room = ("" if p.host_mem_bytes is None else
                     "; it fits in host memory" if need <= p.host_mem_bytes else
-                    f"; that needs {_gib(need)} of host memory, more than the {_gib(p.host_mem_bytes)} there is")
+                    f"; that needs {gib(need)} of host memory, more than the {gib(p.host_mem_bytes)} there is")
             out.append(f"CPU-bound at the largest batch that fits ({b}): gradient_accumulation_steps={k} hides "
                        f"AdamW behind {k} micro-batches (the fp32 accumulator adds "
-                       f"{_gib(4 * (s.n_params - s.embed_params))}{room}), or use a host with a faster AdamW "
+                       f"{gib(4 * (s.n_params - s.embed_params))}{room}), or use a host with a faster AdamW "
                        "(more cores, more memory bandwidth)")
         if b and not hides and p.bound_by == "pcie":
             out.append(f"PCIe-bound at the largest batch that fits ({b}): the weights cross PCIe twice per "
@@ -200,20 +201,20 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             out.append(f"disk-bound: the state of the {p.disk_layers} layers on disk moves "
                        f"{p.disk_bytes_per_step / 1e9:.0f} GB per step at {p.rates['nvme_bw']} GB/s; it does not grow "
                        f"with the batch, so a larger batch (or gradient accumulation) spreads it over more tokens; "
-                       f"{_gib(more)} more host memory keeps every layer in RAM; a faster disk (or several in RAID 0) "
+                       f"{gib(more)} more host memory keeps every layer in RAM; a faster disk (or several in RAID 0) "
                        "shortens it")
         if tier == "nvme":
             need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
             out.append(f"disk-bound: the nvme tier writes and reads "
-                       f"{_gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
-                       f"{_gib(need)} of host memory instead")
+                       f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
+                       f"{gib(need)} of host memory instead")
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")
         if not deferred and p.grad_buffers > 3 and 4 * (p.grad_buffers - 3) * s.layer_params >= GiB // 10:
             # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
             # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
-            out.append(f"grad_buffers=3 saves {_gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
+            out.append(f"grad_buffers=3 saves {gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
 
@@ -262,12 +263,12 @@ def _format_report(p: Plan) -> str:
     if p.host_mem_bytes is None:
         verdict = "limit unknown"
     else:
-        verdict = (f"of {_gib(p.host_mem_bytes)} ({p.host_mem_source}): "
-                   + ("fits" if p.host_fits else f"SHORT by {_gib(p.host_total - p.host_mem_bytes)}"))
-    lines.append(f"host memory  {_gib(p.host_total)} {verdict}")
+        verdict = (f"of {gib(p.host_mem_bytes)} ({p.host_mem_source}): "
+                   + ("fits" if p.host_fits else f"SHORT by {gib(p.host_total - p.host_mem_bytes)}"))
+    lines.append(f"host memory  {gib(p.host_total)} {verdict}")
     lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.host.items() if v]
     if p.host_steady < p.host_total:
-        lines.append(f"  peak in the first step; {_gib(p.host_steady)} once the resident units' host pages are released")
+        lines.append(f"  peak in the first step; {gib(p.host_steady)} once the resident units' host pages are released")
     if p.disk_mem_bytes is not None:
         dverdict = "fits" if p.disk_fits else f"SHORT by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB"
         lines.append(f"disk         {p.disk_state_bytes / 1e9:.1f} GB of {p.disk_mem_bytes / 1e9:.0f} GB (given): "
@@ -281,9 +282,9 @@ def _format_report(p: Plan) -> str:
         lines.append("  RAM / disk split: " + ", ".join(parts) + (
             f" ({_count(p.disk_layers * s.layer_params)} parameters, host_memory_limit={p.host_memory_limit_gib} GiB)"
             if p.disk_layers else ", none on disk"))
-    gverdict = "fits" if p.gpu_fits else f"SHORT by {_gib(p.gpu_peak - p.gpu_limit)}"
-    lines.append(f"GPU memory   {_gib(p.gpu_peak)} peak allocated, {_gib(p.gpu_limit)} usable of "
-                 f"{_gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
+    gverdict = "fits" if p.gpu_fits else f"SHORT by {gib(p.gpu_peak - p.gpu_limit)}"
+    lines.append(f"GPU memory   {gib(p.gpu_peak)} peak allocated, {gib(p.gpu_limit)} usable of "
+                 f"{gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
     lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.gpu_fixed.items()]
     big = max(p.gpu_phases, key=p.gpu_phases.get)
     lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in p.gpu_phases.items()]

@@ -15,19 +15,20 @@ import torch
 
 from ..memory import PinnedBuffers
 
-__all__ = ["ALIGN", "aligned_host_buffer", "HostBuffer", "HostBufferPool", "BufferPoolError"]
+__all__ = ["ALIGN", "round_up", "aligned_host_buffer", "HostBuffer", "HostBufferPool", "BufferPoolError"]
 
 ALIGN = 4096
 
 
-def _round_up(n: int, to: int = ALIGN) -> int:
+def round_up(n: int, to: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `to` (default: the I/O alignment)."""
     return (n + to - 1) // to * to
 
 
 def aligned_host_buffer(nbytes: int) -> torch.Tensor:
     """A CPU uint8 tensor of `nbytes` bytes (rounded up to `ALIGN`) whose data starts on an `ALIGN`
     boundary: a private anonymous mapping, which the kernel aligns to a page."""
-    size = _round_up(max(nbytes, 1))
+    size = round_up(max(nbytes, 1))
     if hasattr(mmap, "MAP_ANONYMOUS"):
         t = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     else:                                           # no anonymous mappings: over-allocate and slice
@@ -87,7 +88,7 @@ class HostBufferPool:
     def __init__(self, count: int, nbytes: int, pin: bool | None = None):
         if count < 1:
             raise ValueError("a buffer pool needs at least one buffer")
-        self.nbytes = _round_up(max(nbytes, 1))
+        self.nbytes = round_up(max(nbytes, 1))
         self.pinned = PinnedBuffers(torch.cuda.is_available() if pin is None else pin)
         self._buffers = [self.pinned.adopt(aligned_host_buffer(self.nbytes)) for _ in range(count)]
         self._free = list(range(count))

@@ -60,7 +60,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .backends import DiskIOError, FileBackend, make_backend
-from .buffers import ALIGN, HostBuffer
+from .buffers import ALIGN, HostBuffer, round_up
 from .space import preallocate
 
 __all__ = ["UnitState", "UnitStateFile", "UnitStateError", "record_layout"]
@@ -70,10 +70,6 @@ _FILE_HEAD = struct.Struct("<8sIIQ")             # magic, version, unit count, f
 _RECORD = struct.Struct("<8sQIIQQ")              # magic, file id, unit, slot, generation, numel
 _CRC = struct.Struct("<I")
 HEADER_BYTES = ALIGN                             # one record header
-
-
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class UnitStateError(RuntimeError):
@@ -93,10 +89,10 @@ def record_layout(numels: Sequence[int], slots: int = 2) -> tuple[int, list[int]
     with `slots` slots per unit (2 in a kept file, 1 otherwise)."""
     if slots not in (1, 2):
         raise ValueError(f"a unit has one or two slots, not {slots}")
-    head = _round_up(_FILE_HEAD.size + 8 * len(numels) + _CRC.size)
+    head = round_up(_FILE_HEAD.size + 8 * len(numels) + _CRC.size)
     offsets, sizes, pos = [], [], head
     for n in numels:
-        size = HEADER_BYTES + 3 * _round_up(4 * n)
+        size = HEADER_BYTES + 3 * round_up(4 * n)
         offsets.append(pos)
         sizes.append(size)
         pos += slots * size
@@ -191,7 +187,7 @@ class UnitStateFile:
     # ------------------------------------------------------------------ layout
     def payload_bytes(self, unit: int) -> int:
         """Bytes of unit `unit`'s record payload: the flat buffer a read fills or a write sends."""
-        return 3 * _round_up(4 * self.numels[unit])
+        return 3 * round_up(4 * self.numels[unit])
 
     @property
     def max_payload_bytes(self) -> int:
@@ -207,7 +203,7 @@ class UnitStateFile:
         tensor or a `HostBuffer`)."""
         if isinstance(buf, HostBuffer):
             buf = buf.tensor
-        n, stride = self.numels[unit], _round_up(4 * self.numels[unit])
+        n, stride = self.numels[unit], round_up(4 * self.numels[unit])
         flat = buf.detach().reshape(-1).view(torch.uint8)
         if flat.numel() < self.payload_bytes(unit):
             raise ValueError(f"unit {unit} needs a buffer of {self.payload_bytes(unit)} bytes, got {flat.numel()}")
@@ -292,7 +288,7 @@ class UnitStateFile:
         arrays = list(data)[:3]
         if len(arrays) != 3 or any(a.dtype != torch.float32 or a.numel() != self.numels[unit] for a in arrays):
             raise ValueError(f"unit {unit} takes a flat buffer or three fp32 tensors of {self.numels[unit]} values")
-        return arrays, [k * _round_up(nbytes) for k in range(3)]
+        return arrays, [k * round_up(nbytes) for k in range(3)]
 
     def read(self, unit: int, into, span: tuple[int, int] | None = None) -> cf.Future:
         """Read the unit's current generation into `into`: a flat buffer of at least
@@ -320,7 +316,7 @@ class UnitStateFile:
 
     def array_bytes(self, unit: int) -> int:
         """Bytes of one of the unit's arrays in a payload (its numel's fp32, rounded up to 4096)."""
-        return _round_up(4 * self.numels[unit])
+        return round_up(4 * self.numels[unit])
 
     def write(self, unit: int, source) -> cf.Future:
         """Write `source` (as for `read`) as the unit's next generation. The future's result is
