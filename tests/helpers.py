@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -63,3 +64,29 @@ def max_param_diff(ref, slid):
     sd, rsd = slid.state_dict(), ref.state_dict()
     assert set(sd) == set(rsd), (set(sd) ^ set(rsd))
     return max((sd[k] - rsd[k]).abs().max().item() for k in rsd)
+
+
+def trainer_args(tmp_path, name, **kw):
+    """TrainingArguments / SlideArgs keywords of the Trainer comparisons: accumulation 2, active
+    clipping, weight decay, a cosine schedule with warm-up, on the CPU, no saves; `kw` overrides."""
+    args = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_grad_norm=0.05, learning_rate=1e-2, weight_decay=0.1, max_steps=5, logging_steps=1,
+                report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=1,
+                disable_tqdm=True, optim="adamw_torch")
+    args.update(kw)
+    return args
+
+
+def open_fds(match) -> list[str]:
+    """The targets of this process's open file descriptors for which `match(target)` holds (a
+    deleted file's target ends with " (deleted)")."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if match(target):
+            out.append(target)
+    return out
+

@@ -20,7 +20,7 @@ from hf_slideformer.disk import (HostBufferPool, BufferPoolError, DiskIOError, D
                                  preallocate, record_layout)
 from hf_slideformer.disk import backends, space
 from hf_slideformer.disk.backends import BackendFile
-from hf_slideformer.disk.unit_state import HEADER_BYTES
+from helpers import open_fds
 
 ROOT = Path(__file__).resolve().parents[1]
 NUMELS = [1, 1000, 12345]
@@ -40,16 +40,8 @@ def _same(a, b):
 
 
 def _open_fds_to(path):
-    """File descriptors of this process that point at `path` (deleted or not)."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.removesuffix(" (deleted)") == str(path):
-            out.append(fd)
-    return out
+    """This process's open files that are `path` (deleted or not)."""
+    return open_fds(lambda target: target.removesuffix(" (deleted)") == str(path))
 
 
 def _finishes(fn, timeout=10.0):

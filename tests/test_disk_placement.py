@@ -22,7 +22,7 @@ from hf_slideformer.placements import HostLayer
 from hf_slideformer.resident import ResidentLayer
 from hf_slideformer.train_checkpoint import load_training_state, save_training_state
 from hf_slideformer.demo import tiny_config
-from helpers import batches, family_config, make_pair, max_param_diff
+from helpers import batches, family_config, make_pair, max_param_diff, open_fds
 
 LR = 1e-2
 
@@ -303,15 +303,7 @@ def test_save_pretrained_and_from_pretrained_go_through_the_disk(tmp_path, monke
 
 # ------------------------------------------------------------------ the file, the disk, the other placements
 def _open_state_files(directory) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(directory)) and "slide-state-" in target:
-            out.append(target)
-    return out
+    return open_fds(lambda target: target.startswith(str(directory)) and "slide-state-" in target)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")

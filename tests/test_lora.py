@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
 from hf_slideformer.placements import FrozenLayer
-from helpers import batches, family_config
+from helpers import batches, family_config, trainer_args
 
 LR = 1e-2
 LOSS_RTOL = 1e-5
@@ -157,12 +157,7 @@ def test_saved_adapter_loads_with_peft_and_gives_the_same_logits(tmp_path):
 
 # ---------------------------------------------------------------------- the Trainer
 def _trainer_args(tmp_path, name, **kw):
-    args = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                max_grad_norm=0.05, learning_rate=1e-2, weight_decay=0.1, max_steps=4, logging_steps=1,
-                report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=1,
-                disable_tqdm=True, optim="adamw_torch")
-    args.update(kw)
-    return args
+    return trainer_args(tmp_path, name, **{"max_steps": 4, **kw})
 
 
 def _trainer_data(n=16, seq=12):
@@ -189,9 +184,12 @@ def test_slide_trainer_trains_a_peft_model_as_the_plain_trainer(tmp_path):
     assert max((a[n] - b[n]).abs().max().item() for n in a) < 0.05 * 1e-2
 
 
-def test_peft_resume_equals_uninterrupted(tmp_path):
+def _resume_against_uninterrupted(tmp_path, make, saved):
+    """Six steps through SlideTrainer with a checkpoint at step 3, then steps 4-6 resumed from it
+    on a fresh `make()`: the checkpoint's slide_state holds `saved`, the trained parameters and
+    the last three losses are equal. Returns the trained parameters."""
     def run(name, resume=None):
-        pm = get_peft_model(_base(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
+        pm = make()
         args = hs.SlideArgs(**_trainer_args(tmp_path, name, max_steps=6, save_strategy="steps", save_steps=3))
         t = hs.SlideTrainer(model=pm, args=args, train_dataset=_trainer_data(24))
         t.train(resume_from_checkpoint=resume)
@@ -199,13 +197,21 @@ def test_peft_resume_equals_uninterrupted(tmp_path):
 
     full, full_model = run("full")
     ckpt = tmp_path / "full" / "checkpoint-3"
-    # the adapters and their moments; the frozen base is named in the index, never written
-    assert sorted(os.listdir(ckpt / "slide_state")) == ["adapters.safetensors", "index.json"]
+    assert sorted(os.listdir(ckpt / "slide_state")) == saved
     resumed, resumed_model = run("resumed", resume=str(ckpt))
     a, b = _adapters(full_model), _adapters(resumed_model)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert [h["loss"] for h in resumed.state.log_history if "loss" in h][-3:] == \
         [h["loss"] for h in full.state.log_history if "loss" in h][-3:]
+    return a
+
+
+def test_peft_resume_equals_uninterrupted(tmp_path):
+    # the adapters and their moments; the frozen base is named in the index, never written
+    _resume_against_uninterrupted(
+        tmp_path, lambda: get_peft_model(_base(), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS,
+                                                             init_lora_weights=False)),
+        ["adapters.safetensors", "index.json"])
 
 
 # ---------------------------------------------------------------------- on the GPU
@@ -507,25 +513,12 @@ def test_slide_trainer_trains_modules_to_save_as_the_plain_trainer(tmp_path):
 
 
 def test_modules_to_save_resume_equals_uninterrupted(tmp_path):
-    def run(name, resume=None):
-        pm, _ = mts_pair(["embed_tokens", "lm_head"], "llama")
-        args = hs.SlideArgs(**_trainer_args(tmp_path, name, max_steps=6, save_strategy="steps", save_steps=3))
-        t = hs.SlideTrainer(model=pm, args=args, train_dataset=_trainer_data(24))
-        t.train(resume_from_checkpoint=resume)
-        return t, pm
-
-    full, full_model = run("full")
-    ckpt = tmp_path / "full" / "checkpoint-3"
     # the trained embedding and head units with their moments, and the adapters; the frozen layers
     # are named in the index, never written
-    assert sorted(os.listdir(ckpt / "slide_state")) == ["adapters.safetensors", "index.json",
-                                                        "unit-00000.safetensors", "unit-00004.safetensors"]
-    resumed, resumed_model = run("resumed", resume=str(ckpt))
-    a, b = _adapters(full_model), _adapters(resumed_model)
-    assert any("modules_to_save" in n for n in a)
-    assert all(torch.equal(a[n], b[n]) for n in a)
-    assert [h["loss"] for h in resumed.state.log_history if "loss" in h][-3:] == \
-        [h["loss"] for h in full.state.log_history if "loss" in h][-3:]
+    trained = _resume_against_uninterrupted(
+        tmp_path, lambda: mts_pair(["embed_tokens", "lm_head"], "llama")[0],
+        ["adapters.safetensors", "index.json", "unit-00000.safetensors", "unit-00004.safetensors"])
+    assert any("modules_to_save" in n for n in trained)
 
 
 @pytest.mark.parametrize("modules,tied,ensure_tying,dtype", [

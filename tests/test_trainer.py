@@ -13,6 +13,7 @@ import hf_slideformer as hs
 from hf_slideformer import CheckpointError
 from hf_slideformer.optim import SlideOptimizer
 from hf_slideformer.training_args import SlideArgsError
+from helpers import trainer_args
 
 # fp32 on CPU: the engine runs torch's fused AdamW on the same gradients, summed in another order.
 # Adam divides by sqrt(v): an element whose gradient is ~0 amplifies a 1e-7 gradient difference, so
@@ -36,15 +37,6 @@ def tiny_data(n=24, seq=16):
     return out
 
 
-def common(tmp_path, name, **kw):
-    args = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                max_grad_norm=0.05, learning_rate=1e-2, weight_decay=0.1, max_steps=5, logging_steps=1,
-                report_to=[], use_cpu=True, save_strategy="no", lr_scheduler_type="cosine", warmup_steps=1,
-                disable_tqdm=True, optim="adamw_torch")
-    args.update(kw)
-    return args
-
-
 def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -60,9 +52,9 @@ def test_slide_trainer_matches_plain_trainer(tmp_path):
     """Accumulation (2), active clipping (0.05), weight decay groups and a cosine schedule."""
     ref, model = tiny_model(), tiny_model()
     data = tiny_data()
-    plain = Trainer(model=ref, args=TrainingArguments(**common(tmp_path, "plain")), train_dataset=data)
+    plain = Trainer(model=ref, args=TrainingArguments(**trainer_args(tmp_path, "plain")), train_dataset=data)
     plain.train()
-    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "slide")), train_dataset=data)
+    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, "slide")), train_dataset=data)
     slid.train()
     assert hs.is_slid(slid.model) and isinstance(slid.slide_optimizer, SlideOptimizer)
     torch.testing.assert_close(torch.tensor(losses(slid)), torch.tensor(losses(plain)), rtol=RTOL, atol=ATOL)
@@ -83,7 +75,7 @@ def test_plain_trainer_with_slide_args_slides(tmp_path):
 
     for cls in (Trainer, MyTrainer):
         model = tiny_model()
-        trainer = cls(model=model, args=hs.SlideArgs(**common(tmp_path, cls.__name__, max_steps=2)),
+        trainer = cls(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, cls.__name__, max_steps=2)),
                       train_dataset=tiny_data(8))
         assert isinstance(trainer, hs.SlideTrainer) and isinstance(trainer, cls)
         assert hs.is_slid(model) and trainer.model is model
@@ -101,7 +93,7 @@ def test_eval_uses_the_sliding_forward(tmp_path):
         seen["shape"] = pred.predictions.shape
         return {"n": float(pred.predictions.shape[0])}
 
-    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "ev")), eval_dataset=data,
+    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, "ev")), eval_dataset=data,
                               compute_metrics=metrics)
     out = trainer.evaluate()
     with torch.no_grad():
@@ -117,7 +109,7 @@ def test_eval_uses_the_sliding_forward(tmp_path):
                                                      "warmup_stable_decay")])
 def test_every_scheduler_drives_the_engine(tmp_path, name):
     model = tiny_model()
-    args = hs.SlideArgs(**common(tmp_path, name, lr_scheduler_type=name, max_steps=3, gradient_accumulation_steps=1,
+    args = hs.SlideArgs(**trainer_args(tmp_path, name, lr_scheduler_type=name, max_steps=3, gradient_accumulation_steps=1,
                                  max_grad_norm=0.0, warmup_steps=1))
     trainer = hs.SlideTrainer(model=model, args=args, train_dataset=tiny_data(8))
     trainer.train()
@@ -135,7 +127,7 @@ def test_every_scheduler_drives_the_engine(tmp_path, name):
 
 def run(tmp_path, out, resume=None, tied=False, **kw):
     model = tiny_model(tied=tied)
-    args = hs.SlideArgs(**common(tmp_path, out, max_steps=6, save_strategy="steps", save_steps=3, **kw))
+    args = hs.SlideArgs(**trainer_args(tmp_path, out, max_steps=6, save_strategy="steps", save_steps=3, **kw))
     trainer = Trainer(model=model, args=args, train_dataset=tiny_data())
     trainer.train(resume_from_checkpoint=resume)
     return trainer, model
@@ -263,7 +255,7 @@ def test_a_foreign_optimizer_is_refused(tmp_path):
     model = tiny_model()
     slid = hs.slide(copy.deepcopy(model), hs.SlideConfig(device="cpu"))
     with pytest.raises(SlideArgsError, match="SlideOptimizer"):
-        trainer = hs.SlideTrainer(model=slid, args=hs.SlideArgs(**common(tmp_path, "f", max_steps=1)),
+        trainer = hs.SlideTrainer(model=slid, args=hs.SlideArgs(**trainer_args(tmp_path, "f", max_steps=1)),
                                   train_dataset=tiny_data(4), optimizers=(torch.optim.AdamW(model.parameters()), None))
         trainer.train()
 
@@ -272,8 +264,8 @@ def test_a_pre_slid_model_takes_the_trainer_step_settings(tmp_path):
     ref, model = tiny_model(), tiny_model()
     model = hs.slide(model, hs.SlideConfig(device="cpu"))          # GA 1, no clipping
     data = tiny_data(8)
-    Trainer(model=ref, args=TrainingArguments(**common(tmp_path, "p", max_steps=2)), train_dataset=data).train()
-    hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "s", max_steps=2)), train_dataset=data).train()
+    Trainer(model=ref, args=TrainingArguments(**trainer_args(tmp_path, "p", max_steps=2)), train_dataset=data).train()
+    hs.SlideTrainer(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, "s", max_steps=2)), train_dataset=data).train()
     assert model.slide_config.gradient_accumulation_steps == 2 and model.slide_config.max_grad_norm == 0.05
     assert_same_params(model, ref)
 
@@ -281,7 +273,7 @@ def test_a_pre_slid_model_takes_the_trainer_step_settings(tmp_path):
 def test_plain_trainer_refuses_to_resume_a_sliding_checkpoint(tmp_path):
     """A plain Trainer would resume the weights and silently restart the optimizer and schedule."""
     run(tmp_path, "src")
-    plain = Trainer(model=tiny_model(), args=TrainingArguments(**common(tmp_path, "plain", max_steps=6)),
+    plain = Trainer(model=tiny_model(), args=TrainingArguments(**trainer_args(tmp_path, "plain", max_steps=6)),
                     train_dataset=tiny_data())
     with pytest.raises(Exception, match="resume_this_checkpoint_with_SlideTrainer"):
         plain.train(resume_from_checkpoint=str(tmp_path / "src" / "checkpoint-3"))
@@ -294,7 +286,7 @@ def test_plain_trainer_refuses_to_resume_a_sliding_checkpoint(tmp_path):
 def test_final_save_under_bf16_writes_fp32_weights_and_config(tmp_path):
     import json
     model = tiny_model()
-    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(**common(tmp_path, "bf", max_steps=1, bf16=True)),
+    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, "bf", max_steps=1, bf16=True)),
                               train_dataset=tiny_data(8))
     assert model.slide_config.dtype == torch.bfloat16
     trainer.train()
