@@ -134,7 +134,10 @@ def main(argv=None) -> int:
         for k in ("write_gbs", "read_gbs"):
             best[k] = max(best.get(k, 0.0), r[k])
     if best:
-        print(f"best: write {best['write_gbs']:.2f} GB/s, read {best['read_gbs']:.2f} GB/s")
+        w, r = best['write_gbs'], best['read_gbs']
+        # The state on disk is read and written in equal amounts, one after the other on one disk.
+        best["plan_gbs"] = 2 * r * w / (r + w) if r and w else 0.0
+        print(f"best: write {w:.2f} GB/s, read {r:.2f} GB/s; hf-slideformer plan --nvme-bw {best['plan_gbs']:.2f}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"rows": rows, "best": best}, indent=1))

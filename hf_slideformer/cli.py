@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "moments of the last layers first, then the whole state of the last ones "
                         "(SlideConfig.host_memory_limit; default: no disk)")
     p.add_argument("--nvme-bw", type=float, default=7.0, metavar="GB/s",
-                   help="the rate that disk reads and writes the layers' state at (default: 7, a PCIe 4 NVMe drive)")
+                   help="the rate that disk reads and writes the layers' state at: 2rw/(r+w) for read rate r and "
+                        "write rate w, as benchmarks/disk_bandwidth.py prints (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
     p.add_argument("--mlp-chunk-tokens", type=int, default=None, metavar="N",

@@ -104,7 +104,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             ones (SlideConfig.host_memory_limit with nvme_path; the plan gives the limit to set).
             None: everything in host memory.
         nvme_bw: the rate that disk reads and writes the layers' state at, GB/s (one figure for
-            both: they share the disk).
+            both: they share the disk; with read rate r and write rate w, 2rw / (r + w), which
+            `benchmarks/disk_bandwidth.py` prints).
         resident: model the engine's resident units (SlideConfig.resident_embedding / resident_layers
             "auto"): in what the step leaves free under the card's memory, the embedding then layers
             keep their optimizer state on the GPU and leave the CPU's AdamW and PCIe. The engine
