@@ -119,7 +119,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 torch.cuda._sleep(2_000_000)
             return res(self, *a, **k)
 
-        dev_run = DeviceUpdater.run
+        dev_run, dev_piece = DeviceUpdater.run, DeviceUpdater._update_piece
 
         def slow_dev_run(self, *a, **k):          # each piece's write-back starts late
             for _ in dev_run(self, *a, **k):
@@ -127,9 +127,15 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                     torch.cuda._sleep(1_000_000)
                 yield
 
+        def slow_dev_piece(self, *a, **k):        # each piece's copies in and its write-back start late
+            for s in (self.engine.streams.h2d, self.engine.streams.d2h):
+                with torch.cuda.stream(s):
+                    torch.cuda._sleep(1_000_000)
+            return dev_piece(self, *a, **k)
+
         E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = slow_call, slow_load_steps, slow_d2h
         ResidentLayer.take_gradient = slow_res
-        DeviceUpdater.run = slow_dev_run
+        DeviceUpdater.run, DeviceUpdater._update_piece = slow_dev_run, slow_dev_piece
     try:
         for n, b in enumerate(batches(steps, bsz=4, seq=128, vocab=1001, pad=True)):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
@@ -139,7 +145,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
         if slow:
             E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = call, load_steps, d2h
             ResidentLayer.take_gradient = res
-            DeviceUpdater.run = dev_run
+            DeviceUpdater.run, DeviceUpdater._update_piece = dev_run, dev_piece
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
 
@@ -151,15 +157,17 @@ def test_slow_streams_bit_identical(kw):
         assert torch.equal(fast[k], slow[k]), k
 
 
-@pytest.mark.parametrize("ga", [1, 2])
-def test_device_updates_under_slow_streams(monkeypatch, ga):
+@pytest.mark.parametrize("ga,clip", [(1, 1.0), (2, 1.0), (1, None)])
+def test_device_updates_under_slow_streams(monkeypatch, ga, clip):
     """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
     elements through the two alternating sets of device buffers (and with accumulation, the
-    worker folding the micro-batches into the pinned accumulators): with the compute, h2d and
-    d2h streams slowed down on purpose the result is bit-identical."""
+    worker folding the micro-batches into the pinned accumulators); without clipping, half the
+    layers updated on the GPU in the backward from the gradient there, written back behind the
+    next layers' backward: with the compute, h2d and d2h streams slowed down on purpose the
+    result is bit-identical."""
     from hf_slideformer import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
-    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5, ga=ga, steps=4 * ga)
+    kw = dict(HOST_ONLY, max_grad_norm=clip, device_update_share=0.5, ga=ga, steps=4 * ga)
     models = []
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:
