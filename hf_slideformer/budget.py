@@ -13,7 +13,7 @@ import torch
 from .memory import GiB
 
 __all__ = ["DEVICE_PIECE", "PCIE_BOTH_WAYS", "CPU_ADAMW_RATE", "resident_bytes_per_param", "plan_resident",
-           "balanced_share", "backward_share", "pick_device_units"]
+           "balanced_share", "pick_device_units"]
 
 # Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
 DEVICE_PIECE = 1 << 22
@@ -72,14 +72,6 @@ def balanced_share(pcie_bytes_per_s: float = PCIE_BOTH_WAYS, cpu_params_per_s: f
     and the h2d link, (4 (1 - f) + 16 f) / B, take the same time."""
     b, r = pcie_bytes_per_s, cpu_params_per_s
     return min(1.0, max(0.0, (b - 4 * r) / (b + 12 * r)))
-
-
-def backward_share(pcie_bytes_per_s: float = PCIE_BOTH_WAYS, cpu_params_per_s: float = CPU_ADAMW_RATE) -> float:
-    """The same balance for updates in the backward (no clipping, one backward per step), where a
-    device layer's gradient is already on the GPU: the CPU, (1 - f) / r per parameter, against the
-    h2d link, (2 + 12 f) / B (the recompute's weights, and master and moments in)."""
-    b, r = pcie_bytes_per_s, cpu_params_per_s
-    return min(1.0, max(0.0, (b - 2 * r) / (b + 12 * r)))
 
 
 def pick_device_units(candidates: list, share: float) -> list:

@@ -24,16 +24,6 @@ other layers, and the update waits for the worker's clip factor). The update run
 multiples from each parameter's start), so on the CPU device the results are bit-identical to
 the host path's; on CUDA they are torch's fused CUDA AdamW's, as for resident units.
 
-Without clipping, with one backward per step, the host updates run during the backward and the
-CPU worker's AdamW is what the next forward waits for where the GPU has no room for resident
-layers. A share of the host-held layers is then a `BackwardDeviceLayer`: its update runs on the
-GPU in the backward, as soon as its gradient is computed, from that gradient where it already is
-(no d2h of it): master and moments in on the h2d stream (12 bytes per parameter), the fused CUDA
-AdamW, master and moments back on the d2h stream (12), in the same pieces, while the backward of
-the next layers goes on. The PCIe link has room in the backward (a host layer moves 2 + 2 bytes
-per parameter there), so the GPU takes that share of the CPU's AdamW nearly for free; the next
-forward's copy of the layer waits for the write-back on the GPU (`Unit.host_write`).
-
 While an update is pending (`Unit.device_pending`, from `optimizer.step()` until the unit is
 next copied in) the host store holds the previous step's state for that unit: everything that
 reads the host state flushes pending updates first (`engine.synchronize()`, making a unit
@@ -42,20 +32,18 @@ resident, changing the clipping mode).
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
 from . import optim as _optim
-from .budget import DEVICE_PIECE, backward_share, balanced_share, pick_device_units
+from .budget import DEVICE_PIECE, balanced_share, pick_device_units
 from .memory import release_pages
 from .placements import DeferredStep, HostLayer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeviceUpdateLayer", "BackwardDeviceLayer", "DeviceUpdater", "backward_share", "balanced_share",
-           "pick_device_units", "DEVICE_PIECE"]
+__all__ = ["DeviceUpdateLayer", "DeviceUpdater", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
 
 class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
@@ -107,31 +95,6 @@ class DeviceUpdateLayer(HostLayer):
         return e.device_updates.run(u, dst)
 
 
-class BackwardDeviceLayer(DeviceUpdateLayer):
-    """A host-held layer updated by the GPU in the backward, from its gradient on the device (one
-    backward per step, no clipping; the module note). The CPU worker never sees it."""
-
-    def take_gradient(self, grads: list) -> None:
-        e, u = self.engine, self.unit
-        if not (e.single_micro and e.mode.updates and e.config.max_grad_norm is None):
-            HostLayer.take_gradient(self, grads)     # not this mode's step (the plan changes at the next one)
-            return
-        e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
-        if u.device_pending is not None:        # never the case in a well-formed step: a guard
-            e.device_updates.flush(u)
-        # Note: [Why a backward device update reads the running norm on the host] a host update
-        # is skipped from the first non-finite running norm on (host_tasks.py); this one must be
-        # too, and its step counters (host tensors, the optimizer's state) advance only when it
-        # runs. One host sync per device layer: the GPU is then idle only while the next layer's
-        # work is issued. The CPU worker, which judges the same running norm at its next check,
-        # reports the step.
-        if e.host.poisoned or not math.isfinite(float(e.norm.dev)):
-            return
-        e.begin_update(u)
-        e.device_updates.update_from_device(u, grads, e.hp)
-        u.updated.set()
-
-
 class DeviceUpdater:
     """The device updates of one engine: which layers are updated on the GPU (`DeviceUpdateLayer`
     placements), the two sets of device buffers their pieces alternate between, and the pending
@@ -171,25 +134,19 @@ class DeviceUpdater:
             self._free = [None, None]
 
     def share(self) -> float:
-        """The share of the host-held layers to update on the device (the config's, or balanced):
-        with clipping as they are copied in (`DeviceUpdateLayer`), without it and with one backward
-        per step in the backward (`BackwardDeviceLayer`); none with accumulation and no clipping."""
+        """The share of the host-held layers to update on the device (the config's, or balanced)."""
         e = self.engine
         c = e.config
-        clipping = c.max_grad_norm is not None
-        if not clipping and not e.single_micro:
+        if c.max_grad_norm is None:
             return 0.0
         if c.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
-            if not (e.streams.cuda and e.pinned.enabled):
-                return 0.0
-            return balanced_share() if clipping else backward_share()
+            return balanced_share() if e.streams.cuda and e.pinned.enabled else 0.0
         return float(c.device_update_share)
 
     def prepare(self) -> None:
-        """At the first step with a share (clipping, or updates in backward): allocate the device
-        buffers, plan the resident units (the device layers are picked among the others), pick the
-        layers and pin their host state."""
+        """At the first clipping step: allocate the device buffers, plan the resident units (the
+        device layers are picked among the others), pick the layers and pin their host state."""
         e = self.engine
         if self._chosen or e.optimizer is None:
             return
@@ -206,13 +163,10 @@ class DeviceUpdater:
             return
         t0 = time.perf_counter()
         self._pin_units(chosen)
-        clipping = e.config.max_grad_norm is not None
-        kind = DeviceUpdateLayer if clipping else BackwardDeviceLayer
         for u in chosen:
-            e.set_place(u, kind(e, u))
-        logger.info("%s: %d of %d layers updated on the device (share %.2f); pinning their host state took %.1f s",
-                    "clipping" if clipping else "updates in backward", len(chosen), len(e.layer_units), share,
-                    time.perf_counter() - t0)
+            e.set_place(u, DeviceUpdateLayer(e, u))
+        logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
+                    "%.1f s", len(chosen), len(e.layer_units), share, time.perf_counter() - t0)
 
     def _pin_units(self, units: list) -> None:
         """Move the moments and gradient accumulator of `units` into pinned buffers of their own
@@ -320,31 +274,6 @@ class DeviceUpdater:
             yield
         u.device_pending = None
 
-    def update_from_device(self, u, grads: list, hp) -> None:
-        """Main thread, in the backward: AdamW of `u` now, from its gradient on the device (`grads`,
-        entry order, None for zeros), in the pieces of a deferred update; master and moments go
-        back to the host store on the d2h stream (`u.host_write`)."""
-        e = self.engine
-        st = e.streams
-        groups, group_of = hp
-        by_group = _optim.groups_of(u, group_of)
-        torch._foreach_add_([u.steps[k] for ks in by_group.values() for k in ks], 1)
-        if st.cuda:
-            with st.on(st.h2d):
-                steps = list(torch.stack(u.steps).to(e.device).unbind())
-            # The gradients are the compute stream's; the pieces read them on the h2d stream.
-            st.wait(st.record(), st.h2d)
-            for g in grads:
-                if g is not None:
-                    g.record_stream(st.h2d)
-        else:
-            steps = u.steps
-        u.readers = []            # earlier h2d reads of the old master are ahead on the h2d stream
-        st.wait(u.host_write, st.h2d)
-        for lo, hi, batch in _optim.piece_batches(u, by_group, DEVICE_PIECE, span=True):
-            if hi > lo:
-                self._update_piece(u, lo, hi, batch, _EntryGrads(u, grads), steps, groups)
-
     def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
         """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and
         moments in on the h2d stream, fused AdamW there (the gradient divided
@@ -360,10 +289,7 @@ class DeviceUpdater:
         w, g, m, v = (t[:n] for t in self._sets[k])
         with st.on(st.h2d):
             for d, src in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
-                if isinstance(src, _EntryGrads):
-                    src.copy_range(d, lo, hi)
-                else:
-                    d.copy_(src[lo:hi], non_blocking=True)
+                d.copy_(src[lo:hi], non_blocking=True)
             read = st.record(st.h2d)
             _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
             if dst is not None:
@@ -373,25 +299,7 @@ class DeviceUpdater:
             for d, src in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
                 d[lo:hi].copy_(src, non_blocking=True)
         self._free[k] = u.host_write = st.record(st.d2h)
-        e.stats.add_h2d(n * (12 if isinstance(grad, _EntryGrads) else 16))
+        e.stats.add_h2d(n * 16)
         e.stats.add_bytes("d2h", n * 12)
         e.stats.gpu_adam_params += n
         return read
-
-
-class _EntryGrads:
-    """A unit's gradient as the backward left it on the device: one tensor per entry (None: zeros),
-    read by flat range [lo, hi) of the unit's layout."""
-
-    def __init__(self, unit, grads: list):
-        self.unit, self.grads = unit, grads
-
-    def copy_range(self, dst: torch.Tensor, lo: int, hi: int) -> None:
-        for x, g in zip(self.unit.entries, self.grads):
-            a, b = max(lo, x.offset), min(hi, x.offset + x.numel)
-            if a >= b:
-                continue
-            if g is None:
-                dst[a - lo:b - lo].zero_()
-            else:
-                dst[a - lo:b - lo].copy_(g.reshape(-1)[a - x.offset:b - x.offset], non_blocking=True)

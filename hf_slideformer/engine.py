@@ -418,7 +418,6 @@ class SlideEngine:
             # included) after them, to report a non-finite step once.
             slot = self.norm.step_slot(self._step_no)
             self.worker.submit(self.host.step_check_task, self.norm.copy(slot), slot)
-            self.device_updates.prepare()           # the first step picks the layers updated on the GPU in backward
         if self.updated_in_backward and self.adapters.params:
             self.adapters.step(self.hp, found_inf=self.norm.found_inf())
         self._step_no += 1

@@ -57,14 +57,12 @@ def test_pending_device_updates_are_flushed_before_the_state_is_read():
     for i in sa:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
-    # Switching clipping off flushes and drops the clipping-mode device layers (the first step
-    # without clipping picks layers to update in the backward); training goes on identically.
+    # Switching clipping off flushes and drops the device layers; training goes on identically.
     for m, o in zip((host, dev), opts):
         m(**data[2]).loss.backward(); o.step(); o.zero_grad()
         m.slide_engine.configure_steps(1, None)
         m(**data[0]).loss.backward(); o.step(); o.zero_grad()
-    assert not any(type(p) is device_update.DeviceUpdateLayer for p in eng.places)
-    assert all(type(p) is device_update.BackwardDeviceLayer for p in eng.places)
+    assert not eng.device_updates.units
     a, b = _state(host), _state(dev)
     for k in a:
         assert torch.equal(a[k], b[k]), k
@@ -189,83 +187,3 @@ def test_a_device_update_stopped_half_way_resumes(monkeypatch):
     a, b = _state(host), _state(dev)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-# ---------------------------------------------------------------------------------------------
-# updates in backward (no clipping, one backward per step): BackwardDeviceLayer
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tied", [False, True])
-def test_backward_device_updates_bit_identical_to_host_updates(tied, monkeypatch):
-    """Without clipping the device layers are updated in the backward, from the gradient left on
-    the device: the same state as the host worker's updates, bit for bit (on the CPU device), in
-    pieces through both sets of device buffers. The layers are picked at the first step."""
-    from hf_slideformer.device_update import BackwardDeviceLayer
-    data = batches(4, pad=True)
-    ref, host = make_pair("llama", tied, device_update_share=0.0)
-    assert train_both(ref, host, data) < PARAM_TOL
-    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
-    for share, expect in ((0.5, [1, 3]), (1.0, [1, 2, 3])):
-        ref2, dev = make_pair("llama", tied, device_update_share=share)
-        assert train_both(ref2, dev, data) < PARAM_TOL
-        eng = dev.slide_engine
-        assert sorted(eng.device_updates.units) == expect
-        assert all(isinstance(eng.place_of(u), BackwardDeviceLayer) for u in eng.layer_units if u.index in expect)
-        assert dev.slide_stats()["gpu_updated_params"] > 0
-        a, b = _state(host), _state(dev)
-        for k in a:
-            assert torch.equal(a[k], b[k]), k
-        sa, sb = host.slide_engine.optimizer.state_dict()["state"], eng.optimizer.state_dict()["state"]
-        for i in sa:
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
-
-
-def test_backward_device_layers_follow_the_mode():
-    """Clipping switched on drops the backward device layers (their clipping-mode kind is picked at
-    the next step), and training stays bit-identical to the host path through both modes."""
-    from hf_slideformer.device_update import BackwardDeviceLayer, DeviceUpdateLayer
-    data = batches(6, pad=True)
-    states, kinds = [], []
-    for share in (0.0, 1.0):
-        _, m = make_pair("llama", False, device_update_share=share)
-        o = m.create_optimizer(lr=1e-2)
-        seen = []
-        for k, b in enumerate(data):
-            if k == 3:
-                m.slide_engine.configure_steps(1, 0.3)
-            m(**b).loss.backward(); o.step(); o.zero_grad()
-            seen.append({type(p).__name__ for p in m.slide_engine.places})
-        states.append(_state(m))
-        kinds.append(seen)
-    assert kinds[0][-1] == {"HostLayer"}
-    assert BackwardDeviceLayer.__name__ in kinds[1][1] and DeviceUpdateLayer.__name__ in kinds[1][-1]
-    assert BackwardDeviceLayer.__name__ not in kinds[1][-1]
-    for k in states[0]:
-        assert torch.equal(states[0][k], states[1][k]), k
-
-
-def test_backward_device_update_skips_a_nonfinite_step(caplog):
-    """A non-finite gradient: the device layers after it (in the backward's order) are not
-    updated, as the host layers are not, and the step counters stay; the next step trains on."""
-    data = batches(3, pad=True)
-    states = []
-    for share in (0.0, 1.0):
-        _, m = make_pair("llama", False, device_update_share=share)
-        o = m.create_optimizer(lr=1e-2)
-        m(**data[0]).loss.backward(); o.step(); o.zero_grad()
-        (m(**data[1]).loss * float("inf")).backward(); o.step(); o.zero_grad()
-        before = _state(m)
-        m(**data[2]).loss.backward(); o.step(); o.zero_grad()
-        states.append((before, _state(m), o.state_dict()["state"]))
-    for k in states[0][0]:
-        assert torch.equal(states[0][0][k], states[1][0][k]), k
-        assert torch.equal(states[0][1][k], states[1][1][k]), k
-    for i in states[0][2]:
-        assert torch.equal(torch.as_tensor(states[0][2][i]["step"]), torch.as_tensor(states[1][2][i]["step"]))
-    assert any("not finite" in r.message for r in caplog.records)
-
-
-def test_backward_share():
-    from hf_slideformer.budget import backward_share
-    assert math.isclose(backward_share(35e9, 3e9), 29 / 71)
-    assert backward_share(1e9, 3e9) == 0.0 and backward_share(1e12, 1e6) == pytest.approx(1.0, abs=1e-4)

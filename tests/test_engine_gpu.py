@@ -157,17 +157,15 @@ def test_slow_streams_bit_identical(kw):
         assert torch.equal(fast[k], slow[k]), k
 
 
-@pytest.mark.parametrize("ga,clip", [(1, 1.0), (2, 1.0), (1, None)])
-def test_device_updates_under_slow_streams(monkeypatch, ga, clip):
+@pytest.mark.parametrize("ga", [1, 2])
+def test_device_updates_under_slow_streams(monkeypatch, ga):
     """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
     elements through the two alternating sets of device buffers (and with accumulation, the
-    worker folding the micro-batches into the pinned accumulators); without clipping, half the
-    layers updated on the GPU in the backward from the gradient there, written back behind the
-    next layers' backward: with the compute, h2d and d2h streams slowed down on purpose the
-    result is bit-identical."""
+    worker folding the micro-batches into the pinned accumulators): with the compute, h2d and
+    d2h streams slowed down on purpose the result is bit-identical."""
     from hf_slideformer import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
-    kw = dict(HOST_ONLY, max_grad_norm=clip, device_update_share=0.5, ga=ga, steps=4 * ga)
+    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5, ga=ga, steps=4 * ga)
     models = []
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:
