@@ -65,6 +65,8 @@ class SlideEngine:
         # No strong reference to the model itself: the model owns the engine, and the finalizer that
         # closes the engine when the model is collected must not keep the model alive.
         self.adapter, self.config, self.store = adapter, config, store
+        # Several ranks (data_parallel.py): every unit sharded over them, one copy of the host state.
+        self.dp = store.dp
         self.model_ref = weakref.ref(model)
         self.device, self.dtype = config.torch_device, config.dtype
         units = store.units
@@ -95,7 +97,12 @@ class SlideEngine:
         self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
         # Each layer's place (placements.py): swapped whole when the plan moves the layer.
-        self.places = [HostLayer(self, u) if u.trainable else FrozenLayer(self, u) for u in self.layer_units]
+        if self.dp is not None:
+            from .sharded import ShardedEmbedding, ShardedHead, ShardedHostLayer
+            host_layer, embedding, head = ShardedHostLayer, ShardedEmbedding, ShardedHead
+        else:
+            host_layer, embedding, head = HostLayer, Embedding, LossHead
+        self.places = [host_layer(self, u) if u.trainable else FrozenLayer(self, u) for u in self.layer_units]
         self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
         count, waiter = self.stats.add_h2d, self._wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
@@ -113,9 +120,9 @@ class SlideEngine:
         # The parts that own their state: the worker's host updates, the embedding, the head, the
         # resident plan, the device updates and the device accumulation.
         self.host = HostUpdates(self)
-        self.embedding = Embedding(self, self.embed_unit, adapter.embed(model))
+        self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
         norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
-        self.head = LossHead(self, self.head_unit, adapter.lm_head(model), norm_fn,
+        self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn,
                              SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter))
         cfg = getattr(model, "config", None)
         self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
@@ -391,8 +398,7 @@ class SlideEngine:
             known = threading.Event() if device_updates else None
             on_device = {id(r.unit) for r in resident.values()}
             host_grads = [g for u in self.store.units if id(u) not in on_device and u.trainable
-                          and (g := self.embedding.grad if u is self.embed_unit else u.grad) is not None
-                          ] if early and not self.single_micro else ()
+                          and (g := self._step_sum(u)) is not None] if early and not self.single_micro else ()
             self.worker.submit(self.host.clip_task, early, norm_ev, grads_ev, host_grads,
                                done=tuple(e for e in (clip_done, known) if e is not None))
             deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
@@ -420,12 +426,27 @@ class SlideEngine:
             self.worker.submit(self.host.step_check_task, self.norm.copy(slot), slot)
         if self.updated_in_backward and self.adapters.params:
             self.adapters.step(self.hp, found_inf=self.norm.found_inf())
+        if self.dp is not None:
+            # The next forward copies whole units: every rank's shard of every update must be in.
+            self.worker.join()
+            self.worker.raise_if_failed()
+            self.dp.barrier()
         self._step_no += 1
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
         self.stats.fold()
         self.residents.promote()
+
+    def _step_sum(self, u: Unit):
+        """The host's sum of `u`'s gradients so far this step (this rank's shard of it with several
+        ranks), or None."""
+        if self.dp is not None:
+            if u.grad is None:
+                return None
+            lo, hi = self.dp.span(u.numel)
+            return u.grad[lo:hi]
+        return self.embedding.grad if u is self.embed_unit else u.grad
 
     def zero_grad(self) -> None:
         if self.micro == 0:

@@ -122,7 +122,14 @@ class LossHead:
                 emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
         e._span_end(t)
         self.slots.release(slot)
-        # Send the head's gradients to the host now: they are final (the loss ends the graph).
+        self._send(pgrads)
+        self.pending = True
+        return loss.detach(), grads[0]
+
+    def _send(self, pgrads: list) -> None:
+        """The head's gradients (entry order, then a tied lm_head's) to the host now: they are final
+        (the loss ends the graph)."""
+        e, hu, emb = self.engine, self.unit, self.engine.embedding
         if self.pending:        # an earlier forward's gradients were never consumed by a backward
             if self.done is not None:
                 self.done.synchronize()
@@ -152,8 +159,6 @@ class LossHead:
             self._return_ring()
             self.host_free.set()
             raise
-        self.pending = True
-        return loss.detach(), grads[0]
 
     def logits(self, h, logits_to_keep=0):
         """The logits of h (no loss), e.g. for generation."""

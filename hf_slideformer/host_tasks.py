@@ -100,22 +100,27 @@ class HostUpdates:
             stats.event(label, t0, t1)
 
     def consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None,
-                grad_mul: float = 1.0) -> None:
+                grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
         """Fold this micro-batch's gradient of `u` (times `grad_mul`) in, and update when the step
-        ends here."""
+        ends here. With `span` (a data-parallel rank's shard [lo, hi)), `src` is that range's
+        gradient and only that range is folded and updated."""
         if u.grad is None:                      # no accumulator: GA == 1, no clipping
             g = src
         else:
             if u.host_write is not None:        # a device update's copies have read it (device_update.py)
                 self.sync(u.host_write, f"wait_readers:{u.name}")
-            self.fold(u.grad, src, grad_mul, first=not u.grad_valid)
+            acc = u.grad if span is None else u.grad[span[0]:span[1]]
+            self.fold(acc, src, grad_mul, first=not u.grad_valid)
             u.grad_valid = True
-            g, grad_mul = u.grad, 1.0
+            g, grad_mul = acc, 1.0
         if ends_step and not self.engine.single_micro:
-            self.norm_sq.append(float(torch.linalg.vector_norm(g)) ** 2)
+            sq = float(torch.linalg.vector_norm(g)) ** 2
+            if span is not None:                # every rank's verdict from the whole unit's norm
+                sq = self.engine.dp.worker_sum(sq)
+            self.norm_sq.append(sq)
             self.check_norm(self.norm_sq[-1], f"the gradient of {u.name}")
         if update:
-            self.update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul)
+            self.update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul, span=span)
             u.grad_valid = False
 
     def fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float, first: bool = False) -> None:
@@ -138,8 +143,9 @@ class HostUpdates:
             acc[a:b].add_(w)
 
     def update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
-               grad_mul: float = 1.0) -> None:
-        """AdamW of `u`'s host state with the flat gradient `g`, in pieces (see UPDATE_PIECE)."""
+               grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
+        """AdamW of `u`'s host state with the flat gradient `g`, in pieces (see UPDATE_PIECE); with
+        `span`, of that shard alone (`g` holds its range)."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
@@ -149,13 +155,17 @@ class HostUpdates:
             self.sync(ev, f"wait_readers:{u.name}")
         stats = self.engine.stats
         t0 = time.perf_counter()
-        on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
+        if span is not None:
+            # A shard's prefix is not the unit's: readers wait for every rank (data_parallel.py).
+            on_piece = on_progress
+        else:
+            on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
         optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
-                          clip_coef=clip_coef, kernel=self.engine.host_adam, grad_mul=grad_mul)
+                          clip_coef=clip_coef, kernel=self.engine.host_adam, grad_mul=grad_mul, span=span)
         t1 = time.perf_counter()
         stats.adam_s += t1 - t0
         stats.event(f"adam:{u.name}", t0, t1)
-        stats.updated_params += u.numel
+        stats.updated_params += u.numel if span is None else span[1] - span[0]
 
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:
         """The clip factor of this step. `host_grads`: the summed gradients whose norms the worker
@@ -170,6 +180,8 @@ class HostUpdates:
                 if grads_ev is not None:
                     self.sync(grads_ev, "wait_d2h:grads")
                 self.norm_sq = [float(torch.linalg.vector_norm(g)) ** 2 for g in host_grads]
+                if e.dp is not None:     # the ranks' shards of the sums
+                    self.norm_sq = [e.dp.worker_sum(sum(self.norm_sq))]
             dev = 0.0   # the layers' part taken on the device (accumulate.py), or the resident sums
             if norm_ev is not None:
                 self.sync(norm_ev, "wait_d2h:norm")
@@ -179,14 +191,18 @@ class HostUpdates:
         mx = e.config.max_grad_norm
         self.clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
 
-    def deferred_task(self, u: Unit, hp, grads_ev=None, grad: torch.Tensor | None = None, after=None) -> None:
+    def deferred_task(self, u: Unit, hp, grads_ev=None, grad: torch.Tensor | None = None, after=None,
+                      span: tuple[int, int] | None = None) -> None:
         """The update at optimizer.step() from the step's summed gradient (`grad`, default the
-        unit's accumulator), with the worker's clip factor; `after()` runs once it is done."""
+        unit's accumulator; with `span`, the shard of it), with the worker's clip factor;
+        `after()` runs once it is done."""
         # The clip factor is applied inside the fused AdamW (its grad_scale): a separate multiply
         # was a full pass over the gradient, 8 ms per 3B layer on the path of the next forward.
         if grads_ev is not None:           # the device's last copy into the accumulator (accumulate.py)
             self.sync(grads_ev, f"wait_d2h:{u.name}")
-        self.update(u, u.grad if grad is None else grad, hp, clip_coef=self.clip_coef)
+        if grad is None:
+            grad = u.grad if span is None else u.grad[span[0]:span[1]]
+        self.update(u, grad, hp, clip_coef=self.clip_coef, span=span)
         if after is not None:
             after()
         else:

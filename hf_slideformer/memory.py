@@ -122,6 +122,21 @@ class PinnedBuffers:
         self._held.clear()
 
 
+class PrivateHostMemory:
+    """The host store's memory in one process: pinned buffers for what the copies read (`empty`),
+    lazily backed zeros for the moments (`zeros`). `data_parallel.SharedHostMemory` is the same
+    for ranks that share one copy."""
+
+    def __init__(self, pinned: PinnedBuffers):
+        self.pinned = pinned
+
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.pinned.empty(numel, dtype=dtype)
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return lazy_zeros(numel, dtype)
+
+
 def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A zero-filled CPU tensor whose pages take host memory only once written.
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import SlideConfig, configure_logging
+from .data_parallel import DataParallel
 from .engine import SlideEngine
 from .lora import peft_base, refuse_outside_layers
 from .memory import GiB, enable_expandable_segments
@@ -133,6 +134,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
                          "get_peft_model returned")
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
     configure_logging(config)
+    # Several processes (torchrun): this rank's device, and one shared copy of the state (data_parallel.py).
+    dp = DataParallel.from_environment(config, frozen=base is not None
+                                       or any(not p.requires_grad for p in model.parameters()))
     adapter = get_adapter(getattr(model.config, "model_type", None))
     adapters, originals = set(), set()
     if base is not None:
@@ -158,7 +162,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
             if _fill and e.param.device.type not in ("cpu", "meta"):
                 raise ValueError(f"slide() expects the model on the CPU; {e.name} is on {e.param.device}. "
                                  "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
-    store = HostStore(units, config)
+    store = HostStore(units, config, dp)
     if _fill:
         with torch.no_grad():
             for u in units:
@@ -408,11 +412,15 @@ class SlideModel:
         Weights are written layer by layer from the masters in `dtype` (default: float32, the
         masters themselves, as HF saves a model trained in mixed precision). Over an earlier
         save, a save killed at any step leaves the directory loading as the old save or the new
-        one (see `checkpoint.save_model`); other files in the directory are kept.
+        one (see `checkpoint.save_model`); other files in the directory are kept. With several
+        ranks, every rank may call it and rank 0 writes.
         """
         from .checkpoint import save_model
 
         self.slide_engine.synchronize()
+        dp = self.slide_engine.dp
+        if dp is not None and not dp.writes:
+            return                  # several ranks share one state (data_parallel.py): rank 0 writes it
         save_model(self, save_directory, max_shard_size=max_shard_size, dtype=dtype or torch.float32)
 
     def to(self, *args, **kwargs):

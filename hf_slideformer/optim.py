@@ -30,7 +30,8 @@ def sq_norm(tensors) -> torch.Tensor:
 
 def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: dict[int, int], state=None,
                 piece: int | None = None, on_piece=None, before_piece=None, clip_coef=None, kernel=None,
-                grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+                grad_mul: float = 1.0, found_inf: torch.Tensor | None = None, span: tuple[int, int] | None = None
+                ) -> None:
     """One AdamW step of `unit` with the flat gradient `grad` (the unit's layout).
 
     Args:
@@ -57,6 +58,9 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         found_inf: a float scalar tensor; where it is nonzero the update leaves master, moments
             and step counters unchanged (on a GPU, torch's fused-kernel skip, decided on the
             device without a host sync).
+        span: update only the flat range [lo, hi) of the unit (a data-parallel rank's shard);
+            `grad` then holds hi - lo elements, from lo. The step counters of every entry
+            advance as for the whole unit (each rank keeps them all).
     """
     state = unit if state is None else state
     if found_inf is not None and found_inf.device.type == "cpu":
@@ -77,6 +81,22 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
     if found_inf is not None:
         # the kernel skips the update itself; the counters advanced above go back (as torch.optim does)
         _revert = [state.steps[k] for ks in by_group.values() for k in ks]
+    if span is not None:
+        lo, hi = span
+        for _, end, batch in piece_batches(unit, by_group, piece or 1 << 40):
+            if before_piece is not None:
+                before_piece(end)
+            for gi, ranges in batch.items():
+                cut = [(k, max(a, lo), min(b, hi)) for k, a, b in ranges if max(a, lo) < min(b, hi)]
+                if cut:
+                    run(groups[gi], [state.master[a:b] for _, a, b in cut], [grad[a - lo:b - lo] for _, a, b in cut],
+                        [state.exp_avg[a:b] for _, a, b in cut], [state.exp_avg_sq[a:b] for _, a, b in cut],
+                        [state.steps[k] for k, _, _ in cut], scale)
+            if on_piece is not None:
+                on_piece(end)
+        if found_inf is not None and _revert:
+            torch._foreach_sub_(_revert, [found_inf] * len(_revert))
+        return
     if piece is None:
         for gi, ks in by_group.items():
             es = [unit.entries[k] for k in ks]

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .disk_plan import plan_disk_units
 from .disk_store import WHOLE, DiskStates, pool_buffers, record_bytes
-from .memory import PinnedBuffers, check_host_memory, lazy_zeros
+from .memory import PinnedBuffers, PrivateHostMemory, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +96,14 @@ class HostStore:
     Args:
         units: the units in schedule order, each with its entries' holders filled and offsets unset.
         config: the SlideConfig.
+        dp: the `DataParallel` of several ranks, whose masters and moments are one shared copy
+            (`SharedHostMemory`); None for one process.
     """
 
-    def __init__(self, units: list[Unit], config):
+    def __init__(self, units: list[Unit], config, dp=None):
         self.units = units
         self.config = config
+        self.dp = dp
         off = 0
         for u in units:
             u.numel = 0
@@ -138,13 +141,18 @@ class HostStore:
         self.disk = (DiskStates([u for u, _ in on_disk], config.nvme_path, parts=[p for _, p in on_disk], pin=pin)
                      if on_disk else None)
         self.pinned = PinnedBuffers(pin)
+        if dp is not None:
+            from .data_parallel import SharedHostMemory
+            self.memory = SharedHostMemory(dp, self.pinned)
+        else:
+            self.memory = PrivateHostMemory(self.pinned)
         # The embedding's master is a buffer of its own: a resident embedding gives its host pages
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
-        self.master_slab = self.pinned.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel)
+        self.master_slab = self.memory.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel)
         self._carve(self.master_slab, "master", [u for u in units if not self.master_on_disk(u)], skip=own + frozen)
         for u in own:
-            u.master = self.pinned.empty(u.numel)
+            u.master = self.memory.empty(u.numel)
         if frozen:
             self.frozen_slab = self.pinned.empty(frozen_numel, dtype=low)
             off = 0
@@ -200,8 +208,8 @@ class HostStore:
         if self.optimizer_ready:
             return
         held = [u for u in self.units if not self.on_disk(u)]   # a disk unit's moments are in its file
-        self.exp_avg_slab = lazy_zeros(self.moments_numel)
-        self.exp_avg_sq_slab = lazy_zeros(self.moments_numel)
+        self.exp_avg_slab = self.memory.zeros(self.moments_numel)
+        self.exp_avg_sq_slab = self.memory.zeros(self.moments_numel)
         self._carve(self.exp_avg_slab, "exp_avg", held)
         self._carve(self.exp_avg_sq_slab, "exp_avg_sq", held)
         for u in self.units:
@@ -211,10 +219,12 @@ class HostStore:
         self.optimizer_ready = True
 
     def allocate_grad_accumulators(self) -> None:
-        """fp32 gradient accumulators for accumulation / clipping (the embedding's belongs to the engine)."""
+        """fp32 gradient accumulators for accumulation / clipping (the embedding's belongs to the
+        engine, except with several ranks: each rank's accumulators are its own, and it writes only
+        its shard of each, so their pages add up to one copy)."""
         if getattr(self, "grad_slab", None) is not None:
             return
-        layers = [u for u in self.units if u.kind != "embed"]
+        layers = [u for u in self.units if u.kind != "embed" or self.dp is not None]
         # Mapped like the moments: a resident layer's accumulator (it keeps its gradient on the GPU)
         # is never written and takes no host memory.
         self.grad_slab = lazy_zeros(sum(u.numel for u in layers))

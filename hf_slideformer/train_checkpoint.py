@@ -111,6 +111,7 @@ def _optimizer_of(optimizer):
 
 def save_training_state(directory: str, model, optimizer) -> None:
     """Write `slide_state/` (masters, moments, step counters, hyper-parameters) under `directory`.
+    With several ranks, every rank may call it and rank 0 writes (they share one state).
 
     Args:
         directory: the checkpoint directory (normally the temporary one of `atomic_directory`).
@@ -123,6 +124,8 @@ def save_training_state(directory: str, model, optimizer) -> None:
         raise CheckpointError("save_training_state in the middle of an accumulation window: call it after "
                               "optimizer.step()")
     engine.synchronize()                               # every queued (deferred) update has landed
+    if engine.dp is not None and not engine.dp.writes:
+        return                      # several ranks share one state (data_parallel.py): rank 0 writes it
     out = os.path.join(directory, STATE_DIR)
     os.makedirs(out, exist_ok=True)
     units = []

@@ -1,0 +1,222 @@
+"""Data parallelism over the GPUs of one host: N processes slide the same layers over their own
+micro-batches and share one copy of the host state.
+
+Launched by `torchrun --nproc_per_node N` (or any launcher that sets RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT, or with a process group already initialized), `slide()` finds the
+group (`DataParallel.from_environment`) and every unit becomes *sharded*:
+
+| what | one process | N ranks |
+|---|---|---|
+| masters and AdamW moments | host memory of the process | one copy per host, in shared memory (`SharedHostMemory`) |
+| a unit's gradient | d2h of the whole unit | summed over the ranks on the devices (`reduce_scatter`), times 1/N; each rank copies out only its shard |
+| the update | the CPU worker, the whole unit | each rank's worker, its shard [lo, hi) of the unit (`span`) |
+| the step's norm | the device's running sum | each rank adds its shards' squares, summed over the ranks (`all_sum` on the device, `worker_sum` on the workers) |
+| the next forward | waits for the unit's update | waits for every rank's update: the workers are joined and the ranks meet (`barrier`) at `optimizer.step()` |
+
+So each byte of gradient crosses PCIe once in total, the CPU AdamW runs once per parameter, and
+host memory holds one copy of the state plus each rank's ring, row buffers and layer inputs. The
+ranks average their gradients, as DistributedDataParallel does: the same global batch split over
+N ranks gives the one-process step.
+
+Three process groups keep collectives from different threads apart: the default group for the
+gradients and the norm (NCCL on CUDA, gloo on the CPU, issued by the main thread in schedule
+order), a gloo group for the CPU workers' scalars (issued in task order, the same on every
+rank), and a gloo group for the main thread's host-side meetings (shared-memory names, the step
+barrier). Every rank runs the same tasks for every unit, so the collectives pair up.
+
+Not supported with several processes (each raises, naming the option): resident units and device
+updates (every update is the host's), `host_memory_limit`, LoRA and other frozen parameters. A
+failing rank leaves the others in a collective; the launcher (torchrun, `mp.spawn`) ends them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .memory import HostMemoryError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DataParallel", "SharedHostMemory", "SHM_DIR_ENV", "world_size"]
+
+SHM_DIR_ENV = "HF_SLIDEFORMER_SHM_DIR"     # where the shared state's files go (default /dev/shm)
+
+
+def world_size() -> int:
+    """The number of processes of the launch: the initialized group's, else the launcher's WORLD_SIZE."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        return 1
+
+
+class DataParallel:
+    """This process's place in the group: its rank, the groups, the shards, the collectives.
+
+    Build it with `from_environment`.
+    """
+
+    def __init__(self):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.worker_group = dist.new_group(backend="gloo")
+        self.host_group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def from_environment(cls, config, frozen: bool = False) -> DataParallel | None:
+        """The group of this launch, or None for one process. Initializes the default group from
+        the launcher's environment when nobody has (NCCL for a CUDA device, else gloo), moves a
+        bare "cuda" device to this rank's GPU (LOCAL_RANK), and refuses what stays unsupported.
+        `config` is the engine's own SlideConfig (changed in place)."""
+        if world_size() <= 1 or not dist.is_available():
+            return None
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if config.is_cuda else "gloo")
+        if config.is_cuda and config.torch_device.index is None:
+            local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % max(1, torch.cuda.device_count())))
+            config.device = f"cuda:{local}"
+        if config.is_cuda:
+            torch.cuda.set_device(config.torch_device)
+        unsupported = []
+        if config.host_memory_limit is not None:
+            unsupported.append("host_memory_limit (state on disk)")
+        if config.resident_layers not in ("auto", 0):
+            unsupported.append(f"resident_layers={config.resident_layers!r} (use 0)")
+        if config.resident_embedding not in ("auto", False):
+            unsupported.append(f"resident_embedding={config.resident_embedding!r} (use False)")
+        if config.device_update_share not in ("auto", 0, 0.0):
+            unsupported.append(f"device_update_share={config.device_update_share!r} (use 0)")
+        if frozen:
+            unsupported.append("frozen parameters (a LoRA / PEFT model, or requires_grad=False): every parameter "
+                               "must train")
+        if unsupported:
+            raise ValueError(f"with {dist.get_world_size()} processes hf_slideformer does not support "
+                             f"{'; '.join(unsupported)}. Train with one process for these, or leave them out.")
+        # Every update runs on the hosts' workers, sharded: nothing stays on or is updated by a GPU.
+        config.resident_layers, config.resident_embedding, config.device_update_share = 0, False, 0.0
+        dp = cls()
+        logger.info("data parallel: rank %d of %d, device %s", dp.rank, dp.world, config.device)
+        return dp
+
+    # ------------------------------------------------------------------ shards
+    def per_rank(self, numel: int) -> int:
+        """Elements of each rank's shard of a unit of `numel` (the last may hold padding)."""
+        return -(-numel // self.world)
+
+    def span(self, numel: int) -> tuple[int, int]:
+        """This rank's shard [lo, hi) of a unit of `numel` elements (possibly empty)."""
+        per = self.per_rank(numel)
+        lo = min(numel, self.rank * per)
+        return lo, min(numel, lo + per)
+
+    # ------------------------------------------------------------------ collectives: main thread
+    def reduce_grads(self, numel: int, grads: list, offsets: list[int], dtype, device, scale=None) -> torch.Tensor:
+        """This rank's shard of the ranks' mean gradient of a unit: `grads` (entry tensors on the
+        device, None for zeros) at `offsets` of a flat (numel,) layout, times `scale` (a device
+        scalar) first. Returns (hi - lo,) on the device."""
+        per = self.per_rank(numel)
+        flat = torch.zeros(per * self.world, dtype=dtype, device=device)
+        for g, off in zip(grads, offsets):
+            if g is not None:
+                flat[off:off + g.numel()].copy_(g.reshape(-1))
+        return self.reduce_flat(flat, numel, scale)
+
+    def reduce_flat(self, flat: torch.Tensor, numel: int, scale=None) -> torch.Tensor:
+        """As `reduce_grads`, for a flat (per_rank * world,) gradient (consumed)."""
+        if scale is not None:
+            flat.mul_(scale)
+        out = flat.new_empty(self.per_rank(numel))
+        dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM)
+        lo, hi = self.span(numel)
+        return out[:hi - lo].mul_(1.0 / self.world)
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a device tensor) summed over the ranks, in place."""
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    # ------------------------------------------------------------------ collectives: host side
+    def worker_sum(self, x: float) -> float:
+        """Worker thread: `x` summed over the ranks' workers."""
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.worker_group)
+        return float(t[0])
+
+    def barrier(self) -> None:
+        """Main thread: every rank gets here before any goes on."""
+        dist.barrier(group=self.host_group)
+
+    def broadcast(self, obj):
+        """Main thread: rank 0's `obj`, on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
+    @property
+    def writes(self) -> bool:
+        """Does this rank write the files (checkpoints, saved models)? Rank 0."""
+        return self.rank == 0
+
+
+class SharedHostMemory:
+    """The host store's memory when several ranks share it: files in a RAM file system (`/dev/shm`,
+    or `$HF_SLIDEFORMER_SHM_DIR`) that every rank maps. Rank 0 creates each file at its full size
+    and removes its name once every rank has mapped it, so the memory goes back when the last
+    process ends, killed or not. Pages are backed as they are written (they read as zeros).
+
+    Args:
+        dp: the DataParallel.
+        pinned: the PinnedBuffers that page-lock `empty` buffers on CUDA (each rank registers the
+            same pages for its own copies).
+    """
+
+    def __init__(self, dp: DataParallel, pinned):
+        self.dp, self.pinned = dp, pinned
+        self.dir = os.environ.get(SHM_DIR_ENV, "/dev/shm")
+
+    def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        path = None
+        if self.dp.rank == 0:
+            try:
+                st = os.statvfs(self.dir)
+                free = st.f_bavail * st.f_frsize
+            except OSError as exc:
+                free, path = 0, f"unusable: {exc}"
+            if path is None and free < nbytes:
+                path = f"full: {free / 2 ** 30:.1f} GiB free of the {nbytes / 2 ** 30:.1f} GiB needed"
+            if path is None:
+                path = os.path.join(self.dir, f"hf_slideformer-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+                with open(path, "wb") as f:
+                    f.truncate(nbytes)
+            else:
+                path = "!" + path
+        path = self.dp.broadcast(path)
+        if path.startswith("!"):
+            raise HostMemoryError(
+                f"the ranks' shared state needs {nbytes / 2 ** 30:.1f} GiB in {self.dir}, which is {path[1:]}. "
+                f"Give the RAM file system room (docker: --shm-size), or point {SHM_DIR_ENV} at a tmpfs that has it.")
+        try:
+            t = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+        finally:
+            self.dp.barrier()              # every rank has mapped it
+            if self.dp.rank == 0:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return t
+
+    def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A shared buffer the copies read (page-locked on CUDA)."""
+        return self.pinned.adopt(self._map(numel, dtype))
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A shared zero-filled buffer, backed as it is written (the moments)."""
+        return self._map(numel, dtype)

@@ -1,0 +1,191 @@
+"""Several ranks over gloo on the CPU (data_parallel.py, sharded.py): two processes, each sliding
+the same model over its half of the global batch with one shared copy of the state, against one
+process on the whole batch."""
+import math
+import os
+import socket
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import hf_slideformer as hs
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import family_config  # noqa: E402
+
+LR = 1e-2
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model(tied: bool, cfg: dict):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(family_config("llama", tied)).float()
+    m.config.use_cache = False
+    return hs.slide(m, hs.SlideConfig(device="cpu", dtype=torch.float32, **cfg))
+
+
+def _data(steps: int, ga: int, bsz: int = 4, seq: int = 11, vocab: int = 97):
+    g = torch.Generator().manual_seed(1)
+    return [[torch.randint(2, vocab, (bsz, seq), generator=g) for _ in range(ga)] for _ in range(steps)]
+
+
+def _train(model, opt, data, ga: int, rows=slice(None), dp=False):
+    """Steps over `data` (each a list of ga micro-batches), this process's `rows` of each; the loss
+    of every micro-batch, averaged over the ranks, and after each step its gradient norm."""
+    losses = []
+    for step in data:
+        for ids in step:
+            ids = ids[rows]
+            loss = model(input_ids=ids, labels=ids).loss
+            (loss / ga).backward()
+            x = loss.detach().clone()
+            if dp:
+                torch.distributed.all_reduce(x)
+                x /= WORLD
+            losses.append(float(x))
+        opt.step()
+        losses.append(opt.last_grad_norm)       # the step's norm, the same on every rank
+        opt.zero_grad()
+    return losses
+
+
+def _state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rank_main(rank: int, port: int, out: str, cases: list, fail_at):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for case in cases:
+            tied, ga, clip, steps = case["tied"], case["ga"], case["clip"], case["steps"]
+            model = _model(tied, dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
+            assert model.slide_engine.dp is not None and model.slide_engine.dp.world == WORLD
+            opt = model.create_optimizer(lr=LR)
+            half = 4 // WORLD
+            rows = slice(rank * half, (rank + 1) * half)
+            data = _data(steps, ga)
+            if fail_at is not None and rank == 1:
+                _train(model, opt, data[:fail_at], ga, rows, dp=True)
+                raise RuntimeError("rank 1 fails on purpose")
+            res = {"losses": _train(model, opt, data, ga, rows, dp=True), "state": _state(model),
+                   "opt": opt.state_dict()["state"]}
+            if case.get("resume"):
+                # Save after the first steps (rank 0 writes), go on; a fresh model loads and goes on the same way.
+                ck = os.path.join(out, f"ck_{len(results)}")
+                from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+                model2 = _model(tied, dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
+                opt2 = model2.create_optimizer(lr=LR)
+                _train(model2, opt2, data[:2], ga, rows, dp=True)
+                save_training_state(ck, model2, opt2)
+                torch.distributed.barrier()
+                after = _train(model2, opt2, data[2:], ga, rows, dp=True)
+                model3 = _model(tied, dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
+                opt3 = model3.create_optimizer(lr=LR)
+                load_training_state(ck, model3, opt3)
+                resumed = _train(model3, opt3, data[2:], ga, rows, dp=True)
+                res.update(after=after, after_state=_state(model2), resumed=resumed, resumed_state=_state(model3))
+                model2.slide_engine.close()
+                model3.slide_engine.close()
+            results.append(res)
+            model.slide_engine.close()
+        if rank == 0:
+            torch.save(results, os.path.join(out, "ranks.pt"))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _one_process(case: dict) -> dict:
+    ga, clip = case["ga"], case["clip"]
+    model = _model(case["tied"], dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
+    assert model.slide_engine.dp is None
+    opt = model.create_optimizer(lr=LR)
+    losses = _train(model, opt, _data(case["steps"], ga), ga)
+    out = {"losses": losses, "state": _state(model), "opt": opt.state_dict()["state"]}
+    model.slide_engine.close()
+    return out
+
+
+def _spawn(tmp_path, cases, fail_at=None):
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), cases, fail_at), nprocs=WORLD, join=True)
+    return torch.load(os.path.join(tmp_path, "ranks.pt"))
+
+
+CASES = [dict(tied=False, ga=1, clip=None, steps=3), dict(tied=True, ga=1, clip=None, steps=3),
+         dict(tied=False, ga=1, clip=0.3, steps=3), dict(tied=True, ga=2, clip=0.3, steps=3),
+         dict(tied=False, ga=2, clip=None, steps=3, resume=True)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _spawn(tmp_path_factory.mktemp("dp"), CASES)
+
+
+@pytest.mark.parametrize("k", range(len(CASES)), ids=[
+    "untied", "tied", "clip", "tied-ga2-clip", "ga2-resume"])
+def test_two_ranks_equal_one_process_on_the_same_global_batch(ranks, k):
+    """Loss and gradient norm within 1e-5 relative, every parameter within 5% of one lr step after
+    three steps, the AdamW moments close and the step counters equal: with and without
+    accumulation and clipping, tied and untied embeddings."""
+    ref, got = _one_process(CASES[k]), ranks[k]
+    for a, b in zip(ref["losses"], got["losses"]):
+        assert math.isclose(a, b, rel_tol=1e-5), (ref["losses"], got["losses"])
+    worst = max(float((ref["state"][n] - got["state"][n]).abs().max()) for n in ref["state"])
+    assert worst < 0.05 * LR, worst
+    for i, st in ref["opt"].items():
+        assert torch.equal(torch.as_tensor(st["step"]), torch.as_tensor(got["opt"][i]["step"]))
+        assert torch.allclose(st["exp_avg"], got["opt"][i]["exp_avg"], rtol=1e-3, atol=1e-6)
+
+
+def test_two_ranks_resume_exactly(ranks):
+    """A training checkpoint written by rank 0 after two steps, loaded by both ranks into fresh
+    models: the next step gives the same losses and weights, bit for bit."""
+    got = ranks[len(CASES) - 1]
+    assert got["after"] == got["resumed"]
+    for n, t in got["after_state"].items():
+        assert torch.equal(t, got["resumed_state"][n]), n
+
+
+def test_a_failing_rank_ends_every_rank_with_its_traceback(tmp_path, capfd):
+    """Rank 1 raises after one step while rank 0 waits for it in a collective: rank 0's collective
+    fails at once (its peer is gone), the launch ends without a hang, and rank 1's traceback is
+    there (the launcher reports whichever rank it saw end first)."""
+    import time
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:
+        _spawn(tmp_path, [dict(tied=False, ga=1, clip=None, steps=3)], fail_at=1)
+    assert time.monotonic() - t0 < 120
+    seen = str(err.value) + capfd.readouterr().err
+    assert "rank 1 fails on purpose" in seen
+
+
+def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
+    """One process that sees WORLD_SIZE=2 without a group: the options that stay single-process are
+    refused before anything is allocated (checked without starting a group)."""
+    from hf_slideformer.data_parallel import DataParallel
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
+    for kw, word in ((dict(host_memory_limit=8, nvme_path="/tmp"), "host_memory_limit"),
+                     (dict(resident_layers=2), "resident_layers"),
+                     (dict(device_update_share=0.5), "device_update_share")):
+        with pytest.raises(ValueError, match=word):
+            DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
+    with pytest.raises(ValueError, match="frozen parameters"):
+        DataParallel.from_environment(hs.SlideConfig(device="cpu"), frozen=True)
