@@ -6,6 +6,10 @@ before and after, prints the model's greedy continuation of a prompt, and ends w
 says whether training worked (exit status 1 when the held-out loss did not fall).
 
     python examples/finetune_tiny.py [--steps 200] [--device cpu] [--save DIR]
+
+Under `torchrun --nproc_per_node N examples/finetune_tiny.py` the N processes train the one model
+together (data parallel, docs/multi_gpu.md): each takes its 1/N of every step's batch (--batch is
+the global batch), and rank 0 prints and saves.
 """
 from __future__ import annotations
 
@@ -49,12 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_config(tiny_config(args.model_type, vocab_size=len(tok)))
     cfg = hs.SlideConfig(device=args.device, max_grad_norm=1.0)
     model = hs.slide(model, cfg)
+    dp = model.slide_engine.dp                                  # several processes (torchrun), or None
+    rank, world = (dp.rank, dp.world) if dp is not None else (0, 1)
+    if args.batch % world:
+        sys.exit(f"--batch {args.batch} does not split over {world} processes")
+    mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
+    say = print if rank == 0 else (lambda *a, **k: None)        # rank 0 speaks
     opt = model.create_optimizer(lr=args.lr, weight_decay=0.01)
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=min(10, args.steps // 10),
                                             num_training_steps=args.steps)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {args.model_type}, {n_params / 1e6:.2f}M parameters; data: {len(train)} training blocks of "
-          f"{args.block} tokens, {len(held_out)} held out; device {cfg.device}, dtype {cfg.dtype}", flush=True)
+    say(f"model: {args.model_type}, {n_params / 1e6:.2f}M parameters; data: {len(train)} training blocks of "
+          f"{args.block} tokens, {len(held_out)} held out; device {model.slide_config.device}, dtype {cfg.dtype}"
+          + (f"; {world} processes" if world > 1 else ""), flush=True)
 
     @torch.no_grad()
     def held_out_loss() -> float:
@@ -68,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     first = last = float("nan")
     for step in range(args.steps):
-        batch = train[torch.randint(0, len(train), (args.batch,), generator=g)]
+        batch = train[torch.randint(0, len(train), (args.batch,), generator=g)][mine]
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         opt.step()
@@ -77,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         last = loss.item()
         first = last if step == 0 else first
         if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"step {step:4d}  loss {last:.3f}  grad_norm {opt.last_grad_norm:.3f}  "
+            say(f"step {step:4d}  loss {last:.3f}  grad_norm {opt.last_grad_norm:.3f}  "
                   f"lr {sched.get_last_lr()[0]:.2e}  {time.time() - t0:.1f}s", flush=True)
     elapsed = time.time() - t0
     after = held_out_loss()
@@ -85,16 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tok(PROMPT, return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)
     text = tok.decode(out[0], skip_special_tokens=True)
-    print(f"greedy continuation: {text[: text.find('.') + 1] or text!r}")      # up to the first full stop
-    print(f"held-out loss: {before:.3f} before training, {after:.3f} after")
+    say(f"greedy continuation: {text[: text.find('.') + 1] or text!r}")      # up to the first full stop
+    say(f"held-out loss: {before:.3f} before training, {after:.3f} after")
     if args.save:
-        model.save_pretrained(args.save)
-        tok.save_pretrained(args.save)
-        print(f"saved to {args.save} (loads with transformers.AutoModelForCausalLM)")
+        model.save_pretrained(args.save)                         # with several processes rank 0 writes
+        if rank == 0:
+            tok.save_pretrained(args.save)
+        say(f"saved to {args.save} (loads with transformers.AutoModelForCausalLM)")
     if not after < before:
-        print(f"FAILED: the held-out loss did not fall in {args.steps} steps ({before:.3f} -> {after:.3f})")
+        say(f"FAILED: the held-out loss did not fall in {args.steps} steps ({before:.3f} -> {after:.3f})")
         return 1
-    print(f"OK: fine-tuned in {elapsed:.1f} s on {cfg.device}; training loss {first:.2f} -> {last:.2f}, "
+    say(f"OK: fine-tuned in {elapsed:.1f} s on {model.slide_config.device}; training loss {first:.2f} -> {last:.2f}, "
           f"held-out loss {before:.2f} -> {after:.2f}")
     return 0
 

@@ -189,3 +189,18 @@ def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
             DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
     with pytest.raises(ValueError, match="frozen parameters"):
         DataParallel.from_environment(hs.SlideConfig(device="cpu"), frozen=True)
+
+
+def test_the_example_trains_under_torchrun(tmp_path):
+    """`torchrun --nproc_per_node 2 examples/finetune_tiny.py`: the launcher's environment alone
+    starts the group (gloo on the CPU); the two processes train the one model and rank 0 saves it."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), os.path.join(root, "examples", "finetune_tiny.py"),
+                          "--steps", "12", "--device", "cpu", "--save", str(tmp_path / "model")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "2 processes" in out.stdout and "OK: fine-tuned" in out.stdout
+    assert (tmp_path / "model" / "config.json").is_file()
