@@ -38,9 +38,10 @@ _HOST_SECTION = "mpirun_config"
 
 def multi_process_message(n: int) -> str:
     """The error for a launch with several processes."""
-    return (f"hf_slideformer was launched with {n} processes. Sliding trains on one GPU per run and has no data "
-            "parallelism yet: launch one process (num_processes: 1), or for multi-GPU training use Accelerate's FSDP "
-            "or DeepSpeed integration without sliding.")
+    return (f"hf_slideformer was launched with {n} processes. The Trainer and `accelerate launch` slide with one "
+            "process only (they would wrap the model in DistributedDataParallel): launch one process "
+            "(num_processes: 1), or train on several GPUs from your own loop under `torchrun --nproc_per_node N`, "
+            "where hs.slide() shards the updates over the processes (docs/multi_gpu.md).")
 
 
 @dataclass
