@@ -32,7 +32,7 @@ try:  # transformers >= 5.2x; older versions rotate through a Trainer method
 except ImportError:  # pragma: no cover - version dependent
     rotate_checkpoints = None
 
-from .accelerate_plugin import multi_process_message, wrap_optimizer
+from .accelerate_plugin import wrap_optimizer
 from .atomic_save import final_paths_in_logs, recover_directories
 from .checkpoint import CheckpointError
 from .engine import SlideStateError
@@ -86,8 +86,7 @@ class SlideTrainer(Trainer):
         super().create_accelerator_and_postprocess()
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise SlideArgsError("DeepSpeed / FSDP is enabled together with sliding: they are alternatives")
-        if self.accelerator.num_processes > 1:
-            raise SlideArgsError(multi_process_message(self.accelerator.num_processes))
+        _prepare_without_ddp(self.accelerator)
         self._slide_tokens = 0
         self._slide_mark = None
         if self.model is not None:
@@ -214,7 +213,11 @@ class SlideTrainer(Trainer):
         first (to the old or the new checkpoint).
         """
         if self.hp_search_backend is None and trial is None:
-            self.store_flos()
+            self.store_flos()                         # with several ranks, a collective: every rank
+        dp = self.model.slide_engine.dp if is_slid(self.model) else None
+        rng_files = self._rank_rng_states(dp) if dp is not None and not self.args.save_only_model else None
+        if dp is not None and not dp.writes:
+            return                                    # the ranks share one state: rank 0 writes the checkpoint
         run_dir = self._get_output_dir(trial=trial)
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         with atomic_directory(output_dir) as tmp, final_paths_in_logs(tmp, os.path.abspath(output_dir)):
@@ -228,7 +231,11 @@ class SlideTrainer(Trainer):
                 write_plain_resume_refusal(tmp)
                 if self.lr_scheduler is not None:
                     torch.save(self.lr_scheduler.state_dict(), os.path.join(tmp, SCHEDULER_NAME))
-                self._save_rng_state(tmp)
+                if rng_files is None:
+                    self._save_rng_state(tmp)
+                for name, data in rng_files or ():
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
             for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
                 name = cb.__class__.__name__
                 if isinstance(self.state.stateful_callbacks.get(name), list):
@@ -243,6 +250,19 @@ class SlideTrainer(Trainer):
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
         else:  # pragma: no cover - version dependent
             self._rotate_checkpoints(use_mtime=True, output_dir=run_dir)
+
+    def _rank_rng_states(self, dp) -> list[tuple[str, bytes]] | None:
+        """Every rank's RNG state file (the Trainer's `rng_state_<rank>.pth`), gathered to rank 0,
+        which writes them into its checkpoint (None on the other ranks)."""
+        import tempfile
+
+        import torch.distributed as dist
+        with tempfile.TemporaryDirectory() as d:
+            self._save_rng_state(d)
+            mine = [(n, open(os.path.join(d, n), "rb").read()) for n in sorted(os.listdir(d))]
+        got = [None] * dp.world if dp.writes else None
+        dist.gather_object(mine, got, dst=0, group=dp.host_group)
+        return [f for files in got for f in files] if dp.writes else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Finish an interrupted swap of it, verify it, and restore the fp32 masters from `slide_state/`."""
@@ -295,6 +315,23 @@ def _check_files(checkpoint: str) -> None:
             torch.load(rng, weights_only=False)
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{rng} is corrupted: {e}") from e
+
+
+def _prepare_without_ddp(accelerator) -> None:
+    """Make `accelerator.prepare` leave a slid model unwrapped: with several processes the engine
+    reduces the gradients itself (data_parallel.py), and DistributedDataParallel's hooks would wait
+    for parameter gradients that never come. Other models are prepared as before."""
+    original = accelerator.prepare_model
+    if getattr(original, "_slide", False):
+        return
+
+    def prepare_model(model, device_placement=None, evaluation_mode=False):
+        if is_slid(model):
+            return original(model, device_placement=False, evaluation_mode=True)
+        return original(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    prepare_model._slide = True
+    accelerator.prepare_model = prepare_model
 
 
 # ---------------------------------------------------------------------- plain Trainer + SlideArgs

@@ -20,7 +20,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from .accelerate_plugin import launch_environment, multi_process_message
+from .accelerate_plugin import launch_environment
 from .config import DTYPES, FLOAT16_REFUSED, SETTINGS, SlideConfig
 from .options import check_fields, option_fields
 
@@ -59,8 +59,6 @@ class SlideArgs(TrainingArguments):
             raise SlideArgsError(f"mixed precision fp16 (ACCELERATE_MIXED_PRECISION) is refused: {FLOAT16_REFUSED}")
         if self.slide_dtype is None and env_precision == "bf16":
             self.slide_dtype = "bfloat16"
-        if self.world_size > 1:
-            raise SlideArgsError(multi_process_message(self.world_size))
         if self.n_gpu > 1:
             self._n_gpu = 1                              # one device slides; never nn.DataParallel
         self.to_slide_config()                           # validate every engine setting now
@@ -84,8 +82,6 @@ class SlideArgs(TrainingArguments):
         if self.fsdp or env.use_fsdp:
             raise SlideArgsError("FSDP is configured together with sliding. Remove --fsdp (or distributed_type: FSDP "
                                  "from the accelerate config); for multi-GPU training use FSDP without sliding.")
-        if env.world_size > 1:
-            raise SlideArgsError(multi_process_message(env.world_size))
         if getattr(self, "activation_checkpointing", None) or getattr(self, "gradient_checkpointing", None):
             raise SlideArgsError("activation_checkpointing / gradient_checkpointing: the sliding engine already "
                                  "recomputes every layer from its saved input; turn it off")

@@ -204,3 +204,79 @@ def test_the_example_trains_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 processes" in out.stdout and "OK: fine-tuned" in out.stdout
     assert (tmp_path / "model" / "config.json").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# the Trainer with several processes
+# ---------------------------------------------------------------------------------------------
+def _trainer(out: str, steps: int, batch: int, **kw):
+    from torch.utils.data import SequentialSampler
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class InOrder(hs.SlideTrainer):
+        def _get_train_sampler(self, *a, **k):      # the same global batches whatever the ranks
+            return SequentialSampler(self.train_dataset)
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (x := torch.randint(0, 128, (16,), generator=g)), "labels": x.clone()} for _ in range(24)]
+    args = hs.SlideArgs(output_dir=out, per_device_train_batch_size=batch, max_steps=steps, learning_rate=LR,
+                        max_grad_norm=0.3, logging_steps=1, report_to=[], use_cpu=True, lr_scheduler_type="constant",
+                        disable_tqdm=True, seed=0, **kw)
+    return InOrder(model=LlamaForCausalLM(cfg), args=args, train_dataset=data)
+
+
+def _trainer_rank(rank: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        # Three steps with a checkpoint after the second, then a resume from it for the third.
+        t = _trainer(os.path.join(out, "run"), 3, 2, save_strategy="steps", save_steps=2)
+        assert t.model.slide_engine.dp is not None
+        t.train()
+        first = {"losses": [h["loss"] for h in t.state.log_history if "loss" in h],
+                 "norms": [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h], "state": _state(t.model)}
+        t.model.slide_engine.close()
+        r = _trainer(os.path.join(out, "run"), 3, 2, save_strategy="no")
+        r.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
+        resumed = _state(r.model)
+        if rank == 0:
+            torch.save({"first": first, "resumed": resumed,
+                        "files": sorted(os.listdir(os.path.join(out, "run", "checkpoint-2")))},
+                       os.path.join(out, "trainer.pt"))
+        r.model.slide_engine.close()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_the_trainer_with_two_processes(tmp_path):
+    """`SlideTrainer` under two processes (the launcher's environment; Accelerate starts gloo): no
+    DistributedDataParallel around the slid model, each rank its half of the global batch, the same
+    losses and weights as one process on the whole batch; the checkpoint (written by rank 0, with
+    every rank's RNG state) resumes both ranks to the same weights."""
+    mp.spawn(_trainer_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    got = torch.load(os.path.join(tmp_path, "trainer.pt"))
+    one = _trainer(str(tmp_path / "one"), 3, 4, save_strategy="no")
+    assert one.model.slide_engine.dp is None
+    one.train()
+    ref = [h["loss"] for h in one.state.log_history if "loss" in h]
+    assert len(ref) == len(got["first"]["losses"]) == 3
+    for a, b in zip(ref, got["first"]["losses"]):
+        assert math.isclose(a, b, rel_tol=1e-4), (ref, got["first"]["losses"])
+    norms = [h["grad_norm"] for h in one.state.log_history if "grad_norm" in h]
+    assert len(norms) == 3
+    for a, b in zip(norms, got["first"]["norms"]):
+        assert math.isclose(a, b, rel_tol=1e-4), (norms, got["first"]["norms"])
+    state = _state(one.model)
+    worst = max(float((state[n] - got["first"]["state"][n]).abs().max()) for n in state)
+    assert worst < 0.05 * LR, worst
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(got["files"])
+    for n, t in got["first"]["state"].items():
+        assert torch.equal(t, got["resumed"][n]), n
