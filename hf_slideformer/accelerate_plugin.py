@@ -37,11 +37,10 @@ _HOST_SECTION = "mpirun_config"
 
 
 def multi_process_message(n: int) -> str:
-    """The error for a launch with several processes."""
-    return (f"hf_slideformer was launched with {n} processes. The Trainer and `accelerate launch` slide with one "
-            "process only (they would wrap the model in DistributedDataParallel): launch one process "
-            "(num_processes: 1), or train on several GPUs from your own loop under `torchrun --nproc_per_node N`, "
-            "where hs.slide() shards the updates over the processes (docs/multi_gpu.md).")
+    """The error for a launch whose kind of parallelism sliding does not support."""
+    return (f"hf_slideformer was launched with {n} processes of a kind it does not slide with: several GPUs of one "
+            "host train data parallel (distributed_type MULTI_GPU, or MULTI_CPU on CPUs; docs/multi_gpu.md); "
+            "several hosts, XLA, DeepSpeed and FSDP launches are not supported.")
 
 
 @dataclass
@@ -169,8 +168,6 @@ class SlideAccelerator(Accelerator):
 
     def __init__(self, *args, slide_plugin: Optional[SlidePlugin] = None, **kwargs):
         env = launch_environment()
-        if env.world_size > 1:
-            raise RuntimeError(multi_process_message(env.world_size))
         if env.use_deepspeed or env.use_fsdp or kwargs.get("deepspeed_plugin") or kwargs.get("fsdp_plugin"):
             raise ValueError("DeepSpeed / FSDP is configured together with sliding: they are alternatives. Use "
                              "distributed_type: 'NO' in the accelerate config, or train without sliding.")
@@ -188,7 +185,7 @@ class SlideAccelerator(Accelerator):
             plugin.gradient_accumulation_steps = ga
         kwargs["gradient_accumulation_steps"] = plugin.gradient_accumulation_steps
         super().__init__(*args, mixed_precision="no", **kwargs)
-        if self.num_processes > 1 or self.distributed_type != DistributedType.NO:
+        if self.distributed_type not in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
             raise RuntimeError(multi_process_message(self.num_processes))
         self.slide_plugin = plugin
         self.slide_precision = precision
@@ -214,7 +211,9 @@ class SlideAccelerator(Accelerator):
             raise ValueError(f"the model slides with gradient_accumulation_steps={cfg.gradient_accumulation_steps} "
                              f"but the accelerator accumulates {self.gradient_accumulation_steps}; slide it with "
                              "accelerator.slide(model)")
-        return super().prepare_model(model, device_placement=False, evaluation_mode=evaluation_mode)
+        # Never wrapped in DistributedDataParallel (evaluation_mode): with several processes the
+        # engine reduces the gradients itself (data_parallel.py).
+        return super().prepare_model(model, device_placement=False, evaluation_mode=True)
 
     def _slid_pair(self):
         from .model import is_slid
@@ -239,6 +238,9 @@ class SlideAccelerator(Accelerator):
         model, opt = self._slid_pair()
         if model is None:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        dp = model.slide_engine.dp
+        if dp is not None:
+            return self._save_state_ranks(dp, model, opt, output_dir, safe_serialization, **kwargs)
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []
         try:
@@ -252,6 +254,36 @@ class SlideAccelerator(Accelerator):
                     final_paths_in_logs(tmp, final, loggers=("accelerate", "transformers", "")):
                 super().save_state(tmp, safe_serialization=safe_serialization, **kwargs)
                 save_training_state(tmp, model, opt)
+            return final
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def _save_state_ranks(self, dp, model, opt, output_dir, safe_serialization, **kwargs):
+        """`save_state` with several ranks (every rank calls it): rank 0 stages the directory, every
+        rank writes Accelerate's files there (its RNG state among them), rank 0 adds the shared
+        `slide_state/` and swaps the directory in."""
+        from .atomic_save import final_paths_in_logs
+        from .train_checkpoint import atomic_directory, save_training_state
+
+        if output_dir is None or self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("with several processes, SlideAccelerator.save_state needs an explicit output_dir "
+                             "(automatic checkpoint naming is not supported there)")
+        final = os.path.abspath(output_dir)
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            if dp.writes:
+                with atomic_directory(final, merge=True) as tmp, \
+                        final_paths_in_logs(tmp, final, loggers=("accelerate", "transformers", "")):
+                    dp.broadcast(tmp)
+                    super().save_state(tmp, safe_serialization=safe_serialization, **kwargs)
+                    dp.barrier()                      # every rank's files are in
+                    save_training_state(tmp, model, opt)
+            else:
+                tmp = dp.broadcast(None)
+                super().save_state(tmp, safe_serialization=safe_serialization, **kwargs)
+                dp.barrier()
+            dp.barrier()                              # swapped in: every rank may read it
             return final
         finally:
             self._models, self._optimizers = models, optimizers
@@ -270,7 +302,11 @@ class SlideAccelerator(Accelerator):
             return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("SlideAccelerator.load_state needs the checkpoint directory (input_dir)")
-        recover_checkpoint(input_dir)
+        dp = model.slide_engine.dp
+        if dp is None or dp.writes:
+            recover_checkpoint(input_dir)
+        if dp is not None:
+            dp.barrier()                              # rank 0 has finished an interrupted swap, if any
         verify_training_state(input_dir, model)
         models, optimizers = self._models, self._optimizers
         self._models, self._optimizers = [], []

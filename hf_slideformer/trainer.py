@@ -267,7 +267,11 @@ class SlideTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """Finish an interrupted swap of it, verify it, and restore the fp32 masters from `slide_state/`."""
         model = model if model is not None else self.model
-        recover_checkpoint(resume_from_checkpoint)
+        dp = model.slide_engine.dp
+        if dp is None or dp.writes:
+            recover_checkpoint(resume_from_checkpoint)
+        if dp is not None:
+            dp.barrier()                              # rank 0 has finished an interrupted swap, if any
         _check_files(resume_from_checkpoint)
         verify_training_state(resume_from_checkpoint, model)
         load_training_state(resume_from_checkpoint, model, weights=True)

@@ -280,3 +280,81 @@ def test_the_trainer_with_two_processes(tmp_path):
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(got["files"])
     for n, t in got["first"]["state"].items():
         assert torch.equal(t, got["resumed"][n]), n
+
+
+# ---------------------------------------------------------------------------------------------
+# a plain Accelerate loop with several processes
+# ---------------------------------------------------------------------------------------------
+def _accelerate_run(acc, steps: int, batch: int, load: str | None = None, save_at: int | None = None,
+                    save: str | None = None):
+    from torch.utils.data import DataLoader
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = acc.slide(LlamaForCausalLM(cfg))
+    opt = model.create_optimizer(lr=LR)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": (x := torch.randint(0, 128, (16,), generator=g)), "labels": x.clone()} for _ in range(24)]
+    model, opt, dl = acc.prepare(model, opt, DataLoader(data, batch_size=batch))
+    if load is not None:
+        acc.load_state(load)
+    losses, it = [], iter(dl)
+    done = 0 if load is None else save_at
+    for step in range(steps):
+        b = next(it)
+        if step < done:
+            continue                                  # the batches the checkpoint already trained on
+        loss = model(**b).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(acc.reduce(loss.detach(), reduction="mean")))
+        if save is not None and step + 1 == save_at:
+            acc.save_state(save)
+    return model, losses
+
+
+def _accelerate_rank(rank: int, port: int, out: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
+    try:
+        acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.3))
+        assert acc.num_processes == WORLD
+        model, losses = _accelerate_run(acc, 3, 2, save_at=2, save=os.path.join(out, "ck"))
+        assert model.slide_engine.dp is not None
+        first = _state(model)
+        model.slide_engine.close()
+        acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.3))    # a fresh run
+        again, _ = _accelerate_run(acc, 3, 2, load=os.path.join(out, "ck"), save_at=2)
+        if rank == 0:
+            torch.save({"losses": losses, "state": first, "resumed": _state(again),
+                        "files": sorted(os.listdir(os.path.join(out, "ck")))}, os.path.join(out, "acc.pt"))
+        again.slide_engine.close()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_an_accelerate_loop_with_two_processes(tmp_path):
+    """`SlideAccelerator` under two processes: the model is not wrapped in DistributedDataParallel,
+    the data loader gives each rank its half of the global batch, the result equals one process;
+    `save_state` (every rank's RNG state, the shared slide state written once) and `load_state`
+    resume both ranks to the same weights."""
+    from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
+    mp.spawn(_accelerate_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    got = torch.load(os.path.join(tmp_path, "acc.pt"))
+    one, ref = _accelerate_run(SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.3)), 3, 4)
+    for a, b in zip(ref, got["losses"]):
+        assert math.isclose(a, b, rel_tol=1e-5), (ref, got["losses"])
+    state = _state(one)
+    worst = max(float((state[n] - got["state"][n]).abs().max()) for n in state)
+    assert worst < 0.05 * LR, worst
+    assert "slide_state" in got["files"] and any(f.startswith("random_states_1") for f in got["files"])
+    for n, t in got["state"].items():
+        assert torch.equal(t, got["resumed"][n]), n
