@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"GPU memory bandwidth, GB/s: paces the LoRA adapters' work (default: {PEAK_HBM_GBS:g}, H200)")
     p.add_argument("--gpu-fp32-tflops", type=float, default=PEAK_FP32_TFLOPS,
                    help=f"fp32 peak of the GPU, TFLOPS: the LoRA adapters' products (default: {PEAK_FP32_TFLOPS})")
+    p.add_argument("--gpus", type=int, default=1, metavar="N",
+                   help="data parallelism over N GPUs of one host, one process each (torchrun): --batch is per GPU, "
+                        "the host state is one shared copy; no resident units, no --nvme-gb, no --lora-r (default: 1)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                       nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
                       lora_modules_to_save=tuple(m.strip() for m in args.lora_modules_to_save.split(",") if m.strip()),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
-                      gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops)
+                      gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

@@ -76,6 +76,12 @@ class DataParallel:
         `config` is the engine's own SlideConfig (changed in place)."""
         if world_size() <= 1 or not dist.is_available():
             return None
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and local.isdigit() and int(local) != world_size():
+            # The ranks share one copy of the state in this host's memory.
+            raise ValueError(f"hf_slideformer was launched on several hosts ({world_size()} processes, {local} on "
+                             "this host): its data parallelism shares the host state among the GPUs of one host. "
+                             "Launch on one host, or for several hosts use FSDP or DeepSpeed without sliding.")
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if config.is_cuda else "gloo")
         if config.is_cuda and config.torch_device.index is None:

@@ -121,6 +121,7 @@ class Estimator:
     grad_buffers: int
     rates: dict
     mlp_chunk: int | None = None      # SlideConfig.mlp_chunk_tokens
+    gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
 
     def inter_tokens(self, T: int) -> int:
         """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""
@@ -131,6 +132,21 @@ class Estimator:
         return 6 * self.s.hidden * self.s.intermediate * self.s.layers if self.inter_tokens(T) < T else 0.0
 
     host_updates = True      # the CPU updates the host store's units: resident units and clipping's wait apply
+
+    def per_gpu(self, name: str) -> str:
+        """A host item's name, marked as counted once per GPU's process when there are several."""
+        return name if self.gpus == 1 else f"{name} x {self.gpus} GPUs"
+
+    def shard(self, numel: int) -> int:
+        """Elements of one rank's shard of a unit of `numel` (data_parallel.DataParallel.per_rank)."""
+        return -(-numel // self.gpus)
+
+    def accumulator_bytes(self) -> int:
+        """Host bytes of the fp32 gradient accumulators of accumulation or clipping: the embedding
+        excluded with one process (its gradient is the engine's), included with several (each rank
+        writes its shard of every unit's, one copy in total)."""
+        s = self.s
+        return 4 * (s.n_params - (s.embed_params if self.gpus == 1 else 0))
 
     def host(self, B: int, tier: str, deferred: bool, disk_layers: DiskSplit = DiskSplit()) -> dict:
         """Host bytes by item; `disk_layers`: the last layers with their moments, or their whole
@@ -148,6 +164,8 @@ class Estimator:
             part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
             out[f"state buffers of the layers on disk ({n} x one layer's {what}, pinned)"] = \
                 n * record_bytes(s.layer_params, part)
+        if self.gpus > 1:
+            return self._host_data_parallel(out, tok_h, acts, tier, deferred)
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
@@ -161,6 +179,29 @@ class Estimator:
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
+        })
+        return out
+
+    def _host_data_parallel(self, out: dict, tok_h: int, acts: int, tier: str, deferred: bool) -> dict:
+        """The host items of several processes (data_parallel.py, sharded.py): the state (masters,
+        moments, accumulators) once, in memory the ranks share; each rank's shard buffers of the
+        embedding's and the head's gradients (1/N of each, so one copy in total: the tied lm_head's
+        gradient joins the embedding's); the ring, row buffers, layer inputs and process once per
+        rank."""
+        s, G = self.s, self.gpus
+        if deferred:
+            out[f"fp32 gradient accumulators (4 B/param, each GPU writes its 1/{G}: one copy)"] = \
+                self.accumulator_bytes()
+        out.update({
+            f"embedding gradient shards (fp32, pinned, 1/{G} on each GPU: one copy)":
+                4 * G * self.shard(s.embed_params),
+            self.per_gpu(f"gradient ring ({self.grad_buffers} x largest layer, bf16)"):
+                G * GRAD_BYTES * self.grad_buffers * s.layer_params,
+            f"head gradient shards (bf16, pinned, 1/{G} on each GPU: one copy)":
+                G * GRAD_BYTES * self.shard(s.head_params),
+            self.per_gpu("embedding row buffers (2 x B*S*H fp32, pinned)"): G * 2 * 4 * tok_h,
+            self.per_gpu(f"layer inputs ({tier} tier)"): G * acts,
+            self.per_gpu("process (torch, CUDA runtime, Python)"): G * PROCESS_HOST_BYTES,
         })
         return out
 
@@ -188,6 +229,13 @@ class Estimator:
         }
         if tier == "device":
             fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
+        if self.gpus > 1:
+            # sharded.py: a layer's gradient copied into a flat buffer and reduce-scattered into a
+            # shard; a tied lm_head's gradient kept from the head's backward to the embedding's
+            fixed[f"reduce-scatter buffers (one layer's gradient + its 1/{self.gpus} shard, bf16)"] = \
+                GRAD_BYTES * (self.gpus * self.shard(s.layer_params) + self.shard(s.layer_params))
+            if s.tied:
+                fixed["tied lm_head gradient, kept for the embedding's reduce-scatter (bf16)"] = 2 * s.embed_params
         rows = self.logits_rows(T)
         phases = {
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
@@ -195,14 +243,24 @@ class Estimator:
                 2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate,
             # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
             # loss-gradient rows, and the last layer's input, kept for its backward
-            "head: gradient (bf16), logits chunk, hidden states": 2 * head + 2 * rows * s.vocab + T * (8 * H + 4),
+            # (with several processes a tied lm_head's gradient is in the fixed part)
+            "head: gradient (bf16), logits chunk, hidden states":
+                2 * (head - (s.embed_params if self.gpus > 1 and s.tied else 0)) + 2 * rows * s.vocab + T * (8 * H + 4),
         }
+        if self.gpus > 1:
+            # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
+            # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered
+            dense = 4 * self.gpus * self.shard(s.embed_params)
+            phases[f"embedding backward: dense fp32 gradient + its 1/{self.gpus} shard, the rows' fp32 gradients"] = \
+                dense + 4 * self.shard(s.embed_params) + 2 * 4 * T * H + (4 * s.embed_params if s.tied else 0)
         return fixed, phases
 
     def gpu_extras(self, N: int, clipping: bool) -> dict:
         """Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
         (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py)."""
         out = {}
+        if self.gpus > 1:           # several processes: no device accumulation, no device updates (sharded.py)
+            return out
         if N > 1:
             out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
         if clipping:
@@ -234,6 +292,8 @@ class Estimator:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
         (res: resident embedding?, resident layers)."""
         s, TH = self.s, B * self.seq * self.s.hidden
+        if self.gpus > 1:
+            return self._traffic_data_parallel(B, N, tier)
         embed_res, k = res
         sent = s.layers - k
         layers = sent * s.layer_params
@@ -249,6 +309,21 @@ class Estimator:
         d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
         # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
         return N * h2d + (N - 1) * 4 * layers, N * d2h
+
+    def _traffic_data_parallel(self, B: int, N: int, tier: str) -> tuple[int, int]:
+        """One rank's bytes each way per optimizer step of several processes (no resident units):
+        the same h2d as one process's, without the accumulation's running sums (each micro-batch's
+        shard is added on the host); out, this rank's shard of every unit's gradient, reduced on the
+        devices, for every micro-batch: the layers' and the head's in the compute dtype, the
+        embedding's dense in fp32 (sharded.py), and its own layer inputs."""
+        s, TH = self.s, B * self.seq * self.s.hidden
+        layers = s.layers * s.layer_params
+        acts = 2 * max(0, s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, s.layers - self.window) * s.layer_params
+        h2d = 4 * (layers + resent + s.head_slot_params) + 4 * TH + acts
+        grads = (GRAD_BYTES * (s.layers * self.shard(s.layer_params) + self.shard(s.head_params))
+                 + 4 * self.shard(s.embed_params))
+        return N * h2d, N * (grads + acts)
 
     def resident_params(self, res: tuple[bool, int]) -> int:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
@@ -290,17 +365,23 @@ class Estimator:
         bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
         on_cpu = s.n_params - self.resident_params(res)
         layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
-        out = {
-            "gpu": self.gpu_seconds(B, N),
-            "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
+        if self.gpus > 1:
+            # One host's AdamW over every parameter, the ranks' workers sharing its cores and memory;
+            # deferred, every micro-batch's shards are copied (first) or added into the accumulators.
+            cpu = s.n_params / adam + (N * s.n_params if deferred else 0) / (adam * ADD_VS_ADAM)
+        else:
             # deferred mode: each micro-batch's gradients are copied (first) or added into the host
             # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
             # alone the device-updated layers' land there directly (device_update.py)
-            "cpu": on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
-                                    (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM),
+            cpu = on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
+                                   (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM)
+        out = {
+            "gpu": self.gpu_seconds(B, N),
+            "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
+            "cpu": cpu,
         }
-        if tier == "nvme":
-            acts = N * 2 * s.layers * B * self.seq * s.hidden
+        if tier == "nvme":          # several processes: their layer inputs share the one disk
+            acts = self.gpus * N * 2 * s.layers * B * self.seq * s.hidden
             out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
         if disk_layers.layers:       # the layers' state shares the disk with the nvme tier's inputs
             out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers, deferred) / (r["nvme_bw"] * 1e9)

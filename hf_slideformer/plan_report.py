@@ -34,6 +34,7 @@ class Plan:
     gpu_mem_source: str
     rates: dict                       # pcie_gbs, adam_gps, gpu_tflops, gpu_efficiency, nvme_*_gbs
     batch_chosen: bool = False        # the batch was picked by the planner
+    gpus: int = 1                     # data-parallel GPUs of one host: batch, GPU memory and PCIe are per GPU
     host: dict = field(default_factory=dict)       # name -> bytes
     gpu_fixed: dict = field(default_factory=dict)  # name -> bytes, held all step
     gpu_phases: dict = field(default_factory=dict)  # name -> bytes, the larger one adds to the fixed part
@@ -69,7 +70,7 @@ class Plan:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch * self.seq * self.gradient_accumulation_steps
+        return self.batch * self.seq * self.gradient_accumulation_steps * self.gpus
 
     @property
     def host_fits(self) -> bool | None:
@@ -103,6 +104,8 @@ class Plan:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        if self.gpus == 1:
+            del d["gpus"]           # one GPU: the dict as it was before data parallelism
         d["shape"]["n_params"] = self.shape.n_params
         d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
                  disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
@@ -120,7 +123,7 @@ def gib(n: float) -> str:
 
 def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What to change, from the plan's shortfalls and its binding term."""
-    s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    s, out, N, tier, G = p.shape, [], p.gradient_accumulation_steps, p.activation_tier, p.gpus
     if s.max_positions and p.seq > s.max_positions:
         out.append(f"seq {p.seq} is beyond this model's max_position_embeddings ({s.max_positions}): it was not "
                    f"trained on such positions; plan with --seq {s.max_positions} or raise the limit in its config")
@@ -134,29 +137,29 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
-        if p.disk_mem_bytes is None:
+        if p.disk_mem_bytes is None and G == 1:
             fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
                          "last layers' masters and moments there")
         if deferred:
             fixes.append(f"no clipping and no accumulation (max_grad_norm=None, gradient_accumulation_steps=1) "
-                         f"saves {gib(4 * (s.n_params - s.embed_params))}")
-        acts = p.host[f"layer inputs ({tier} tier)"]
+                         f"saves {gib(est.accumulator_bytes())}")
+        acts = p.host[est.per_gpu(f"layer inputs ({tier} tier)")]
         if tier == "cpu" and acts:
             if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
                 fixes.append(f"activation_tier='device' saves {gib(acts)} (the GPU has room for them)")
-            saved = acts - est.host(p.batch, "nvme", deferred)["layer inputs (nvme tier)"]
+            saved = acts - est.host(p.batch, "nvme", deferred)[est.per_gpu("layer inputs (nvme tier)")]
             fixes.append(f"activation_tier='nvme' saves {gib(saved)} (costs about "
                          f"{est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
         if p.grad_buffers > 2:
-            fixes.append(f"grad_buffers=2 saves {gib(4 * (p.grad_buffers - 2) * s.layer_params)}")
+            fixes.append(f"grad_buffers=2 saves {gib(G * 4 * (p.grad_buffers - 2) * s.layer_params)}")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
-        floor = 12 * s.n_params + 4 * s.embed_params + PROCESS_HOST_BYTES
+        floor = 12 * s.n_params + 4 * s.embed_params + G * PROCESS_HOST_BYTES
         msg = f"host memory short by {gib(short)}: " + "; ".join(fixes) if fixes else \
             f"host memory short by {gib(short)}"
         if p.host_mem_bytes < floor:
             msg += (f". Masters, moments and the embedding gradient alone need {gib(floor)}: use a host with "
-                    "more memory or a smaller model")
+                    "more memory or a smaller model" + (f", or fewer GPUs than {G}" if G > 1 else ""))
         out.append(msg)
     if not p.gpu_fits:
         m = p.max_batch_gpu
@@ -164,7 +167,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             k = math.ceil(p.batch * N / m)
             out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
                        f"that fits is {m}; batch {m} with gradient_accumulation_steps={k} keeps about "
-                       f"{p.batch * N} sequences per step (+{gib(4 * (s.n_params - s.embed_params))} of host "
+                       f"{p.batch * N} sequences per step (+{gib(est.accumulator_bytes())} of host "
                        "memory for the accumulator)")
         else:
             out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, use "
@@ -188,7 +191,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
                     f"; that needs {gib(need)} of host memory, more than the {gib(p.host_mem_bytes)} there is")
             out.append(f"CPU-bound at the largest batch that fits ({b}): gradient_accumulation_steps={k} hides "
                        f"AdamW behind {k} micro-batches (the fp32 accumulator adds "
-                       f"{gib(4 * (s.n_params - s.embed_params))}{room}), or use a host with a faster AdamW "
+                       f"{gib(est.accumulator_bytes())}{room}), or use a host with a faster AdamW "
                        "(more cores, more memory bandwidth)")
         if b and not hides and p.bound_by == "pcie":
             out.append(f"PCIe-bound at the largest batch that fits ({b}): the weights cross PCIe twice per "
@@ -204,9 +207,10 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
                        f"{gib(more)} more host memory keeps every layer in RAM; a faster disk (or several in RAID 0) "
                        "shortens it")
         if tier == "nvme":
-            need = est.host(p.batch, "cpu", deferred)["layer inputs (cpu tier)"]
+            need = est.host(p.batch, "cpu", deferred)[est.per_gpu("layer inputs (cpu tier)")]
             out.append(f"disk-bound: the nvme tier writes and reads "
-                       f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
+                       f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N * G)} per step; "
+                       "activation_tier='cpu' needs "
                        f"{gib(need)} of host memory instead")
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
@@ -214,7 +218,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
         if not deferred and p.grad_buffers > 3 and 4 * (p.grad_buffers - 3) * s.layer_params >= GiB // 10:
             # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
             # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
-            out.append(f"grad_buffers=3 saves {gib(4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
+            out.append(f"grad_buffers=3 saves {gib(G * 4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
 
@@ -249,9 +253,17 @@ def _format_report(p: Plan) -> str:
         f"hidden {s.hidden}, intermediate {s.intermediate}, vocab {s.vocab}, {tie})",
         f"batch {p.batch}{' (chosen)' if p.batch_chosen else ''} x seq {p.seq}"
         f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
+        f"{f' x {p.gpus} GPUs' if p.gpus > 1 else ''}"
         f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
         f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}",
     ]
+    G = p.gpus
+    if G > 1:
+        lines.append(f"plan for {G} GPUs of one host (data parallel, one process each): batch, GPU memory and PCIe "
+                     "bytes per GPU; the host state (fp32 masters, AdamW moments"
+                     f"{', accumulators' if p.max_grad_norm or p.gradient_accumulation_steps > 1 else ''}) shared, "
+                     f"one copy on the host; the host items marked 'x {G} GPUs' once per process; no resident units, "
+                     f"no GPU-side updates; tokens/s for the {G} GPUs together")
     if p.lora_r:
         lines.append(f"LoRA plan: rank {p.lora_r} on every linear layer of the decoder layers, "
                      f"{p.lora_params / 1e6:.1f} M adapter parameters in fp32 on the GPU, updated there; the base "
@@ -283,20 +295,24 @@ def _format_report(p: Plan) -> str:
             f" ({_count(p.disk_layers * s.layer_params)} parameters, host_memory_limit={p.host_memory_limit_gib} GiB)"
             if p.disk_layers else ", none on disk"))
     gverdict = "fits" if p.gpu_fits else f"SHORT by {gib(p.gpu_peak - p.gpu_limit)}"
-    lines.append(f"GPU memory   {gib(p.gpu_peak)} peak allocated, {gib(p.gpu_limit)} usable of "
+    lines.append(f"GPU memory   {gib(p.gpu_peak)} peak allocated{' per GPU' if G > 1 else ''}, "
+                 f"{gib(p.gpu_limit)} usable of "
                  f"{gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
     lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.gpu_fixed.items()]
     big = max(p.gpu_phases, key=p.gpu_phases.get)
     lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in p.gpu_phases.items()]
     host_b = "" if p.max_batch_host is None else f", {p.max_batch_host} by host memory"
-    lines += [f"largest batch {p.max_batch_gpu} by GPU memory{host_b}"]
+    lines += [f"largest batch {p.max_batch_gpu}{' per GPU' if G > 1 else ''} by GPU memory{host_b}"]
     res_params = (s.embed_params if p.resident_embedding else 0) + p.resident_layers * s.layer_params
     if res_params:
         what = (["the embedding"] if p.resident_embedding else []) + (
             [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
         lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
                      f"{_count(res_params)} parameters (the engine decides after its first step)")
-    if p.max_grad_norm and not p.lora_r:
+    if p.max_grad_norm and not p.lora_r and G > 1:
+        lines.append("clipping: every unit is updated by the host's workers after the backward (no GPU-side updates "
+                     "with several GPUs)")
+    elif p.max_grad_norm and not p.lora_r:
         host_layers = list(range(s.layers - p.resident_layers))
         n = len(pick_device_units(host_layers, balanced_share()))
         lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
@@ -310,10 +326,12 @@ def _format_report(p: Plan) -> str:
         "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
                 f"+ {p.adapter_s:.3f} s of the adapters' fp32 work" if p.lora_r else
                 f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
-                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)"),
-        "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s",
+                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)" + (", each GPU" if G > 1 else "")),
+        "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s"
+                + (f" per GPU, each on its own link (d2h: 1/{G} of each gradient)" if G > 1 else ""),
         "cpu": f"AdamW over {_count(p.lora_trained_params if p.lora_r else s.n_params - res_params)} parameters "
-               f"at {p.rates['adam_gps']} G/s" + (" (modules_to_save)" if p.lora_r else ""),
+               f"at {p.rates['adam_gps']} G/s" + (" (modules_to_save)" if p.lora_r else "")
+               + (f", one host's rate shared by the {G} processes' workers" if G > 1 else ""),
         "disk": " + ".join(
             ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
              if p.activation_tier == "nvme" else [])

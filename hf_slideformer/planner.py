@@ -82,7 +82,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
          lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = None,
-         gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS) -> Plan:
+         gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -121,6 +121,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             "lm_head": their copies train in full (12 B/param on the host, the CPU AdamW).
         gpu_hbm_gbs, gpu_fp32_tflops: the GPU's memory bandwidth (GB/s) and fp32 peak (TFLOPS),
             which pace the LoRA adapters' fp32 work (H200: 4800, 66.9).
+        gpus: data parallelism over this many GPUs of one host, one process each (data_parallel.py):
+            `batch` is per GPU; the host state (masters, moments, accumulators) is one shared copy,
+            each process adds its ring, row buffers, layer inputs and overhead; each GPU's link
+            copies out 1/gpus of every gradient; one host's AdamW rate for all. No resident units
+            and no GPU-side updates (the engine turns them off); no nvme_gb, no LoRA.
 
     Returns:
         A Plan; `Plan.report()` formats it, `Plan.to_dict()` serialises it.
@@ -141,6 +146,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     _check("gradient_accumulation_steps", N, isinstance(N, int) and N >= 1, "an int >= 1")
     if batch is not None:
         _check("batch", batch, isinstance(batch, int) and batch >= 1, "an int >= 1")
+    _check("gpus", gpus, isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1, "an int >= 1")
+    if gpus > 1:
+        refused = ([f"lora_r (--lora-r {lora_r}): LoRA and other frozen parameters"] if lora_r is not None else []) + (
+            [f"nvme_gb (--nvme-gb {nvme_gb}): state on disk, SlideConfig.host_memory_limit"]
+            if nvme_gb is not None else [])
+        if refused:
+            raise ValueError(f"with gpus={gpus} (--gpus {gpus}) the engine does not support {'; '.join(refused)}; "
+                             "plan these with one GPU (gpus=1), or leave them out")
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
                  nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw,
                  gpu_hbm_gbs=gpu_hbm_gbs, gpu_fp32_tflops=gpu_fp32_tflops)
@@ -176,7 +189,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
                "an int >= 1")
     est = (LoraEstimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, r=lora_r,
                          base_bytes=lora_base_bytes, trained=tuple(dict.fromkeys(lora_modules_to_save))) if lora
-           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens))
+           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, gpus=gpus))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
     extras = est.gpu_extras(N, clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
@@ -194,7 +207,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
 
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,
              host_source, gpu_source, rates, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
-             max_batch_host=max_host)
+             max_batch_host=max_host, gpus=gpus)
     if lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params
         p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
@@ -214,7 +227,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.gpu_peak = est.gpu_peak(batch, tier) + sum(extras.values())
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
-    if resident and N == 1 and est.host_updates:
+    if resident and N == 1 and gpus == 1 and est.host_updates:     # several GPUs: the engine keeps none
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
                             layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
@@ -256,10 +269,13 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         # layers is updated by the GPU as it is copied in (device_update.py): the CPU and the link
         # share that work (docs/benchmarks.md has the measured steps).
         host_params = shape.n_params - est.resident_params(res)
-        f = balanced_share()
-        layers = (shape.layers - res[1]) * shape.layer_params
-        link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
-        adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
+        if gpus == 1:
+            f = balanced_share()
+            layers = (shape.layers - res[1]) * shape.layer_params
+            link = layers * (4 * (1 - f) + 16 * f) / (pcie_gbs * 1e9 * DEVICE_UPDATE_LINK)
+            adam_after = max((host_params - f * layers) / (adam_gps * 1e9), link)
+        else:                       # no device updates: the ranks' workers update every unit
+            adam_after = host_params / (adam_gps * 1e9)
         # Only the first micro-batch's forward overlaps it.
         first_forward = FORWARD_SHARE * p.times["gpu"] / N
         serial = max(serial, p.times["gpu"] - first_forward + max(first_forward, adam_after))

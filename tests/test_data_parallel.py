@@ -189,6 +189,9 @@ def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
             DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
     with pytest.raises(ValueError, match="frozen parameters"):
         DataParallel.from_environment(hs.SlideConfig(device="cpu"), frozen=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")             # torchrun --nnodes 2 --nproc_per_node 1
+    with pytest.raises(ValueError, match="several hosts.*FSDP"):
+        DataParallel.from_environment(hs.SlideConfig(device="cpu"))
 
 
 def test_the_example_trains_under_torchrun(tmp_path):

@@ -509,3 +509,100 @@ def test_the_mlp_in_chunks_lowers_the_long_sequence_peak():
     assert any("MLP chunk" in k for k in tiled.gpu_phases)
     short = plan(cfg, batch=1, seq=8192, gpu_mem=24, host_mem=125, mlp_chunk_tokens=16384)
     assert short.times["gpu"] == plan(cfg, batch=1, seq=8192, gpu_mem=24, host_mem=125).times["gpu"]
+
+
+# ---------------------------------------------------------------- several GPUs (data parallelism)
+PER_RANK = ("gradient ring", "embedding row buffers", "layer inputs", "process")
+
+
+def per_rank_bytes(p) -> int:
+    """The host items each process has of its own (one GPU: counted once)."""
+    return sum(v for k, v in p.host.items() if k.startswith(PER_RANK))
+
+
+def test_several_gpus_share_the_host_state_and_add_each_process_buffers():
+    """Masters and moments stay one copy; the ring, the row buffers, the layer inputs and the
+    process come once per GPU, their names saying so; the embedding's and the head's gradient
+    shards (1/2 on each GPU) add up to one copy of each."""
+    kw = dict(batch=16, gpu_mem=24, resident=False, **H200)
+    one = plan(CONFIGS / "llama3-8b.json", **kw)
+    two = plan(CONFIGS / "llama3-8b.json", gpus=2, **kw)
+    s, state = one.shape, "fp32 masters + Adam m, v (12 B/param)"
+    assert two.host[state] == one.host[state] == 12 * s.n_params
+    assert per_rank_bytes(two) == 2 * per_rank_bytes(one)
+    assert all(k.endswith(" x 2 GPUs") for k in two.host if k.startswith(PER_RANK))
+    assert two.host["embedding gradient shards (fp32, pinned, 1/2 on each GPU: one copy)"] == \
+        one.host["embedding gradient (fp32, pinned)"]
+    # the head's gradient no longer borrows the ring: each rank copies out its shard (the untied lm_head)
+    head = two.host["head gradient shards (bf16, pinned, 1/2 on each GPU: one copy)"]
+    assert head == 2 * s.head_params and one.host["head host buffer (bf16, pinned)"] == 0
+    assert two.host_total - one.host_total == per_rank_bytes(one) + head
+    # with clipping each rank writes its half of the accumulators: one copy, the embedding's included
+    clip1 = plan(CONFIGS / "llama3-8b.json", max_grad_norm=1.0, **kw)
+    clip2 = plan(CONFIGS / "llama3-8b.json", max_grad_norm=1.0, gpus=2, **kw)
+    assert clip2.host_total - two.host_total == 4 * s.n_params
+    assert clip1.host_total - one.host_total == 4 * (s.n_params - s.embed_params)
+    # the largest batch host memory allows shrinks with the per-process items; the GPU is checked per GPU
+    assert two.max_batch_host < one.max_batch_host and two.gpu_fits and two.gpu_limit == one.gpu_limit
+
+
+def test_several_gpus_multiply_the_tokens_not_the_cpu_term():
+    """GPU-bound, two GPUs move twice the tokens in the same step: the GPU term is one GPU's at
+    that batch, the host's AdamW is the same total, each rank sends the same weights in and copies
+    out half of each gradient (its own layer inputs whole)."""
+    kw = dict(batch=16, gpu_mem=24, resident=False, **H200)
+    one = plan(CONFIGS / "llama3-8b.json", **kw)
+    two = plan(CONFIGS / "llama3-8b.json", gpus=2, **kw)
+    assert one.bound_by == two.bound_by == "gpu"
+    assert two.tokens_per_step == 2 * one.tokens_per_step
+    assert two.times["gpu"] == one.times["gpu"] and two.times["cpu"] == one.times["cpu"]
+    assert two.tokens_per_s == pytest.approx(2 * one.tokens_per_s)
+    assert two.expected_tokens_per_s == pytest.approx(2 * one.expected_tokens_per_s)
+    assert two.h2d_bytes == one.h2d_bytes and two.d2h_bytes < one.d2h_bytes
+    assert two.times["pcie"] <= one.times["pcie"]
+    # the gradients' bytes per rank halve with twice the GPUs: the layers' and the head's in bf16,
+    # the embedding's dense in fp32 (sharded.py); the layer inputs are each rank's own
+    s = one.shape
+    acts = 2 * (s.layers - 1) * 16 * 2048 * s.hidden
+    grads = 2 * (s.layers * s.layer_params + s.head_params) + 4 * s.embed_params
+    assert two.d2h_bytes == acts + grads // 2
+    dev = dict(kw, activation_tier="device")
+    assert plan(CONFIGS / "llama3-8b.json", gpus=4, **dev).d2h_bytes * 2 == \
+        plan(CONFIGS / "llama3-8b.json", gpus=2, **dev).d2h_bytes
+    # no resident units, no device updates or accumulation buffer, whatever resident says
+    acc = plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, gpus=2, max_grad_norm=1.0,
+               gradient_accumulation_steps=2, **H200)
+    assert (acc.resident_embedding, acc.resident_layers) == (False, 0) and acc.host_steady == acc.host_total
+    assert not any("accumulation buffer" in k or "device-update" in k for k in acc.gpu_fixed)
+    assert "no GPU-side updates with several GPUs" in acc.report()
+    assert plan(CONFIGS / "llama3-3b.json", batch=16, gpu_mem=24, gpus=2, **H200).resident_layers == 0
+
+
+def test_several_gpus_refuse_the_disk_lora_and_fewer_than_one():
+    with pytest.raises(ValueError, match=r"nvme_gb \(--nvme-gb"):
+        plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, gpus=2)
+    with pytest.raises(ValueError, match=r"lora_r \(--lora-r 16\): LoRA"):
+        plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, lora_r=16, gpus=2, **H200)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="gpus must be an int >= 1"):
+            plan(CONFIGS / "tiny.json", gpu_mem=24, host_mem=24, gpus=bad)
+    # one GPU plans them as before
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, gpus=1).disk_layers
+
+
+def test_cli_takes_several_gpus(capsys):
+    args = ["plan", str(CONFIGS / "llama3-8b.json"), "--batch", "16", "--gpu-mem", "24", "--host-mem", "125"]
+    assert main(args + ["--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 2 GPUs of one host" in out and "shared, one copy on the host" in out
+    assert "batch 16 x seq 2048 x 2 GPUs = 65536 tokens per step" in out
+    assert "layer inputs (cpu tier) x 2 GPUs" in out and "process (torch, CUDA runtime, Python) x 2 GPUs" in out
+    assert main(args + ["--gpus", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["gpus"] == 2 and d["tokens_per_step"] == 65536
+    assert main(args + ["--json"]) == 0
+    assert "gpus" not in json.loads(capsys.readouterr().out)          # one GPU: the JSON as before
+    assert main(args + ["--gpus", "2", "--nvme-gb", "2000"]) == 2
+    assert "--nvme-gb" in capsys.readouterr().err
+    assert main(args + ["--gpus", "0"]) == 2
+    assert "gpus must be an int >= 1" in capsys.readouterr().err
