@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 
 import torch
@@ -41,9 +42,18 @@ from .memory import HostMemoryError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataParallel", "SharedHostMemory", "SHM_DIR_ENV", "world_size"]
+__all__ = ["DataParallel", "SharedHostMemory", "SHM_DIR_ENV", "check_one_host", "world_size"]
 
 SHM_DIR_ENV = "HF_SLIDEFORMER_SHM_DIR"     # where the shared state's files go (default /dev/shm)
+
+
+def check_one_host(hosts: list[str]) -> None:
+    """Refuse ranks on several hosts (`hosts`: each rank's host name): they share one copy of the
+    state in one host's memory."""
+    if len(set(hosts)) > 1:
+        raise ValueError(f"hf_slideformer was launched on several hosts ({', '.join(sorted(set(hosts)))}): its data "
+                         "parallelism shares the host state among the GPUs of one host. Launch on one host, or for "
+                         "several hosts use FSDP or DeepSpeed without sliding.")
 
 
 def world_size() -> int:
@@ -66,6 +76,9 @@ class DataParallel:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.worker_group = dist.new_group(backend="gloo")
         self.host_group = dist.new_group(backend="gloo")
+        hosts = [None] * self.world
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.host_group)
+        check_one_host(hosts)
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -76,12 +89,6 @@ class DataParallel:
         `config` is the engine's own SlideConfig (changed in place)."""
         if world_size() <= 1 or not dist.is_available():
             return None
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is not None and local.isdigit() and int(local) != world_size():
-            # The ranks share one copy of the state in this host's memory.
-            raise ValueError(f"hf_slideformer was launched on several hosts ({world_size()} processes, {local} on "
-                             "this host): its data parallelism shares the host state among the GPUs of one host. "
-                             "Launch on one host, or for several hosts use FSDP or DeepSpeed without sliding.")
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if config.is_cuda else "gloo")
         if config.is_cuda and config.torch_device.index is None:

@@ -81,23 +81,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
     if found_inf is not None:
         # the kernel skips the update itself; the counters advanced above go back (as torch.optim does)
         _revert = [state.steps[k] for ks in by_group.values() for k in ks]
-    if span is not None:
-        lo, hi = span
-        for _, end, batch in piece_batches(unit, by_group, piece or 1 << 40):
-            if before_piece is not None:
-                before_piece(end)
-            for gi, ranges in batch.items():
-                cut = [(k, max(a, lo), min(b, hi)) for k, a, b in ranges if max(a, lo) < min(b, hi)]
-                if cut:
-                    run(groups[gi], [state.master[a:b] for _, a, b in cut], [grad[a - lo:b - lo] for _, a, b in cut],
-                        [state.exp_avg[a:b] for _, a, b in cut], [state.exp_avg_sq[a:b] for _, a, b in cut],
-                        [state.steps[k] for k, _, _ in cut], scale)
-            if on_piece is not None:
-                on_piece(end)
-        if found_inf is not None and _revert:
-            torch._foreach_sub_(_revert, [found_inf] * len(_revert))
-        return
-    if piece is None:
+    if piece is None and span is None:
         for gi, ks in by_group.items():
             es = [unit.entries[k] for k in ks]
             run(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
@@ -106,13 +90,16 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         if found_inf is not None and _revert:
             torch._foreach_sub_(_revert, [found_inf] * len(_revert))
         return
-    for _, end, batch in piece_batches(unit, by_group, piece):
+    lo, hi = span if span is not None else (0, unit.numel)
+    for _, end, batch in piece_batches(unit, by_group, piece or 1 << 40):
         if before_piece is not None:
             before_piece(end)
         for gi, ranges in batch.items():
-            run(groups[gi], [state.master[a:b] for _, a, b in ranges], [grad[a:b] for _, a, b in ranges],
-                [state.exp_avg[a:b] for _, a, b in ranges], [state.exp_avg_sq[a:b] for _, a, b in ranges],
-                [state.steps[k] for k, _, _ in ranges], scale)
+            cut = [(k, max(a, lo), min(b, hi)) for k, a, b in ranges if max(a, lo) < min(b, hi)]
+            if cut:
+                run(groups[gi], [state.master[a:b] for _, a, b in cut], [grad[a - lo:b - lo] for _, a, b in cut],
+                    [state.exp_avg[a:b] for _, a, b in cut], [state.exp_avg_sq[a:b] for _, a, b in cut],
+                    [state.steps[k] for k, _, _ in cut], scale)
         if on_piece is not None:
             on_piece(end)
     if found_inf is not None and _revert:

@@ -33,11 +33,21 @@ class _Shard:
         self.engine, self.unit = engine, unit
         self.span = engine.dp.span(unit.numel)
 
-    def norm_of(self, shard: torch.Tensor) -> None:
-        """With one backward per step: the shard's squares, summed over the ranks, join the running norm."""
-        e = self.engine
+    def send(self, shard: torch.Tensor, dst: torch.Tensor, free: threading.Event) -> None:
+        """Main thread: this rank's reduced gradient `shard` (on the device) to the host buffer
+        `dst`, and the worker's task on it; `free` is set once the worker is done with `dst`. With
+        one backward per step the shard's squares, summed over the ranks, join the running norm
+        first (the worker judges it before the update)."""
+        e, u = self.engine, self.unit
         if e.single_micro:
             e.norm.dev += e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device))
+        norm = e.norm.slot(u) if e.single_micro else None
+        done = e.grads.d2h([shard], [dst], norm_dst=norm)
+        update = e.mode.updates
+        if update:
+            e.begin_update(u)
+        e.worker.submit(self.task, dst, done, update, e.mode.ends_step, e.hp, norm,
+                        done=(free,) + ((u.updated,) if update else ()))
 
     def task(self, src, done, update: bool, ends_step: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
@@ -67,18 +77,11 @@ class ShardedHostLayer(HostLayer):
         pass                       # no device accumulation: each micro-batch's shard is folded on the host
 
     def take_gradient(self, grads: list) -> None:
-        e, u, mode = self.engine, self.unit, self.engine.mode
+        e, u = self.engine, self.unit
         dtype = next((g.dtype for g in grads if g is not None), e.dtype)
         shard = e.dp.reduce_grads(u.numel, grads, [x.offset for x in u.entries], dtype, e.device)
-        self.shard.norm_of(shard)
         k = e.grads.claim_next()
-        dst = e.grads.buffers[k][:shard.numel()]
-        norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grads.d2h([shard], [dst], norm_dst=norm)
-        if mode.updates:
-            e.begin_update(u)
-        e.worker.submit(self.shard.task, dst, done, mode.updates, mode.ends_step, e.hp, norm,
-                        done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
+        self.shard.send(shard, e.grads.buffers[k][:shard.numel()], e.grads.free[k])
 
     def step(self, deferred: DeferredStep) -> None:
         self.shard.deferred(deferred)
@@ -140,16 +143,8 @@ class ShardedEmbedding(Embedding):
             self.dw = self.dw_scale = None
         shard = dp.reduce_flat(flat, u.numel)
         del flat, G, S, g
-        self.shard.norm_of(shard)
         e._span_end(t)
-        dst = self.out.take(shard.numel(), shard.dtype)
-        norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grads.d2h([shard], [dst], norm_dst=norm)
-        update = e.mode.updates
-        if update:
-            e.begin_update(u)
-        e.worker.submit(self.shard.task, dst, done, update, e.mode.ends_step, e.hp, norm,
-                        done=(self.out.free,) + ((u.updated,) if update else ()))
+        self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
         e.end_backward()
 
     def step(self, deferred: DeferredStep) -> None:
@@ -187,15 +182,7 @@ class ShardedHead(LossHead):
         dtype = next((g.dtype for g in own if g is not None), e.dtype)
         shard = dp.reduce_grads(hu.numel, own, [x.offset for x in hu.entries], dtype, e.device,
                                 scale=self.scale_dev.to(dtype))
-        self.shard.norm_of(shard)
-        dst = self.out.take(shard.numel(), shard.dtype)
-        norm = e.norm.slot(hu) if e.single_micro else None
-        done = e.grads.d2h([shard], [dst], norm_dst=norm)
-        update = e.mode.updates
-        if update:
-            e.begin_update(hu)
-        e.worker.submit(self.shard.task, dst, done, update, e.mode.ends_step, e.hp, norm,
-                        done=(self.out.free,) + ((hu.updated,) if update else ()))
+        self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
 
     def step(self, deferred) -> None:
         if self.unit.trainable:

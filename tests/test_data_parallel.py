@@ -1,6 +1,7 @@
 """Several ranks over gloo on the CPU (data_parallel.py, sharded.py): two processes, each sliding
 the same model over its half of the global batch with one shared copy of the state, against one
 process on the whole batch."""
+import contextlib
 import math
 import os
 import socket
@@ -24,6 +25,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, port: int):
+    """Run the block as rank `rank` of a launch on this host (the environment torchrun sets); its
+    traceback printed if it fails; the group ended after it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    try:
+        yield
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def _model(tied: bool, cfg: dict):
@@ -64,11 +82,8 @@ def _state(model) -> dict:
 
 
 def _rank_main(rank: int, port: int, out: str, cases: list, fail_at):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     results = []
-    try:
+    with _as_rank(rank, port):
         for case in cases:
             tied, ga, clip, steps = case["tied"], case["ga"], case["clip"], case["steps"]
             model = _model(tied, dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
@@ -103,12 +118,6 @@ def _rank_main(rank: int, port: int, out: str, cases: list, fail_at):
             model.slide_engine.close()
         if rank == 0:
             torch.save(results, os.path.join(out, "ranks.pt"))
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def _one_process(case: dict) -> dict:
@@ -189,9 +198,10 @@ def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
             DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
     with pytest.raises(ValueError, match="frozen parameters"):
         DataParallel.from_environment(hs.SlideConfig(device="cpu"), frozen=True)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")             # torchrun --nnodes 2 --nproc_per_node 1
+    from hf_slideformer.data_parallel import check_one_host
+    check_one_host(["gpu-box"] * 4)
     with pytest.raises(ValueError, match="several hosts.*FSDP"):
-        DataParallel.from_environment(hs.SlideConfig(device="cpu"))
+        check_one_host(["gpu-box", "gpu-box", "other-box"])
 
 
 def test_the_example_trains_under_torchrun(tmp_path):
@@ -232,10 +242,7 @@ def _trainer(out: str, steps: int, batch: int, **kw):
 
 
 def _trainer_rank(rank: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
+    with _as_rank(rank, port):
         # Three steps with a checkpoint after the second, then a resume from it for the third.
         t = _trainer(os.path.join(out, "run"), 3, 2, save_strategy="steps", save_steps=2)
         assert t.model.slide_engine.dp is not None
@@ -251,12 +258,6 @@ def _trainer_rank(rank: int, port: int, out: str):
                         "files": sorted(os.listdir(os.path.join(out, "run", "checkpoint-2")))},
                        os.path.join(out, "trainer.pt"))
         r.model.slide_engine.close()
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def test_the_trainer_with_two_processes(tmp_path):
@@ -319,11 +320,8 @@ def _accelerate_run(acc, steps: int, batch: int, load: str | None = None, save_a
 
 
 def _accelerate_rank(rank: int, port: int, out: str):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     from hf_slideformer.accelerate_plugin import SlideAccelerator, SlidePlugin
-    try:
+    with _as_rank(rank, port):
         acc = SlideAccelerator(cpu=True, slide_plugin=SlidePlugin(max_grad_norm=0.3))
         assert acc.num_processes == WORLD
         model, losses = _accelerate_run(acc, 3, 2, save_at=2, save=os.path.join(out, "ck"))
@@ -336,12 +334,6 @@ def _accelerate_rank(rank: int, port: int, out: str):
             torch.save({"losses": losses, "state": first, "resumed": _state(again),
                         "files": sorted(os.listdir(os.path.join(out, "ck")))}, os.path.join(out, "acc.pt"))
         again.slide_engine.close()
-    except BaseException:
-        traceback.print_exc()
-        raise
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 def test_an_accelerate_loop_with_two_processes(tmp_path):
