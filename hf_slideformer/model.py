@@ -163,12 +163,15 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
                 raise ValueError(f"slide() expects the model on the CPU; {e.name} is on {e.param.device}. "
                                  "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
     store = HostStore(units, config, dp)
-    if _fill:
+    if _fill and (dp is None or dp.writes):
+        # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).
         with torch.no_grad():
             for u in units:
                 with store.unit_state(u, write=True):          # a layer on disk: written to its file
                     for e in u.entries:
                         e.view(u.master).copy_(e.param.detach().reshape(e.shape))
+    if _fill and dp is not None:
+        dp.barrier()
     store.bind_parameters()
     for name, buf in model.named_buffers():
         if buf.device.type == "meta" and not name.endswith("inv_freq") and "rotary" not in name:
@@ -269,7 +272,11 @@ class SlideModel:
         model = load_model_meta(path, **kwargs)
         if peft_config is None:
             slide(model, slide_config, _fill=False)
-            load_weights(model, path)
+            dp = model.slide_engine.dp
+            if dp is None or dp.writes:           # several ranks share the masters: rank 0 reads the files
+                load_weights(model, path)
+            if dp is not None:
+                dp.barrier()
             return model
         from .lora import peft_on_meta
 

@@ -353,3 +353,34 @@ def test_an_accelerate_loop_with_two_processes(tmp_path):
     assert "slide_state" in got["files"] and any(f.startswith("random_states_1") for f in got["files"])
     for n, t in got["state"].items():
         assert torch.equal(t, got["resumed"][n]), n
+
+
+def _weights_rank(rank: int, port: int, ckpt: str):
+    from transformers import AutoModelForCausalLM
+    with _as_rank(rank, port):
+        torch.manual_seed(rank)                           # each rank's own random init ...
+        m = AutoModelForCausalLM.from_config(family_config("llama", False)).float()
+        expect = {k: v.clone() for k, v in m.state_dict().items()}
+        slid = hs.slide(m, hs.SlideConfig(device="cpu", dtype=torch.float32))
+        torch.manual_seed(0)                              # ... and rank 0's, which both must train
+        ref = AutoModelForCausalLM.from_config(family_config("llama", False)).float().state_dict()
+        got = slid.state_dict()
+        assert all(torch.equal(got[k], ref[k]) for k in ref), "rank 0's weights are not the model's"
+        assert rank == 0 or any(not torch.equal(expect[k], ref[k]) for k in ref)
+        loaded = hs.SlideModel.from_pretrained(ckpt, slide_config=hs.SlideConfig(device="cpu", dtype=torch.float32))
+        from safetensors.torch import load_file
+        saved = load_file(os.path.join(ckpt, "model.safetensors"))
+        got = loaded.state_dict()
+        assert all(torch.equal(got[k], saved[k]) for k in saved)
+        slid.slide_engine.close()
+        loaded.slide_engine.close()
+
+
+def test_rank_0_weights_are_the_models(tmp_path):
+    """Each rank built its model from its own random init: after slide() the shared masters hold
+    rank 0's, as DistributedDataParallel broadcasts them. `SlideModel.from_pretrained` reads the
+    checkpoint once (rank 0) and every rank sees it."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(5)
+    AutoModelForCausalLM.from_config(family_config("llama", False)).float().save_pretrained(tmp_path / "ck")
+    mp.spawn(_weights_rank, args=(_free_port(), str(tmp_path / "ck")), nprocs=WORLD, join=True)
