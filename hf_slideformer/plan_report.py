@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from .budget import balanced_share, pick_device_units
 from .memory import GiB
-from .plan_estimate import PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
+from .plan_estimate import GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
 
 __all__ = ["Plan", "advise", "gib"]
 
@@ -151,7 +151,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             fixes.append(f"activation_tier='nvme' saves {gib(saved)} (costs about "
                          f"{est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
         if p.grad_buffers > 2:
-            fixes.append(f"grad_buffers=2 saves {gib(G * 4 * (p.grad_buffers - 2) * s.layer_params)}")
+            fixes.append(f"grad_buffers=2 saves {gib(G * GRAD_BYTES * (p.grad_buffers - 2) * s.layer_params)}")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
         floor = 12 * s.n_params + 4 * s.embed_params + G * PROCESS_HOST_BYTES
@@ -215,10 +215,10 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")
-        if not deferred and p.grad_buffers > 3 and 4 * (p.grad_buffers - 3) * s.layer_params >= GiB // 10:
+        if not deferred and p.grad_buffers > 3 and GRAD_BYTES * (p.grad_buffers - 3) * s.layer_params >= GiB // 10:
             # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
             # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
-            out.append(f"grad_buffers=3 saves {gib(G * 4 * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
+            out.append(f"grad_buffers=3 saves {gib(G * GRAD_BYTES * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
 
