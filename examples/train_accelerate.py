@@ -85,8 +85,10 @@ def main():
     with torch.no_grad():
         eval_loss = sum(model(**b).loss.item() for b in loader) / len(loader)
     if args.output_dir:
-        accelerator.unwrap_model(model).save_pretrained(args.output_dir)
-        AutoModelForCausalLM.from_pretrained(args.output_dir)     # the export loads in plain HF
+        accelerator.unwrap_model(model).save_pretrained(args.output_dir)   # several processes: the main one writes
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            AutoModelForCausalLM.from_pretrained(args.output_dir)     # the export loads in plain HF
     accelerator.print(json.dumps({
         "losses": losses, "eval_loss": eval_loss, "optimizer_steps": model.slide_stats()["steps"],
         "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
