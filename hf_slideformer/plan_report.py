@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 from .budget import balanced_share, pick_device_units
 from .memory import GiB
-from .plan_estimate import GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
+from .plan_estimate import ENGINE_EFFICIENCY, GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
 
 __all__ = ["Plan", "advise", "gib"]
 
@@ -65,6 +65,7 @@ class Plan:
     adapter_s: float = 0.0            # the adapters' part of the gpu term
     bound_s: float = 0.0
     bound_by: str = ""
+    paced_by: str = ""                # the term that sets the expected step (each at its measured efficiency)
     expected_step_s: float = 0.0
     advice: list = field(default_factory=list)
 
@@ -212,6 +213,11 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
                        f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N * G)} per step; "
                        "activation_tier='cpu' needs "
                        f"{gib(need)} of host memory instead")
+    elif p.paced_by not in ("", "gpu"):
+        t = p.times[p.paced_by]
+        out.append(f"GPU-bound, but close: the {p.paced_by} term ({t:.3f} s at its full rate) runs at about "
+                   f"{ENGINE_EFFICIENCY[p.paced_by]:.2f} of it in the pipeline and so sets the expected step; a "
+                   "larger batch hides it behind the compute")
     else:
         out.append("GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
                    "GPU raise tokens/s")

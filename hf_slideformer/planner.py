@@ -279,6 +279,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         # Only the first micro-batch's forward overlaps it.
         first_forward = FORWARD_SHARE * p.times["gpu"] / N
         serial = max(serial, p.times["gpu"] - first_forward + max(first_forward, adam_after))
-    p.expected_step_s = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
+    # Each resource reaches its own share of its bound (ENGINE_EFFICIENCY): one that is not the
+    # bound can still pace the step when it runs close to it (the CPU's AdamW, 0.65 of its rate in
+    # the pipeline, beside a GPU-bound step: the 3B shape at batch 8, docs/planner.md).
+    p.paced_by = max(p.times, key=lambda k: p.times[k] / ENGINE_EFFICIENCY[k])
+    each = p.times[p.paced_by] / ENGINE_EFFICIENCY[p.paced_by]
+    bound = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
+    if bound >= each:
+        p.paced_by = p.bound_by
+    p.expected_step_s = max(bound, each)
     p.advice = advise_lora(p, est) if lora else advise(p, est, deferred)
     return p
