@@ -73,7 +73,8 @@ class SlideConfig:
         "a preallocated file under nvme_path, read in and written back around each use: first the AdamW moments "
         "of the last decoder layers (their masters stay in host memory), then, when every layer's moments are on "
         "disk, the whole state of the last layers (docs/disk.md). 'auto': the host's available memory at slide() "
-        "less 20% (at least 4 GiB) for the rest of the process.", none="no limit: every unit's state in host memory")
+        "less 20% (at least 4 GiB) for the rest of the process. Not with several processes.",
+        none="no limit: every unit's state in host memory")
     cpu_threads: int | None = option(
         None, Int(1, _host_cores, "at most the cores of this host"),
         "Threads of the CPU optimizer. Set explicitly because launchers such as `accelerate launch` export "
@@ -101,16 +102,16 @@ class SlideConfig:
         "Layers whose master and Adam state live on the GPU and are updated there (layers 0..k-1). 'auto' measures "
         "the first optimizer step and keeps as many as fit in what it left free under the cap, less a margin (10%, "
         "at least 2 GiB), after the embedding; 0 turns them off. With gradient accumulation only a number takes "
-        "effect. See docs/engine.md.")
+        "effect. With several processes (data parallel) none: 'auto' means 0. See docs/engine.md.")
     resident_embedding: bool | str = option(
         "auto", Auto(Bool()), "Keep the input embedding's master and Adam state on the GPU too ('auto': when it "
-                              "fits, decided with resident_layers, before the layers).")
+                              "fits, decided with resident_layers, before the layers; never with several processes).")
     device_update_share: float | str = option(
         "auto", Auto(Float(0.0, 1.0)),
         "With clipping, the share of the host-held layers whose update runs on the GPU as they are copied in for "
         "the next forward, beside the CPU's updates of the others. 'auto': the share that balances the CPU's AdamW "
-        "rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host), 0 on the CPU device. "
-        "See docs/engine.md.")
+        "rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host), 0 on the CPU device and with "
+        "several processes. See docs/engine.md.")
     expandable_segments: bool = option(
         True, Bool(),
         "Turn on the CUDA caching allocator's expandable segments for the process when the model is slid, unless "
