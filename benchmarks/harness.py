@@ -5,7 +5,9 @@ Every benchmark script in `benchmarks/` measures the same way with these helpers
 - time: wall clock between device synchronisations (`StepTimer`), the median over the timed
   steps after the warm-up ones;
 - GPU memory: the caching allocator's peaks (`max_memory_allocated` / `max_memory_reserved`);
-- host memory: the process's peak resident set (`VmHWM`);
+- host memory: the process's peak resident set (`VmHWM`), and the whole host's used memory
+  (`MemTotal - MemAvailable`, sampled: `HostUsedMonitor`), which counts state that several
+  processes share once;
 - model FLOPs: `flops_per_token` (formula in its docstring), MFU against `peak_tflops`;
 - a worker process talks to its parent in JSON lines tagged `@@bench ` on stdout (`emit`,
   `parse_line`), so that the worker's own logging can go to the same stream.
@@ -22,6 +24,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -29,7 +32,8 @@ from typing import Any, Iterable, Sequence
 import torch
 
 __all__ = [
-    "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "host_rss_bytes", "gpu_memory_peaks",
+    "TAG", "emit", "parse_line", "StepTimer", "median", "host_rss_peak_bytes", "host_rss_bytes", "host_used_bytes",
+    "HostUsedMonitor", "gpu_memory_peaks",
     "is_cuda_oom", "free_memory", "reset_peaks", "linear_params", "flops_per_token", "peak_tflops", "environment",
     "format_table", "GIB", "DEFAULT_HARDWARE", "run_probe",
 ]
@@ -125,6 +129,61 @@ def host_rss_peak_bytes() -> int:
 def host_rss_bytes() -> int | None:
     """Resident set size of this process now (VmRSS): the steady state after the timed steps."""
     return _proc_status_bytes("VmRSS")
+
+
+def host_used_bytes() -> int | None:
+    """Memory in use on the whole host now: MemTotal - MemAvailable of /proc/meminfo.
+
+    Every process counts, and so do RAM file systems' pages (the state that data-parallel ranks
+    share in /dev/shm counts once, where the sum of the ranks' RSS would count it in each rank);
+    page cache the kernel can drop does not. None where /proc/meminfo is unreadable.
+    """
+    try:
+        fields = {}
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                fields[key] = int(rest.split()[0]) * 1024
+        return fields["MemTotal"] - fields["MemAvailable"]
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+class HostUsedMonitor:
+    """The peak of `host_used_bytes` over a process's run: a daemon thread samples it every
+    `interval` seconds, and `sample()` adds a reading where the caller knows a peak may be (after
+    each training step). `fields()` gives host_used_start (at construction), host_used_peak and
+    host_used_end (now), in bytes; None where the host has no /proc/meminfo.
+    """
+
+    def __init__(self, interval: float = 0.05):
+        self.interval = interval
+        self.start_bytes = host_used_bytes()
+        self.peak = self.start_bytes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="host-used-monitor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def sample(self) -> int | None:
+        now = host_used_bytes()
+        if now is not None and (self.peak is None or now > self.peak):
+            self.peak = now
+        return now
+
+    def reset(self) -> None:
+        """Start the peak afresh from now (after an attempt that ran out of memory)."""
+        self.peak = host_used_bytes()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def fields(self) -> dict[str, int | None]:
+        end = self.sample()
+        return {"host_used_start": self.start_bytes, "host_used_peak": self.peak, "host_used_end": end}
 
 
 def gpu_memory_peaks(device: torch.device) -> dict[str, int | None]:

@@ -55,8 +55,12 @@ class Settings:
 # ---------------------------------------------------------------------------------------------
 def slide_row(s: Settings, model: str, batch: int, cap: float, *, timeout: float = 150, steps: int = 4,
               warmup: int = 2, seq: int | None = None, slide_config: str | None = None, name: str | None = None,
-              chain: str | None = None) -> Step:
-    """The project's row: `bench_train.py --providers slide` with the flags older commits also take."""
+              chain: str | None = None, nproc: int = 1) -> Step:
+    """The project's row: `bench_train.py --providers slide` with the flags older commits also take.
+
+    With nproc > 1, `--nproc` (data parallel, batch per process): a flag older commits lack, so
+    the step is not a project row that `--old` runs again.
+    """
     short = model.replace("llama3-", "").replace("qwen2.5-", "q")
     name = name or f"{short}_b{batch}_cap{cap:g}"
     if s.smoke:
@@ -70,18 +74,22 @@ def slide_row(s: Settings, model: str, batch: int, cap: float, *, timeout: float
         argv += ["--seq", str(seq)]
     if slide_config:
         argv += ["--slide-config", slide_config]
-    return Step(name, argv, timeout, kind="train", project=True, chain=chain)
+    if nproc > 1:
+        argv += ["--nproc", str(nproc)]
+    return Step(name, argv, timeout, kind="train", project=nproc == 1, chain=chain)
 
 
 def baseline_row(s: Settings, name: str, provider: str, *, batch: int = 16, search: str | None = None,
-                 timeout: float = 150) -> Step:
-    """A baseline on the 3B shape as its users run it: HF's checkpointing and the fused kernels.
+                 timeout: float = 150, model: str = "llama3-3b", steps: int = 3, warmup: int = 2,
+                 nproc: int = 1) -> Step:
+    """A baseline (the 3B shape by default) as its users run it: HF's checkpointing and the fused kernels.
 
     With `search`, the provider runs in one process per batch, upward until out of memory, all
-    within the step's time (bench_train's --timeout covers the whole search).
+    within the step's time (bench_train's --timeout covers the whole search). With nproc > 1,
+    each launch is that many processes (`--nproc`, batch per process).
     """
-    steps, warmup = (1, 1) if s.smoke else (3, 2)
-    argv = ["benchmarks/bench_train.py", "--model", s.model("llama3-3b"), "--providers", provider,
+    steps, warmup = (1, 1) if s.smoke else (steps, warmup)
+    argv = ["benchmarks/bench_train.py", "--model", s.model(model), "--providers", provider,
             "--checkpointing", "on", "--kernels", "auto", "--steps", str(steps), "--warmup", str(warmup),
             "--no-probe", "--timeout", str(int(timeout - 10)), *s.device_args()]
     if s.smoke:
@@ -90,6 +98,8 @@ def baseline_row(s: Settings, name: str, provider: str, *, batch: int = 16, sear
         argv += ["--cap-gib", "24", "--search-batches", "1,2" if s.smoke else search]
     else:
         argv += ["--batch", str(2 if s.smoke else batch)]
+    if nproc > 1:
+        argv += ["--nproc", str(nproc)]
     return Step(name, argv, timeout, kind="train")
 
 
@@ -251,7 +261,22 @@ def disk12(s: Settings) -> list[Step]:
     return [disk_bandwidth(s), state_on_disk(s, "mistral-nemo-12b", 100, timeout=480)]
 
 
+def multi(s: Settings) -> list[Step]:
+    """Llama-3.1-8B shape, batch 16 per GPU, 24 GiB cap, on a 2-GPU host: slide with 1 and with 2 processes, then ZeRO-3 with 2 processes at its best batch."""
+    # Two timed steps after one warm-up each. The 2-process rows count both GPUs' tokens; their host
+    # memory is the host's used memory (the ranks share the state in /dev/shm). A DeepSpeed process
+    # spends about 90 s setting up the 3B shape on one GPU, more for 8B (and its CPU Adam JIT-builds in
+    # the call's first one), so the call's time holds one ZeRO-3 launch, not two: the search starts at
+    # 16 (the other rows' batch) and halves only if 16 runs out of memory; one upward from 8 would
+    # spend the time on batch 8's set-up and not reach 16.
+    return [slide_row(s, "llama3-8b", 16, 24, steps=2, warmup=1, timeout=130),
+            slide_row(s, "llama3-8b", 16, 24, steps=2, warmup=1, timeout=170, name="8b_b16_cap24_np2", nproc=2),
+            baseline_row(s, "8b_ds3_np2_search", "ds3", search="16", timeout=270, model="llama3-8b", steps=2,
+                         warmup=1, nproc=2)]
+
+
 SCENARIOS: dict[str, Callable[[Settings], list[Step]]] = {
     "quick": quick, "full": full, "small-gpu": small_gpu, "soak": soak, "kernels": kernels,
     "baselines": baselines, "long": long, "lora": lora, "lora32": lora32, "disk": disk, "disk12": disk12,
+    "multi": multi,
 }

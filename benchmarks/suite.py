@@ -2,6 +2,7 @@
 
     python -m benchmarks.suite quick                   # GPU tests; 3B batch 16 and 8 under 24 GiB
     python -m benchmarks.suite baselines               # slide beside ZeRO-2, ZeRO-3 (best batches) and HF
+    python -m benchmarks.suite multi                   # 8B on 2 GPUs: slide with 1 and 2 processes, ZeRO-3 on 2
     python -m benchmarks.suite small-gpu --old 14f6ed1 # ... and the project rows of an older commit
     python -m benchmarks.suite long --only 8b_seq64k,8b_seq128k
     python -m benchmarks.suite quick --smoke           # the same plumbing on the CPU, tiny shapes
@@ -125,11 +126,11 @@ def _row(r: dict, doc: dict) -> dict:
     if r.get("error") and r.get("status") != "ok":
         notes.append(r["error"][:80])
     return {"provider": r.get("provider"), "status": r.get("status"), "batch": r.get("batch"),
-            "seq": (doc.get("shape") or {}).get("seq"), "cap_gib": r.get("cap_gib"),
+            "nproc": r.get("nproc") or 1, "seq": (doc.get("shape") or {}).get("seq"), "cap_gib": r.get("cap_gib"),
             "tokens_per_s": r.get("tokens_per_s"), "step_s": r.get("step_s"), "model_tflops": r.get("model_tflops"),
             "mfu": r.get("mfu"), "gpu_peak_allocated_gib": r.get("gpu_peak_allocated_gib"),
             "gpu_peak_reserved_gib": r.get("gpu_peak_reserved_gib"), "host_rss_peak_gib": r.get("host_rss_peak_gib"),
-            "note": "; ".join(notes)}
+            "host_used_peak_gib": r.get("host_used_peak_gib"), "note": "; ".join(notes)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,10 +216,11 @@ def write_outputs(doc: dict, out_dir: Path) -> None:
 
 
 COLUMNS = [("step", "step", ""), ("provider", "provider", ""), ("status", "status", ""), ("batch", "batch", "d"),
-           ("seq", "seq", "d"), ("cap", "cap GiB", ""), ("tokens_per_s", "tokens/s", ",.0f"),
+           ("nproc", "procs", "d"), ("seq", "seq", "d"), ("cap", "cap GiB", ""), ("tokens_per_s", "tokens/s", ",.0f"),
            ("step_s", "step s", ".3f"),
            ("model_tflops", "TFLOPS", ".0f"), ("mfu", "MFU", ".1%"), ("gpu", "GPU alloc/res GiB", ""),
-           ("host_rss_peak_gib", "host RSS GiB", ".1f"), ("note", "note", "")]
+           ("host_rss_peak_gib", "host RSS GiB", ".1f"), ("host_used_peak_gib", "host used GiB", ".1f"),
+           ("note", "note", "")]
 
 
 def render(doc: dict) -> str:

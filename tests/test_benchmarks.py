@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,9 @@ def test_step_bound_takes_the_largest_term():
     assert set(uncapped["bound_terms"]) == {"gpu"}
     assert bench_train.step_bound({**row, "capped": False}, None, hardware) == {}
     assert bench_train.step_bound(row, None, hardware)["bound_by"] == "cpu_adam (no gpu term)"
+    two = bench_train.step_bound({**row, "nproc": 2, "tokens_per_step": 2 * 16 * 2048,   # 16 per GPU, 2 GPUs
+                                  "extra": {"slide_stats_per_step": {"updated_params": 3.5e9}}}, resident, hardware)
+    assert two["bound_terms"] == pytest.approx({"gpu": 2.0, "pcie": 4 * 7e9 / 50e9, "cpu_adam": 2.0})
 
 
 def test_resident_row_from_an_earlier_run(tmp_path):
@@ -396,3 +400,124 @@ def test_disk_bandwidth_measures_dd_and_the_backend(tmp_path, capsys):
     assert dd is None or "error" in dd or (dd["write_gbs"] > 0 and dd["read_gbs"] > 0)
     assert doc["best"]["read_gbs"] >= back["read_gbs"] and os.listdir(tmp_path / "d") == []
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("best: write ")
+
+
+# ---------------------------------------------------------------------------------------------
+# several processes of one host: --nproc and the `multi` scenario
+# ---------------------------------------------------------------------------------------------
+def test_multi_scenario_plans_one_and_two_process_rows(tmp_path):
+    from benchmarks.scenarios import SCENARIOS, Settings
+
+    steps = SCENARIOS["multi"](Settings(workdir=tmp_path))
+    assert [s.name for s in steps] == ["8b_b16_cap24", "8b_b16_cap24_np2", "8b_ds3_np2_search"]
+    assert sum(s.timeout for s in steps) <= 570
+    flag = lambda s, name: s.argv[s.argv.index(name) + 1] if name in s.argv else None  # noqa: E731
+    assert [flag(s, "--nproc") for s in steps] == [None, "2", "2"]
+    assert [s.project for s in steps] == [True, False, False]        # older trees have no --nproc
+    assert all(flag(s, "--model") == "llama3-8b" and flag(s, "--cap-gib") == "24" for s in steps)
+    assert all(flag(s, "--steps") == "2" and flag(s, "--warmup") == "1" for s in steps)
+    assert [flag(s, "--offload-batches") for s in steps[:2]] == ["16", "16"]
+    assert flag(steps[2], "--providers") == "ds3" and flag(steps[2], "--search-batches") == "16"
+
+
+def test_run_spec_refuses_no_processes():
+    with pytest.raises(ValueError, match="nproc"):
+        RunSpec(provider="slide", model="tiny", seq=8, batches=[1], nproc=0)
+    assert RunSpec.from_json(RunSpec(provider="slide", model="tiny", seq=8, batches=[1], nproc=2).to_json()).nproc == 2
+
+
+def test_nproc_refuses_a_single_process_provider_in_its_row(tmp_path):
+    """hf trains in one process only: `--nproc 2` gives a skipped row that names --nproc, at once."""
+    out = tmp_path / "hf.json"
+    cmd = [sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--model", "tiny", "--providers", "hf",
+           "--nproc", "2", "--batch", "2", "--seq", "32", "--no-probe", "--timeout", "60", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert row["status"] == "skipped" and row["nproc"] == 2 and row["processes"] == 0
+    assert "--nproc 2" in row["error"] and "slide" in row["error"], row["error"]
+    assert proc.stdout.strip().splitlines()[-1].startswith("| hf ")
+
+
+_FAKE_RANK = """\
+import json, os, sys, time
+rank = int(os.environ["RANK"])
+print("log line of rank", rank, flush=True)
+if os.environ.get("FAIL_RANK") == str(rank):
+    print("@@bench " + json.dumps({"event": "result", "status": "error", "error": "boom"}), flush=True)
+    sys.exit(1)
+time.sleep(120)
+"""
+
+
+def test_launch_group_ends_every_rank_when_one_fails_or_time_is_up(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(_FAKE_RANK)
+    envs = [{"RANK": str(r), "FAIL_RANK": "1"} for r in range(2)]
+    t0 = time.monotonic()
+    runs, timed_out = bench_train._launch_group([], "fake", 100, envs, script=str(script))
+    assert time.monotonic() - t0 < 30 and not timed_out    # rank 0 would wait 120 s in a collective
+    assert runs[1].code == 1 and runs[1].result()["error"] == "boom" and not runs[1].killed
+    assert runs[0].killed and runs[0].code is None and runs[0].tail == ["log line of rank 0"]
+    t0 = time.monotonic()
+    runs, timed_out = bench_train._launch_group([], "fake", 2, [{"RANK": str(r)} for r in range(2)],
+                                                script=str(script))
+    assert timed_out and all(run.killed for run in runs) and time.monotonic() - t0 < 30
+
+
+def test_run_provider_with_several_processes_reports_the_failing_rank(monkeypatch):
+    """Rank 1 ran out of memory while rank 0 waited: the row says so, and a fresh group tries the next batch."""
+    launches = []
+
+    def fake_group(args, name, timeout, envs, script=None):
+        spec = RunSpec.from_json(args[args.index("--worker-spec") + 1])
+        launches.append((spec.batches, [e["RANK"] for e in envs], {e["MASTER_PORT"] for e in envs}))
+        assert all(e["WORLD_SIZE"] == e["LOCAL_WORLD_SIZE"] == "2" and e["LOCAL_RANK"] == e["RANK"] for e in envs)
+        assert all(e.get("DS_SKIP_CUDA_CHECK") == ("1" if name == "ds3" else None) for e in envs)
+        batch = spec.batches[0]
+        if batch > 4:
+            oom = [{"event": "oom", "batch": batch, "error": "CUDA out of memory"},
+                   {"event": "result", "status": "oom", "batch": batch, "error": "out of memory at batch 8"}]
+            return [bench_train.RankRun([], None, [], killed=True), bench_train.RankRun(oom, 1, [])], False
+        ok = {"event": "result", "status": "ok", "batch": batch, "step_s": 1.0, "step_times": [1.0]}
+        return [bench_train.RankRun([ok], 0, []), bench_train.RankRun([{**ok, "step_s": 9.0}], 0, [])], False
+
+    monkeypatch.setattr(bench_train, "_launch_group", fake_group)
+    spec = RunSpec(provider="slide", model="tiny", seq=8, batches=[8, 4], device="cpu", nproc=2)
+    row = bench_train.run_provider("slide", spec, 100)
+    assert [(b, ranks) for b, ranks, _ in launches] == [([8, 4], ["0", "1"]), ([4], ["0", "1"])]
+    assert all(len(ports) == 1 for _, _, ports in launches)           # one group: one master port
+    assert row["status"] == "ok" and row["batch"] == 4 and row["step_s"] == 1.0   # rank 0's figures
+    assert row["oom_batches"] == [8] and row["processes"] == 4 and row["nproc"] == 2 and "error" not in row
+    assert row["notes"] == ["fresh processes after out of memory at batch 8"]
+    launches.clear()
+    row = bench_train.run_provider("ds3", dataclasses.replace(spec, provider="ds3", batches=[8]), 100)
+    assert row["status"] == "oom" and row["error"].startswith("rank 1: out of memory at batch 8")
+    assert [b for b, _, _ in launches] == [[8]]                         # no smaller batch: no fresh group
+
+
+def test_multi_scenario_runs_at_smoke_scale(tmp_path):
+    """`python -m benchmarks.suite multi --smoke`: slide with one process, then two over gloo (each rank its
+    own data, the engine's data parallelism), then ZeRO-3 with two (skipped where DeepSpeed is missing)."""
+    import importlib.util
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.suite", "multi", "--smoke", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    doc = json.loads((out / "multi.json").read_text())
+    steps = {s["name"]: s for s in doc["steps"]}
+    one, two = (steps[n]["doc"]["results"][0] for n in ("8b_b16_cap24", "8b_b16_cap24_np2"))
+    assert one["status"] == "ok" and two["status"] == "ok", (proc.stdout[-2000:], proc.stderr[-3000:])
+    seq = steps["8b_b16_cap24_np2"]["doc"]["shape"]["seq"]
+    assert one["nproc"] == 1 and two["nproc"] == 2 and two["processes"] == 2 and two["batch"] == 2
+    assert two["tokens_per_step"] == 2 * seq * 2 and two["tokens_per_s"] == pytest.approx(2 * seq * 2 / two["step_s"])
+    assert two["extra"]["data_parallel"] == {"rank": 0, "world": 2} and one["extra"]["data_parallel"] is None
+    for row in (one, two):
+        assert row["host_rss_peak"] > 0 and row["host_used_peak"] >= row["host_used_end"] > 0
+        assert row["host_used_peak_gib"] == pytest.approx(row["host_used_peak"] / 2 ** 30)
+    ds3 = steps["8b_ds3_np2_search"]["rows"][0]
+    if importlib.util.find_spec("deepspeed") is None:
+        assert ds3["status"] == "skipped" and "deepspeed" in ds3["note"]
+    table = proc.stdout.strip().splitlines()
+    assert table[-5].startswith("| step") and "host used GiB" in table[-5] and "procs" in table[-5]
+    assert table[-2].startswith("| 8b_b16_cap24_np2 ")

@@ -47,6 +47,8 @@ class RunSpec:
     seed: int = field(default=0, metadata={"help": "seed of the random tokens and weights"})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank of the slide_lora and hf_lora providers"})
     alloc_conf: str = field(default="", metadata={"help": "PYTORCH_CUDA_ALLOC_CONF of the provider's process"})
+    nproc: int = field(default=1, metadata={"help": "processes of one launch (data parallel on one host, one GPU "
+                                                    "each); batches are per process"})
 
     def __post_init__(self) -> None:
         if self.checkpointing not in ("auto", "on", "off"):
@@ -55,6 +57,8 @@ class RunSpec:
             raise ValueError(f"kernels must be auto, liger, triton_ops or none, got {self.kernels!r}")
         if not self.batches or any(b < 1 for b in self.batches):
             raise ValueError(f"batches must be positive, got {self.batches}")
+        if self.nproc < 1:
+            raise ValueError(f"nproc must be at least 1, got {self.nproc}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -77,6 +81,9 @@ class Provider:
     # configuration this baseline's users run (DESIGN section 7). None: the setting does not apply.
     default_checkpointing: str | None = None
     default_kernels: str | None = None
+    # Trains with several processes of one host (`bench_train.py --nproc N`): each process a rank of
+    # the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), on its own data.
+    multi_process: bool = False
 
     def __init__(self, spec: RunSpec):
         self.spec = spec

@@ -16,7 +16,11 @@ which gathers it for the whole forward. The batch to measure is found by `--sear
 one process per batch, upward until out of memory.
 
 No launcher: the parent process exports RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR
-MASTER_PORT DS_SKIP_CUDA_CHECK=1 and DeepSpeed opens a one-rank NCCL group. Bucket sizes,
+MASTER_PORT DS_SKIP_CUDA_CHECK=1 and DeepSpeed opens a one-rank NCCL group; with
+`bench_train.py --nproc N` it starts N processes with RANK=r WORLD_SIZE=N LOCAL_RANK=r
+LOCAL_WORLD_SIZE=N, as a launcher would, and each rank takes the GPU of its LOCAL_RANK, trains
+`train_micro_batch_size_per_gpu` sequences of its own per step, and holds 1/N of the partitioned
+state (ZeRO's data parallelism over the N GPUs, gradients reduced over NCCL). Bucket sizes,
 prefetch and persistence thresholds are DeepSpeed's defaults; no gradient clipping (the other
 providers clip none either). DeepSpeed's CPU Adam JIT-builds on first use (about a minute,
 cached under ~/.cache/torch_extensions for the next process).
@@ -24,6 +28,7 @@ cached under ~/.cache/torch_extensions for the next process).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -58,6 +63,7 @@ def ds_config(stage: int, micro_batch: int, lr: float) -> dict[str, Any]:
 
 class _ZeROProvider(Provider):
     capped = True
+    multi_process = True
     stage = 0
     default_checkpointing = "on"
     default_kernels = "auto"
@@ -68,8 +74,18 @@ class _ZeROProvider(Provider):
         if self.device.type != "cuda" and deepspeed.get_accelerator().device_name() != "cpu":
             raise RuntimeError("DeepSpeed ZeRO-Offload needs CUDA (or DeepSpeed's CPU accelerator: DS_ACCELERATOR=cpu)")
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        if self.device.type == "cuda":   # this rank's GPU (the launcher's LOCAL_RANK; 0 for one process)
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # The group from the environment the parent set: RANK, WORLD_SIZE (1, or --nproc), MASTER_*.
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        world = torch.distributed.get_world_size()
+        if world != self.spec.nproc:
+            raise RuntimeError(f"DeepSpeed's group has {world} ranks, --nproc asked for {self.spec.nproc}")
+        if world > 1:
+            self.notes.append(f"data parallel: rank {torch.distributed.get_rank()} of {world} processes, batch "
+                              f"{self.spec.batches[0]} each")
         self.ds_config = ds_config(self.stage, self.spec.batches[0], self.spec.lr)
         model = self.build()
         self.count(model)
@@ -115,7 +131,8 @@ class _ZeROProvider(Provider):
 
     def report(self) -> dict[str, Any]:
         return {"deepspeed_config": self.ds_config, "gradient_checkpointing": self.checkpointing,
-                "kernels": self.kernels}
+                "kernels": self.kernels, "data_parallel": {"rank": torch.distributed.get_rank(),
+                                                           "world": torch.distributed.get_world_size()}}
 
 
 class ZeRO2Provider(_ZeROProvider):

@@ -50,6 +50,7 @@ class SlideLoraProvider(SlideProvider):
     weights: the model is never in host memory twice, so a base larger than half of it trains."""
 
     name = "slide_lora"
+    multi_process = False      # the engine refuses frozen parameters with several processes
 
     def build_slid(self):
         import hf_slideformer as hs

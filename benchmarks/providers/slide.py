@@ -7,6 +7,11 @@ trained exactly as a user would: `model(...).loss`, `loss.backward()`, `opt.step
 so a renamed field costs a note in the row, not the run. The engine's own step breakdown comes
 from `model.slide_stats()` when that method exists: its counters' change over the timed
 steps, per step.
+
+With several processes (`bench_train.py --nproc N`: the launcher's environment in each), `hs.slide`
+finds the group itself (NCCL on CUDA, gloo on the CPU), a bare "cuda" device becomes the rank's
+GPU (LOCAL_RANK), and the ranks share one copy of the host state (docs/multi_gpu.md); each rank
+trains on its own batch. The report says the engine's rank and world (`data_parallel`).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ __all__ = ["SlideProvider"]
 class SlideProvider(Provider):
     name = "slide"
     capped = True
+    multi_process = True
 
     def setup(self) -> None:
         import hf_slideformer as hs
@@ -35,6 +41,13 @@ class SlideProvider(Provider):
         self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
         self.model = self.build_slid()
         self.optimizer = self.model.create_optimizer(lr=self.spec.lr)
+        dp = self._dp()
+        if dp is not None:
+            self.notes.append(f"data parallel: rank {dp.rank} of {dp.world} processes, batch {self.spec.batches[0]} "
+                              "each")
+        elif self.spec.nproc > 1:
+            raise RuntimeError(f"--nproc {self.spec.nproc}, but the engine saw one process (no data parallelism): "
+                               "this hf_slideformer does not read the launcher's environment")
 
     def build_slid(self):
         """The slid model: random weights built on the CPU in the benchmark dtype, slid in place."""
@@ -53,6 +66,14 @@ class SlideProvider(Provider):
         self.optimizer.zero_grad()
         return loss.detach()
 
+    def _dp(self):
+        """The engine's DataParallel (rank, world), None for one process."""
+        return getattr(getattr(self.model, "slide_engine", None), "dp", None)
+
+    def _writes_trace(self) -> bool:
+        dp = self._dp()
+        return bool(os.environ.get("SLIDE_TRACE")) and (dp is None or dp.rank == 0)   # one file: rank 0's
+
     def _stats(self) -> dict[str, Any] | None:
         stats = getattr(self.model, "slide_stats", None)
         return dict(stats()) if callable(stats) else None
@@ -63,7 +84,7 @@ class SlideProvider(Provider):
         except Exception:
             self._stats_start = None
         engine = getattr(self.model, "slide_engine", None)
-        if os.environ.get("SLIDE_TRACE") and engine is not None:
+        if self._writes_trace() and engine is not None:
             engine.stats.start_trace()
 
     def after_oom(self, batch: int) -> bool:
@@ -73,6 +94,8 @@ class SlideProvider(Provider):
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {"slide_config": {k: str(v) for k, v in vars(self.slide_config).items()},
                                "micro_batches": self.slide_config.gradient_accumulation_steps}
+        dp = self._dp()
+        out["data_parallel"] = {"rank": dp.rank, "world": dp.world} if dp is not None else None
         try:
             stats = self._stats()
         except Exception as exc:  # the stats are a report, never a reason to lose the row
@@ -83,7 +106,7 @@ class SlideProvider(Provider):
             return out
         out["slide_stats"] = stats
         engine = getattr(self.model, "slide_engine", None)
-        path = os.environ.get("SLIDE_TRACE")
+        path = os.environ.get("SLIDE_TRACE") if self._writes_trace() else None
         if path and engine is not None and engine.stats.trace is not None:
             events = engine.stats.stop_trace()
             t0 = events[0][2] if events else 0.0
