@@ -27,6 +27,12 @@ def _host_cores() -> int:
     return os.cpu_count() or 1
 
 
+def worker_threads(cores: int) -> int:
+    """The CPU optimizer's threads on `cores` cores: on more than 4, one core stays with the main
+    thread, which feeds the GPU."""
+    return cores - 1 if cores > 4 else cores
+
+
 @dataclass
 class SlideConfig:
     """Settings of the sliding engine; one field per option (help and accepted values: docs/options.md).
@@ -79,7 +85,8 @@ class SlideConfig:
         None, Int(1, _host_cores, "at most the cores of this host"),
         "Threads of the CPU optimizer. Set explicitly because launchers such as `accelerate launch` export "
         "OMP_NUM_THREADS=1. More threads than the host has cores are refused (the OpenMP runtime fails on them).",
-        none="all cores; all but one (the main thread's) on hosts of more than 4 cores")
+        none="all cores; all but one (the main thread's) on hosts of more than 4 cores; with several processes, "
+             "each process that of its share of the cores")
     pin_memory: bool | None = option(None, Bool(), "Pin the host masters and staging buffers.", none="True on CUDA")
     use_kernels: bool | None = option(None, Bool(), "Use the Triton kernels of `triton_ops`.",
                                       none="True on CUDA (with Triton)")
@@ -152,9 +159,10 @@ class SlideConfig:
         if self.host_memory_limit is not None and not self.nvme_path:
             raise ValueError(f"SlideConfig.host_memory_limit={self.host_memory_limit!r} needs nvme_path (a directory "
                              "on a fast disk for the state of the layers that do not fit), or host_memory_limit=None")
+        # None: the host's cores (data_parallel.py gives each of several processes its share of them).
+        self._auto_threads = self.cpu_threads is None
         if self.cpu_threads is None:
-            cores = _host_cores()       # on larger hosts one core stays with the main thread, which feeds the GPU
-            self.cpu_threads = cores - 1 if cores > 4 else cores
+            self.cpu_threads = worker_threads(_host_cores())
         if self.pin_memory is None:
             self.pin_memory = dev.type == "cuda"
         if self.use_kernels is None:

@@ -38,13 +38,14 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from .config import worker_threads
 from .memory import HostMemoryError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DataParallel", "SharedHostMemory", "SHM_DIR_ENV", "check_one_host", "world_size"]
 
-SHM_DIR_ENV = "HF_SLIDEFORMER_SHM_DIR"     # where the shared state's files go (default /dev/shm)
+SHM_DIR_ENV = "HF_SLIDEFORMER_SHM_DIR"     # share the state through files in this directory, not memory files
 
 
 def check_one_host(hosts: list[str]) -> None:
@@ -113,6 +114,9 @@ class DataParallel:
                              f"{'; '.join(unsupported)}. Train with one process for these, or leave them out.")
         # Every update runs on the hosts' workers, sharded: nothing stays on or is updated by a GPU.
         config.resident_layers, config.resident_embedding, config.device_update_share = 0, False, 0.0
+        if getattr(config, "_auto_threads", False):
+            # The ranks' workers share the host's cores (and its memory bandwidth): each its part.
+            config.cpu_threads = worker_threads(max(1, (os.cpu_count() or 1) // world_size()))
         dp = cls()
         logger.info("data parallel: rank %d of %d, device %s", dp.rank, dp.world, config.device)
         return dp
@@ -178,10 +182,13 @@ class DataParallel:
 
 
 class SharedHostMemory:
-    """The host store's memory when several ranks share it: files in a RAM file system (`/dev/shm`,
-    or `$HF_SLIDEFORMER_SHM_DIR`) that every rank maps. Rank 0 creates each file at its full size
-    and removes its name once every rank has mapped it, so the memory goes back when the last
-    process ends, killed or not. Pages are backed as they are written (they read as zeros).
+    """The host store's memory when several ranks share it, mapped by every rank. Rank 0 makes each
+    buffer: an anonymous memory file (`memfd_create`), which the other ranks open through
+    `/proc/<rank 0>/fd/<n>`. It has no name and no size limit of its own: the memory goes back
+    when the last process that maps it ends, killed or not. With `$HF_SLIDEFORMER_SHM_DIR` (or where
+    the system has no memory files) it is a file in that directory (default `/dev/shm`) instead,
+    created at its full size and unlinked once every rank has mapped it. Pages are backed as they
+    are written (they read as zeros).
 
     Args:
         dp: the DataParallel.
@@ -191,39 +198,60 @@ class SharedHostMemory:
 
     def __init__(self, dp: DataParallel, pinned):
         self.dp, self.pinned = dp, pinned
-        self.dir = os.environ.get(SHM_DIR_ENV, "/dev/shm")
+        self.dir = os.environ.get(SHM_DIR_ENV) or (None if hasattr(os, "memfd_create") else "/dev/shm")
+
+    def _make(self, nbytes: int) -> tuple[str, int | None]:
+        """Rank 0: a new buffer of `nbytes`; (the path the ranks map, the descriptor to close after),
+        or ("!why", None)."""
+        name = f"hf_slideformer-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        if self.dir is None:
+            try:
+                fd = os.memfd_create(name)
+                os.ftruncate(fd, nbytes)
+            except OSError as exc:
+                return f"!a memory file could not be made: {exc}", None
+            return f"/proc/{os.getpid()}/fd/{fd}", fd
+        try:
+            st = os.statvfs(self.dir)
+            free = st.f_bavail * st.f_frsize
+        except OSError as exc:
+            return f"!{self.dir} is unusable: {exc}", None
+        if free < nbytes:
+            return f"!{self.dir} has {free / 2 ** 30:.1f} GiB free of the {nbytes / 2 ** 30:.1f} GiB needed", None
+        path = os.path.join(self.dir, name)
+        with open(path, "wb") as f:
+            f.truncate(nbytes)
+        return path, None
 
     def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
         nbytes = numel * dtype.itemsize
-        path = None
-        if self.dp.rank == 0:
-            try:
-                st = os.statvfs(self.dir)
-                free = st.f_bavail * st.f_frsize
-            except OSError as exc:
-                free, path = 0, f"unusable: {exc}"
-            if path is None and free < nbytes:
-                path = f"full: {free / 2 ** 30:.1f} GiB free of the {nbytes / 2 ** 30:.1f} GiB needed"
-            if path is None:
-                path = os.path.join(self.dir, f"hf_slideformer-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-                with open(path, "wb") as f:
-                    f.truncate(nbytes)
-            else:
-                path = "!" + path
+        path, fd = self._make(nbytes) if self.dp.rank == 0 else (None, None)
         path = self.dp.broadcast(path)
         if path.startswith("!"):
             raise HostMemoryError(
-                f"the ranks' shared state needs {nbytes / 2 ** 30:.1f} GiB in {self.dir}, which is {path[1:]}. "
-                f"Give the RAM file system room (docker: --shm-size), or point {SHM_DIR_ENV} at a tmpfs that has it.")
+                f"the ranks' shared state needs {nbytes / 2 ** 30:.1f} GiB of shared memory: {path[1:]}. Point "
+                f"{SHM_DIR_ENV} at a RAM file system that has room (docker: --shm-size for /dev/shm).")
+        failed = None
         try:
-            t = torch.from_file(path, shared=True, size=numel, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+            t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        except (RuntimeError, OSError) as exc:
+            failed = exc
         finally:
-            self.dp.barrier()              # every rank has mapped it
+            self.dp.barrier()              # every rank has mapped it (or failed to)
             if self.dp.rank == 0:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+                if fd is not None:
+                    os.close(fd)
+                else:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        if failed is not None:
+            raise HostMemoryError(f"rank {self.dp.rank} could not map the ranks' shared state at {path}: {failed}. "
+                                  f"Set {SHM_DIR_ENV} to a RAM file system (such as /dev/shm) to share it through "
+                                  "files there.") from failed
         return t
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -369,6 +369,8 @@ def _weights_rank(rank: int, port: int, ckpt: str):
         m = AutoModelForCausalLM.from_config(family_config("llama", False)).float()
         expect = {k: v.clone() for k, v in m.state_dict().items()}
         slid = hs.slide(m, hs.SlideConfig(device="cpu", dtype=torch.float32))
+        from hf_slideformer.config import worker_threads      # the ranks' workers share the cores
+        assert slid.slide_config.cpu_threads == worker_threads(max(1, (os.cpu_count() or 1) // WORLD))
         torch.manual_seed(0)                              # ... and rank 0's, which both must train
         ref = AutoModelForCausalLM.from_config(family_config("llama", False)).float().state_dict()
         got = slid.state_dict()
@@ -383,11 +385,26 @@ def _weights_rank(rank: int, port: int, ckpt: str):
         loaded.slide_engine.close()
 
 
-def test_rank_0_weights_are_the_models(tmp_path):
+@pytest.mark.parametrize("shared", ["memory files", "a directory"])
+def test_rank_0_weights_are_the_models(tmp_path, monkeypatch, shared):
     """Each rank built its model from its own random init: after slide() the shared masters hold
     rank 0's, as DistributedDataParallel broadcasts them. `SlideModel.from_pretrained` reads the
-    checkpoint once (rank 0) and every rank sees it."""
+    checkpoint once (rank 0) and every rank sees it. The state shared through anonymous memory
+    files (the default) or through files in $HF_SLIDEFORMER_SHM_DIR, removed once mapped."""
     from transformers import AutoModelForCausalLM
+    if shared == "a directory":
+        (tmp_path / "shm").mkdir()
+        monkeypatch.setenv("HF_SLIDEFORMER_SHM_DIR", str(tmp_path / "shm"))
     torch.manual_seed(5)
     AutoModelForCausalLM.from_config(family_config("llama", False)).float().save_pretrained(tmp_path / "ck")
     mp.spawn(_weights_rank, args=(_free_port(), str(tmp_path / "ck")), nprocs=WORLD, join=True)
+    if shared == "a directory":
+        assert not list((tmp_path / "shm").iterdir())            # every name removed once mapped
+
+
+def test_a_shared_memory_directory_without_room_is_reported(tmp_path, monkeypatch):
+    """$HF_SLIDEFORMER_SHM_DIR that cannot hold the state: every rank stops at slide() with an error
+    naming the directory and the fix, not a crash in the middle of training."""
+    monkeypatch.setenv("HF_SLIDEFORMER_SHM_DIR", str(tmp_path / "missing"))
+    with pytest.raises(Exception, match="HF_SLIDEFORMER_SHM_DIR"):
+        mp.spawn(_weights_rank, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
