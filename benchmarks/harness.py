@@ -135,7 +135,7 @@ def host_used_bytes() -> int | None:
     """Memory in use on the whole host now: MemTotal - MemAvailable of /proc/meminfo.
 
     Every process counts, and so do RAM file systems' pages (the state that data-parallel ranks
-    share in /dev/shm counts once, where the sum of the ranks' RSS would count it in each rank);
+    share in shared memory counts once, where the sum of the ranks' RSS would count it in each rank);
     page cache the kernel can drop does not. None where /proc/meminfo is unreadable.
     """
     try:

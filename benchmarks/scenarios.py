@@ -264,7 +264,7 @@ def disk12(s: Settings) -> list[Step]:
 def multi(s: Settings) -> list[Step]:
     """Llama-3.1-8B shape, batch 16 per GPU, 24 GiB cap, on a 2-GPU host: slide with 1 and with 2 processes, then ZeRO-3 with 2 processes at its best batch."""
     # Two timed steps after one warm-up each. The 2-process rows count both GPUs' tokens; their host
-    # memory is the host's used memory (the ranks share the state in /dev/shm). A DeepSpeed process
+    # memory is the host's used memory (the ranks share the state in shared memory). A DeepSpeed process
     # spends about 90 s setting up the 3B shape on one GPU, more for 8B (and its CPU Adam JIT-builds in
     # the call's first one), so the call's time holds one ZeRO-3 launch, not two: the search starts at
     # 16 (the other rows' batch) and halves only if 16 runs out of memory; one upward from 8 would
