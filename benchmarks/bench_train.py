@@ -197,32 +197,8 @@ def _free_port() -> int:
 
 def _launch(args: list[str], name: str, timeout: float, env_extra: dict[str, str]) -> tuple[list[dict], int | None, list[str]]:
     """Run `bench_train.py <args>` in a new session; return its events, exit code (None on timeout), last lines."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], cwd=REPO_ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    events: list[dict] = []
-    tail: collections.deque[str] = collections.deque(maxlen=20)
-
-    def read() -> None:
-        for line in proc.stdout:
-            event = parse_line(line)
-            if event is not None:
-                events.append(event)
-            else:
-                tail.append(line.rstrip())
-            sys.stderr.write(f"[{name}] {line}")
-            sys.stderr.flush()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        code = proc.wait(timeout=max(1.0, timeout))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the worker's whole session: its compiler and helper processes
-        proc.wait()
-        code = None
-    reader.join(timeout=10)
-    return events, code, list(tail)
+    (run,), _ = _launch_group(args, name, timeout, [env_extra])
+    return run.events, run.code, run.tail
 
 
 @dataclasses.dataclass
@@ -246,7 +222,8 @@ def _launch_group(args: list[str], name: str, timeout: float, envs: list[dict[st
     lines) with their rank. When one rank has ended, or rank 0 has reported its result, the others
     get GROUP_GRACE_S to end (GROUP_FAIL_GRACE_S after a failure: they wait in a collective that will
     never complete), then every rank still running is killed with its whole session; at `timeout`
-    all are. Returns each rank's run and whether the time limit ended the launch.
+    all are. One process (one env) is waited for until it ends or the time limit. Returns each
+    rank's run and whether the time limit ended the launch.
     """
     procs: list[subprocess.Popen] = []
     runs = [RankRun([], None, []) for _ in envs]
@@ -291,6 +268,9 @@ def _launch_group(args: list[str], name: str, timeout: float, envs: list[dict[st
             if now >= deadline:
                 timed_out = True
                 break
+            if len(procs) == 1:
+                time.sleep(0.1)
+                continue
             results = [run.result() for run in runs]
             if any(c not in (None, 0) for c in codes) or any(r and r.get("status") != "ok" for r in results):
                 grace_end = min(grace_end or math.inf, now + GROUP_FAIL_GRACE_S)
