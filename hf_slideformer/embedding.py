@@ -231,8 +231,16 @@ class Embedding:
             # judged now: the sum it joins is read by the next micro-batch's early bulk update
             host.poison("the gradient of the embedding")
         g = self.grad.view(self.vocab, self.hidden)
-        grad_rows = torch.index_select(g, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
         rows_update = update and self._bulk is not None
+        if rows_update and e.single_micro:
+            # On the path to the next forward: gather, add, AdamW and scatter in one pass, and the
+            # gradient's rows cleared in it (a tied one is overwritten by the next head instead).
+            self.touched.append(rows)
+            if self._rows_update(hp, sums=sums, zero_grad=not e.tied):
+                self.touched.pop()
+            self.reset_grad()
+            return
+        grad_rows = torch.index_select(g, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
         if not rows_update or (ends_step and not e.single_micro):
             # Written back unless only the rows update below reads them (it takes grad_rows), on
             # the path to the next forward: the table's rows are then reset or overwritten.
@@ -263,18 +271,28 @@ class Embedding:
         self.engine.host.update(u, self.grad, hp)
         self._bulk = (rows, saved, u.steps[0].clone())
 
-    def _rows_update(self, hp, grad: torch.Tensor) -> None:
-        """AdamW of the batch's rows again from their saved state, with `grad` their full gradient."""
+    def _rows_update(self, hp, grad: torch.Tensor | None = None, sums: torch.Tensor | None = None,
+                     zero_grad: bool = False) -> bool:
+        """AdamW of the batch's rows again from their saved state, with `grad` their full gradient,
+        or (`sums`) the dense gradient's rows plus these sums, those rows of it zeroed after when
+        `zero_grad`. Returns whether it ran (a non-finite step or a frozen table skips it)."""
         e, u = self.engine, self.unit
-        rows, (w, m, v), step = self._bulk
+        rows, saved, step = self._bulk
         self._bulk = None
         groups, group_of = hp
         gi = group_of.get(id(u.entries[0].param))
         if gi is None or not u.entries[0].param.requires_grad or e.host.poisoned:
-            return
+            return False
+        tables = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
+        if grad is None:
+            e.host_adam.step_rows(groups[gi], tables, saved, self.grad.view(self.vocab, self.hidden), sums, rows,
+                                  step, zero_grad=zero_grad)
+            return True
+        w, m, v = saved
         e.host_adam.step(groups[gi], [w], [grad], [m], [v], [step])
-        for dst, src in zip((u.master, u.exp_avg, u.exp_avg_sq), (w, m, v)):
-            dst.view(self.vocab, self.hidden).index_copy_(0, rows, src)
+        for dst, src in zip(tables, saved):
+            dst.index_copy_(0, rows, src)
+        return True
 
     def reset_grad(self) -> None:
         """The dense host gradient back to zeros (only the rows a batch touched are cleared)."""

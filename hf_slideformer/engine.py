@@ -229,6 +229,7 @@ class SlideEngine:
         try:
             self.worker.join()
         finally:
+            self.head.drop_deferred()
             for u in self.store.units:
                 u.updated.set()
             self.micro = 0
@@ -277,6 +278,7 @@ class SlideEngine:
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
+        self.head.finish_backward()
         self.guard.open = False
         self.micro += 1
         self.live_generation = None

@@ -48,6 +48,8 @@ class LossHead:
         self.host_free.set()
         self.pending = False
         self.done = None                          # d2h event: the pending gradient is on the host
+        self.deferred = None                      # the head's update, submitted when the backward ends
+        self._scale = 1.0                         # its loss gradient (read by the worker's head task)
         self._prefetch = None                     # load_steps generator of the head slot during a forward
         self._sq = None
         pin = engine.config.pin_memory and engine.config.is_cuda
@@ -141,7 +143,7 @@ class LossHead:
         try:
             # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
             extra = e.tied and emb.resident is None and not e.single_micro
-            self.host = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0))
+            self.host = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0), own=self.updates_last)
             dsts = [x.view(self.host) for x in hu.entries]
             if e.tied and emb.resident is not None:
                 # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
@@ -171,7 +173,38 @@ class LossHead:
         self.slots.release(slot)
         return logits
 
-    def _buffer(self, numel: int) -> torch.Tensor:
+    @property
+    def updates_last(self) -> bool:
+        """Does the head's update run last in its step, after the embedding's?
+
+        Note: [Why an untied head is updated when the backward ends] with updates in backward the
+        worker lags the GPU through the whole backward (at 8B, 12 GiB: 63 ms of AdamW per layer
+        against about 70 ms of GPU work), so every task at its front delays the last updates, of
+        layers 1, 0 and the embedding, which the next forward waits for. An untied lm_head (525 M
+        parameters at 8B, 150 ms of AdamW) is needed only at the end of the next forward, so its
+        update is queued when the backward ends, after the embedding's: it runs during the next
+        forward, where the worker was idle. Its gradient waits in a buffer of its own (the ring
+        is the layers' from the start of the backward); its norm is still judged first. A tied
+        lm_head is the embedding and a one-backward step without accumulation is the only case
+        (with accumulation or clipping the updates wait for optimizer.step() anyway).
+        """
+        e, hu = self.engine, self.unit
+        return (hu.trainable and not e.tied and e.single_micro and e.config.max_grad_norm is None
+                and hu.grad is None)
+
+    def finish_backward(self) -> None:
+        """Main thread, when a backward ends: queue the head's update if it runs last."""
+        if self.deferred is not None:
+            args, self.deferred = self.deferred, None
+            self.engine.worker.submit(self._update_task, *args, done=(self.host_free, self.unit.updated))
+
+    def drop_deferred(self) -> None:
+        """An interrupted backward: the update queued for its end will not run."""
+        if self.deferred is not None:
+            self.deferred = None
+            self.host_free.set()
+
+    def _buffer(self, numel: int, own: bool = False) -> torch.Tensor:
         """Host buffer of `numel` elements (the ring's dtype) for the head's gradient: the front of the ring when the ring
         holds it (the layers' next gradients take the buffers after it first), else a pinned
         buffer of its own, made when first needed.
@@ -183,7 +216,7 @@ class LossHead:
         lm_head's own buffer was 2.1 GB of pinned host memory.
         """
         e = self.engine
-        if numel <= e.grads.size * len(e.grads.buffers):
+        if not own and numel <= e.grads.size * len(e.grads.buffers):
             n = -(-numel // e.grads.size)
             for k in range(n):
                 e.grads.claim(k)
@@ -291,19 +324,28 @@ class LossHead:
             if bulk:
                 e.begin_update(e.embed_unit)
         ring, self.ring = self.ring, ()
+        last = update and not ring and self.updates_last
+        if last:                                  # [Why an untied head is updated when the backward ends]
+            self.deferred = (e.mode.ends_step, e.hp)
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
-                        emb.touch if bulk else None, embed_on_host, ring, norm,
-                        done=(self.host_free,) + tuple(e.grads.free[k] for k in ring)
-                        + ((hu.updated,) if update else ()))
+                        emb.touch if bulk else None, embed_on_host, ring, norm, last,
+                        done=(() if last else (self.host_free,)) + tuple(e.grads.free[k] for k in ring)
+                        + ((hu.updated,) if update and not last else ()))
 
     # ----------------------------------------------------------------- worker side
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None):
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None,
+                   last=False):
         e, host, emb = self.engine, self.engine.host, self.engine.embedding
         host.sync(done, "wait_d2h:head")
         host.sync(scale_ev, "wait_d2h:scale")
         if norm is not None:
             host.check_norm(float(norm[0]), "the gradient of the head")
         scale = float(self.scale_host[0])
+        if last:                  # the update comes when the backward ends (`_update_task`)
+            self._scale = scale
+            if touch is not None:
+                emb.bulk_update(touch, hp)
+            return
         hu = self.unit
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
         # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
@@ -321,6 +363,11 @@ class LossHead:
         host.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
         if update and touch is not None:
             emb.bulk_update(touch, hp)
+
+    def _update_task(self, ends_step, hp):
+        """Worker, after the embedding's update: the head's AdamW from its gradient times the loss gradient."""
+        hu = self.unit
+        self.engine.host.consume(hu, self.host[:hu.numel], True, ends_step, hp, grad_mul=self._scale)
 
     def _ring_returner(self, ring: tuple):
         """on_progress callback: give ring buffer k back once an update has passed its end."""

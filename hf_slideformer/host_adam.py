@@ -116,6 +116,9 @@ def native_library():
         for fn in (lib.slide_adamw_f32, lib.slide_adamw_bf16):
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_HP), ctypes.c_int]
             fn.restype = None
+        lib.slide_adamw_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
+                                         + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.POINTER(_HP), ctypes.c_int])
+        lib.slide_adamw_rows.restype = None
         lib.slide_triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
         lib.slide_triad.restype = None
         _LIB = lib
@@ -196,6 +199,60 @@ class HostAdam:
         if self.lib is None:
             self._torch_step(hp, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, grad_mul, out16)
             return
+        s = self._hp(hp, grad_scale, grad_mul)
+        last = None
+        ref = ctypes.byref(s)
+        for k, (p, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+            step = float(st)
+            if step != last:
+                self._set_step(s, hp, step)
+                last = step
+            fn = self.lib.slide_adamw_bf16 if g.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
+            o = out16[k].data_ptr() if out16 is not None else None
+            fn(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, p.numel(), ref, self.threads)
+
+    def step_rows(self, hp: dict, tables, saved, grad: torch.Tensor, sums: torch.Tensor, rows: torch.Tensor,
+                  step: torch.Tensor, zero_grad: bool = False) -> None:
+        """AdamW of some rows of a (V, H) table from their saved state, with their full gradient.
+
+        For each k: the row r = rows[k] of the tables (master, exp_avg, exp_avg_sq) becomes the
+        AdamW step of saved[*][k] with the gradient grad[r] + sums[k]; grad[r] is zeroed after
+        when `zero_grad`. The same values as gathering grad's rows, adding sums, one `step` over the
+        saved rows and scattering them back, in one threaded pass (native), or those operations
+        (torch's route).
+
+        Args:
+            hp: the param group. tables: the (V, H) fp32 master, exp_avg, exp_avg_sq. saved: their
+                (n, H) fp32 saved rows. grad: the (V, H) fp32 gradient. sums: (n, H) fp32.
+            rows: (n,) int64, distinct. step: the fp32 step count (already advanced).
+        """
+        n = rows.numel()
+        if n == 0:
+            return
+        w, m, v = saved
+        tw, tm, tv = tables
+        if self.lib is None:
+            g = torch.index_select(grad, 0, rows).add_(sums)
+            self.step(hp, [w], [g], [m], [v], [step])
+            for dst, src in zip(tables, saved):
+                dst.index_copy_(0, rows, src)
+            if zero_grad:
+                grad.index_fill_(0, rows, 0.0)
+            return
+        h = tw.shape[1]
+        for t in (tw, tm, tv, grad):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == h
+        for t in (w, m, v, sums):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n, h)
+        rows = rows.to(torch.int64).contiguous()
+        s = self._hp(hp, None, 1.0)
+        self._set_step(s, hp, float(step))
+        self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
+                                  h, w.data_ptr(), m.data_ptr(), v.data_ptr(), sums.data_ptr(), int(zero_grad),
+                                  ctypes.byref(s), self.threads)
+
+    def _hp(self, hp: dict, grad_scale, grad_mul: float) -> _HP:
+        """The kernel's constants for param group `hp` (the step's are set by `_set_step`)."""
         beta1, beta2 = (float(b) for b in hp["betas"])
         lr, wd, eps = float(hp["lr"]), float(hp["weight_decay"]), float(hp["eps"])
         gdiv = 1.0 if grad_scale is None else float(grad_scale)
@@ -207,18 +264,14 @@ class HostAdam:
         # torch's blendv: coeff = w where |w| < 0.5 else w - 1, both in fp32
         cw = ctypes.c_float(coeff).value
         s.coeff = cw if small else ctypes.c_float(cw - 1.0).value
-        last = None
-        ref = ctypes.byref(s)
-        for k, (p, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
-            step = float(st)
-            if step != last:
-                bc1 = 1.0 - math.pow(beta1, step)
-                s.neg_step = -(lr / bc1)
-                s.bc2_sqrt = math.sqrt(1.0 - math.pow(beta2, step))
-                last = step
-            fn = self.lib.slide_adamw_bf16 if g.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
-            o = out16[k].data_ptr() if out16 is not None else None
-            fn(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, p.numel(), ref, self.threads)
+        return s
+
+    @staticmethod
+    def _set_step(s: _HP, hp: dict, step: float) -> None:
+        beta1, beta2 = (float(b) for b in hp["betas"])
+        bc1 = 1.0 - math.pow(beta1, step)
+        s.neg_step = -(float(hp["lr"]) / bc1)
+        s.bc2_sqrt = math.sqrt(1.0 - math.pow(beta2, step))
 
     def _torch_step(self, hp, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, grad_mul, out16) -> None:
         if any(g.dtype != torch.float32 for g in grads) or grad_mul != 1.0:

@@ -173,9 +173,13 @@ class Estimator:
             "embedding gradient (fp32, pinned)": 4 * s.embed_params,
             f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
                 GRAD_BYTES * self.grad_buffers * s.layer_params,
-            # borrowed from the ring when it fits there (engine: [Why the head's gradient borrows the ring]);
-            # a tied lm_head's gradient joins it with accumulation only
-            "head host buffer (bf16, pinned)": (0 if head <= self.grad_buffers * s.layer_params else GRAD_BYTES * head),
+            # an untied head updated in backward keeps its own until the backward ends (engine: [Why an
+            # untied head is updated when the backward ends]); else borrowed from the ring when it fits
+            # there ([Why the head's gradient borrows the ring]); a tied lm_head's gradient joins it
+            # with accumulation only
+            "head host buffer (bf16, pinned)": (GRAD_BYTES * head if not s.tied and not deferred
+                                                else 0 if head <= self.grad_buffers * s.layer_params
+                                                else GRAD_BYTES * head),
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,

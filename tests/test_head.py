@@ -24,9 +24,9 @@ def _wide_head_pair(tied=False, **slide_kw):
 @pytest.mark.parametrize("buffers,in_ring", [(2, False), (3, True), (4, True)])
 @pytest.mark.parametrize("slow_head", [False, True])
 def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch):
-    """The head's gradient lands in the first ring buffers when they hold it (else in a buffer of
-    its own); the layers' gradients take the other buffers first, then wait for the head's update to
-    hand its buffers back. A slowed head update must not see its gradient overwritten."""
+    """With clipping the head's gradient lands in the first ring buffers when they hold it (else
+    in a buffer of its own); the layers' gradients take the other buffers first, then wait for the
+    head's task to hand its buffers back. A slowed head task must not see its gradient overwritten."""
     import time
     from hf_slideformer.head import LossHead
     if slow_head:
@@ -36,22 +36,63 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
             time.sleep(0.05)
             return real(self, *a, **k)
         monkeypatch.setattr(LossHead, "_head_task", slow)
-    ref, slid = _wide_head_pair(grad_buffers=buffers)
+    ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
     eng = slid.slide_engine
     n = eng.head_unit.numel
     assert -(-n // eng.grads.size) == 3            # the head spans three ring buffers
     data = batches(4, pad=True, vocab=301)
-    assert train_both(ref, slid, data) < PARAM_TOL
+    assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
     assert (eng.head.host.data_ptr() == eng.grads.slab.data_ptr()) is in_ring
     assert (eng.head.own_buffer is None) is in_ring
     assert all(ev.is_set() for ev in eng.grads.free) and eng.head.ring == ()
-    # the same with clipping (the gradient is folded into the accumulator, then the buffers go back)
-    ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
-    assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
+
+
+@pytest.mark.parametrize("slow", ["none", "head_task", "update_task"])
+def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch):
+    """Updates in backward: an untied head's update runs after the embedding's (the next forward
+    needs the embedding and layer 0 first), from its own buffer (the ring is the layers'), and
+    training equals the reference; slowed tasks change nothing."""
+    import time
+    from hf_slideformer.head import LossHead
+    from hf_slideformer.host_tasks import HostUpdates
+    if slow != "none":
+        real_task = getattr(LossHead, "_" + slow)
+
+        def slowed(self, *a, **k):
+            time.sleep(0.05)
+            return real_task(self, *a, **k)
+        monkeypatch.setattr(LossHead, "_" + slow, slowed)
+    order = []
+    real_update = HostUpdates.update
+
+    def record(self, u, *a, **k):
+        order.append(u.name)
+        return real_update(self, u, *a, **k)
+    monkeypatch.setattr(HostUpdates, "update", record)
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    eng = slid.slide_engine
+    assert eng.head.updates_last
+    data = batches(3, pad=True, vocab=301)
+    assert train_both(ref, slid, data) < PARAM_TOL
+    eng.synchronize()
+    assert eng.head.own_buffer is not None and eng.head.host.data_ptr() != eng.grads.slab.data_ptr()
+    assert all(ev.is_set() for ev in eng.grads.free) and eng.head.host_free.is_set()
+    head, embed = eng.head_unit.name, eng.embed_unit.name
+    steps, cur = [], []
+    for name in order:
+        cur.append(name)
+        if name == head:
+            steps, cur = steps + [cur], []
+    assert len(steps) == len(data) and cur == [], order
+    for step in steps:                  # per step: the embedding's whole table, the layers, then the head
+        assert step[0] == embed and step.count(head) == 1 and len(step) == 2 + len(eng.layer_units), step
+    # tied, or with clipping or accumulation: the head's update keeps its place at the front
+    for kw in (dict(tied=True), dict(max_grad_norm=0.5), dict(gradient_accumulation_steps=2)):
+        assert not _wide_head_pair(**kw)[1].slide_engine.head.updates_last
 
 
 def test_head_ring_buffers_come_back_after_a_forward_without_backward():
-    ref, slid = _wide_head_pair(grad_buffers=3)
+    ref, slid = _wide_head_pair(grad_buffers=3, max_grad_norm=0.5)
     opt = slid.create_optimizer(lr=LR)
     data = batches(3, vocab=301)
     slid(**data[0])                                # gradients copied out, never consumed
@@ -63,10 +104,11 @@ def test_head_ring_buffers_come_back_after_a_forward_without_backward():
     assert all(ev.is_set() for ev in slid.slide_engine.grads.free)
 
 
-def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch):
-    """An error (or Ctrl-C) while the head's gradients are being sent gives the ring buffers back:
-    the next step runs instead of waiting for them forever."""
-    ref, slid = _wide_head_pair(grad_buffers=3)
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch, clip):
+    """An error (or Ctrl-C) while the head's gradients are being sent gives the ring buffers (with
+    clipping) or its own buffer back: the next step runs instead of waiting for them forever."""
+    ref, slid = _wide_head_pair(grad_buffers=3, max_grad_norm=clip)
     opt = slid.create_optimizer(lr=LR)
     eng = slid.slide_engine
     data = batches(2, vocab=301)

@@ -108,6 +108,42 @@ def test_bf16_gradient_equals_widening_it_first(threads):
     assert torch.equal(out16, a[0].bfloat16())
 
 
+@pytest.mark.parametrize("mode", [pytest.param("native", marks=needs_native), "torch"])
+@pytest.mark.parametrize("h,threads", [(64, 1), (37, 3), (4096, 2)])
+@pytest.mark.parametrize("zero_grad", [False, True])
+def test_rows_update_equals_gather_add_step_scatter(mode, h, threads, zero_grad):
+    """`step_rows` (some rows of a table from their saved state, with the table's gradient rows
+    plus the batch's sums) is bit-identical to the composite: gather the gradient's rows, add, one
+    `step` over the saved rows, scatter them into the tables; rows it does not name keep their
+    values; the gradient's rows are zeroed when asked, the others kept."""
+    V, n = 50, 13
+    gen = torch.Generator().manual_seed(h)
+    tables = [torch.randn(V, h, generator=gen), torch.randn(V, h, generator=gen) * 1e-2,
+              torch.rand(V, h, generator=gen) * 1e-4]
+    grad = torch.randn(V, h, generator=gen)
+    rows = torch.randperm(V, generator=gen)[:n]                   # distinct, in no particular order
+    saved = [torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen) * 1e-2,
+             torch.rand(n, h, generator=gen) * 1e-4]
+    sums = torch.randn(n, h, generator=gen)
+    step = torch.tensor(5.0)
+    hp = dict(HP, weight_decay=0.02, lr=3e-3)
+    k = HostAdam(mode, threads=threads)
+    got_t, got_g = [t.clone() for t in tables], grad.clone()
+    k.step_rows(hp, got_t, [t.clone() for t in saved], got_g, sums, rows, step, zero_grad=zero_grad)
+    want_t, want_g, s2 = [t.clone() for t in tables], grad.clone(), [t.clone() for t in saved]
+    g = torch.index_select(want_g, 0, rows).add_(sums)
+    HostAdam(mode, threads=1).step(hp, [s2[0]], [g], [s2[1]], [s2[2]], [step])
+    for dst, src in zip(want_t, s2):
+        dst.index_copy_(0, rows, src)
+    if zero_grad:
+        want_g.index_fill_(0, rows, 0.0)
+    for a, b in zip(got_t + [got_g], want_t + [want_g]):
+        assert torch.equal(a, b)
+    others = torch.ones(V, dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(got_t[0][others], tables[0][others]) and not torch.equal(got_t[0][rows], tables[0][rows])
+
+
 @needs_native
 def test_torch_route_equals_native_on_bf16_gradients():
     """The fallback (torch's fused kernel on the widened gradient) gives the native results."""
