@@ -28,6 +28,7 @@ from .embedding import Embedding
 from .errors import SlideStateError
 from .functions import RngReplay, grad_only, swapped
 from .grad_ring import GradientRing
+from .late_updates import LateUpdates
 from .head import LossHead
 from .lora import AdapterSet
 from .host_adam import HostAdam
@@ -109,6 +110,7 @@ class SlideEngine:
                                filler=lambda u, dst: self.place_of(u).fill(dst))
         self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
         self.grads = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
+        self.late = LateUpdates(self, max_layer)
         self.norm = StepNorm(self)
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
@@ -229,6 +231,7 @@ class SlideEngine:
         try:
             self.worker.join()
         finally:
+            self.late.drop()
             self.head.drop_deferred()
             for u in self.store.units:
                 u.updated.set()
@@ -269,6 +272,7 @@ class SlideEngine:
         self.guard.open = True
         self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
         self.hp = self.optimizer.snapshot()
+        self.late.begin()
         if self.mode.ends_step:
             self.host.norm_sq = []
             self.norm.dev_valid = not self.single_micro
@@ -278,6 +282,7 @@ class SlideEngine:
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
+        self.late.finish()                 # the late layers first: the next forward needs them before the head
         self.head.finish_backward()
         self.guard.open = False
         self.micro += 1
@@ -349,6 +354,10 @@ class SlideEngine:
         """Note each layer's dropout modules with p > 0 (their random state is replayed in the recompute)."""
         self.dropouts = [[m for m in layer.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
                          for layer in self.layers]
+
+    def layer_no(self, u: Unit) -> int:
+        """The index of layer unit `u` in the model."""
+        return self._layer_no[id(u)]
 
     def place_of(self, u: Unit):
         """The placement of layer unit `u`."""

@@ -151,8 +151,12 @@ class HostLayer(LayerPlacement):
                 e.begin_update(u)
                 e.worker.submit(self._accumulated_update_task, done, e.hp, e.norm.slot(u), done=(u.updated,))
             return
-        k = e.grads.claim_next()
-        buf = e.grads.buffers[k]
+        late = e.late.claim() if mode.updates else None     # late_updates.py: [Why the top layers are updated late]
+        if late is None:
+            k = e.grads.claim_next()
+            buf = e.grads.buffers[k]
+        else:
+            buf = late
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if e.streams.cuda else None
@@ -161,8 +165,11 @@ class HostLayer(LayerPlacement):
                       norm_dst=norm)
         if mode.updates:
             e.begin_update(u)
-        e.worker.submit(self.layer_task, buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm,
-                        done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
+        args = (buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm)
+        if late is not None:
+            e.late.hold(e.layer_no(u), self.layer_task, args, done=(u.updated,))
+            return
+        e.worker.submit(self.layer_task, *args, done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
 
     def step(self, deferred: DeferredStep) -> None:
         e = self.engine

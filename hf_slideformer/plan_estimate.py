@@ -181,10 +181,20 @@ class Estimator:
                                                 else 0 if head <= self.grad_buffers * s.layer_params
                                                 else GRAD_BYTES * head),
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
+            # updates in backward: the top layers' gradients wait for the backward's end (engine:
+            # [Why the top layers are updated late]), about the embedding's size in layers
+            f"late layers' gradients ({self.late_layers(deferred)} x largest layer, bf16, pinned)":
+                GRAD_BYTES * self.late_layers(deferred) * s.layer_params,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         })
         return out
+
+    def late_layers(self, deferred: bool) -> int:
+        """Layers whose update waits for the end of the backward (late_updates.py): with updates in
+        backward, enough to cover the embedding's whole-table update."""
+        s = self.s
+        return 0 if deferred else min(s.layers, -(-s.embed_params // s.layer_params))
 
     def _host_data_parallel(self, out: dict, tok_h: int, acts: int, tier: str, deferred: bool) -> dict:
         """The host items of several processes (data_parallel.py, sharded.py): the state (masters,

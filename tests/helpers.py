@@ -23,9 +23,9 @@ FAMILY_FEATURES = {
 
 
 def family_config(model_type: str, tied: bool = False, **kw):
-    extra = {**FAMILY_FEATURES.get(model_type, {}), **kw}
-    return tiny_config(model_type, vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                       tie_word_embeddings=tied, **extra)
+    extra = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+             **FAMILY_FEATURES.get(model_type, {}), **kw}
+    return tiny_config(model_type, tie_word_embeddings=tied, **extra)
 
 
 def make_pair(model_type="llama", tied=False, seed=0, cfg_kw=None, **slide_kw):

@@ -145,7 +145,9 @@ def test_accumulation_and_tiers_move_the_right_terms():
     # parameters): the 4 layers of the ring hold it, 3 do not and the head gets a buffer of its own
     head = "head host buffer (bf16, pinned)"
     assert base.host[head] == 0 and acc.host[head] == 0
-    assert acc.host_total - base.host_total == 4 * (acc.shape.n_params - acc.shape.embed_params)
+    # (and no layer is updated late: the updates wait for optimizer.step())
+    assert late_bytes(base) == 2 * 4 * base.shape.layer_params and late_bytes(acc) == 0
+    assert acc.host_total - base.host_total == 4 * (acc.shape.n_params - acc.shape.embed_params) - late_bytes(base)
     acc3 = plan(CONFIGS / "llama3-3b.json", batch=8, gradient_accumulation_steps=4, grad_buffers=3, **kw)
     assert acc3.host[head] == 2 * (acc.shape.embed_params + acc.shape.head_params)   # bf16, as the ring
     assert acc.times["gpu"] == pytest.approx(4 * base.times["gpu"])
@@ -515,6 +517,11 @@ def test_the_mlp_in_chunks_lowers_the_long_sequence_peak():
 PER_RANK = ("gradient ring", "embedding row buffers", "layer inputs", "process")
 
 
+def late_bytes(p) -> int:
+    """The late layers' gradient buffers (one process, updates in backward)."""
+    return sum(v for k, v in p.host.items() if k.startswith("late layers"))
+
+
 def per_rank_bytes(p) -> int:
     """The host items each process has of its own (one GPU: counted once)."""
     return sum(v for k, v in p.host.items() if k.startswith(PER_RANK))
@@ -537,13 +544,15 @@ def test_several_gpus_share_the_host_state_and_add_each_process_buffers():
     # process's own head buffer (its head is updated when the backward ends)
     head = two.host["head gradient shards (bf16, pinned, 1/2 on each GPU: one copy)"]
     assert head == 2 * s.head_params == one.host["head host buffer (bf16, pinned)"]
-    assert two.host_total - one.host_total == per_rank_bytes(one)
+    # (several processes update no layer late)
+    assert late_bytes(one) == 2 * 3 * s.layer_params and late_bytes(two) == 0
+    assert two.host_total - one.host_total == per_rank_bytes(one) - late_bytes(one)
     # with clipping each rank writes its half of the accumulators: one copy, the embedding's included
     clip1 = plan(CONFIGS / "llama3-8b.json", max_grad_norm=1.0, **kw)
     clip2 = plan(CONFIGS / "llama3-8b.json", max_grad_norm=1.0, gpus=2, **kw)
     assert clip2.host_total - two.host_total == 4 * s.n_params
     # (and the head's gradient goes back to the ring: it is updated at optimizer.step())
-    assert clip1.host_total - one.host_total == 4 * (s.n_params - s.embed_params) - head
+    assert clip1.host_total - one.host_total == 4 * (s.n_params - s.embed_params) - head - late_bytes(one)
     # the largest batch host memory allows shrinks with the per-process items; the GPU is checked per GPU
     assert two.max_batch_host < one.max_batch_host and two.gpu_fits and two.gpu_limit == one.gpu_limit
 
