@@ -104,6 +104,13 @@ class SlideConfig:
         4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
                    "between forward and backward. 3 saves one layer's gradient of host memory and is as fast "
                    "where the GPU is the bound; where the CPU paces the step it was slower (docs/benchmarks.md).")
+    late_layer_updates: int | str = option(
+        "auto", Auto(Int(0)),
+        "With updates in backward (one micro-batch, no clipping) and the embedding on the host: the first layers "
+        "of each backward (the top ones) whose update waits for its end and runs during the next forward, so that "
+        "the CPU worker is not behind when the backward ends (docs/engine.md). 'auto': as many as the embedding's "
+        "whole-table update at the worker's front takes (3 at Llama-3-8B); 0 turns it off. Each costs one layer's "
+        "gradient of pinned host memory (bf16).")
     resident_layers: int | str = option(
         "auto", Auto(Int(0)),
         "Layers whose master and Adam state live on the GPU and are updated there (layers 0..k-1). 'auto' measures "

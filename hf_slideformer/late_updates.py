@@ -41,14 +41,16 @@ class LateUpdates:
         self.pending: list[tuple] = []
 
     def plan(self) -> int:
-        """How many layers the backward starting now updates late: enough to cover the
-        embedding's whole-table update at the worker's front, when there is one."""
+        """How many layers the backward starting now updates late (`SlideConfig.late_layer_updates`):
+        "auto", enough to cover the embedding's whole-table update at the worker's front, when there is one."""
         e = self.engine
         emb = e.embedding
-        if (not e.mode.updates or not e.single_micro or e.config.max_grad_norm is not None or e.dp is not None
-                or emb.resident is not None or not e.embed_unit.trainable):
+        want = e.config.late_layer_updates
+        if (want == 0 or not e.mode.updates or not e.single_micro or e.config.max_grad_norm is not None or e.dp is not None
+                or emb.resident is not None or not e.embed_unit.trainable
+                or any(e.store.on_disk(u) for u in e.layer_units)):   # disk-bound steps: no gain to pay memory for
             return 0
-        return math.ceil(e.embed_unit.numel / self.size)
+        return math.ceil(e.embed_unit.numel / self.size) if want == "auto" else int(want)
 
     def begin(self) -> None:
         """Main thread, at the start of a backward."""

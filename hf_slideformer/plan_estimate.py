@@ -167,6 +167,7 @@ class Estimator:
         if self.gpus > 1:
             return self._host_data_parallel(out, tok_h, acts, tier, deferred)
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
+        late = 0 if disk_layers.layers or disk_layers.moments else self.late_layers(deferred)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
         out.update({
@@ -183,8 +184,7 @@ class Estimator:
             "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
             # updates in backward: the top layers' gradients wait for the backward's end (engine:
             # [Why the top layers are updated late]), about the embedding's size in layers
-            f"late layers' gradients ({self.late_layers(deferred)} x largest layer, bf16, pinned)":
-                GRAD_BYTES * self.late_layers(deferred) * s.layer_params,
+            f"late layers' gradients ({late} x largest layer, bf16, pinned)": GRAD_BYTES * late * s.layer_params,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         })
@@ -192,7 +192,7 @@ class Estimator:
 
     def late_layers(self, deferred: bool) -> int:
         """Layers whose update waits for the end of the backward (late_updates.py): with updates in
-        backward, enough to cover the embedding's whole-table update."""
+        backward (and no layer on disk), enough to cover the embedding's whole-table update."""
         s = self.s
         return 0 if deferred else min(s.layers, -(-s.embed_params // s.layer_params))
 

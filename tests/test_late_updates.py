@@ -99,3 +99,19 @@ def test_an_interrupted_backward_with_late_layers_held_goes_on_after_a_restore(m
     opt.zero_grad()
     eng.synchronize()
     assert all(torch.isfinite(v).all() for v in slid.state_dict().values())
+
+
+@pytest.mark.parametrize("setting,late", [(0, 0), (1, 1), (3, 3)])
+def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
+    """SlideConfig.late_layer_updates: 0 turns it off (backward order), N makes the top N layers
+    late; the training is the reference's either way."""
+    order = _record_updates(monkeypatch)
+    ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301), late_layer_updates=setting)
+    eng = slid.slide_engine
+    assert train_both(ref, slid, batches(2, pad=True)) < PARAM_TOL
+    eng.synchronize()
+    assert eng.late.count == late
+    names = [u.name for u in eng.layer_units]
+    early = names[:len(names) - late][::-1]          # in backward order
+    step = [eng.embed_unit.name] + early + names[len(names) - late:] + [eng.head_unit.name]
+    assert order == step * 2, order

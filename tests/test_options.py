@@ -19,7 +19,8 @@ def samples(tmp_path) -> dict:
     return dict(dtype="bfloat16", window=3, gradient_accumulation_steps=2, max_grad_norm=0.5, activation_tier="cpu",
                 nvme_path=str(tmp_path), host_memory_limit=64.0, cpu_threads=1, pin_memory=True, use_kernels=True, gpu_memory_limit=24.0,
                 head_chunk_tokens=64, mlp_chunk_tokens=16, grad_buffers=3,
-                resident_layers=1, resident_embedding=False, device_update_share=0.5, expandable_segments=False,
+                late_layer_updates=2, resident_layers=1, resident_embedding=False, device_update_share=0.5,
+                expandable_segments=False,
                 host_adam="torch", nonfinite_grads="raise", check_host_memory=False, debug=True)
 
 

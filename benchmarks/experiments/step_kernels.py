@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 from benchmarks.providers.base import build_model, load_config, random_batch  # noqa: E402
 
-KINDS = [("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas", re.I)),
-         ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
+KINDS = [("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),     # cuDNN's SDPA kernels name sm90 too
+         ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm100_|cublas", re.I)),
          ("memcpy", re.compile(r"memcpy|memset", re.I)),
          ("triton", re.compile(r"^_|triton", re.I)),
          ("elementwise/reduce (aten)", re.compile(r".*"))]
