@@ -242,11 +242,13 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     if res[0]:
         # Resident from the first step (engine: [Why the embedding can be resident before the first
         # step]): its moments are never written, its master is given back, its dense gradient and
-        # row buffers are never made.
+        # row buffers are never made; no layer is late (late_updates.py: nothing at the worker's front).
         key = "fp32 masters + Adam m, v (12 B/param)"
-        dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)")
+        dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (2 x B*S*H fp32, pinned)",
+                   "late layers' gradients")
         p.host = {(k + ", the resident embedding's given back" if k == key else k):
-                  (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items() if k not in dropped}
+                  (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items()
+                  if not k.startswith(dropped)}
         acts = f"layer inputs ({tier} tier)"
         if tier == "cpu" and shape.layers > 1:
             # the first layer's input is gathered again from the resident embedding (activations.py)

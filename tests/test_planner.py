@@ -631,3 +631,16 @@ def test_a_term_close_to_the_bound_sets_the_expected_step():
                                ("llama3-3b", 9, 21_054), ("llama3-3b", 8, 20_570), ("llama3-3b", 24, 22_646)):
         q = plan(CONFIGS / f"{cfg}.json", batch=16, gpu_mem=cap, **H200)
         assert rel(q.expected_tokens_per_s, measured) < 0.10, (cfg, cap, q.expected_tokens_per_s)
+
+
+def test_late_layers_are_counted_where_the_engine_makes_them():
+    """Updates in backward with the embedding on the host: the embedding's size in late layers'
+    gradient buffers (3B: 4); a resident embedding, clipping or accumulation: none."""
+    kw = dict(batch=8, gpu_mem=24, **H200)
+    host = plan(CONFIGS / "llama3-3b.json", resident=False, **kw)
+    assert late_bytes(host) == 2 * 4 * host.shape.layer_params
+    assert "late layers' gradients (4 x largest layer, bf16, pinned)" in host.host
+    res = plan(CONFIGS / "llama3-3b.json", **kw)
+    assert res.resident_embedding and late_bytes(res) == 0
+    for extra in (dict(max_grad_norm=1.0), dict(gradient_accumulation_steps=2)):
+        assert late_bytes(plan(CONFIGS / "llama3-3b.json", resident=False, **kw, **extra)) == 0
