@@ -59,7 +59,7 @@ class Embedding:
         self.dw_sq = self.dw_rows = None
         self._out = None               # (x_0, its version, its gather) while layer 0's forward is ahead
         self._bulk = None
-        self.row_buffers: list[torch.Tensor | None] = [None] * 4   # see rows_buffer
+        self.row_buffers: list[torch.Tensor | None] = [None]   # see rows_buffer
 
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
@@ -233,66 +233,47 @@ class Embedding:
         g = self.grad.view(self.vocab, self.hidden)
         rows_update = update and self._bulk is not None
         if rows_update and e.single_micro:
-            # On the path to the next forward: gather, add, AdamW and scatter in one pass, and the
-            # gradient's rows cleared in it (a tied one is overwritten by the next head instead).
+            # On the path to the next forward: the rows' gradient sums added inside their AdamW, one
+            # pass, and the gradient's rows cleared in it (a tied one is overwritten by the next head).
             self.touched.append(rows)
             if self._rows_update(hp, sums=sums, zero_grad=not e.tied):
                 self.touched.pop()
             self.reset_grad()
             return
         grad_rows = torch.index_select(g, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
-        if not rows_update or (ends_step and not e.single_micro):
-            # Written back unless only the rows update below reads them (it takes grad_rows), on
-            # the path to the next forward: the table's rows are then reset or overwritten.
-            g.index_copy_(0, rows, grad_rows)
+        g.index_copy_(0, rows, grad_rows)
         self.touched.append(rows)
         if ends_step and not e.single_micro:
             host.norm_sq.append(float(torch.linalg.vector_norm(self.grad)) ** 2)
             host.check_norm(host.norm_sq[-1], "the gradient of the embedding")
         if update:
             if self._bulk is not None:
-                self._rows_update(hp, grad_rows)
+                self._rows_update(hp)
             else:
                 host.update(self.unit, self.grad, hp)
             self.reset_grad()
 
     # Note: [Why the embedding is updated in two parts] with updates in backward, the embedding's
     # gradient is final for every row but the batch's own tokens as soon as the head is done (a
-    # tied lm_head's dW, else zero). So the head task runs AdamW over the whole table early,
-    # having saved the batch rows' old (param, m, v); the last task of the backward restores those
-    # rows and updates them again with their full gradient. Same mathematics, and the next
-    # forward waits for a few thousand rows instead of the whole (V, H) table.
+    # tied lm_head's dW, else zero). So the head task runs AdamW over every other row of the table
+    # early, in place; the last task of the backward updates the batch's rows with their full
+    # gradient. Each row takes one step either way (the same mathematics as one update of the
+    # whole table), and the next forward waits for a few thousand rows instead of the (V, H) table.
     def bulk_update(self, rows: torch.Tensor, hp) -> None:
-        """Worker: AdamW over the whole table, the batch rows' old state saved first."""
-        u = self.unit
-        views = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
-        saved = [torch.index_select(v, 0, rows, out=self.rows_buffer(1 + k, rows.numel()))
-                 for k, v in enumerate(views)]
-        self.engine.host.update(u, self.grad, hp)
-        self._bulk = (rows, saved, u.steps[0].clone())
+        """Worker: AdamW of every row but `rows` (the batch's, distinct and sorted), in place."""
+        others = torch.ones(self.vocab, dtype=torch.bool)
+        others[rows] = False
+        g = self.grad.view(self.vocab, self.hidden)
+        if self.engine.host.update_rows(self.unit, g, others.nonzero().view(-1), hp, advance=True):
+            self._bulk = rows
 
-    def _rows_update(self, hp, grad: torch.Tensor | None = None, sums: torch.Tensor | None = None,
-                     zero_grad: bool = False) -> bool:
-        """AdamW of the batch's rows again from their saved state, with `grad` their full gradient,
-        or (`sums`) the dense gradient's rows plus these sums, those rows of it zeroed after when
-        `zero_grad`. Returns whether it ran (a non-finite step or a frozen table skips it)."""
-        e, u = self.engine, self.unit
-        rows, saved, step = self._bulk
-        self._bulk = None
-        groups, group_of = hp
-        gi = group_of.get(id(u.entries[0].param))
-        if gi is None or not u.entries[0].param.requires_grad or e.host.poisoned:
-            return False
-        tables = [t.view(self.vocab, self.hidden) for t in (u.master, u.exp_avg, u.exp_avg_sq)]
-        if grad is None:
-            e.host_adam.step_rows(groups[gi], tables, saved, self.grad.view(self.vocab, self.hidden), sums, rows,
-                                  step, zero_grad=zero_grad)
-            return True
-        w, m, v = saved
-        e.host_adam.step(groups[gi], [w], [grad], [m], [v], [step])
-        for dst, src in zip(tables, saved):
-            dst.index_copy_(0, rows, src)
-        return True
+    def _rows_update(self, hp, sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
+        """AdamW of the batch's rows after the bulk update, with the dense gradient's rows (plus
+        `sums`, those rows of it zeroed after when `zero_grad`). Returns whether it ran (a
+        non-finite step skips it)."""
+        rows, self._bulk = self._bulk, None
+        return self.engine.host.update_rows(self.unit, self.grad.view(self.vocab, self.hidden), rows, hp,
+                                            advance=False, sums=sums, zero_grad=zero_grad)
 
     def reset_grad(self) -> None:
         """The dense host gradient back to zeros (only the rows a batch touched are cleared)."""

@@ -116,8 +116,8 @@ def native_library():
         for fn in (lib.slide_adamw_f32, lib.slide_adamw_bf16):
             fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.POINTER(_HP), ctypes.c_int]
             fn.restype = None
-        lib.slide_adamw_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64]
-                                         + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.POINTER(_HP), ctypes.c_int])
+        lib.slide_adamw_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                                         + [ctypes.c_int, ctypes.POINTER(_HP), ctypes.c_int])
         lib.slide_adamw_rows.restype = None
         lib.slide_triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
         lib.slide_triad.restype = None
@@ -211,30 +211,32 @@ class HostAdam:
             o = out16[k].data_ptr() if out16 is not None else None
             fn(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, p.numel(), ref, self.threads)
 
-    def step_rows(self, hp: dict, tables, saved, grad: torch.Tensor, sums: torch.Tensor, rows: torch.Tensor,
-                  step: torch.Tensor, zero_grad: bool = False) -> None:
-        """AdamW of some rows of a (V, H) table from their saved state, with their full gradient.
+    def step_rows(self, hp: dict, tables, grad: torch.Tensor, rows: torch.Tensor, step: torch.Tensor,
+                  sums: torch.Tensor | None = None, zero_grad: bool = False) -> None:
+        """One AdamW step of some rows of a (V, H) table, in place.
 
-        For each k: the row r = rows[k] of the tables (master, exp_avg, exp_avg_sq) becomes the
-        AdamW step of saved[*][k] with the gradient grad[r] + sums[k]; grad[r] is zeroed after
-        when `zero_grad`. The same values as gathering grad's rows, adding sums, one `step` over the
-        saved rows and scattering them back, in one threaded pass (native), or those operations
-        (torch's route).
+        For each k, row r = rows[k] of the tables (master, exp_avg, exp_avg_sq) takes the step with
+        the gradient grad[r] (plus sums[k] when `sums` is given); grad[r] is zeroed after when
+        `zero_grad`. Each element is computed as `step` computes it, so updating a table in two sets
+        of rows equals updating it whole (native: one threaded pass over the rows; torch's route:
+        gather, the fused step, scatter).
 
         Args:
-            hp: the param group. tables: the (V, H) fp32 master, exp_avg, exp_avg_sq. saved: their
-                (n, H) fp32 saved rows. grad: the (V, H) fp32 gradient. sums: (n, H) fp32.
-            rows: (n,) int64, distinct. step: the fp32 step count (already advanced).
+            hp: the param group. tables: the (V, H) fp32 master, exp_avg, exp_avg_sq. grad: the
+                (V, H) fp32 gradient. rows: (n,) int64, distinct. step: the fp32 step count
+                (already advanced). sums: optional (n, H) fp32 added to the gradient's rows.
         """
         n = rows.numel()
         if n == 0:
             return
-        w, m, v = saved
         tw, tm, tv = tables
         if self.lib is None:
-            g = torch.index_select(grad, 0, rows).add_(sums)
+            g = torch.index_select(grad, 0, rows)
+            if sums is not None:
+                g.add_(sums)
+            w, m, v = (torch.index_select(t, 0, rows) for t in tables)
             self.step(hp, [w], [g], [m], [v], [step])
-            for dst, src in zip(tables, saved):
+            for dst, src in zip(tables, (w, m, v)):
                 dst.index_copy_(0, rows, src)
             if zero_grad:
                 grad.index_fill_(0, rows, 0.0)
@@ -242,14 +244,14 @@ class HostAdam:
         h = tw.shape[1]
         for t in (tw, tm, tv, grad):
             assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == h
-        for t in (w, m, v, sums):
-            assert t.dtype == torch.float32 and t.is_contiguous() and t.shape == (n, h)
+        if sums is not None:
+            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (n, h)
         rows = rows.to(torch.int64).contiguous()
         s = self._hp(hp, None, 1.0)
         self._set_step(s, hp, float(step))
         self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
-                                  h, w.data_ptr(), m.data_ptr(), v.data_ptr(), sums.data_ptr(), int(zero_grad),
-                                  ctypes.byref(s), self.threads)
+                                  h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(s),
+                                  self.threads)
 
     def _hp(self, hp: dict, grad_scale, grad_mul: float) -> _HP:
         """The kernel's constants for param group `hp` (the step's are set by `_set_step`)."""

@@ -167,6 +167,35 @@ class HostUpdates:
         stats.event(f"adam:{u.name}", t0, t1)
         stats.updated_params += u.numel if span is None else span[1] - span[0]
 
+    def update_rows(self, u: Unit, grad: torch.Tensor, rows: torch.Tensor, hp, *, advance: bool,
+                    sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
+        """AdamW of some rows of a one-entry (V, H) unit (the embedding table), in place, with the
+        gradient's rows (plus `sums`); the step counter advances first when `advance` (the first
+        set of rows of the step). Returns whether it ran: a non-finite step, or a table outside
+        the optimizer's groups or not requiring grad, leaves everything as it is."""
+        if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
+            return False
+        (entry,) = u.entries
+        groups, group_of = hp
+        gi = group_of.get(id(entry.param))
+        if gi is None or not entry.param.requires_grad:
+            return False
+        readers, u.readers = u.readers, []          # [Why the update waits for the readers]
+        for ev in readers:
+            self.sync(ev, f"wait_readers:{u.name}")
+        if advance:
+            u.steps[0].add_(1)
+        shape = grad.shape
+        t0 = time.perf_counter()
+        self.engine.host_adam.step_rows(groups[gi], [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)],
+                                        grad, rows, u.steps[0], sums=sums, zero_grad=zero_grad)
+        t1 = time.perf_counter()
+        stats = self.engine.stats
+        stats.adam_s += t1 - t0
+        stats.event(f"adam:{u.name}", t0, t1)
+        stats.updated_params += rows.numel() * shape[1]
+        return True
+
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:
         """The clip factor of this step. `host_grads`: the summed gradients whose norms the worker
         takes (a step that ends before its last micro-batch); `norm_ev`'s value holds the norms

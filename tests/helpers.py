@@ -90,3 +90,22 @@ def open_fds(match) -> list[str]:
             out.append(target)
     return out
 
+
+
+def record_updates(monkeypatch) -> list:
+    """The host updates in the order the worker runs them: unit names, and "<name>:rows" for the
+    update of a table's batch rows that follows its whole-table one (embedding.py)."""
+    from hf_slideformer.host_tasks import HostUpdates
+    order = []
+    real, real_rows = HostUpdates.update, HostUpdates.update_rows
+
+    def update(self, u, *a, **k):
+        order.append(u.name)
+        return real(self, u, *a, **k)
+
+    def update_rows(self, u, *a, advance, **k):
+        order.append(u.name if advance else u.name + ":rows")
+        return real_rows(self, u, *a, advance=advance, **k)
+    monkeypatch.setattr(HostUpdates, "update", update)
+    monkeypatch.setattr(HostUpdates, "update_rows", update_rows)
+    return order

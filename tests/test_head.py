@@ -54,7 +54,7 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
     training equals the reference; slowed tasks change nothing."""
     import time
     from hf_slideformer.head import LossHead
-    from hf_slideformer.host_tasks import HostUpdates
+    from helpers import record_updates
     if slow != "none":
         real_task = getattr(LossHead, "_" + slow)
 
@@ -62,13 +62,7 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
             time.sleep(0.05)
             return real_task(self, *a, **k)
         monkeypatch.setattr(LossHead, "_" + slow, slowed)
-    order = []
-    real_update = HostUpdates.update
-
-    def record(self, u, *a, **k):
-        order.append(u.name)
-        return real_update(self, u, *a, **k)
-    monkeypatch.setattr(HostUpdates, "update", record)
+    order = record_updates(monkeypatch)
     ref, slid = _wide_head_pair(grad_buffers=3)
     eng = slid.slide_engine
     assert eng.head.updates_last
@@ -84,8 +78,8 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
         if name == head:
             steps, cur = steps + [cur], []
     assert len(steps) == len(data) and cur == [], order
-    for step in steps:                  # per step: the embedding's whole table, the layers, then the head
-        assert step[0] == embed and step.count(head) == 1 and len(step) == 2 + len(eng.layer_units), step
+    for step in steps:                  # per step: the embedding's table, the layers and its rows, then the head
+        assert step[0] == embed and step.count(head) == 1 and len(step) == 3 + len(eng.layer_units), step
     # tied, or with clipping or accumulation: the head's update keeps its place at the front
     for kw in (dict(tied=True), dict(max_grad_norm=0.5), dict(gradient_accumulation_steps=2)):
         assert not _wide_head_pair(**kw)[1].slide_engine.head.updates_last

@@ -110,38 +110,38 @@ def test_bf16_gradient_equals_widening_it_first(threads):
 
 @pytest.mark.parametrize("mode", [pytest.param("native", marks=needs_native), "torch"])
 @pytest.mark.parametrize("h,threads", [(64, 1), (37, 3), (4096, 2)])
-@pytest.mark.parametrize("zero_grad", [False, True])
-def test_rows_update_equals_gather_add_step_scatter(mode, h, threads, zero_grad):
-    """`step_rows` (some rows of a table from their saved state, with the table's gradient rows
-    plus the batch's sums) is bit-identical to the composite: gather the gradient's rows, add, one
-    `step` over the saved rows, scatter them into the tables; rows it does not name keep their
-    values; the gradient's rows are zeroed when asked, the others kept."""
+@pytest.mark.parametrize("with_sums,zero_grad", [(False, False), (True, False), (True, True)])
+def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(mode, h, threads, with_sums, zero_grad):
+    """`step_rows` on every row but a batch's, then on the batch's rows with the batch's sums
+    added to their gradient, equals one `step` of the whole table with those sums added first,
+    bit for bit; the gradient's batch rows are zeroed when asked, the rest of it kept."""
     V, n = 50, 13
     gen = torch.Generator().manual_seed(h)
     tables = [torch.randn(V, h, generator=gen), torch.randn(V, h, generator=gen) * 1e-2,
               torch.rand(V, h, generator=gen) * 1e-4]
     grad = torch.randn(V, h, generator=gen)
-    rows = torch.randperm(V, generator=gen)[:n]                   # distinct, in no particular order
-    saved = [torch.randn(n, h, generator=gen), torch.randn(n, h, generator=gen) * 1e-2,
-             torch.rand(n, h, generator=gen) * 1e-4]
-    sums = torch.randn(n, h, generator=gen)
+    grad[3] = 0.0                                                 # a row without gradient, as most are
+    rows = torch.randperm(V, generator=gen)[:n].sort().values     # distinct, like torch.unique's
+    others = torch.ones(V, dtype=torch.bool)
+    others[rows] = False
+    others = others.nonzero().view(-1)
+    sums = torch.randn(n, h, generator=gen) if with_sums else None
     step = torch.tensor(5.0)
     hp = dict(HP, weight_decay=0.02, lr=3e-3)
     k = HostAdam(mode, threads=threads)
     got_t, got_g = [t.clone() for t in tables], grad.clone()
-    k.step_rows(hp, got_t, [t.clone() for t in saved], got_g, sums, rows, step, zero_grad=zero_grad)
-    want_t, want_g, s2 = [t.clone() for t in tables], grad.clone(), [t.clone() for t in saved]
-    g = torch.index_select(want_g, 0, rows).add_(sums)
-    HostAdam(mode, threads=1).step(hp, [s2[0]], [g], [s2[1]], [s2[2]], [step])
-    for dst, src in zip(want_t, s2):
-        dst.index_copy_(0, rows, src)
+    k.step_rows(hp, got_t, got_g, others, step)
+    k.step_rows(hp, got_t, got_g, rows, step, sums=sums, zero_grad=zero_grad)
+    want_t, full = [t.clone().view(-1) for t in tables], grad.clone()
+    if sums is not None:
+        full.index_add_(0, rows, sums)
+    HostAdam(mode, threads=1).step(hp, [want_t[0]], [full.view(-1)], [want_t[1]], [want_t[2]], [step])
+    for a, b in zip(got_t, want_t):
+        assert torch.equal(a.view(-1), b)
+    want_g = grad.clone()
     if zero_grad:
-        want_g.index_fill_(0, rows, 0.0)
-    for a, b in zip(got_t + [got_g], want_t + [want_g]):
-        assert torch.equal(a, b)
-    others = torch.ones(V, dtype=torch.bool)
-    others[rows] = False
-    assert torch.equal(got_t[0][others], tables[0][others]) and not torch.equal(got_t[0][rows], tables[0][rows])
+        want_g[rows] = 0.0
+    assert torch.equal(got_g, want_g)
 
 
 @needs_native

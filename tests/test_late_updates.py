@@ -6,27 +6,16 @@ import time
 import pytest
 import torch
 
-from helpers import batches, make_pair
+from helpers import batches, make_pair, record_updates
 from test_engine import PARAM_TOL, train_both
-
-
-def _record_updates(monkeypatch) -> list:
-    from hf_slideformer.host_tasks import HostUpdates
-    order = []
-    real = HostUpdates.update
-
-    def record(self, u, *a, **k):
-        order.append(u.name)
-        return real(self, u, *a, **k)
-    monkeypatch.setattr(HostUpdates, "update", record)
-    return order
 
 
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("slow", [False, True])
 def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow, monkeypatch):
     """An embedding of about two layers' parameters: the two top layers are late. Per step the
-    worker updates the embedding's table, layer 0, then layers 1 and 2 (late, forward order), then
+    worker updates the embedding's table (all but the batch's rows), layer 0, the batch's rows, then
+    layers 1 and 2 (late, forward order), then
     an untied head (a tied one, the final norm, keeps its place at the front); with the worker's layer task slowed the result is the same, equal to plain
     PyTorch, and every buffer is free at the end."""
     from hf_slideformer.placements import HostLayer
@@ -37,7 +26,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
             time.sleep(0.03)
             return real(self, *a, **k)
         monkeypatch.setattr(HostLayer, "layer_task", slowed)
-    order = _record_updates(monkeypatch)
+    order = record_updates(monkeypatch)
     ref, slid = make_pair("llama", tied, cfg_kw=dict(vocab_size=301))
     eng = slid.slide_engine
     data = batches(3, pad=True)
@@ -46,7 +35,8 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
     assert eng.late.count == 2 and len(eng.late.buffers) == 2
     assert all(ev.is_set() for ev in eng.late.free) and all(ev.is_set() for ev in eng.grads.free)
     names = [u.name for u in eng.layer_units]
-    step = [eng.embed_unit.name, names[0], names[1], names[2]]
+    emb = eng.embed_unit.name
+    step = [emb, names[0], emb + ":rows", names[1], names[2]]
     step = [eng.head_unit.name] + step if tied else step + [eng.head_unit.name]   # a tied head: its norm, first
     assert order == step * len(data), order
 
@@ -57,7 +47,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
 def test_no_late_layers_without_a_whole_table_update_in_backward(kw, monkeypatch):
     """With clipping or accumulation the updates wait for optimizer.step(), and a resident
     embedding is updated on the device: no layer is late, and the updates keep backward order."""
-    order = _record_updates(monkeypatch)
+    order = record_updates(monkeypatch)
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301), **kw)
     eng = slid.slide_engine
     ga = kw.get("gradient_accumulation_steps", 1)
@@ -105,7 +95,7 @@ def test_an_interrupted_backward_with_late_layers_held_goes_on_after_a_restore(m
 def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
     """SlideConfig.late_layer_updates: 0 turns it off (backward order), N makes the top N layers
     late; the training is the reference's either way."""
-    order = _record_updates(monkeypatch)
+    order = record_updates(monkeypatch)
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301), late_layer_updates=setting)
     eng = slid.slide_engine
     assert train_both(ref, slid, batches(2, pad=True)) < PARAM_TOL
@@ -113,5 +103,6 @@ def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
     assert eng.late.count == late
     names = [u.name for u in eng.layer_units]
     early = names[:len(names) - late][::-1]          # in backward order
-    step = [eng.embed_unit.name] + early + names[len(names) - late:] + [eng.head_unit.name]
+    emb = eng.embed_unit.name
+    step = [emb] + early + [emb + ":rows"] + names[len(names) - late:] + [eng.head_unit.name]
     assert order == step * 2, order

@@ -302,7 +302,7 @@ def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
     _train(host, data[:1])
     eng = host.slide_engine
     eng.worker.join()                       # the worker's embedding task has run
-    assert eng.embedding.host is not None and any(b is not None for b in eng.embedding.row_buffers)   # what the resident one drops
+    assert eng.embedding.host is not None           # what the resident one drops (its row scratch too, made with accumulation)
     _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=True)
     opt = _train(slid, data[:1])          # resident from the first step (the option says so)
     eng, u = slid.slide_engine, slid.slide_engine.embed_unit

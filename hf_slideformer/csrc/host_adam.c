@@ -106,44 +106,40 @@ static void adam_bf16(float *restrict master, float *restrict exp_avg, float *re
 SLIDE_DISPATCH(slide_adamw_f32, float)
 SLIDE_DISPATCH(slide_adamw_bf16, uint16_t)
 
-/* AdamW of table rows from a saved state: for row k of [0, n_rows), r = rows[k],
- *   g = grad[r] + sums[k]                         (the row's gradient: the dense table's plus the batch's sums)
- *   (master[r], exp_avg[r], exp_avg_sq[r]) = AdamW(saved_w[k], saved_m[k], saved_v[k], g)
- * and grad[r] = 0 when zero_grad. One pass over the rows, threaded over rows: what a gather, an
- * add, the AdamW of the gathered rows and three scatters compute, with the same roundings. The
- * rows must be distinct (each is written once). */
+/* AdamW of some rows of a (V, h) table, in place: for row k of [0, n_rows), r = rows[k],
+ *   g = grad[r]                 (or grad[r] + sums[k] when sums is given: the batch's row sums)
+ *   (master[r], exp_avg[r], exp_avg_sq[r]) = AdamW(master[r], exp_avg[r], exp_avg_sq[r], g)
+ * and grad[r] = 0 after when zero_grad. Threaded over rows; each element is computed as the flat
+ * kernel computes it, so a table updated in two sets of rows equals one whole-table update. The
+ * rows must be distinct. */
 static void adam_rows(float *restrict tw, float *restrict tm, float *restrict tv, float *restrict grad,
-                      const int64_t *restrict rows, int64_t n_rows, int64_t h, const float *restrict sw,
-                      const float *restrict sm, const float *restrict sv, const float *restrict sums,
+                      const int64_t *restrict rows, int64_t n_rows, int64_t h, const float *restrict sums,
                       int zero_grad, slide_adam_hp hp, int threads, int vo) {
     _Pragma("omp parallel for num_threads(threads) schedule(static)")
     for (int64_t k = 0; k < n_rows; k++) {
         int64_t r = rows[k];
         float *restrict master = tw + r * h, *restrict exp_avg = tm + r * h, *restrict exp_avg_sq = tv + r * h;
         float *restrict gr = grad + r * h;
-        const float *restrict w0 = sw + k * h, *restrict m0 = sm + k * h, *restrict v0 = sv + k * h;
-        const float *restrict s0 = sums + k * h;
         uint16_t *out16 = 0;
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < h; i++) {
-            master[i] = w0[i];
-            exp_avg[i] = m0[i];
-            exp_avg_sq[i] = v0[i];
+        if (sums) {
+            const float *restrict s0 = sums + k * h;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < h; i++) SLIDE_ADAM_BODY(gr[i] + s0[i])
+        } else {
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < h; i++) SLIDE_ADAM_BODY(gr[i])
         }
-        _Pragma("omp simd")
-        for (int64_t i = 0; i < h; i++) SLIDE_ADAM_BODY(gr[i] + s0[i])
         if (zero_grad) memset(gr, 0, (size_t)h * sizeof(float));
     }
 }
 
 void slide_adamw_rows(float *tw, float *tm, float *tv, float *grad, const int64_t *rows, int64_t n_rows, int64_t h,
-                      const float *sw, const float *sm, const float *sv, const float *sums, int zero_grad,
-                      const slide_adam_hp *hp, int threads) {
+                      const float *sums, int zero_grad, const slide_adam_hp *hp, int threads) {
     if (n_rows <= 0 || h <= 0) return;
     if (threads < 1) threads = 1;
-    if (hp->v_order == 1) adam_rows(tw, tm, tv, grad, rows, n_rows, h, sw, sm, sv, sums, zero_grad, *hp, threads, 1);
-    else if (hp->v_order == 2) adam_rows(tw, tm, tv, grad, rows, n_rows, h, sw, sm, sv, sums, zero_grad, *hp, threads, 2);
-    else adam_rows(tw, tm, tv, grad, rows, n_rows, h, sw, sm, sv, sums, zero_grad, *hp, threads, 0);
+    if (hp->v_order == 1) adam_rows(tw, tm, tv, grad, rows, n_rows, h, sums, zero_grad, *hp, threads, 1);
+    else if (hp->v_order == 2) adam_rows(tw, tm, tv, grad, rows, n_rows, h, sums, zero_grad, *hp, threads, 2);
+    else adam_rows(tw, tm, tv, grad, rows, n_rows, h, sums, zero_grad, *hp, threads, 0);
 }
 
 /* STREAM's triad, a[i] = b[i] + s * c[i], on the same threads: the bandwidth bound of the update. */
