@@ -177,16 +177,17 @@ class LossHead:
     def updates_last(self) -> bool:
         """Does the head's update run last in its step, after the embedding's?
 
-        Note: [Why an untied head is updated when the backward ends] with updates in backward the
-        worker lags the GPU through the whole backward (at 8B, 12 GiB: 63 ms of AdamW per layer
-        against about 70 ms of GPU work), so every task at its front delays the last updates, of
-        layers 1, 0 and the embedding, which the next forward waits for. An untied lm_head (525 M
-        parameters at 8B, 150 ms of AdamW) is needed only at the end of the next forward, so its
-        update is queued when the backward ends, after the embedding's: it runs during the next
-        forward, where the worker was idle. Its gradient waits in a buffer of its own (the ring
-        is the layers' from the start of the backward); its norm is still judged first. A tied
-        lm_head is the embedding and a one-backward step without accumulation is the only case
-        (with accumulation or clipping the updates wait for optimizer.step() anyway).
+        Note: [Why an untied head is updated when the backward ends] with updates in backward a
+        layer's AdamW on the worker takes about as long as its backward on the GPU (at 8B, 12 GiB:
+        63-66 ms against 66), so whatever the worker meets at the front of the backward delays the
+        last updates, of layers 1, 0 and the embedding, which the next forward waits for. An
+        untied lm_head (525 M parameters at 8B, 150 ms of AdamW) is needed only at the end of the
+        next forward, so its update is queued when the backward ends, after the embedding's: it
+        runs during the next forward, where the worker was idle. Its gradient waits in a buffer of
+        its own (the ring is the layers' from the start of the backward); its norm is still judged
+        first. Only an untied head, and only with one backward per step and no clipping: a tied
+        lm_head is the embedding's table, and with accumulation or clipping every update waits for
+        optimizer.step() anyway.
         """
         e, hu = self.engine, self.unit
         return (hu.trainable and not e.tied and e.single_micro and e.config.max_grad_norm is None
