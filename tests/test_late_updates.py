@@ -106,3 +106,34 @@ def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
     emb = eng.embed_unit.name
     step = [emb] + early + [emb + ":rows"] + names[len(names) - late:] + [eng.head_unit.name]
     assert order == step * 2, order
+
+
+def test_a_forward_right_after_the_step_reads_the_late_layers_updated(monkeypatch):
+    """optimizer.step() returns with the late layers' updates still queued (here slowed): a
+    forward without gradients right after it waits for them, and its loss is the reference's
+    after the same step; so is the next training step's."""
+    import math
+
+    from hf_slideformer.placements import HostLayer
+    from test_engine import LOSS_RTOL, LR
+    real = HostLayer.layer_task
+
+    def slowed(self, *a, **k):
+        time.sleep(0.1)
+        return real(self, *a, **k)
+    monkeypatch.setattr(HostLayer, "layer_task", slowed)
+    ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
+    data = batches(3, pad=True)
+    for b in data[:2]:
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert slid.slide_engine.late.count == 2
+        with torch.no_grad():
+            r, s = ref(**data[2]).loss.item(), slid(**data[2]).loss.item()
+        assert math.isclose(s, r, rel_tol=LOSS_RTOL, abs_tol=1e-6), (s, r)
