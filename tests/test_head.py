@@ -136,3 +136,32 @@ def test_removed_options_are_refused():
     for name, value in (("head_update", "device"), ("update_order", "forward")):
         with pytest.raises(TypeError, match=name):
             hs.SlideConfig(device="cpu", **{name: value})
+
+
+def test_a_forward_right_after_the_step_reads_the_head_updated(monkeypatch):
+    """The untied head's update is still queued (slowed) when optimizer.step() returns: the next
+    forward's head waits for it, and the loss is the reference's after the same step."""
+    import math
+    import time
+    from hf_slideformer.head import LossHead
+    from test_engine import LOSS_RTOL
+    real = LossHead._update_task
+
+    def slowed(self, *a, **k):
+        time.sleep(0.2)
+        return real(self, *a, **k)
+    monkeypatch.setattr(LossHead, "_update_task", slowed)
+    ref, slid = _wide_head_pair(grad_buffers=3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
+    data = batches(3, pad=True, vocab=301)
+    for b in data[:2]:
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            r, s = ref(**data[2]).loss.item(), slid(**data[2]).loss.item()
+        assert math.isclose(s, r, rel_tol=LOSS_RTOL, abs_tol=1e-6), (s, r)
