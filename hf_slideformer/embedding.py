@@ -260,11 +260,9 @@ class Embedding:
     # gradient. Each row takes one step either way (the same mathematics as one update of the
     # whole table), and the next forward waits for a few thousand rows instead of the (V, H) table.
     def bulk_update(self, rows: torch.Tensor, hp) -> None:
-        """Worker: AdamW of every row but `rows` (the batch's, distinct and sorted), in place."""
-        others = torch.ones(self.vocab, dtype=torch.bool)
-        others[rows] = False
+        """Worker: AdamW of every row but `rows` (the batch's, distinct), in place."""
         g = self.grad.view(self.vocab, self.hidden)
-        if self.engine.host.update_rows(self.unit, g, others.nonzero().view(-1), hp, advance=True):
+        if self.engine.host.update_rows(self.unit, g, rows, hp, advance=True, exclude=True):
             self._bulk = rows
 
     def _rows_update(self, hp, sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:

@@ -171,6 +171,7 @@ class HostAdam:
                                "CPU AdamW, slower where the CPU bounds the step", str(e).splitlines()[0])
                 self.lib = None
         self._scratch: torch.Tensor | None = None
+        self._rows_scratch: torch.Tensor | None = None      # (4, n, H): torch's route of step_rows
 
     @property
     def native(self) -> bool:
@@ -212,36 +213,38 @@ class HostAdam:
             fn(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, p.numel(), ref, self.threads)
 
     def step_rows(self, hp: dict, tables, grad: torch.Tensor, rows: torch.Tensor, step: torch.Tensor,
-                  sums: torch.Tensor | None = None, zero_grad: bool = False) -> None:
+                  sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
         """One AdamW step of some rows of a (V, H) table, in place.
 
         For each k, row r = rows[k] of the tables (master, exp_avg, exp_avg_sq) takes the step with
         the gradient grad[r] (plus sums[k] when `sums` is given); grad[r] is zeroed after when
-        `zero_grad`. Each element is computed as `step` computes it, so updating a table in two sets
-        of rows equals updating it whole (native: one threaded pass over the rows; torch's route:
-        gather, the fused step, scatter).
+        `zero_grad`. With `exclude`, every row but `rows` takes it instead (no `sums`, no
+        `zero_grad`). Each element is computed as `step` computes it, so updating a table in two
+        sets of rows equals updating it whole.
+
+        The native route is one threaded pass over the rows. Torch's route gathers the rows into
+        persistent scratch, steps and scatters them back; with `exclude` it saves `rows`, steps the
+        whole table and puts them back (a gather of most of a table would cost more than the step).
 
         Args:
             hp: the param group. tables: the (V, H) fp32 master, exp_avg, exp_avg_sq. grad: the
                 (V, H) fp32 gradient. rows: (n,) int64, distinct. step: the fp32 step count
                 (already advanced). sums: optional (n, H) fp32 added to the gradient's rows.
         """
+        if exclude and (sums is not None or zero_grad):
+            raise ValueError("step_rows(exclude=True) takes no sums and zero_grad")
+        tw, tm, tv = tables
+        V, h = tw.shape
+        if self.lib is None:
+            self._torch_rows(hp, tables, grad, rows, step, sums, zero_grad, exclude)
+            return
+        if exclude:
+            keep = torch.ones(V, dtype=torch.bool)
+            keep[rows] = False
+            rows = keep.nonzero().view(-1)
         n = rows.numel()
         if n == 0:
             return
-        tw, tm, tv = tables
-        if self.lib is None:
-            g = torch.index_select(grad, 0, rows)
-            if sums is not None:
-                g.add_(sums)
-            w, m, v = (torch.index_select(t, 0, rows) for t in tables)
-            self.step(hp, [w], [g], [m], [v], [step])
-            for dst, src in zip(tables, (w, m, v)):
-                dst.index_copy_(0, rows, src)
-            if zero_grad:
-                grad.index_fill_(0, rows, 0.0)
-            return
-        h = tw.shape[1]
         for t in (tw, tm, tv, grad):
             assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == h
         if sums is not None:
@@ -252,6 +255,28 @@ class HostAdam:
         self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
                                   h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(s),
                                   self.threads)
+
+    def _torch_rows(self, hp, tables, grad, rows, step, sums, zero_grad, exclude) -> None:
+        n = rows.numel()
+        h = tables[0].shape[1]
+        # Persistent, as embedding.py's row buffers ([Why the row buffers persist]): a fresh (n, H)
+        # tensor per call would fault its pages in on first touch, every step.
+        if self._rows_scratch is None or self._rows_scratch.shape[1] < n or self._rows_scratch.shape[2] != h:
+            self._rows_scratch = torch.empty(4, n, h, dtype=torch.float32)
+        w, m, v, g = (self._rows_scratch[k, :n] for k in range(4))
+        for t, out in zip(tables, (w, m, v)):
+            torch.index_select(t, 0, rows, out=out)
+        if exclude:                     # the whole table steps; `rows` get their saved state back
+            self.step(hp, [tables[0].view(-1)], [grad.view(-1)], [tables[1].view(-1)], [tables[2].view(-1)], [step])
+        else:
+            torch.index_select(grad, 0, rows, out=g)
+            if sums is not None:
+                g.add_(sums)
+            self.step(hp, [w], [g], [m], [v], [step])
+            if zero_grad:
+                grad.index_fill_(0, rows, 0.0)
+        for dst, src in zip(tables, (w, m, v)):
+            dst.index_copy_(0, rows, src)
 
     def _hp(self, hp: dict, grad_scale, grad_mul: float) -> _HP:
         """The kernel's constants for param group `hp` (the step's are set by `_set_step`)."""

@@ -168,11 +168,12 @@ class HostUpdates:
         stats.updated_params += u.numel if span is None else span[1] - span[0]
 
     def update_rows(self, u: Unit, grad: torch.Tensor, rows: torch.Tensor, hp, *, advance: bool,
-                    sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
+                    sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> bool:
         """AdamW of some rows of a one-entry (V, H) unit (the embedding table), in place, with the
-        gradient's rows (plus `sums`); the step counter advances first when `advance` (the first
-        set of rows of the step). Returns whether it ran: a non-finite step, or a table outside
-        the optimizer's groups or not requiring grad, leaves everything as it is."""
+        gradient's rows (plus `sums`), or of every row but `rows` (`exclude`); the step counter
+        advances first when `advance` (the first set of rows of the step). Returns whether it
+        ran: a non-finite step, or a table outside the optimizer's groups or not requiring grad,
+        leaves everything as it is."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return False
         (entry,) = u.entries
@@ -188,12 +189,12 @@ class HostUpdates:
         shape = grad.shape
         t0 = time.perf_counter()
         self.engine.host_adam.step_rows(groups[gi], [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)],
-                                        grad, rows, u.steps[0], sums=sums, zero_grad=zero_grad)
+                                        grad, rows, u.steps[0], sums=sums, zero_grad=zero_grad, exclude=exclude)
         t1 = time.perf_counter()
         stats = self.engine.stats
         stats.adam_s += t1 - t0
         stats.event(f"adam:{u.name}", t0, t1)
-        stats.updated_params += rows.numel() * shape[1]
+        stats.updated_params += ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1]
         return True
 
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:

@@ -112,7 +112,7 @@ def test_bf16_gradient_equals_widening_it_first(threads):
 @pytest.mark.parametrize("h,threads", [(64, 1), (37, 3), (4096, 2)])
 @pytest.mark.parametrize("with_sums,zero_grad", [(False, False), (True, False), (True, True)])
 def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(mode, h, threads, with_sums, zero_grad):
-    """`step_rows` on every row but a batch's, then on the batch's rows with the batch's sums
+    """`step_rows` on every row but a batch's (`exclude`), then on the batch's rows with the batch's sums
     added to their gradient, equals one `step` of the whole table with those sums added first,
     bit for bit; the gradient's batch rows are zeroed when asked, the rest of it kept."""
     V, n = 50, 13
@@ -130,7 +130,11 @@ def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(mode, h, th
     hp = dict(HP, weight_decay=0.02, lr=3e-3)
     k = HostAdam(mode, threads=threads)
     got_t, got_g = [t.clone() for t in tables], grad.clone()
-    k.step_rows(hp, got_t, got_g, others, step)
+    k.step_rows(hp, got_t, got_g, rows, step, exclude=True)      # every row but the batch's
+    if mode == "native":                                          # the same as naming them
+        named = [t.clone() for t in tables]
+        k.step_rows(hp, named, grad.clone(), others, step)
+        assert all(torch.equal(a, b) for a, b in zip(named, got_t))
     k.step_rows(hp, got_t, got_g, rows, step, sums=sums, zero_grad=zero_grad)
     want_t, full = [t.clone().view(-1) for t in tables], grad.clone()
     if sums is not None:
@@ -142,6 +146,8 @@ def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(mode, h, th
     if zero_grad:
         want_g[rows] = 0.0
     assert torch.equal(got_g, want_g)
+    with pytest.raises(ValueError, match="exclude"):
+        k.step_rows(hp, got_t, got_g, rows, step, zero_grad=True, exclude=True)
 
 
 @needs_native
