@@ -232,7 +232,6 @@ class SlideEngine:
             self.worker.join()
         finally:
             self.late.drop()
-            self.head.drop_deferred()
             for u in self.store.units:
                 u.updated.set()
             self.micro = 0
@@ -282,8 +281,7 @@ class SlideEngine:
         self.stats.event("backward_begin", self._bwd_t0)
 
     def end_backward(self) -> None:
-        self.late.finish()                 # the late layers first: the next forward needs them before the head
-        self.head.finish_backward()
+        self.late.finish()
         self.guard.open = False
         self.micro += 1
         self.live_generation = None

@@ -48,7 +48,6 @@ class LossHead:
         self.host_free.set()
         self.pending = False
         self.done = None                          # d2h event: the pending gradient is on the host
-        self.deferred = None                      # the head's update, submitted when the backward ends
         self._scale = 1.0                         # its loss gradient (read by the worker's head task)
         self._prefetch = None                     # load_steps generator of the head slot during a forward
         self._sq = None
@@ -178,32 +177,20 @@ class LossHead:
         """Does the head's update run last in its step, after the embedding's?
 
         Note: [Why an untied head is updated when the backward ends] with updates in backward a
-        layer's AdamW on the worker takes about as long as its backward on the GPU (at 8B, 12 GiB:
-        63-66 ms against 66), so whatever the worker meets at the front of the backward delays the
-        last updates, of layers 1, 0 and the embedding, which the next forward waits for. An
-        untied lm_head (525 M parameters at 8B, 150 ms of AdamW) is needed only at the end of the
-        next forward, so its update is queued when the backward ends, after the embedding's: it
-        runs during the next forward, where the worker was idle. Its gradient waits in a buffer of
-        its own (the ring is the layers' from the start of the backward); its norm is still judged
-        first. Only an untied head, and only with one backward per step and no clipping: a tied
+        layer's AdamW on the worker takes about as long as its backward on the GPU, so whatever the
+        worker meets at the front of the backward delays the last updates, of layers 1, 0 and the
+        embedding, which the next forward waits for (late_updates.py: [Why the top layers are
+        updated late]). An untied lm_head (as large as the embedding) is needed only at the end of
+        the next forward, so its update is held for the end of the backward (`LateUpdates`), after
+        every layer's and the embedding's: it runs during the next forward, where the worker was
+        idle. Its gradient waits in a buffer of its own (the ring is the layers' from the start of
+        the backward); its norm is still judged first. Only an untied head, and only with one backward per step and no clipping: a tied
         lm_head is the embedding's table, and with accumulation or clipping every update waits for
         optimizer.step() anyway.
         """
         e, hu = self.engine, self.unit
         return (hu.trainable and not e.tied and e.single_micro and e.config.max_grad_norm is None
                 and hu.grad is None)
-
-    def finish_backward(self) -> None:
-        """Main thread, when a backward ends: queue the head's update if it runs last."""
-        if self.deferred is not None:
-            args, self.deferred = self.deferred, None
-            self.engine.worker.submit(self._update_task, *args, done=(self.host_free, self.unit.updated))
-
-    def drop_deferred(self) -> None:
-        """An interrupted backward: the update queued for its end will not run."""
-        if self.deferred is not None:
-            self.deferred = None
-            self.host_free.set()
 
     def _buffer(self, numel: int, own: bool = False) -> torch.Tensor:
         """Host buffer of `numel` elements (the ring's dtype) for the head's gradient: the front of the ring when the ring
@@ -327,7 +314,8 @@ class LossHead:
         ring, self.ring = self.ring, ()
         last = update and not ring and self.updates_last
         if last:                                  # [Why an untied head is updated when the backward ends]
-            self.deferred = (e.mode.ends_step, e.hp)
+            e.late.hold(len(e.layer_units), self._update_task, (e.mode.ends_step, e.hp),
+                        done=(self.host_free, hu.updated))
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
                         emb.touch if bulk else None, embed_on_host, ring, norm, last,
                         done=(() if last else (self.host_free,)) + tuple(e.grads.free[k] for k in ring)

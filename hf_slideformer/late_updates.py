@@ -1,22 +1,21 @@
-"""Late layer updates: the first layers of a backward updated during the next forward.
+"""Late updates: updates held for the end of a backward and run during the next forward.
 
-Note: [Why the top layers are updated late] with updates in backward and the embedding on the
-host, the worker starts the backward with the embedding's whole-table update (embedding.py: [Why
-the embedding is updated in two parts]), which must follow the head's verdict: at 8B, 525 M
-parameters, about 190 ms, while the GPU's backward of the top layers runs on. A layer's AdamW
-takes about as long as its backward on the GPU (63-66 ms at 8B, 12 GiB), so the worker never
-catches that up: the ring fills, the GPU waits for it, and the backward ends with the worker
-still four layers behind, on layers 3 .. 0 and the embedding, which the next forward needs
-first. Yet the top layers' updates are needed only at the end of the next forward, and during
-the forward the worker is idle. So the gradients of the first k host layers of a backward
-(about the embedding's size in layers) land in buffers of their own and their updates are
-queued when the backward ends, after the embedding's, in forward order: the worker keeps pace
-with the GPU from the start, and the next forward waits for layer 0 and the embedding only.
-Their norms still join the running norm in backward order, so a non-finite gradient is judged
-at the next layer's update, before any later one, and the late updates then skip too.
+Note: [Why the top layers are updated late] with updates in backward, a layer's AdamW on the CPU
+worker takes about as long as its backward on the GPU (docs/benchmarks.md, "Small GPUs: what the
+worker does..."), so the worker never makes up what it meets at the front of the backward: with
+the embedding on the host, the embedding's whole-table update (embedding.py: [Why the embedding
+is updated in two parts]), which must follow the head's verdict. The ring then fills, the GPU
+waits for it, and the backward ends with the worker still behind, on layers 1, 0 and the
+embedding, which the next forward needs first. Yet the top layers' updates are needed only at
+the end of the next forward, and during the forward the worker is idle. So the gradients of the
+first k host layers of a backward (about the embedding's size in layers) land in buffers of their
+own and their updates are held, and queued when the backward ends, after the embedding's, in
+forward order: the worker keeps pace with the GPU from the start, and the next forward waits for
+layer 0 and the embedding only. Their norms still join the running norm in backward order, so a
+non-finite gradient is judged at the next layer's update, before any later one, and the held
+updates then skip too. An untied head's update is held the same way, last (head.py: [Why an
+untied head is updated when the backward ends]).
 """
-from __future__ import annotations
-
 import math
 import threading
 
@@ -26,7 +25,7 @@ __all__ = ["LateUpdates"]
 
 
 class LateUpdates:
-    """The late layers of the current backward and their pinned gradient buffers.
+    """The updates held for the end of the current backward, and the late layers' pinned gradient buffers.
 
     Args:
         engine: the SlideEngine.
@@ -38,6 +37,7 @@ class LateUpdates:
         self.buffers: list[torch.Tensor] = []
         self.free: list[threading.Event] = []
         self.count = 0                 # how many layers this backward updates late
+        self.claimed = 0               # ... of which so far
         self.pending: list[tuple] = []
 
     def plan(self) -> int:
@@ -55,39 +55,42 @@ class LateUpdates:
     def begin(self) -> None:
         """Main thread, at the start of a backward."""
         self.pending = []
+        self.claimed = 0
         self.count = self.plan()
 
-    def claim(self) -> torch.Tensor | None:
-        """Main thread: a buffer for the next layer's gradient if it is updated late, else None."""
-        j = len(self.pending)
-        if j >= self.count:
+    def claim(self) -> int | None:
+        """Main thread: the index of a buffer (`buffers`, freed by `free[k]`) for the next layer's
+        gradient if that layer is updated late, else None."""
+        k = self.claimed
+        if k >= self.count:
             return None
-        if j == len(self.buffers):
+        if k == len(self.buffers):
             e = self.engine
             self.buffers.append(e.pinned.empty(self.size, dtype=e.grads.dtype))
             self.free.append(threading.Event())
             self.free[-1].set()
-        self.engine._wait(self.free[j], "grad_buffer")
-        self.free[j].clear()
-        return self.buffers[j]
+        self.engine._wait(self.free[k], "grad_buffer")
+        self.free[k].clear()
+        self.claimed += 1
+        return k
 
-    def hold(self, layer_no: int, task, args: tuple, done: tuple) -> None:
-        """Main thread: queue this layer's task for the end of the backward (its buffer is the last claimed)."""
-        j = len(self.pending)
-        self.pending.append((layer_no, task, args, (self.free[j],) + done))
+    def hold(self, order: int, task, args: tuple, done: tuple) -> None:
+        """Main thread: queue `task` when the backward ends, by `order` (a layer's index; the head
+        after every layer); `done` are the events it sets, as for `CpuWorker.submit`."""
+        self.pending.append((order, task, args, done))
 
     def finish(self) -> None:
-        """Main thread, when the backward ends: queue the late updates in forward order."""
+        """Main thread, when the backward ends: queue the held updates in forward order."""
         pending, self.pending = self.pending, []
         for _, task, args, done in sorted(pending, key=lambda p: p[0]):
             self.engine.worker.submit(task, *args, done=done)
 
     def drop(self) -> None:
-        """An interrupted backward: the held updates will not run; their buffers are free again."""
-        for ev in self.free:           # the worker has been joined: none is being read
+        """An interrupted backward (the worker joined): the held updates will not run; their
+        buffers and every event they would have set are released, so that nothing waits forever."""
+        for ev in self.free:
             ev.set()
+        for *_, done in self.pending:
+            for ev in done:
+                ev.set()
         self.pending = []
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)

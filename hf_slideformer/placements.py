@@ -154,9 +154,9 @@ class HostLayer(LayerPlacement):
         late = e.late.claim() if mode.updates else None     # late_updates.py: [Why the top layers are updated late]
         if late is None:
             k = e.grads.claim_next()
-            buf = e.grads.buffers[k]
+            buf, free = e.grads.buffers[k], e.grads.free[k]
         else:
-            buf = late
+            buf, free = e.late.buffers[late], e.late.free[late]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if e.streams.cuda else None
@@ -166,10 +166,11 @@ class HostLayer(LayerPlacement):
         if mode.updates:
             e.begin_update(u)
         args = (buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm)
+        done = (free,) + ((u.updated,) if mode.updates else ())
         if late is not None:
-            e.late.hold(e.layer_no(u), self.layer_task, args, done=(u.updated,))
-            return
-        e.worker.submit(self.layer_task, *args, done=(e.grads.free[k],) + ((u.updated,) if mode.updates else ()))
+            e.late.hold(e.layer_no(u), self.layer_task, args, done=done)
+        else:
+            e.worker.submit(self.layer_task, *args, done=done)
 
     def step(self, deferred: DeferredStep) -> None:
         e = self.engine

@@ -109,3 +109,33 @@ def record_updates(monkeypatch) -> list:
     monkeypatch.setattr(HostUpdates, "update", update)
     monkeypatch.setattr(HostUpdates, "update_rows", update_rows)
     return order
+
+
+def slow_down(monkeypatch, cls, name: str, seconds: float) -> None:
+    """Make `cls.name` sleep `seconds` before it runs (a worker task made late on purpose)."""
+    import time
+    real = getattr(cls, name)
+
+    def slowed(self, *a, **k):
+        time.sleep(seconds)
+        return real(self, *a, **k)
+    monkeypatch.setattr(cls, name, slowed)
+
+
+def losses_after_each_step(ref, slid, train, held_out, lr: float):
+    """Train both models a step per batch of `train` (torch AdamW for the reference), and after
+    each step, right after optimizer.step() returns, the loss of `held_out` without gradients:
+    a list of (reference, slid) losses."""
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=lr, weight_decay=0.0)
+    out = []
+    for b in train:
+        ref(**b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            out.append((ref(**held_out).loss.item(), slid(**held_out).loss.item()))
+    return out

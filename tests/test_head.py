@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-from helpers import batches
+from helpers import batches, slow_down
 from test_engine import LR, PARAM_TOL, train_both
 
 
@@ -27,15 +27,9 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     """With clipping the head's gradient lands in the first ring buffers when they hold it (else
     in a buffer of its own); the layers' gradients take the other buffers first, then wait for the
     head's task to hand its buffers back. A slowed head task must not see its gradient overwritten."""
-    import time
     from hf_slideformer.head import LossHead
     if slow_head:
-        real = LossHead._head_task
-
-        def slow(self, *a, **k):
-            time.sleep(0.05)
-            return real(self, *a, **k)
-        monkeypatch.setattr(LossHead, "_head_task", slow)
+        slow_down(monkeypatch, LossHead, "_head_task", 0.05)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
     eng = slid.slide_engine
     n = eng.head_unit.numel
@@ -52,16 +46,10 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
     """Updates in backward: an untied head's update runs after the embedding's (the next forward
     needs the embedding and layer 0 first), from its own buffer (the ring is the layers'), and
     training equals the reference; slowed tasks change nothing."""
-    import time
     from hf_slideformer.head import LossHead
     from helpers import record_updates
     if slow != "none":
-        real_task = getattr(LossHead, "_" + slow)
-
-        def slowed(self, *a, **k):
-            time.sleep(0.05)
-            return real_task(self, *a, **k)
-        monkeypatch.setattr(LossHead, "_" + slow, slowed)
+        slow_down(monkeypatch, LossHead, "_" + slow, 0.05)
     order = record_updates(monkeypatch)
     ref, slid = _wide_head_pair(grad_buffers=3)
     eng = slid.slide_engine
@@ -142,26 +130,11 @@ def test_a_forward_right_after_the_step_reads_the_head_updated(monkeypatch):
     """The untied head's update is still queued (slowed) when optimizer.step() returns: the next
     forward's head waits for it, and the loss is the reference's after the same step."""
     import math
-    import time
     from hf_slideformer.head import LossHead
+    from helpers import losses_after_each_step, slow_down
     from test_engine import LOSS_RTOL
-    real = LossHead._update_task
-
-    def slowed(self, *a, **k):
-        time.sleep(0.2)
-        return real(self, *a, **k)
-    monkeypatch.setattr(LossHead, "_update_task", slowed)
+    slow_down(monkeypatch, LossHead, "_update_task", 0.2)
     ref, slid = _wide_head_pair(grad_buffers=3)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
     data = batches(3, pad=True, vocab=301)
-    for b in data[:2]:
-        ref(**b).loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        slid(**b).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            r, s = ref(**data[2]).loss.item(), slid(**data[2]).loss.item()
+    for r, s in losses_after_each_step(ref, slid, data[:2], data[2], LR):
         assert math.isclose(s, r, rel_tol=LOSS_RTOL, abs_tol=1e-6), (s, r)

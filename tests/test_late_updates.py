@@ -1,12 +1,11 @@
 """Late layer updates (late_updates.py): with updates in backward and the embedding on the host,
 the first layers of a backward are updated when it ends, after the embedding, in forward order;
 the training is the reference's either way."""
-import time
 
 import pytest
 import torch
 
-from helpers import batches, make_pair, record_updates
+from helpers import batches, losses_after_each_step, make_pair, record_updates, slow_down
 from test_engine import PARAM_TOL, train_both
 
 
@@ -20,12 +19,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
     PyTorch, and every buffer is free at the end."""
     from hf_slideformer.placements import HostLayer
     if slow:
-        real = HostLayer.layer_task
-
-        def slowed(self, *a, **k):
-            time.sleep(0.03)
-            return real(self, *a, **k)
-        monkeypatch.setattr(HostLayer, "layer_task", slowed)
+        slow_down(monkeypatch, HostLayer, "layer_task", 0.03)
     order = record_updates(monkeypatch)
     ref, slid = make_pair("llama", tied, cfg_kw=dict(vocab_size=301))
     eng = slid.slide_engine
@@ -73,7 +67,7 @@ def test_an_interrupted_backward_with_late_layers_held_goes_on_after_a_restore(m
 
     def fail(self, i, *a, **k):
         if i == 0:
-            assert len(self.late.pending) == 2            # layers 2 and 1 held
+            assert self.late.claimed == 2 and len(self.late.pending) == 3   # layers 2 and 1 held, and the head
             raise RuntimeError("device lost")
         return real(self, i, *a, **k)
     monkeypatch.setattr(engine_mod.SlideEngine, "layer_backward", fail)
@@ -116,24 +110,9 @@ def test_a_forward_right_after_the_step_reads_the_late_layers_updated(monkeypatc
 
     from hf_slideformer.placements import HostLayer
     from test_engine import LOSS_RTOL, LR
-    real = HostLayer.layer_task
-
-    def slowed(self, *a, **k):
-        time.sleep(0.1)
-        return real(self, *a, **k)
-    monkeypatch.setattr(HostLayer, "layer_task", slowed)
+    slow_down(monkeypatch, HostLayer, "layer_task", 0.1)
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301))
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
-    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
     data = batches(3, pad=True)
-    for b in data[:2]:
-        ref(**b).loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        slid(**b).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        assert slid.slide_engine.late.count == 2
-        with torch.no_grad():
-            r, s = ref(**data[2]).loss.item(), slid(**data[2]).loss.item()
+    for r, s in losses_after_each_step(ref, slid, data[:2], data[2], LR):
         assert math.isclose(s, r, rel_tol=LOSS_RTOL, abs_tol=1e-6), (s, r)
+    assert slid.slide_engine.late.count == 2
