@@ -184,9 +184,9 @@ class LossHead:
         the next forward, so its update is held for the end of the backward (`LateUpdates`), after
         every layer's and the embedding's: it runs during the next forward, where the worker was
         idle. Its gradient waits in a buffer of its own (the ring is the layers' from the start of
-        the backward); its norm is still judged first. Only an untied head, and only with one backward per step and no clipping: a tied
-        lm_head is the embedding's table, and with accumulation or clipping every update waits for
-        optimizer.step() anyway.
+        the backward); its norm is still judged first. Only an untied head, and only with one
+        backward per step and no clipping: a tied lm_head is the embedding's table, and with
+        accumulation or clipping every update waits for optimizer.step() anyway.
         """
         e, hu = self.engine, self.unit
         return (hu.trainable and not e.tied and e.single_micro and e.config.max_grad_norm is None

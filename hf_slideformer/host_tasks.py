@@ -148,12 +148,7 @@ class HostUpdates:
         `span`, of that shard alone (`g` holds its range)."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return
-        # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
-        # flight; the master is rewritten only once every one of them has completed.
-        readers, u.readers = u.readers, []
-        for ev in readers:
-            self.sync(ev, f"wait_readers:{u.name}")
-        stats = self.engine.stats
+        self._wait_readers(u)
         t0 = time.perf_counter()
         if span is not None:
             # A shard's prefix is not the unit's: readers wait for every rank (data_parallel.py).
@@ -162,10 +157,22 @@ class HostUpdates:
             on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
         optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
                           clip_coef=clip_coef, kernel=self.engine.host_adam, grad_mul=grad_mul, span=span)
+        self._count(u, t0, u.numel if span is None else span[1] - span[0])
+
+    def _wait_readers(self, u: Unit) -> None:
+        # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
+        # flight; the master is rewritten only once every one of them has completed.
+        readers, u.readers = u.readers, []
+        for ev in readers:
+            self.sync(ev, f"wait_readers:{u.name}")
+
+    def _count(self, u: Unit, t0: float, params: int) -> None:
+        """An update of `params` parameters of `u` that began at `t0` has ended: time and count it."""
         t1 = time.perf_counter()
+        stats = self.engine.stats
         stats.adam_s += t1 - t0
         stats.event(f"adam:{u.name}", t0, t1)
-        stats.updated_params += u.numel if span is None else span[1] - span[0]
+        stats.updated_params += params
 
     def update_rows(self, u: Unit, grad: torch.Tensor, rows: torch.Tensor, hp, *, advance: bool,
                     sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> bool:
@@ -181,20 +188,14 @@ class HostUpdates:
         gi = group_of.get(id(entry.param))
         if gi is None or not entry.param.requires_grad:
             return False
-        readers, u.readers = u.readers, []          # [Why the update waits for the readers]
-        for ev in readers:
-            self.sync(ev, f"wait_readers:{u.name}")
+        self._wait_readers(u)
         if advance:
             u.steps[0].add_(1)
         shape = grad.shape
         t0 = time.perf_counter()
         self.engine.host_adam.step_rows(groups[gi], [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)],
                                         grad, rows, u.steps[0], sums=sums, zero_grad=zero_grad, exclude=exclude)
-        t1 = time.perf_counter()
-        stats = self.engine.stats
-        stats.adam_s += t1 - t0
-        stats.event(f"adam:{u.name}", t0, t1)
-        stats.updated_params += ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1]
+        self._count(u, t0, ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1])
         return True
 
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:
