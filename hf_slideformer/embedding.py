@@ -21,6 +21,8 @@ from .store import Unit
 
 __all__ = ["Embedding"]
 
+GATHER_CHUNK = 4096      # rows per step of the forward's host gather (its copy overlaps the next)
+
 
 class Embedding:
     """The embedding unit, its buffers and its tasks.
@@ -88,8 +90,10 @@ class Embedding:
                 self.ensure_grad()
         table = u.master.view(self.vocab, self.hidden)
         first = next((p for p in e.places if not p.resident), None)
-        if first is not None:
+        if first is not None and first.unit.updated.is_set():
             first.prefetch()                             # its h2d overlaps the gather below
+        # else its update runs behind the embedding's rows (late_updates.py: [Why layer 0 is updated
+        # after the embedding's rows]) and its copy would wait for it here: the gather goes first.
         r = self.resident
         if r is not None:                            # gathered on the device from the resident master
             ids_dev = ids.to(e.device, non_blocking=True)
@@ -109,16 +113,28 @@ class Embedding:
             return x.view(*input_ids.shape, self.hidden)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
-        if self.fwd_buf is None or self.fwd_buf.shape[0] < T:
+        # Note: [Why the rows are gathered in bf16, in chunks] the gather is on the path from the
+        # backward's end to the first layer's compute. Rounded to bf16 on the host (the native
+        # kernel, the rounding the GPU's cast applies), it writes and copies half the bytes; in
+        # chunks, each chunk's copy runs while the next is gathered. It shares the host's memory
+        # with layer 0's update, hence half the worker's threads.
+        adam = e.host_adam
+        dt = torch.bfloat16 if adam.native and e.dtype == torch.bfloat16 else torch.float32
+        if self.fwd_buf is None or self.fwd_buf.shape[0] < T or self.fwd_buf.dtype != dt:
             if self.fwd_buf is not None:
                 e.pinned.release(self.fwd_buf)
-            self.fwd_buf = e.pinned.empty(T, self.hidden)
+            self.fwd_buf = e.pinned.empty(T, self.hidden, dtype=dt)
         buf = self.fwd_buf[:T]
-        torch.index_select(table, 0, ids, out=buf)
-        x = torch.empty(T, self.hidden, dtype=torch.float32, device=e.device)
-        x.copy_(buf, non_blocking=True)
+        x = torch.empty(T, self.hidden, dtype=dt, device=e.device)
+        for a in range(0, T, GATHER_CHUNK):
+            b = min(a + GATHER_CHUNK, T)
+            if dt == torch.bfloat16:
+                adam.gather_bf16(table, ids[a:b], buf[a:b], threads=max(1, adam.threads // 2))
+            else:
+                torch.index_select(table, 0, ids[a:b], out=buf[a:b])
+            x[a:b].copy_(buf[a:b], non_blocking=True)
         self.fwd_ev = e.streams.record()
-        e.stats.add_h2d(buf.numel() * 4)
+        e.stats.add_h2d(buf.numel() * buf.element_size())
         return x.to(e.dtype).view(*input_ids.shape, self.hidden)
 
     def remake_input(self, i: int, x: torch.Tensor):

@@ -119,6 +119,9 @@ def native_library():
         lib.slide_adamw_rows.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
                                          + [ctypes.c_int, ctypes.POINTER(_HP), ctypes.c_int])
         lib.slide_adamw_rows.restype = None
+        lib.slide_gather_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                          ctypes.c_void_p, ctypes.c_int]
+        lib.slide_gather_bf16.restype = None
         lib.slide_triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_int]
         lib.slide_triad.restype = None
         _LIB = lib
@@ -255,6 +258,25 @@ class HostAdam:
         self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
                                   h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(s),
                                   self.threads)
+
+    def gather_bf16(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
+        """out[k] = table[ids[k]] rounded to bf16 (nearest even), in one threaded pass (native
+        route only: `native` says whether it is there).
+
+        Args:
+            table: (V, H) fp32, contiguous. ids: (n,) int64 row indices in [0, V), contiguous.
+            out: (n, H) bf16, contiguous. threads: defaults to the kernel's threads.
+        """
+        if self.lib is None:
+            raise RuntimeError("gather_bf16 needs the native host kernel")
+        n, h = out.shape
+        if not (table.dtype == torch.float32 and out.dtype == torch.bfloat16 and ids.dtype == torch.int64
+                and table.is_contiguous() and out.is_contiguous() and ids.is_contiguous()
+                and table.dim() == 2 and table.shape[1] == h and ids.numel() == n):
+            raise ValueError(f"gather_bf16: table {tuple(table.shape)} {table.dtype}, ids {tuple(ids.shape)} {ids.dtype}, "
+                             f"out {tuple(out.shape)} {out.dtype}: need (V, H) fp32, (n,) int64, (n, H) bf16, contiguous")
+        self.lib.slide_gather_bf16(table.data_ptr(), ids.data_ptr(), n, h, out.data_ptr(),
+                                   self.threads if threads is None else max(1, int(threads)))
 
     def _torch_rows(self, hp, tables, grad, rows, step, sums, zero_grad, exclude) -> None:
         n = rows.numel()

@@ -15,6 +15,13 @@ layer 0 and the embedding only. Their norms still join the running norm in backw
 non-finite gradient is judged at the next layer's update, before any later one, and the held
 updates then skip too. An untied head's update is held the same way, last (head.py: [Why an
 untied head is updated when the backward ends]).
+
+Note: [Why layer 0 is updated after the embedding's rows] the next forward needs the embedding's
+rows first (they are gathered on the host and copied in), then layer 0. Layer 0's gradient
+arrives just before the embedding's, so in backward order the worker would run layer 0's AdamW,
+then the rows, and the forward's gather would start only after both. Held like a late layer (from
+its ring buffer), layer 0 is updated after the rows, while the main thread gathers the batch and
+copies it in: the gather and copy leave the path to the first layer's compute.
 """
 import math
 import threading
@@ -57,6 +64,12 @@ class LateUpdates:
         self.pending = []
         self.claimed = 0
         self.count = self.plan()
+
+    def after_embedding(self, i: int) -> bool:
+        """Whether layer i's update (from the ring) is held too, to run right after the embedding's
+        rows: layer 0, when this backward holds updates ([Why layer 0 is updated after the
+        embedding's rows])."""
+        return i == 0 and self.count > 0
 
     def claim(self) -> int | None:
         """Main thread: the index of a buffer (`buffers`, freed by `free[k]`) for the next layer's

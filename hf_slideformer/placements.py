@@ -167,7 +167,7 @@ class HostLayer(LayerPlacement):
             e.begin_update(u)
         args = (buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm)
         done = (free,) + ((u.updated,) if mode.updates else ())
-        if late is not None:
+        if late is not None or (mode.updates and e.late.after_embedding(e.layer_no(u))):
             e.late.hold(e.layer_no(u), self.layer_task, args, done=done)
         else:
             e.worker.submit(self.layer_task, *args, done=done)

@@ -165,6 +165,23 @@ def test_torch_route_equals_native_on_bf16_gradients():
         assert torch.equal(x, y)
 
 
+@needs_native
+@pytest.mark.parametrize("h,threads", [(1, 1), (13, 3), (4096, 2)])
+def test_the_bf16_gather_equals_gathering_then_casting(h, threads):
+    """The forward's host gather of rows rounded to bf16 is bit for bit torch's cast of the fp32
+    rows (nearest even), ties, infinities and subnormals included, repeated rows too."""
+    V = 37
+    table = torch.randn(V, h) * torch.logspace(-40, 38, V)[:, None]
+    flat = table.view(-1)
+    flat[:4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, float("inf"), -float("inf")])[:min(4, flat.numel())]
+    ids = torch.tensor([5, 0, 36, 5, 17, 1, 0], dtype=torch.int64)
+    out = torch.full((ids.numel(), h), 7.0, dtype=torch.bfloat16)
+    HostAdam("native", threads).gather_bf16(table, ids, out)
+    assert torch.equal(out.view(torch.int16), table[ids].bfloat16().view(torch.int16))
+    with pytest.raises(ValueError, match="need"):
+        HostAdam("native", 1).gather_bf16(table, ids.int(), out)
+
+
 def test_without_a_compiler_auto_falls_back_with_a_notice(monkeypatch, caplog):
     monkeypatch.setattr(host_adam, "_LIB", None)
     monkeypatch.setattr(host_adam, "_compiler", lambda: None)

@@ -13,10 +13,10 @@ from test_engine import PARAM_TOL, train_both
 @pytest.mark.parametrize("slow", [False, True])
 def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow, monkeypatch):
     """An embedding of about two layers' parameters: the two top layers are late. Per step the
-    worker updates the embedding's table (all but the batch's rows), layer 0, the batch's rows, then
-    layers 1 and 2 (late, forward order), then
-    an untied head (a tied one, the final norm, keeps its place at the front); with the worker's layer task slowed the result is the same, equal to plain
-    PyTorch, and every buffer is free at the end."""
+    worker updates the embedding's table (all but the batch's rows), the batch's rows, then layer
+    0 (held behind them), layers 1 and 2 (late), in forward order, then an untied head (a tied one,
+    the final norm, keeps its place at the front); with the worker's layer task slowed the result
+    is the same, equal to plain PyTorch, and every buffer is free at the end."""
     from hf_slideformer.placements import HostLayer
     if slow:
         slow_down(monkeypatch, HostLayer, "layer_task", 0.03)
@@ -30,7 +30,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
     assert all(ev.is_set() for ev in eng.late.free) and all(ev.is_set() for ev in eng.grads.free)
     names = [u.name for u in eng.layer_units]
     emb = eng.embed_unit.name
-    step = [emb, names[0], emb + ":rows", names[1], names[2]]
+    step = [emb, emb + ":rows", names[0], names[1], names[2]]
     step = [eng.head_unit.name] + step if tied else step + [eng.head_unit.name]   # a tied head: its norm, first
     assert order == step * len(data), order
 
@@ -88,7 +88,7 @@ def test_an_interrupted_backward_with_late_layers_held_goes_on_after_a_restore(m
 @pytest.mark.parametrize("setting,late", [(0, 0), (1, 1), (3, 3)])
 def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
     """SlideConfig.late_layer_updates: 0 turns it off (backward order), N makes the top N layers
-    late; the training is the reference's either way."""
+    late, and layer 0 then waits for the embedding's rows; the training is the reference's either way."""
     order = record_updates(monkeypatch)
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301), late_layer_updates=setting)
     eng = slid.slide_engine
@@ -96,9 +96,12 @@ def test_the_setting_picks_how_many_layers_are_late(setting, late, monkeypatch):
     eng.synchronize()
     assert eng.late.count == late
     names = [u.name for u in eng.layer_units]
-    early = names[:len(names) - late][::-1]          # in backward order
     emb = eng.embed_unit.name
-    step = [emb] + early + [emb + ":rows"] + names[len(names) - late:] + [eng.head_unit.name]
+    if late:                                         # layer 0 held behind the rows, then forward order
+        step = [emb] + names[1:len(names) - late][::-1] + [emb + ":rows"] + names[:1] + names[max(1, len(names) - late):]
+    else:                                            # backward order
+        step = [emb] + names[::-1] + [emb + ":rows"]
+    step += [eng.head_unit.name]
     assert order == step * 2, order
 
 

@@ -152,4 +152,18 @@ void slide_triad(float *restrict a, const float *restrict b, const float *restri
     )
 }
 
-int slide_host_adam_abi(void) { return 2; }
+/* The forward's gather of a batch's rows in bf16: out[k] = bf16(table[ids[k]]) for k of [0, n), rows
+ * of h elements, rounded to nearest even (the cast the GPU would apply to the fp32 rows). */
+void slide_gather_bf16(const float *table, const int64_t *ids, int64_t n, int64_t h, uint16_t *out, int threads) {
+    if (n <= 0 || h <= 0) return;
+    if (threads < 1) threads = 1;
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    for (int64_t k = 0; k < n; k++) {
+        const float *restrict src = table + ids[k] * h;
+        uint16_t *restrict dst = out + k * h;
+        _Pragma("omp simd")
+        for (int64_t i = 0; i < h; i++) dst[i] = f32_to_bf16(src[i]);
+    }
+}
+
+int slide_host_adam_abi(void) { return 3; }
