@@ -121,9 +121,18 @@ class PinnedCpuTier(ActivationTier):
     def _h2d(self, i: int, src: torch.Tensor):
         st = self.streams
         shape, dtype = self.meta[i]
+        # Note: [Why a loaded input is allocated on the compute stream] the caching allocator keeps
+        # a pool per stream: made on the h2d stream, the inputs' memory could serve no other
+        # tensor, and memory held apart is what pushes a tight cap into the allocator's
+        # free-everything-and-retry path (a device synchronisation). Made on the compute stream,
+        # the copy must first wait for the compute work issued so far (it may still read the
+        # block's previous tensor): issued one layer ahead, that work ends before the input is needed.
+        x = torch.empty(shape, dtype=dtype, device=st.device)
+        st.wait(st.record(), st.h2d)
         with st.on(st.h2d):
-            x = torch.empty(shape, dtype=dtype, device=st.device)
             x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
+        if st.cuda:
+            x.record_stream(st.h2d)           # freed unused (an interrupted backward): not before the copy
         self.count("act_h2d", shape.numel() * x.element_size())
         return x, st.record(st.h2d)
 
@@ -166,10 +175,7 @@ class PinnedCpuTier(ActivationTier):
             return self.remade[i]()
         self._bring(i)
         x, ev = self.loaded.pop(i)
-        st = self.streams
-        st.wait(ev)
-        if st.cuda:
-            x.record_stream(st.compute)
+        self.streams.wait(ev)
         return x
 
     def drop(self, i):
