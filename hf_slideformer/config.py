@@ -109,8 +109,9 @@ class SlideConfig:
         "With updates in backward (one micro-batch, no clipping) and the embedding on the host: the first layers "
         "of each backward (the top ones) whose update waits for its end and runs during the next forward, so that "
         "the CPU worker is not behind when the backward ends (docs/engine.md). 'auto': as many as the embedding's "
-        "whole-table update at the worker's front takes (3 at Llama-3-8B); 0 turns it off. Each costs one layer's "
-        "gradient of pinned host memory (bf16).")
+        "whole-table update at the worker's front takes (3 at Llama-3-8B); layer 0's update then waits for the "
+        "embedding's batch rows, so that the next forward gathers them meanwhile; 0 turns both off. Each late layer "
+        "costs one layer's gradient of pinned host memory (bf16).")
     resident_layers: int | str = option(
         "auto", Auto(Int(0)),
         "Layers whose master and Adam state live on the GPU and are updated there (layers 0..k-1). 'auto' measures "
