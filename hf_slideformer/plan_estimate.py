@@ -181,7 +181,9 @@ class Estimator:
             "head host buffer (bf16, pinned)": (GRAD_BYTES * head if not s.tied and not deferred
                                                 else 0 if head <= self.grad_buffers * s.layer_params
                                                 else GRAD_BYTES * head),
-            "embedding row buffers (2 x B*S*H fp32, pinned)": 2 * 4 * tok_h,
+            # embedding.py: the forward's gather in bf16 (the native kernel; fp32 without it), the
+            # backward's row sums in fp32
+            "embedding row buffers (B*S*H bf16 + fp32, pinned)": (2 + 4) * tok_h,
             # updates in backward: the top layers' gradients wait for the backward's end (engine:
             # [Why the top layers are updated late]), about the embedding's size in layers
             f"late layers' gradients ({late} x largest layer, bf16, pinned)": GRAD_BYTES * late * s.layer_params,
@@ -213,7 +215,7 @@ class Estimator:
                 G * GRAD_BYTES * self.grad_buffers * s.layer_params,
             f"head gradient shards (bf16, pinned, 1/{G} on each GPU: one copy)":
                 G * GRAD_BYTES * self.shard(s.head_params),
-            self.per_gpu("embedding row buffers (2 x B*S*H fp32, pinned)"): G * 2 * 4 * tok_h,
+            self.per_gpu("embedding row buffers (B*S*H bf16 + fp32, pinned)"): G * (2 + 4) * tok_h,
             self.per_gpu(f"layer inputs ({tier} tier)"): G * acts,
             self.per_gpu("process (torch, CUDA runtime, Python)"): G * PROCESS_HOST_BYTES,
         })
