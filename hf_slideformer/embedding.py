@@ -119,7 +119,7 @@ class Embedding:
         # chunks, each chunk's copy runs while the next is gathered. It shares the host's memory
         # with layer 0's update, hence half the worker's threads.
         adam = e.host_adam
-        dt = torch.bfloat16 if adam.native and e.dtype == torch.bfloat16 else torch.float32
+        dt = torch.bfloat16 if adam.native and e.dtype == torch.bfloat16 and table.dtype == torch.float32 else table.dtype
         if self.fwd_buf is None or self.fwd_buf.shape[0] < T or self.fwd_buf.dtype != dt:
             if self.fwd_buf is not None:
                 e.pinned.release(self.fwd_buf)

@@ -115,7 +115,8 @@ class LoraEstimator(Estimator):
         out = {
             f"embedding master (fp32, {'trained' if emb else 'frozen'})": 4 * s.embed_params,
             f"frozen layers and head ({self.base_bytes} B/param)": self.base_bytes * self.frozen_params,
-            "embedding row buffer (B*S*H fp32, pinned)": 4 * B * self.seq * s.hidden,
+            # the forward's gather in bf16 (the native kernel); a trained embedding's row sums in fp32
+            f"embedding row buffers (B*S*H bf16{' + fp32' if emb else ''}, pinned)": (2 + (4 if emb else 0)) * B * self.seq * s.hidden,
             f"layer inputs ({tier} tier)": self.layer_inputs_host(B, tier),
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         }
