@@ -111,10 +111,12 @@ def run_worker(spec: RunSpec) -> int:
         timer, failure, loss = StepTimer(device), None, None
         try:
             ids, labels = random_batch(config.vocab_size, batch, spec.seq, device, spec.seed + rank)
+            retries0 = None
             for step in range(spec.warmup + spec.steps):
                 warm = step < spec.warmup
                 if step == spec.warmup:
                     provider.begin_timed()
+                    retries0 = gpu_memory_peaks(device)["gpu_alloc_retries"]
                 with (StepTimer(device) if warm else timer) as t:
                     loss = provider.train_step(ids, labels)
                 host_used.sample()
@@ -158,9 +160,12 @@ def run_worker(spec: RunSpec) -> int:
         extra = provider.report()
     except Exception as exc:
         extra = {"report_error": _short(exc)}
+    gpu = gpu_memory_peaks(device)
+    if gpu["gpu_alloc_retries"] is not None and retries0 is not None:   # those of the timed steps
+        gpu["gpu_alloc_retries"] -= retries0
     emit("result", status="ok", batch=batch, step_s=median(timer.seconds), step_times=timer.seconds,
          loss=float(loss.float().item()), host_rss_peak=host_rss_peak_bytes(), host_rss_end=host_rss_bytes(),
-         **host_used.fields(), **gpu_memory_peaks(device),
+         **host_used.fields(), **gpu,
          rank=rank, world=world, notes=provider.notes, extra=extra)
     host_used.stop()
     if world > 1:

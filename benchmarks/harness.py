@@ -187,12 +187,15 @@ class HostUsedMonitor:
 
 
 def gpu_memory_peaks(device: torch.device) -> dict[str, int | None]:
-    """Peak bytes allocated and reserved by the caching allocator since the process started."""
+    """Peak bytes allocated and reserved by the caching allocator since the process started, and
+    how often it had to free its cache and retry an allocation (each retry synchronises the
+    device: a cap that is tight for the run shows here first)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return {"gpu_peak_allocated": None, "gpu_peak_reserved": None}
+        return {"gpu_peak_allocated": None, "gpu_peak_reserved": None, "gpu_alloc_retries": None}
     return {"gpu_peak_allocated": torch.cuda.max_memory_allocated(device),
-            "gpu_peak_reserved": torch.cuda.max_memory_reserved(device)}
+            "gpu_peak_reserved": torch.cuda.max_memory_reserved(device),
+            "gpu_alloc_retries": torch.cuda.memory_stats(device).get("num_alloc_retries")}
 
 
 def reset_peaks(device: torch.device) -> None:

@@ -15,6 +15,31 @@ def overlap(a0, a1, b0, b1):
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def slow_spans(events, factor: float = 1.2, k: int = 3) -> list[str]:
+    """GPU spans (one per layer's work) more than `factor` x the median of their k neighbours on
+    either side: a stall inside a layer's work, as a stream waiting for a copy or the caching
+    allocator's synchronising retry. The longest span of the step (the head) is left out; the
+    time above the neighbours' median is summed."""
+    spans = sorted((a, b - a) for th, _, a, b in events if th == "gpu")
+    if len(spans) < 2 * k + 1:
+        return []
+    longest = max(range(len(spans)), key=lambda j: spans[j][1])
+    slow = []
+    def median(side):
+        xs = sorted(x for _, x in side)
+        return xs[len(xs) // 2] if xs else 0.0
+    for j, (_, d) in enumerate(spans):
+        # the larger side's median: a span where the work changes (backward to forward) is like one side
+        med = max(median(spans[max(0, j - k):j]), median(spans[j + 1:j + 1 + k]))
+        if j != longest and d > factor * med:
+            slow.append((d, med))
+    if not slow:
+        return []
+    return [f"  slow GPU spans: {len(slow)} of {len(spans)} over {factor:g}x their neighbours, "
+            f"{sum(d - m for d, m in slow) * 1e3:.0f} ms above them ("
+            + ", ".join(f"{d * 1e3:.0f}/{m * 1e3:.0f}" for d, m in slow[:8]) + " ms)"]
+
+
 def summarize(events, gaps: int = 8) -> str:
     steps = [e[2] for e in events if e[1] == "step"]
     lines = []
@@ -40,6 +65,7 @@ def summarize(events, gaps: int = 8) -> str:
         lines.append(f"step {s1 - s0:.3f}s  gpu busy {busy:.3f}s ({busy / (s1 - s0):.0%})  "
                      f"backward {((be[0] - fb[0]) if fb and be else float('nan')):.3f}s")
         lines.append("  " + "  ".join(f"{th}.{k} {v:.3f}" for (th, k), v in sorted(by.items())))
+        lines.extend(slow_spans([e for e in inside if s0 <= e[2] < s1]))
         for d, a, b in sorted(idle, reverse=True)[:gaps]:
             what = sorted({f"{'W' if 'worker' in th else 'M'}:{lab}" for th, lab, x, y in inside
                            if th != "gpu" and overlap(x, y, a, b) > 0.3 * d})

@@ -252,6 +252,21 @@ def test_step_trace_and_its_summary(tmp_path):
     assert text.count("step ") == sum(1 for e in events if e[1] == "step") - 1 and "worker.adam" in text
 
 
+def test_trace_summary_names_the_slow_gpu_spans():
+    """A layer's GPU span well above its neighbours' is reported (a stall inside it); the head's
+    long span and the change from backward to forward spans are not."""
+    from benchmarks.trace_summary import slow_spans
+    durations = [0.066, 0.066, 0.066, 0.002] + [0.022] * 5 + [0.044] + [0.022] * 5 + [0.180] \
+        + [0.066] * 4 + [0.090] + [0.066] * 4
+    t, events = 0.0, []
+    for d in durations:
+        events.append(("gpu", "compute", t, t + d))
+        t += d + 0.001
+    (line,) = slow_spans(events)
+    assert "2 of 25" in line and "(44/22, 90/66 ms)" in line, line
+    assert slow_spans([e for e in events if e[3] - e[2] != 0.044 and e[3] - e[2] != 0.090]) == []
+
+
 def test_soak_reports_flat_memory_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "benchmarks/soak.py", "--device", "cpu", "--model", "tiny", "--batch", "2",
                           "--seq", "32", "--steps", "30", "--compare-clipping", "6", "--json", str(tmp_path / "s.json")],
