@@ -256,15 +256,16 @@ def test_trace_summary_names_the_slow_gpu_spans():
     """A layer's GPU span well above its neighbours' is reported (a stall inside it); the head's
     long span and the change from backward to forward spans are not."""
     from benchmarks.trace_summary import slow_spans
-    durations = [0.066, 0.066, 0.066, 0.002] + [0.022] * 5 + [0.044] + [0.022] * 5 + [0.180] \
-        + [0.066] * 4 + [0.090] + [0.066] * 4
-    t, events = 0.0, []
-    for d in durations:
-        events.append(("gpu", "compute", t, t + d))
-        t += d + 0.001
-    (line,) = slow_spans(events)
+    def spans(durations):
+        t, events = 0.0, []
+        for d in durations:
+            events.append(("gpu", "compute", t, t + d))
+            t += d + 0.001
+        return events
+    steady = [0.066] * 3 + [0.002] + [0.022] * 10 + [0.180] + [0.066] * 8
+    (line,) = slow_spans(spans(steady[:9] + [0.044] + steady[9:19] + [0.090] + steady[19:]))
     assert "2 of 25" in line and "(44/22, 90/66 ms)" in line, line
-    assert slow_spans([e for e in events if e[3] - e[2] != 0.044 and e[3] - e[2] != 0.090]) == []
+    assert slow_spans(spans(steady)) == []
 
 
 def test_soak_reports_flat_memory_on_cpu(tmp_path):
