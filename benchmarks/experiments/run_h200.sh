@@ -26,6 +26,8 @@
 #      16 GiB; 3B batch 16 under 9 GiB (the small-card rows; ROWS overrides the list, see `row`)
 #   v: 8B batch 16 under 24 GiB; 3B batch 16 and 8 under 24 GiB; then the small-card rows of OLD (a
 #      commit, run from a git worktree of it) beside them
+#   w: GPU tests; 8B batch 16 under 12 GiB from OLD_DIR (a tree made here with `git archive`, the
+#      machine has no .git) and from this tree, traced, then the allocator's phases of this tree
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -60,7 +62,19 @@ row() {
     --slide-config "${5:-{\}}" --json "$OUT/$4.json" > "$OUT/$4.log" 2>&1)
   echo "$4: $(tail -1 "$OUT/$4.log")"
 }
-if [ "$PART" = u ]; then
+if [ "$PART" = w ]; then
+  timeout 130 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  tail -1 "$OUT/gpu_tests.log"
+  if [ -n "${OLD_DIR:-}" ]; then
+    SLIDE_TRACE=$OUT/tr_old.json ROOT="$OLD_DIR" C=old row llama3-8b 16 12 old_8b_b16_cap12
+  fi
+  SLIDE_TRACE=$OUT/tr_new.json row llama3-8b 16 12 8b_b16_cap12
+  for t in old new; do [ -f "$OUT/tr_$t.json" ] && { echo "== $t"; summ "$OUT/tr_$t.json"; }; done
+  grep -ho '"gpu_alloc_retries": [0-9]*' "$OUT"/*8b_b16_cap12.json
+  timeout 100 python3 benchmarks/memory_profile.py --model llama3-8b --batch 16 --seq 2048 --cap-gib 12 --steps 3 \
+    --json "$OUT/mem12.json" > "$OUT/mem12.log" 2>&1
+  tail -4 "$OUT/mem12.log"
+elif [ "$PART" = u ]; then
   timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
   timeout 60 python3 -m pytest -q tests/test_host_adam.py -p no:cacheprovider 2>&1 | tail -1
