@@ -167,8 +167,9 @@ class HostLayer(LayerPlacement):
             e.begin_update(u)
         args = (buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm)
         done = (free,) + ((u.updated,) if mode.updates else ())
-        if late is not None or (mode.updates and e.late.after_embedding(e.layer_no(u))):
-            e.late.hold(e.layer_no(u), self.layer_task, args, done=done)
+        i = e.layer_no(u)
+        if late is not None or e.late.after_embedding(i):     # held only in a backward that updates
+            e.late.hold(i, self.layer_task, args, done=done)
         else:
             e.worker.submit(self.layer_task, *args, done=done)
 
