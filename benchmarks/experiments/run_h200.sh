@@ -27,7 +27,9 @@
 #   v: 8B batch 16 under 24 GiB; 3B batch 16 and 8 under 24 GiB; then the small-card rows of OLD (a
 #      commit, run from a git worktree of it) beside them
 #   w: GPU tests; 8B batch 16 under 12 GiB from OLD_DIR (a tree made here with `git archive`, the
-#      machine has no .git) and from this tree, traced, then the allocator's phases of this tree
+#      machine has no .git) and from this tree, traced; W_ROWS (as ROWS) old and new side by side;
+#      then the allocator's phases of this tree (MEM=0 skips them)
+#   x: rows at several late_layer_updates (ROWS: MODEL:BATCH:CAP:LATE ...), with the allocator's retries
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -71,9 +73,20 @@ if [ "$PART" = w ]; then
   SLIDE_TRACE=$OUT/tr_new.json row llama3-8b 16 12 8b_b16_cap12
   for t in old new; do [ -f "$OUT/tr_$t.json" ] && { echo "== $t"; summ "$OUT/tr_$t.json"; }; done
   grep -ho '"gpu_alloc_retries": [0-9]*' "$OUT"/*8b_b16_cap12.json
-  timeout 100 python3 benchmarks/memory_profile.py --model llama3-8b --batch 16 --seq 2048 --cap-gib 12 --steps 3 \
+  for r in ${W_ROWS:-}; do
+    IFS=: read -r m b cap <<< "$r"; n="${m#llama3-}_b${b}_cap${cap}"
+    [ -n "${OLD_DIR:-}" ] && ROOT="$OLD_DIR" C=old row "$m" "$b" "$cap" "old_$n"
+    row "$m" "$b" "$cap" "$n"
+  done
+  [ "${MEM:-1}" = 0 ] || timeout 100 python3 benchmarks/memory_profile.py --model llama3-8b --batch 16 --seq 2048 --cap-gib 12 --steps 3 \
     --json "$OUT/mem12.json" > "$OUT/mem12.log" 2>&1
-  tail -4 "$OUT/mem12.log"
+  [ "${MEM:-1}" = 0 ] || tail -4 "$OUT/mem12.log"
+elif [ "$PART" = x ]; then
+  for r in ${ROWS:-llama3-8b:16:12:auto llama3-8b:16:12:6 llama3-8b:16:12:9}; do
+    IFS=: read -r m b cap late <<< "$r"
+    row "$m" "$b" "$cap" "${m#llama3-}_b${b}_cap${cap}_late$late" "{\"late_layer_updates\": \"$late\"}"
+    grep -ho '"gpu_alloc_retries": [0-9]*\|"host_rss_end": [0-9]*' "$OUT/${m#llama3-}_b${b}_cap${cap}_late$late.json"
+  done
 elif [ "$PART" = u ]; then
   timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
   tail -1 "$OUT/gpu_tests.log"
