@@ -10,9 +10,22 @@ import json
 import sys
 
 from .models import SUPPORTED_MODEL_TYPES
-from .planner import FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, TIERS, plan
+from .planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, TIERS, plan
 
 __all__ = ["main", "build_parser"]
+
+
+def _adam_gps(text: str):
+    """--adam-gps: a positive number, or 'host'."""
+    if text.strip().lower() == "host":
+        return "host"
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of G parameters/s or 'host', got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-mem", type=float, default=None, metavar="GiB",
                    help="host memory for training (default: MemAvailable of this machine)")
     p.add_argument("--pcie-gbs", type=float, default=54.6, help="pinned PCIe bandwidth each way, GB/s (default: 54.6)")
-    p.add_argument("--adam-gps", type=float, default=3.5,
-                   help="CPU fused AdamW rate, G parameters/s (default: 3.5, 16 cores)")
+    p.add_argument("--adam-gps", type=_adam_gps, default=None, metavar="G/s|host",
+                   help="the host AdamW's rate alone on the training machine, G parameters/s, or 'host' to measure "
+                        f"this machine's (about a second, 1 GiB of memory; default: {ADAM_GPS}, the H200 machine's)")
     p.add_argument("--gpu-tflops", type=float, default=PEAK_TFLOPS,
                    help=f"dense bf16 peak of the GPU, TFLOPS (default: {PEAK_TFLOPS}, H100 / H200 SXM)")
     p.add_argument("--gpu-efficiency", type=float, default=GPU_EFFICIENCY,

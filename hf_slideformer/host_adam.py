@@ -20,14 +20,17 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import statistics
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostAdam", "NativeKernelError", "native_library", "torch_fused_adamw", "triad"]
+__all__ = ["HostAdam", "HostRate", "NativeKernelError", "measure_rate", "native_library", "torch_fused_adamw", "triad"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
@@ -350,6 +353,62 @@ class HostAdam:
 
 
 _V_ORDER: int | None = None
+
+
+@dataclass(frozen=True)
+class HostRate:
+    """This machine's host AdamW rate, as `measure_rate` found it."""
+
+    route: str            # "native" or "torch": the route `HostAdam(mode)` took here
+    threads: int
+    params: int           # parameters per timed update
+    params_per_s: float   # the median update's rate
+
+    def describe(self) -> str:
+        return f"measured here: the {self.route} route, {self.threads} threads"
+
+
+def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1 << 26, repeat: int = 5) -> HostRate:
+    """Time the host AdamW as the engine's CPU worker runs it: one update of `params` fp32
+    parameters (master, exp_avg, exp_avg_sq) from a bf16 gradient, median of `repeat` updates
+    after one warm-up.
+
+    Args:
+        mode: `SlideConfig.host_adam` ("auto", "native", "torch").
+        threads: the worker's threads (default: `SlideConfig.cpu_threads`'s default on this machine).
+        params: parameters per update; the default (67 M, 1 GiB of state) is far larger than any
+            CPU cache, so the rate is the memory-bound one of a layer's update.
+        repeat: timed updates.
+
+    Note: the rate is the kernel's alone on the machine. In a training step the host's memory
+    also serves the copy engines (about 0.85 of this rate on the H200 machine, docs/engine.md);
+    the planner's efficiency for the CPU term accounts for that.
+    """
+    from .config import _host_cores, worker_threads
+
+    if not (isinstance(params, int) and params >= 1024):
+        raise ValueError(f"params must be an int >= 1024, got {params!r}")
+    if not (isinstance(repeat, int) and repeat >= 1):
+        raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    threads = worker_threads(_host_cores()) if threads is None else int(threads)
+    kernel = HostAdam(mode, threads)
+    # Plain values (no subnormals): the update's time does not depend on them.
+    p, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
+    g = torch.full((params,), 1e-3, dtype=torch.bfloat16)
+    hp = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    step = [torch.tensor(1.0)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)        # the torch route's threads, as the worker sets them
+    try:
+        times = []
+        for k in range(repeat + 1):
+            t0 = time.perf_counter()
+            kernel.step(hp, [p], [g], [m], [v], step)
+            if k:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return HostRate(kernel.name, threads, params, params / statistics.median(times))
 
 
 def _calibrated_v_order(lib) -> int:

@@ -34,6 +34,7 @@ GPU_USABLE = 0.85            # share of the card the caching allocator can fill 
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
+ADAM_GPS = 3.5               # the H200 machine's host AdamW, G params/s, the CPU term was fitted with (torch's fused)
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way

@@ -17,7 +17,7 @@ from .budget import balanced_share, plan_resident, resident_bytes_per_param
 from .disk_plan import DiskSplit, split_layers
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
-    DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
+    ADAM_GPS, DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
     RESERVED_VS_ALLOCATED, Estimator, ModelShape, batch_limit, load_model_config, model_shape,
 )
 from .plan_estimate import (  # noqa: F401 - the rest of the calibration, importable from the planner as well
@@ -74,8 +74,22 @@ def _default_gpu_gib() -> tuple[float, str]:
     return 24.0, "assumed: no GPU here"
 
 
+def _adam_rate(adam_gps) -> tuple:
+    """(rate in G params/s, where it came from) for `plan`'s adam_gps."""
+    if adam_gps is None:
+        return ADAM_GPS, "the H200 machine's"
+    if isinstance(adam_gps, str):
+        if adam_gps.strip().lower() != "host":
+            raise ValueError(f"adam_gps must be a positive number of G parameters/s or 'host' (measure this machine's), "
+                             f"got {adam_gps!r}")
+        from .host_adam import measure_rate
+        r = measure_rate()
+        return round(r.params_per_s / 1e9, 2), r.describe()
+    return adam_gps, "given"
+
+
 def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gpu_mem: float | None = None,
-         host_mem: float | None = None, pcie_gbs: float = 54.6, adam_gps: float = 3.5,
+         host_mem: float | None = None, pcie_gbs: float = 54.6, adam_gps: float | str | None = None,
          gpu_tflops: float = PEAK_TFLOPS, gpu_efficiency: float = GPU_EFFICIENCY,
          gradient_accumulation_steps: int = 1, max_grad_norm: float | None = None, window: int = 2,
          activation_tier: str = "cpu", grad_buffers: int = 4, nvme_write_gbs: float = 1.2,
@@ -93,7 +107,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         gpu_mem: GPU memory in GiB (default: the current CUDA device's, else 24).
         host_mem: host memory in GiB (default: this machine's MemAvailable).
         pcie_gbs: pinned host<->device bandwidth, GB/s each way (H200 machine: 54.6).
-        adam_gps: CPU fused AdamW rate, G parameters/s (H200 machine, 16 cores: 3.5).
+        adam_gps: the host AdamW's rate alone on the machine, G parameters/s, or "host" to measure
+            this machine's (`host_adam.measure_rate`: the route and threads the engine would use,
+            about a second and 1 GiB of memory). Default: the H200 machine's calibration figure,
+            ADAM_GPS (its 16 cores measured 3.5-4.1 G/s).
         gpu_tflops: the GPU's dense bf16 peak, TFLOPS (H100 / H200 SXM: 989.4).
         gpu_efficiency: achieved share of that peak (calibrated on the H200: 0.61).
         gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers,
@@ -154,6 +171,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         if refused:
             raise ValueError(f"with gpus={gpus} (--gpus {gpus}) the engine does not support {'; '.join(refused)}; "
                              "plan these with one GPU (gpus=1), or leave them out")
+    adam_gps, adam_source = _adam_rate(adam_gps)
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
                  nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw,
                  gpu_hbm_gbs=gpu_hbm_gbs, gpu_fp32_tflops=gpu_fp32_tflops)
@@ -206,7 +224,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     k_disk = disk_of(batch)
 
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,
-             host_source, gpu_source, rates, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
+             host_source, gpu_source, rates, adam_source=adam_source, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
              max_batch_host=max_host, gpus=gpus)
     if lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params

@@ -262,3 +262,21 @@ def test_the_source_ships_with_the_package():
     from pathlib import Path
     setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
     assert '"csrc/*.c"' in setup and host_adam._SOURCE.exists()
+
+
+@pytest.mark.parametrize("mode", ["auto", "torch"])
+def test_measure_rate_times_the_route_the_engine_takes(mode):
+    r = host_adam.measure_rate(mode, threads=1, params=1 << 16, repeat=2)
+    assert r.route == HostAdam(mode, threads=1).name
+    assert (r.threads, r.params) == (1, 1 << 16)
+    assert 0 < r.params_per_s < float("inf")
+    assert r.describe() == f"measured here: the {r.route} route, 1 threads"
+
+
+def test_measure_rate_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="params"):
+        host_adam.measure_rate(params=10)
+    with pytest.raises(ValueError, match="repeat"):
+        host_adam.measure_rate(params=1 << 12, repeat=0)
+    with pytest.raises(ValueError, match="host_adam"):
+        host_adam.measure_rate("fast", params=1 << 12)

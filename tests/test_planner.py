@@ -644,3 +644,33 @@ def test_late_layers_are_counted_where_the_engine_makes_them():
     assert res.resident_embedding and late_bytes(res) == 0
     for extra in (dict(max_grad_norm=1.0), dict(gradient_accumulation_steps=2)):
         assert late_bytes(plan(CONFIGS / "llama3-3b.json", resident=False, **kw, **extra)) == 0
+
+
+def test_adam_rate_measured_on_this_host(monkeypatch, capsys):
+    """adam_gps="host" times the engine's host AdamW here and plans the CPU term with that rate."""
+    from hf_slideformer import host_adam
+
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        return host_adam.HostRate("native", 15, 1 << 26, 2.0e9)
+
+    monkeypatch.setattr(host_adam, "measure_rate", lambda **kw: fake(**kw))
+    p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=12, host_mem=120, adam_gps="host")
+    assert p.rates["adam_gps"] == 2.0 and p.adam_source == "measured here: the native route, 15 threads"
+    assert p.times["cpu"] == pytest.approx(p.shape.n_params / 2.0e9)
+    assert p.bound_by == "cpu"
+    assert "at 2.0 G/s (measured here: the native route, 15 threads)" in p.report()
+    assert p.to_dict()["adam_source"] == p.adam_source
+    default = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=12, host_mem=120)
+    assert default.rates["adam_gps"] == 3.5 and "--adam-gps host measures this one's" in default.report()
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=12, host_mem=120, adam_gps=3.5).adam_source == "given"
+    with pytest.raises(ValueError, match="'host'"):
+        plan(CONFIGS / "llama3-8b.json", adam_gps="fast")
+    args = ["plan", str(CONFIGS / "llama3-8b.json"), "--batch", "16", "--gpu-mem", "12", "--host-mem", "120"]
+    assert main(args + ["--adam-gps", "host", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rates"]["adam_gps"] == 2.0
+    with pytest.raises(SystemExit) as ex:
+        main(args + ["--adam-gps", "fast"])
+    assert ex.value.code == 2 and "or 'host'" in capsys.readouterr().err
