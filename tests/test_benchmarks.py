@@ -537,3 +537,25 @@ def test_multi_scenario_runs_at_smoke_scale(tmp_path):
     table = proc.stdout.strip().splitlines()
     assert table[-5].startswith("| step") and "host used GiB" in table[-5] and "procs" in table[-5]
     assert table[-2].startswith("| 8b_b16_cap24_np2 ")
+
+
+def test_row_summary_prints_the_timed_steps_breakdown(tmp_path, capsys):
+    """row_summary reads bench_train's JSON: per timed step, from slide_stats_per_step."""
+    from benchmarks.row_summary import main as summary
+
+    doc = {"results": [
+        {"provider": "slide", "status": "ok", "batch": 16, "step_s": 3.4, "tokens_per_s": 9637.6,
+         "gpu_alloc_retries": 21, "host_rss_end": 105.7 * 2 ** 30,
+         "extra": {"slide_stats_per_step": {"gpu_compute_s": 3.19, "cpu_adam_s": 2.324, "worker_busy_s": 3.04,
+                                            "worker_wait_s": 0.73, "wait_grad_buffer_s": 0.758,
+                                            "wait_update_s": 0.063, "resident_layers": 0}}},
+        {"provider": "ds2", "status": "oom"}]}
+    (tmp_path / "row.json").write_text(json.dumps(doc))
+    (tmp_path / "bad.json").write_text("{")
+    assert summary([str(tmp_path / "row.json"), str(tmp_path / "bad.json")]) == 1
+    out = capsys.readouterr()
+    assert out.out.splitlines() == [
+        "row slide b16: 9,638 tok/s, step 3.400 s | per step: gpu 3.19, adam 2.32, busy 3.04, wait 0.73, buf 0.76, "
+        "upd 0.06 | retries 21 | RSS 105.7 GiB",
+        "row ds2: oom"]
+    assert "bad.json: unreadable" in out.err

@@ -29,7 +29,8 @@
 #   w: GPU tests; 8B batch 16 under 12 GiB from OLD_DIR (a tree made here with `git archive`, the
 #      machine has no .git) and from this tree, traced; W_ROWS (as ROWS) old and new side by side;
 #      then the allocator's phases of this tree (MEM=0 skips them)
-#   x: rows at several late_layer_updates (ROWS: MODEL:BATCH:CAP:LATE ...), with the allocator's retries
+#   x: rows at several late_layer_updates (ROWS: MODEL:BATCH:CAP:LATE ...)
+# Each `row` prints benchmarks/row_summary.py's line after the table's: per timed step, where the time went.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 C=${1:-unknown}; PART=${2:-a}
@@ -63,6 +64,7 @@ row() {
     --model "$1" --providers slide --batch "$2" --offload-batches "$2" --cap-gib "$3" --timeout $((t - 5)) \
     --slide-config "${5:-{\}}" --json "$OUT/$4.json" > "$OUT/$4.log" 2>&1)
   echo "$4: $(tail -1 "$OUT/$4.log")"
+  python3 benchmarks/row_summary.py "$OUT/$4.json" 2>&1 | sed 's/^/   /'
 }
 if [ "$PART" = w ]; then
   timeout 130 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
@@ -85,7 +87,6 @@ elif [ "$PART" = x ]; then
   for r in ${ROWS:-llama3-8b:16:12:auto llama3-8b:16:12:6 llama3-8b:16:12:9}; do
     IFS=: read -r m b cap late <<< "$r"
     row "$m" "$b" "$cap" "${m#llama3-}_b${b}_cap${cap}_late$late" "{\"late_layer_updates\": \"$late\"}"
-    grep -ho '"gpu_alloc_retries": [0-9]*\|"host_rss_end": [0-9]*' "$OUT/${m#llama3-}_b${b}_cap${cap}_late$late.json"
   done
 elif [ "$PART" = u ]; then
   timeout 120 python3 -m pytest -q -m gpu tests/test_engine_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
