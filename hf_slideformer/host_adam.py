@@ -354,6 +354,9 @@ class HostAdam:
 _V_ORDER: int | None = None
 
 
+STATE_BYTES = 14     # per parameter of `measure_rate`'s update: fp32 master, m, v and a bf16 gradient
+
+
 @dataclass(frozen=True)
 class HostRate:
     """This machine's host AdamW rate, as `measure_rate` found it."""
@@ -376,8 +379,9 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
     Args:
         mode: `SlideConfig.host_adam` ("auto", "native", "torch").
         threads: the worker's threads (default: `SlideConfig.cpu_threads`'s default on this machine).
-        params: parameters per update; the default (67 M, 1 GiB of state) is far larger than any
-            CPU cache, so the rate is the memory-bound one of a layer's update.
+        params: parameters per update; the default (67 M, 0.9 GiB of state) is far larger than any
+            CPU cache, so the rate is the memory-bound one of a layer's update. Fewer where a quarter
+            of the memory available here would not hold them (`HostRate.params` says how many).
         repeat: timed updates.
 
     Note: the rate is the kernel's alone on the machine. In a training step the host's memory
@@ -390,8 +394,13 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
         raise ValueError(f"params must be an int >= 1024, got {params!r}")
     if not (isinstance(repeat, int) and repeat >= 1):
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
+    from .memory import available_host_bytes
+
     threads = worker_threads(_host_cores()) if threads is None else int(threads)
     kernel = HostAdam(mode, threads)
+    free = available_host_bytes()
+    if free is not None and free < 4 * STATE_BYTES * params:   # a small machine: a quarter of what is free at most
+        params = max(1024, free // (4 * STATE_BYTES))
     # Plain values (no subnormals): the update's time does not depend on them.
     p, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
     g = torch.full((params,), 1e-3, dtype=torch.bfloat16)

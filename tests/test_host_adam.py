@@ -280,3 +280,11 @@ def test_measure_rate_refuses_bad_sizes():
         host_adam.measure_rate(params=1 << 12, repeat=0)
     with pytest.raises(ValueError, match="host_adam"):
         host_adam.measure_rate("fast", params=1 << 12)
+
+
+def test_measure_rate_takes_less_on_a_small_machine(monkeypatch):
+    from hf_slideformer import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 4 * host_adam.STATE_BYTES * 5000)
+    r = host_adam.measure_rate("torch", threads=1, params=1 << 20, repeat=1)
+    assert r.params == 5000 and r.params_per_s > 0
