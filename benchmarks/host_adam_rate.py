@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The host AdamW's rate against torch's fused CPU AdamW and the host's memory bandwidth.
 
-    python benchmarks/host_adam_rate.py --params 218103808 --threads 15 [--json out/adam.json]
+    python benchmarks/host_adam_rate.py --params 218103808 --threads 15 [--busy 1] [--json out/adam.json]
 
 Rates are parameters per second of one update over flat fp32 state (master, exp_avg,
 exp_avg_sq), median of `--repeat` calls after one warm-up, gradient read included:
@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,8 +47,21 @@ def main(argv=None) -> int:
     ap.add_argument("--params", type=int, default=218_103_808, help="parameters per update (default: one 8B layer)")
     ap.add_argument("--threads", type=int, default=None, help="threads (default: SlideConfig's cpu_threads default)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--busy", type=int, default=0,
+                    help="processes kept busy on the CPU during the timing (each spins one core), as the training "
+                         "process's main thread and helpers share the cores with the update")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, args.busy))]
+    try:
+        return _measure(args)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+def _measure(args) -> int:
     cores = os.cpu_count() or 1
     threads = args.threads or (cores - 1 if cores > 4 else cores)
     torch.set_num_threads(threads)
@@ -74,7 +88,8 @@ def main(argv=None) -> int:
     best = min(timed(lambda: triad(a, p, m, 3.0, threads), args.repeat))
     triad_gbs = 16 * n / best / 1e9
     bound = triad_gbs * 1e9 / 26
-    print(f"host: {cores} cores, {threads} threads; {n:,} parameters per update; v_order {native.v_order}")
+    print(f"host: {cores} cores, {threads} threads; {n:,} parameters per update; v_order {native.v_order}"
+          + (f"; {args.busy} other busy processes" if args.busy else ""))
     print(f"STREAM triad: {triad_gbs:.1f} GB/s (16 B/element) -> AdamW bound at 26 B/param: {bound / 1e9:.2f} G params/s")
     print(f"{'route':<36} {'G params/s':>11} {'GB/s':>7} {'x torch':>8} {'of bound':>9}")
     base = rows["torch fused, fp32 grad"]["params_per_s"]
@@ -84,7 +99,7 @@ def main(argv=None) -> int:
               f"{r['params_per_s'] / bound:>8.0%}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"threads": threads, "params": n, "triad_gb_s": triad_gbs,
+        Path(args.json).write_text(json.dumps({"threads": threads, "params": n, "busy": args.busy, "triad_gb_s": triad_gbs,
                                                "bound_params_per_s": bound, "rows": rows}, indent=1))
     return 0
 

@@ -559,3 +559,19 @@ def test_row_summary_prints_the_timed_steps_breakdown(tmp_path, capsys):
         "upd 0.06 | retries 21 | RSS 105.7 GiB",
         "row ds2: oom"]
     assert "bad.json: unreadable" in out.err
+
+
+def test_host_adam_rate_with_a_busy_core(tmp_path, capsys):
+    """host_adam_rate times every route and the triad, here beside one busy process it ends after."""
+    from benchmarks.host_adam_rate import main as rate
+    from hf_slideformer import host_adam
+
+    if host_adam._compiler() is None:
+        pytest.skip("no C compiler: the native route cannot be timed")
+    out = tmp_path / "adam.json"
+    assert rate(["--params", "65536", "--threads", "1", "--repeat", "1", "--busy", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["busy"] == 1 and doc["params"] == 65536 and doc["triad_gb_s"] > 0
+    assert {"torch fused, fp32 grad", "native, bf16 grad"} <= set(doc["rows"])
+    assert all(r["params_per_s"] > 0 for r in doc["rows"].values())
+    assert "1 other busy processes" in capsys.readouterr().out

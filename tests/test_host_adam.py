@@ -38,7 +38,7 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @needs_native
-@pytest.mark.parametrize("n", [4096, 5 * 123 * 123, 17, 1])
+@pytest.mark.parametrize("n", [4096, 5 * 123 * 123, 3 * 65536 + 4103, 17, 1])
 @pytest.mark.parametrize("hp", [HP, dict(HP, weight_decay=0.1), dict(HP, maximize=True, betas=(0.5, 0.9)),
                                 dict(HP, betas=(0.3, 0.95), lr=0.05)], ids=["plain", "wd", "max", "small-beta1"])
 def test_native_matches_torch_adamw(n, hp):
@@ -288,3 +288,19 @@ def test_measure_rate_takes_less_on_a_small_machine(monkeypatch):
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 4 * host_adam.STATE_BYTES * 5000)
     r = host_adam.measure_rate("torch", threads=1, params=1 << 20, repeat=1)
     assert r.params == 5000 and r.params_per_s > 0
+
+
+@needs_native
+def test_the_update_does_not_depend_on_the_thread_count():
+    """The native kernel hands out blocks of 64k elements as threads free up: every element is
+    computed alike whichever thread takes it, so any thread count gives the same bits."""
+    n = 4 * 65536 + 4103
+    p0, m0, v0, g = _state(n, seed=3)
+    gb = g.bfloat16()
+    outs = []
+    for threads in (1, 2, 7):
+        p, m, v = p0.clone(), m0.clone(), v0.clone()
+        HostAdam("native", threads=threads).step(dict(HP, weight_decay=0.01), [p], [gb], [m], [v], [torch.tensor(2.0)])
+        outs.append((p, m, v))
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))

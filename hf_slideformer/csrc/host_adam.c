@@ -63,12 +63,18 @@ static inline uint16_t f32_to_bf16(float f) {
         if (out16) out16[i] = f32_to_bf16(p);                                                \
     }
 
-/* Split [0, n) into `threads` contiguous parts aligned to 16 elements (one cache line). */
+/* [0, n) in blocks of SLIDE_BLOCK elements (a multiple of 16: whole cache lines), handed to the
+ * threads one at a time as each finishes its last (dynamic schedule). With one part per thread
+ * (static), the call took as long as its slowest thread: a thread that shares its core with any
+ * other (the process's main thread, a copy's callback) held up all the others. */
+#ifndef SLIDE_BLOCK
+#define SLIDE_BLOCK 65536
+#endif
 #define SLIDE_PARALLEL_RANGE(BODY)                                                           \
-    int64_t per = ((n + threads - 1) / threads + 15) & ~(int64_t)15;                         \
-    _Pragma("omp parallel for num_threads(threads) schedule(static, 1)")                     \
-    for (int t = 0; t < threads; t++) {                                                      \
-        int64_t lo = (int64_t)t * per, hi = lo + per < n ? lo + per : n;                     \
+    int64_t slide_nb_ = (n + SLIDE_BLOCK - 1) / SLIDE_BLOCK;                                 \
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1) if(slide_nb_ > 1)")  \
+    for (int64_t slide_b_ = 0; slide_b_ < slide_nb_; slide_b_++) {                           \
+        int64_t lo = slide_b_ * SLIDE_BLOCK, hi = lo + SLIDE_BLOCK < n ? lo + SLIDE_BLOCK : n; \
         BODY                                                                                 \
     }
 
@@ -111,11 +117,13 @@ SLIDE_DISPATCH(slide_adamw_bf16, uint16_t)
  *   (master[r], exp_avg[r], exp_avg_sq[r]) = AdamW(master[r], exp_avg[r], exp_avg_sq[r], g)
  * and grad[r] = 0 after when zero_grad. Threaded over rows; each element is computed as the flat
  * kernel computes it, so a table updated in two sets of rows equals one whole-table update. The
- * rows must be distinct. */
+ * rows must be distinct. Rows are handed out about a block (SLIDE_BLOCK elements) at a time, as
+ * the flat kernel's ranges are. */
 static void adam_rows(float *restrict tw, float *restrict tm, float *restrict tv, float *restrict grad,
                       const int64_t *restrict rows, int64_t n_rows, int64_t h, const float *restrict sums,
                       int zero_grad, slide_adam_hp hp, int threads, int vo) {
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    int64_t per = h >= SLIDE_BLOCK ? 1 : SLIDE_BLOCK / h;     /* rows handed out at a time: about a block */
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, per)")
     for (int64_t k = 0; k < n_rows; k++) {
         int64_t r = rows[k];
         float *restrict master = tw + r * h, *restrict exp_avg = tm + r * h, *restrict exp_avg_sq = tv + r * h;
@@ -157,7 +165,8 @@ void slide_triad(float *restrict a, const float *restrict b, const float *restri
 void slide_gather_bf16(const float *table, const int64_t *ids, int64_t n, int64_t h, uint16_t *out, int threads) {
     if (n <= 0 || h <= 0) return;
     if (threads < 1) threads = 1;
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")
+    int64_t per = h >= SLIDE_BLOCK ? 1 : SLIDE_BLOCK / h;
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, per)")
     for (int64_t k = 0; k < n; k++) {
         const float *restrict src = table + ids[k] * h;
         uint16_t *restrict dst = out + k * h;
