@@ -28,7 +28,8 @@
 #      commit, run from a git worktree of it) beside them
 #   w: GPU tests; 8B batch 16 under 12 GiB from OLD_DIR (a tree made here with `git archive`, the
 #      machine has no .git) and from this tree, traced; W_ROWS (as ROWS) old and new side by side;
-#      then the allocator's phases of this tree (MEM=0 skips them)
+#      then the allocator's phases of this tree (MEM=0 skips them); RATE=1: host_adam_rate.py alone
+#      and beside a busy process, with OLD_DIR's kernel and this tree's
 #   x: rows at several late_layer_updates (ROWS: MODEL:BATCH:CAP:LATE ...)
 # Each `row` prints benchmarks/row_summary.py's line after the table's: per timed step, where the time went.
 set -uo pipefail
@@ -83,6 +84,13 @@ if [ "$PART" = w ]; then
   [ "${MEM:-1}" = 0 ] || timeout 100 python3 benchmarks/memory_profile.py --model llama3-8b --batch 16 --seq 2048 --cap-gib 12 --steps 3 \
     --json "$OUT/mem12.json" > "$OUT/mem12.log" 2>&1
   [ "${MEM:-1}" = 0 ] || tail -4 "$OUT/mem12.log"
+  if [ "${RATE:-0}" = 1 ]; then          # the host AdamW alone and beside a busy core, old kernel then this one
+    [ -n "${OLD_DIR:-}" ] && cp benchmarks/host_adam_rate.py "$OLD_DIR/benchmarks/"
+    for t in ${OLD_DIR:-} .; do for b in 0 1; do
+      echo "== $t, $b busy: $(cd "$t" && timeout 120 python3 benchmarks/host_adam_rate.py --busy $b 2>&1 \
+        | grep -E '^STREAM|^native, bf16 grad  ' | tr -s ' ' | tr '\n' ' ')"
+    done; done
+  fi
 elif [ "$PART" = x ]; then
   for r in ${ROWS:-llama3-8b:16:12:auto llama3-8b:16:12:6 llama3-8b:16:12:9}; do
     IFS=: read -r m b cap late <<< "$r"
