@@ -53,9 +53,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(max(0, args.busy))]
+    threads = torch.get_num_threads()
     try:
         return _measure(args)
     finally:
+        torch.set_num_threads(threads)        # called in-process (tests), the caller's threads are its own
         for proc in busy:
             proc.kill()
             proc.wait()

@@ -569,7 +569,9 @@ def test_host_adam_rate_with_a_busy_core(tmp_path, capsys):
     if host_adam._compiler() is None:
         pytest.skip("no C compiler: the native route cannot be timed")
     out = tmp_path / "adam.json"
+    threads = torch.get_num_threads()
     assert rate(["--params", "65536", "--threads", "1", "--repeat", "1", "--busy", "1", "--json", str(out)]) == 0
+    assert torch.get_num_threads() == threads           # the process's threads are left as they were
     doc = json.loads(out.read_text())
     assert doc["busy"] == 1 and doc["params"] == 65536 and doc["triad_gb_s"] > 0
     assert {"torch fused, fp32 grad", "native, bf16 grad"} <= set(doc["rows"])
