@@ -31,10 +31,7 @@ def rows(doc: dict, name: str) -> list[str]:
         if r.get("status") != "ok":
             out.append(f"{name} {r.get('provider')}: {r.get('status')}")
             continue
-        tokens_per_s = r.get("tokens_per_s")
-        if tokens_per_s is None and r.get("step_s"):
-            tokens_per_s = r.get("tokens_per_step", 0) / r["step_s"]
-        line = f"{name} {r.get('provider')} b{r.get('batch')}: {tokens_per_s or 0:,.0f} tok/s, step {r['step_s']:.3f} s"
+        line = f"{name} {r.get('provider')} b{r.get('batch')}: {r['tokens_per_s']:,.0f} tok/s, step {r['step_s']:.3f} s"
         per_step = (r.get("extra") or {}).get("slide_stats_per_step") or {}
         parts = [f"{label} {per_step[key]:.2f}" for label, key in COLUMNS
                  if isinstance(per_step.get(key), (int, float))]

@@ -389,13 +389,12 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
     the planner's efficiency for the CPU term accounts for that.
     """
     from .config import _host_cores, worker_threads
+    from .memory import available_host_bytes
 
     if not (isinstance(params, int) and params >= 1024):
         raise ValueError(f"params must be an int >= 1024, got {params!r}")
     if not (isinstance(repeat, int) and repeat >= 1):
         raise ValueError(f"repeat must be an int >= 1, got {repeat!r}")
-    from .memory import available_host_bytes
-
     threads = worker_threads(_host_cores()) if threads is None else int(threads)
     kernel = HostAdam(mode, threads)
     free = available_host_bytes()

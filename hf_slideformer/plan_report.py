@@ -123,12 +123,6 @@ def gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def _adam_source(p: Plan) -> str:
-    if p.adam_source == "the H200 machine's":
-        return "the H200 machine's; --adam-gps host measures this one's"
-    return p.adam_source
-
-
 def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What to change, from the plan's shortfalls and its binding term."""
     s, out, N, tier, G = p.shape, [], p.gradient_accumulation_steps, p.activation_tier, p.gpus
@@ -343,7 +337,7 @@ def _format_report(p: Plan) -> str:
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s"
                 + (f" per GPU, each on its own link (d2h: 1/{G} of each gradient)" if G > 1 else ""),
         "cpu": f"AdamW over {_count(p.lora_trained_params if p.lora_r else s.n_params - res_params)} parameters "
-               f"at {p.rates['adam_gps']} G/s ({_adam_source(p)})" + (" (modules_to_save)" if p.lora_r else "")
+               f"at {p.rates['adam_gps']} G/s ({p.adam_source})" + (" (modules_to_save)" if p.lora_r else "")
                + (f", one host's rate shared by the {G} processes' workers" if G > 1 else ""),
         "disk": " + ".join(
             ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]

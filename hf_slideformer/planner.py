@@ -77,7 +77,7 @@ def _default_gpu_gib() -> tuple[float, str]:
 def _adam_rate(adam_gps) -> tuple:
     """(rate in G params/s, where it came from) for `plan`'s adam_gps."""
     if adam_gps is None:
-        return ADAM_GPS, "the H200 machine's"
+        return ADAM_GPS, "the H200 machine's; --adam-gps host measures this one's"
     if isinstance(adam_gps, str):
         if adam_gps.strip().lower() != "host":
             raise ValueError(f"adam_gps must be a positive number of G parameters/s or 'host' (measure this machine's), "
