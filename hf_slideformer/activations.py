@@ -113,10 +113,10 @@ class PinnedCpuTier(ActivationTier):
         st.wait(st.record(), st.d2h)
         with st.on(st.d2h):
             buf.copy_(x.reshape(-1), non_blocking=True)
-        if st.cuda:
-            x.record_stream(st.d2h)           # keep x's memory alive until the copy has run
+        done = st.record(st.d2h)
+        st.hand_over([x], done)               # transfer.py: [Why copy sources are handed over, not recorded]
         self.count("act_d2h", x.numel() * x.element_size())
-        return st.record(st.d2h)
+        return done
 
     def _h2d(self, i: int, src: torch.Tensor):
         st = self.streams
@@ -131,8 +131,6 @@ class PinnedCpuTier(ActivationTier):
         st.wait(st.record(), st.h2d)
         with st.on(st.h2d):
             x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
-        if st.cuda:
-            x.record_stream(st.h2d)           # freed unused (an interrupted backward): not before the copy
         self.count("act_h2d", shape.numel() * x.element_size())
         return x, st.record(st.h2d)
 
@@ -178,13 +176,21 @@ class PinnedCpuTier(ActivationTier):
         self.streams.wait(ev)
         return x
 
+    def _unload(self, i) -> None:
+        """Forget a device copy that was brought back and not used: the compute stream first waits
+        for the copy that writes it, so its memory serves no one before the copy has run."""
+        x, ev = self.loaded.pop(i)
+        self.streams.wait(ev)
+
     def drop(self, i):
-        self.loaded.pop(i, None)
+        if i in self.loaded:
+            self._unload(i)
         self.kept.pop(i, None)
         self.remade.pop(i, None)
 
     def clear(self):
-        self.loaded.clear()
+        for i in list(self.loaded):
+            self._unload(i)
         self.kept.clear()
         self.remade.clear()
 

@@ -282,6 +282,7 @@ class SlideEngine:
 
     def end_backward(self) -> None:
         self.late.finish()
+        self.streams.settle()          # the last gradients' memory serves the next forward (transfer.py)
         self.guard.open = False
         self.micro += 1
         self.live_generation = None
@@ -295,6 +296,7 @@ class SlideEngine:
         next optimizer step)."""
         self.worker.join()
         self.device_updates.flush()
+        self.streams.settle()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.worker.raise_if_failed()

@@ -102,7 +102,6 @@ class GradientRing:
                     d.zero_()
                 else:
                     _check_lossless(g, d)
-                    g.record_stream(st.d2h)
                     gf = g.reshape(-1)
                     if gf.dtype == d.dtype:
                         d.copy_(gf, non_blocking=True)
@@ -111,7 +110,10 @@ class GradientRing:
                     e.stats.add_bytes("d2h", d.numel() * d.element_size())
                 if marks is not None:
                     marks.append((ends[len(marks)], st.record(st.d2h)))
-        return st.record(st.d2h)
+        done = st.record(st.d2h)
+        # Note: [Why copy sources are handed over, not recorded] (transfer.py)
+        st.hand_over([g for g in grads if g is not None], done)
+        return done
 
 
 def _check_lossless(g: torch.Tensor, dst: torch.Tensor) -> None:

@@ -23,7 +23,20 @@ class DoneEvent:
 
 
 class Streams:
-    """The compute stream (the caller's current stream) and the two copy streams."""
+    """The compute stream (the caller's current stream) and the two copy streams.
+
+    Note: [Why copy sources are handed over, not recorded] a tensor made on the compute stream
+    and read by a copy on another stream must not be reused before the copy has run.
+    `Tensor.record_stream` says so to the caching allocator, but the allocator then gives the block
+    back only once it sees the copy's event complete, and the issuing thread runs layers ahead of
+    the GPU: every layer input and layer gradient it has issued since is memory owed to a copy
+    stream, which no other tensor can take (under a tight cap, the path to the allocator's
+    synchronising free-everything-and-retry). `hand_over` keeps the tensors instead, and at the
+    next hand-over (one layer later: its kernels are queued by then) makes the compute stream
+    wait for the copy's event and drops them. Freed on the stream that made them, after that
+    wait in stream order, their blocks serve the next layer at once; the GPU reaches the wait a
+    layer's compute after the copy began, so it does not stall on it.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -33,6 +46,7 @@ class Streams:
             self.d2h = torch.cuda.Stream(device)
         else:
             self.h2d = self.d2h = None
+        self._owed: list[tuple[list, object]] = []      # (tensors, the event of the copies that read them)
 
     @property
     def compute(self):
@@ -50,6 +64,26 @@ class Streams:
         """Make `stream` (default: compute) wait for `event` without blocking the host."""
         if self.cuda and event is not None and not isinstance(event, DoneEvent):
             (stream if stream is not None else self.compute).wait_event(event)
+
+    def hand_over(self, tensors, event) -> None:
+        """Keep `tensors` (made on the compute stream) until the copies that read them, which end at
+        `event`, are ordered before the compute stream's later work: first settle the tensors
+        handed over before (Note: [Why copy sources are handed over, not recorded])."""
+        if not self.cuda:
+            return
+        self.settle()
+        self._owed.append((list(tensors), event))
+
+    def settle(self) -> None:
+        """Make the compute stream wait for the copies of every tensor handed over, and drop them."""
+        owed, self._owed = self._owed, []
+        for _, event in owed:
+            self.wait(event)
+
+    @property
+    def owed(self) -> int:
+        """Tensors handed over and not settled yet."""
+        return sum(len(t) for t, _ in self._owed)
 
     def on(self, stream):
         """Context manager: issue work on `stream` (a no-op on CPU)."""

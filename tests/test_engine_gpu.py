@@ -157,6 +157,44 @@ def test_slow_streams_bit_identical(kw):
         assert torch.equal(fast[k], slow[k]), k
 
 
+def _slow_copies_out(monkeypatch, cycles=30_000_000):
+    """Every gradient and layer-input copy to the host starts late (about 15 ms), the compute
+    stream runs at full speed."""
+    from hf_slideformer.activations import PinnedCpuTier
+    from hf_slideformer.grad_ring import GradientRing
+    d2h, act = GradientRing.d2h, PinnedCpuTier._d2h
+
+    def late(streams):
+        with torch.cuda.stream(streams.d2h):
+            torch.cuda._sleep(cycles)
+
+    def slow_d2h(self, *a, **k):
+        late(self.engine.streams)
+        return d2h(self, *a, **k)
+
+    def slow_act(self, *a, **k):
+        late(self.streams)
+        return act(self, *a, **k)
+
+    monkeypatch.setattr(GradientRing, "d2h", slow_d2h)
+    monkeypatch.setattr(PinnedCpuTier, "_d2h", slow_act)
+
+
+@pytest.mark.parametrize("kw", [HOST_ONLY, {"ga": 2, "steps": 6}, {"max_grad_norm": 1.0}])
+def test_copy_sources_wait_for_their_copies(monkeypatch, kw):
+    """transfer.py: [Why copy sources are handed over, not recorded]: with the copies to the host
+    held back and the compute stream at full speed, a gradient or layer input whose memory served a
+    later tensor before its copy ran would change the result; and after each backward nothing is
+    owed to a copy."""
+    fast = _train_state(False, **kw)
+    models = []
+    _slow_copies_out(monkeypatch)
+    slow = _train_state(False, models=models, **kw)
+    for k in fast:
+        assert torch.equal(fast[k], slow[k]), k
+    assert models[0].slide_engine.streams.owed == 0
+
+
 @pytest.mark.parametrize("ga", [1, 2])
 def test_device_updates_under_slow_streams(monkeypatch, ga):
     """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
