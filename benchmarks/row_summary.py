@@ -57,6 +57,10 @@ def main(argv=None) -> int:
             print(f"{f}: unreadable ({e})", file=sys.stderr)
             status = 1
             continue
+        if not isinstance(doc, dict) or "results" not in doc:
+            print(f"{f}: not a bench_train.py --json file (no 'results')", file=sys.stderr)
+            status = 1
+            continue
         for line in rows(doc, Path(f).stem):
             print(line)
     return status

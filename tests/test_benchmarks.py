@@ -552,13 +552,14 @@ def test_row_summary_prints_the_timed_steps_breakdown(tmp_path, capsys):
         {"provider": "ds2", "status": "oom"}]}
     (tmp_path / "row.json").write_text(json.dumps(doc))
     (tmp_path / "bad.json").write_text("{")
-    assert summary([str(tmp_path / "row.json"), str(tmp_path / "bad.json")]) == 1
+    (tmp_path / "trace.json").write_text("[]")         # a step trace (SLIDE_TRACE), not a row
+    assert summary([str(tmp_path / "row.json"), str(tmp_path / "bad.json"), str(tmp_path / "trace.json")]) == 1
     out = capsys.readouterr()
     assert out.out.splitlines() == [
         "row slide b16: 9,638 tok/s, step 3.400 s | per step: gpu 3.19, adam 2.32, busy 3.04, wait 0.73, buf 0.76, "
         "upd 0.06 | retries 21 | RSS 105.7 GiB",
         "row ds2: oom"]
-    assert "bad.json: unreadable" in out.err
+    assert "bad.json: unreadable" in out.err and "trace.json: not a bench_train.py --json file" in out.err
 
 
 def test_host_adam_rate_with_a_busy_core(tmp_path, capsys):
