@@ -31,6 +31,7 @@
 #      then the allocator's phases of this tree (MEM=0 skips them); RATE=1: host_adam_rate.py alone
 #      and beside a busy process, with OLD_DIR's kernel and this tree's
 #   x: rows at several late_layer_updates (ROWS: MODEL:BATCH:CAP:LATE ...)
+#   y: rows of OLD_DIR (as in w) and of this tree side by side, nothing else (ROWS: MODEL:BATCH:CAP ...)
 # Each `row` prints benchmarks/row_summary.py's line after the table's: per timed step, where the time went.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -91,6 +92,12 @@ if [ "$PART" = w ]; then
         | grep -E '^STREAM|^native, bf16 grad  ' | tr -s ' ' | tr '\n' ' ')"
     done; done
   fi
+elif [ "$PART" = y ]; then
+  for r in ${ROWS:-llama3-3b:16:24 llama3-8b:16:24}; do
+    IFS=: read -r m b cap <<< "$r"; n="${m#llama3-}_b${b}_cap${cap}"
+    [ -n "${OLD_DIR:-}" ] && ROOT="$OLD_DIR" C=old row "$m" "$b" "$cap" "old_$n"
+    row "$m" "$b" "$cap" "$n"
+  done
 elif [ "$PART" = x ]; then
   for r in ${ROWS:-llama3-8b:16:12:auto llama3-8b:16:12:6 llama3-8b:16:12:9}; do
     IFS=: read -r m b cap late <<< "$r"
