@@ -30,7 +30,7 @@ PROCESS_HOST_BYTES = int(1.7 * GiB)   # torch, the CUDA runtime, Python and tran
 # Pinned bounce buffers of the nvme activation tier (activations.FileTier).
 NVME_BUFFERS = 4
 GRAD_BYTES = 2               # a layer's gradient crosses PCIe in the compute dtype (bf16 on CUDA)
-GPU_USABLE = 0.85            # share of the card the caching allocator can fill (fragmentation)
+GPU_USABLE = 0.90            # share of the card the caching allocator can fill (fragmentation)
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
@@ -38,7 +38,7 @@ ADAM_GPS = 3.5               # the H200 machine's host AdamW, G params/s, the CP
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way
-RESERVED_VS_ALLOCATED = 1.45  # reserved peak over allocated, expandable segments on (see docs/planner.md)
+RESERVED_VS_ALLOCATED = 1.10  # reserved peak over allocated, expandable segments on (see docs/planner.md)
 
 
 @dataclass(frozen=True)
@@ -255,9 +255,13 @@ class Estimator:
                 fixed["tied lm_head gradient, kept for the embedding's reduce-scatter (bf16)"] = 2 * s.embed_params
         rows = self.logits_rows(T)
         phases = {
+            # transfer.py: [Why copy sources are handed over, not recorded]: the gradient copied out
+            # before a layer's backward is held until the next hand-over, the head's (the larger)
+            # through the top layer's
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
-            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'}, bf16)":
-                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate,
+            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'}, bf16), the head's gradient still crossing":
+                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate
+                + GRAD_BYTES * max(head, s.layer_params),
             # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
             # loss-gradient rows, and the last layer's input, kept for its backward
             # (with several processes a tied lm_head's gradient is in the fixed part)

@@ -30,13 +30,15 @@ MEASURED = [
 # product (3B rows: commit 2132169; 8B: b89e2a2): (shape, batch, cap, step s, GPU compute s, CPU AdamW s,
 # GPU peak allocated GiB, host RSS GiB, resident embedding, resident layers the engine chose). The host
 # RSS peaks are those of 0e8de99 (3B) and 17839ee (8B, 3 gradient buffers): the embedding resident
-# from the first step, the head's gradient in the ring.
+# from the first step, the head's gradient in the ring. The engine's choice and allocated peak are
+# those of 7a71d76 (the copies' sources handed over: 2-5 GiB less reserved, so more room) where it
+# was measured; None where only an earlier engine was.
 MEASURED_RESIDENT = [
-    ("llama3-3b", 16, 24, 1.470, 1.438, 0.572, 20.7, 39.5, True, 6),
+    ("llama3-3b", 16, 24, 1.467, 1.44, 0.58, 20.9, 39.5, True, 6),
     ("llama3-3b", 8, 24, 0.922, 0.684, 0.563, 21.3, 36.9, True, 8),
-    ("llama3-8b", 16, 24, 3.312, 3.176, 1.936, 17.2, 95.9, True, 0),
+    ("llama3-8b", 16, 24, 3.276, 3.15, 1.81, 18.1, 95.9, True, 0),
     # Qwen2.5-7B at cefcaea (the engine's per-step mean over 6 steps of slide_stats)
-    ("qwen2.5-7b", 16, 24, 3.170, 3.09, 1.86, 16.2, 102.8, False, 2),
+    ("qwen2.5-7b", 16, 24, 3.170, 3.09, 1.86, 16.2, 102.8, None, None),
 ]
 
 
@@ -60,8 +62,10 @@ def test_estimates_land_near_the_h200_measurements(name, batch, cap, step, gpu_s
 @pytest.mark.parametrize("name, batch, cap, step, gpu_s, adam_s, alloc, rss, embed, layers", MEASURED_RESIDENT)
 def test_estimates_with_resident_units(name, batch, cap, step, gpu_s, adam_s, alloc, rss, embed, layers):
     p = plan(CONFIGS / f"{name}.json", batch=batch, gpu_mem=cap, **H200)
-    assert p.fits and p.resident_embedding == embed
-    assert abs(p.resident_layers - layers) <= 3            # the engine measures its own peak
+    assert p.fits
+    if embed is not None:
+        assert p.resident_embedding == embed
+        assert abs(p.resident_layers - layers) <= 3            # the engine measures its own peak
     assert rel(p.gpu_peak / GiB, alloc) < 0.25
     assert rel(p.host_total / GiB, rss) < 0.25
     assert rel(p.times["gpu"], gpu_s) < 0.20
@@ -503,8 +507,9 @@ def test_the_mlp_in_chunks_lowers_the_long_sequence_peak():
     """At 128k tokens the MLP's intermediates dominate a layer's recompute; in 16k-token chunks
     the plan's GPU peak drops by the rest of them, and the step gains the chunks' extra forward."""
     cfg = str(CONFIGS / "llama3-8b.json")
-    whole = plan(cfg, batch=1, seq=131072, gpu_mem=24, host_mem=125)
-    tiled = plan(cfg, batch=1, seq=131072, gpu_mem=24, host_mem=125, mlp_chunk_tokens=16384)
+    # (no resident units: the room the chunks free would otherwise go to them)
+    whole = plan(cfg, batch=1, seq=131072, gpu_mem=24, host_mem=125, resident=False)
+    tiled = plan(cfg, batch=1, seq=131072, gpu_mem=24, host_mem=125, mlp_chunk_tokens=16384, resident=False)
     saved = 2 * (131072 - 16384) * 4 * 14336
     assert abs((whole.gpu_peak - tiled.gpu_peak) - saved) < 0.01 * saved
     assert tiled.times["gpu"] > whole.times["gpu"]
