@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from hf_slideformer.config import _host_cores, worker_threads  # noqa: E402
 from hf_slideformer.host_adam import HostAdam, triad  # noqa: E402
 
 
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
 
 
 def _measure(args) -> int:
-    cores = os.cpu_count() or 1
-    threads = args.threads or (cores - 1 if cores > 4 else cores)
+    cores = _host_cores()
+    threads = args.threads or worker_threads(cores)
     torch.set_num_threads(threads)
     n = args.params
     p, m, v, g = (torch.rand(n) for _ in range(4))
