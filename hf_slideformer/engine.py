@@ -226,6 +226,14 @@ class SlideEngine:
                 "(or run that forward under torch.no_grad())."
             )
 
+    def check_head_passed(self) -> None:
+        """A layer's or the embedding's backward: the backward must have started at the engine's head."""
+        if not self.guard.open:
+            raise SlideStateError(
+                "the backward reached the slid model's layers without passing through its loss head: the loss was "
+                "computed outside the model (from the decoder's hidden states or lm_head.weight). Compute it with "
+                "model(..., labels=...).loss, or from model(..., labels=..., fused_lm_head=True).log_probs")
+
     def _release_interrupted(self) -> None:
         """An error stopped a backward half way: let every waiter go (BackwardGuard)."""
         try:

@@ -1,5 +1,6 @@
 """The autograd pieces of the sliding engine: the three Functions that carry the gradient
-through the slid model (`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction`), the swap of
+through the slid model (`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction`, or
+`TokenHeadFunction` where the caller makes the loss from per-token log-probabilities), the swap of
 a unit's parameters for device tensors, and the recompute's output-free projection.
 
 Each Function hands its work to the engine (`engine.py`), which owns the schedule.
@@ -13,7 +14,7 @@ import torch
 from .store import Unit
 
 __all__ = ["swapped", "leaves", "GradOnlyLinear", "grad_only", "RngReplay", "EmbedFunction", "LayerFunction",
-           "HeadFunction"]
+           "HeadFunction", "TokenHeadFunction"]
 
 
 @contextlib.contextmanager
@@ -119,6 +120,7 @@ class EmbedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gx):
         ctx.engine.check_generation(ctx.gen)
+        ctx.engine.check_head_passed()
         ctx.engine.embedding.backward(gx)
         return None, None, None
 
@@ -134,6 +136,7 @@ class LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         ctx.engine.check_generation(ctx.gen)
+        ctx.engine.check_head_passed()
         return ctx.engine.layer_backward(ctx.i, gy, ctx.args, ctx.kwargs), None, None, None, None
 
 
@@ -155,3 +158,36 @@ class HeadFunction(torch.autograd.Function):
         eng.head.backward(gloss)
         gh, ctx.gh = ctx.gh, None
         return gh * gloss.to(gh.dtype), None, None, None
+
+
+class TokenHeadFunction(torch.autograd.Function):
+    """h (B, S, H) -> per-token (log p(label), entropy, is_top1), each (B, S), through the head.
+
+    Note: [Why a per-token head computes its gradients in backward] a loss that the caller makes
+    from per-token log-probabilities (an SFT mean, DPO's per-sequence sums, weighted tokens)
+    weighs each token's gradient by g_t = d loss / d log p_t, known only when backward starts.
+    The head's gradients are then those of sum_t w_t CE_t with w = -g (CE_t = -log p_t): the same
+    fused linear cross-entropy, with per-token weights, run at the start of the backward, after
+    which the backward goes on as `HeadFunction`'s. The cost is one more head forward per step
+    (the statistics are computed without gradients in forward).
+    """
+
+    @staticmethod
+    def forward(ctx, h, engine, shift_labels):
+        ctx.engine, ctx.gen, ctx.labels = engine, engine.generation, shift_labels
+        log_probs, entropy, is_top1 = engine.head.token_statistics(h, shift_labels)
+        ctx.save_for_backward(h)
+        ctx.mark_non_differentiable(entropy, is_top1)
+        return log_probs, entropy, is_top1
+
+    @staticmethod
+    def backward(ctx, g_log_probs, _g_entropy, _g_top1):
+        eng = ctx.engine
+        eng.check_generation(ctx.gen)
+        (h,) = ctx.saved_tensors
+        weights = -g_log_probs.reshape(-1).float()                 # (B*S,) d loss / d CE_t
+        _, gh = eng.head.forward(h.detach(), None, None, with_grad=True, shift_labels=ctx.labels,
+                                 token_weights=weights)
+        eng.begin_backward()
+        eng.head.backward(weights.new_ones(()))
+        return gh, None, None

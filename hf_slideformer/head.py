@@ -70,8 +70,13 @@ class LossHead:
         e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, done=(u.updated,))
 
     # ----------------------------------------------------------------- forward (main thread)
-    def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None):
-        """(loss, the gradient of h or None): with gradients, the head's own are sent to the host now."""
+    def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None, token_weights=None):
+        """(loss, the gradient of h or None): with gradients, the head's own are sent to the host now.
+
+        `token_weights` (B*S,) fp32, when given, weighs each token's cross-entropy instead of the
+        mean (`triton_ops.linear_cross_entropy`): the gradients are then those of a loss made from
+        the per-token log-probabilities (`token_statistics`), `w_t = -d loss / d log p_t`.
+        """
         from triton_ops import linear_cross_entropy
         e, hu = self.engine, self.unit
         slot, hv, W = self._weights()
@@ -93,7 +98,7 @@ class LossHead:
             with torch.enable_grad(), swapped(hu, hv):
                 hn = self.norm_fn(hx)
                 loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=e.config.head_chunk_tokens)
+                                            chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
             (gh,) = torch.autograd.grad(loss, [hx])
             e._span_end(t)
             self.slots.release(slot)
@@ -108,7 +113,7 @@ class LossHead:
         with torch.enable_grad(), swapped(hu, leaves):
             hn = self.norm_fn(hx)
             loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
-                                        chunk_tokens=e.config.head_chunk_tokens)
+                                        chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
         trained = [t for t in leaves if t.requires_grad]
         wrt = [hx] + trained + ([wl] if e.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -160,6 +165,21 @@ class LossHead:
             self._return_ring()
             self.host_free.set()
             raise
+
+    def token_statistics(self, h, shift_labels):
+        """Per-token (log p(label), entropy, is the label the argmax) of h (B, S, H) against
+        `shift_labels` (B, S), each (B, S), without gradients or logits (`triton_ops.token_statistics`)."""
+        from triton_ops import token_statistics
+        e, hu = self.engine, self.unit
+        slot, hv, W = self._weights()
+        sl = shift_labels.reshape(-1).to(e.device, torch.long)
+        try:
+            with torch.no_grad(), swapped(hu, hv):
+                hn = self.norm_fn(h)
+                stats = token_statistics(hn.reshape(-1, e.hidden), W, sl, chunk_tokens=e.config.head_chunk_tokens)
+        finally:
+            self.slots.release(slot)
+        return tuple(x.view(shift_labels.shape) for x in stats)
 
     def logits(self, h, logits_to_keep=0):
         """The logits of h (no loss), e.g. for generation."""

@@ -7,6 +7,7 @@ host fp32 masters, and its forward runs through the sliding engine.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -17,7 +18,9 @@ import weakref
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from .config import SlideConfig, configure_logging
 from .data_parallel import DataParallel
@@ -32,7 +35,7 @@ from .tiled_mlp import tile_mlps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SlideModel", "slide", "is_slid"]
+__all__ = ["SlideModel", "slide", "is_slid", "FusedLMHeadOutput"]
 
 _CLASSES: dict[type, type] = {}
 
@@ -133,6 +136,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         raise ValueError(f"slide() got {type(model).__name__}, a part of a PEFT model: pass the PeftModel that "
                          "get_peft_model returned")
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
+    from . import install_trainer_hook
+
+    install_trainer_hook()             # a Trainer (TRL's too) given the slid model slides it (trainer.py)
     configure_logging(config)
     # Several processes (torchrun): this rank's device, and one shared copy of the state (data_parallel.py).
     dp = DataParallel.from_environment(config, frozen=base is not None
@@ -239,6 +245,32 @@ def _install_proxies(model, adapter, engine) -> None:
     adapter.final_norm(model).forward = lambda hidden_states, *a, **k: hidden_states   # applied by the head
 
 
+@dataclasses.dataclass
+class FusedLMHeadOutput(ModelOutput):
+    """What `model(..., labels=labels, fused_lm_head=True)` returns: per-token statistics of the
+    next-token distribution instead of logits (the fields of TRL's fused LM head output).
+
+    Attributes:
+        loss: minus the summed `log_probs` over `num_items_in_batch` (the valid tokens' count
+            when not given): the causal-LM loss.
+        log_probs: (B, S - 1) log-probability of each next-token label (zero where it is -100);
+            (B, S) with `shift_labels`. Differentiable: any loss made from it trains the model.
+        entropy: entropy of each next-token distribution (no gradient).
+        is_top1: whether each label is the most likely token.
+        label_mask: whether each label is not -100.
+        log_sum_sq_probs, mean_logits, aux_loss: not computed (None).
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
 class SlideModel:
     """Mixin of every slid model; also the entry point `SlideModel.from_pretrained`.
 
@@ -301,11 +333,14 @@ class SlideModel:
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, inputs_embeds=None,
                 num_items_in_batch=None, shift_labels=None, logits_to_keep=0, use_cache=None, return_dict=None,
-                **kwargs):
+                fused_lm_head=False, **kwargs):
         """HF causal-LM forward through the sliding engine.
 
         With `labels`, returns the loss (fused linear cross-entropy; logits are not materialized).
-        Without labels, or under `torch.no_grad()`, returns logits for evaluation.
+        Without labels, or under `torch.no_grad()`, returns logits for evaluation. With
+        `fused_lm_head=True` and labels, returns a `FusedLMHeadOutput`: per-token log-probabilities
+        (differentiable), entropies and top-1 hits, as TRL's fused LM head does, from the engine's
+        own head (`functions.TokenHeadFunction`).
         """
         eng = self.slide_engine
         check_active(eng.adapters.saved)
@@ -351,6 +386,10 @@ class SlideModel:
         h = out.last_hidden_state
         if torch.is_grad_enabled():
             eng.stats.tokens += input_ids.numel()
+        if fused_lm_head:
+            if labels is None and shift_labels is None:
+                raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores each next-token label")
+            return self._fused_head(h, labels, shift_labels, num_items_in_batch)
         if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(logits=eng.head.logits(h, logits_to_keep))
         if labels is not None:
@@ -364,6 +403,48 @@ class SlideModel:
         else:
             loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss)
+
+    def _fused_head(self, h, labels, shift_labels, num_items_in_batch) -> FusedLMHeadOutput:
+        eng = self.slide_engine
+        sl = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=-100)[..., 1:]
+        sl = sl.to(eng.device, torch.long)                          # (B, S)
+        if torch.is_grad_enabled() and h.requires_grad:
+            from .functions import TokenHeadFunction
+            log_probs, entropy, is_top1 = TokenHeadFunction.apply(h, eng, sl)
+        else:
+            log_probs, entropy, is_top1 = eng.head.token_statistics(h, sl)
+        if shift_labels is None:                                    # the last position has no next token
+            log_probs, entropy, is_top1, sl = log_probs[:, :-1], entropy[:, :-1], is_top1[:, :-1], sl[:, :-1]
+        mask = sl != -100
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / (count.to(log_probs.device) if torch.is_tensor(count) else count)
+        return FusedLMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+
+    def __setattr__(self, name, value):
+        # Note: [Why TRL's fused LM head is not installed on a slid model] TRL's trainers replace
+        # `model.forward` by one that runs the decoder stack and scores `lm_head.weight` itself,
+        # so the engine's head, where its backward starts, would be bypassed. The slid forward
+        # answers `fused_lm_head=True` itself with the same fields (`_fused_head`), so that
+        # patch is checked for what it asks and then left out (`trl_support.adopt_forward`).
+        if name == "forward" and "slide_engine" in self.__dict__:
+            from .trl_support import adopt_forward
+
+            if adopt_forward(self, value):
+                return
+        super().__setattr__(name, value)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """A no-op: the sliding engine already recomputes every layer from its saved input in backward."""
+        if not getattr(self, "_slide_checkpointing_noted", False):
+            logger.info("gradient checkpointing on a slid model changes nothing: the sliding engine already "
+                        "recomputes every layer from its saved input")
+            self.__dict__["_slide_checkpointing_noted"] = True
+
+    def gradient_checkpointing_disable(self):
+        """A no-op (see `gradient_checkpointing_enable`)."""
+
+    activation_checkpointing_enable = gradient_checkpointing_enable      # transformers' newer names
+    activation_checkpointing_disable = gradient_checkpointing_disable
 
     def slide_stats(self) -> dict:
         """Cumulative engine telemetry (take differences between two calls for a window of steps).

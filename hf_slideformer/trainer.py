@@ -72,10 +72,12 @@ class SlideTrainer(Trainer):
     """
 
     def __init__(self, model=None, args: TrainingArguments | None = None, *a, **kw):
+        from .trl_support import upgrade_args
+
         if args is None:
             args = SlideArgs(output_dir="trainer_output")
         elif not isinstance(args, SlideArgs):
-            args = SlideArgs.from_training_args(args)
+            args = upgrade_args(args)
         super().__init__(model, args, *a, **kw)
 
     # ------------------------------------------------------------------ set-up
@@ -353,8 +355,37 @@ def sliding_class(cls: type) -> type:
     return _SLIDE_CLASSES[cls]
 
 
+def _model_is_slid(model) -> bool:
+    if model is None:
+        return False
+    base = peft_base(model)
+    return is_slid(model) or (base is not None and is_slid(base))
+
+
+def _bind_slide_args(trainer, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Trainer.__init__'s (args, kwargs) with `args` as keyword; a slid model's plain arguments
+    become their slide class (`trl_support.upgrade_args`), and what cannot work is refused."""
+    from .trl_support import check_trainer, upgrade_args
+
+    args = list(args)
+    model = kwargs.get("model", args[0] if args else None)
+    targs = args[1] if len(args) > 1 else kwargs.get("args")
+    if _model_is_slid(model) or isinstance(targs, SlideArgs):
+        if targs is None:
+            targs = SlideArgs(output_dir="trainer_output")
+        elif not isinstance(targs, SlideArgs):
+            targs = upgrade_args(targs)
+        if len(args) > 1:
+            args[1] = targs
+        else:
+            kwargs["args"] = targs
+        check_trainer(type(trainer), targs, kwargs)
+    return tuple(args), kwargs
+
+
 def install_trainer_hook() -> None:
-    """Make `transformers.Trainer(..., args=SlideArgs(...))` (and its subclasses) slide.
+    """Make `transformers.Trainer(..., args=SlideArgs(...))` (and its subclasses) slide, and any
+    Trainer given a slid model (its arguments upgraded to their slide class).
 
     Note: [Why Trainer.__init__ is wrapped] the Trainer offers no hook that receives the model
     from its arguments before it builds the optimizer. The wrapper switches the instance to its
@@ -373,8 +404,9 @@ def install_trainer_hook() -> None:
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
-        targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if isinstance(targs, SlideArgs) and not isinstance(self, SlideTrainer):
+        args, kwargs = _bind_slide_args(self, args, kwargs)
+        if isinstance(args[1] if len(args) > 1 else kwargs.get("args"), SlideArgs) \
+                and not isinstance(self, SlideTrainer):
             self.__class__ = sliding_class(type(self))
         original(self, *args, **kwargs)
 

@@ -83,8 +83,12 @@ class SlideArgs(TrainingArguments):
             raise SlideArgsError("FSDP is configured together with sliding. Remove --fsdp (or distributed_type: FSDP "
                                  "from the accelerate config); for multi-GPU training use FSDP without sliding.")
         if getattr(self, "activation_checkpointing", None) or getattr(self, "gradient_checkpointing", None):
-            raise SlideArgsError("activation_checkpointing / gradient_checkpointing: the sliding engine already "
-                                 "recomputes every layer from its saved input; turn it off")
+            # TRL's configs turn it on by default: the engine's own recompute is that saving already.
+            logger.info("activation / gradient checkpointing changes nothing on a slid model: the sliding engine "
+                        "already recomputes every layer from its saved input")
+            for name in ("activation_checkpointing", "gradient_checkpointing"):
+                if hasattr(self, name):
+                    setattr(self, name, False)
         if self.torch_compile:
             raise SlideArgsError("torch_compile is not supported on a sliding model; turn it off")
         if getattr(self, "use_liger_kernel", False):

@@ -58,6 +58,8 @@ LCE_OPTIONS = [
     {"num_items_in_batch": 77},
     {"num_items_in_batch": "tensor"},
     {"softcap": 3.0, "z_loss": 1e-2, "chunk_tokens": None},
+    {"token_weights": "tensor"},
+    {"token_weights": "tensor", "softcap": 4.0},
 ]
 
 
@@ -93,6 +95,8 @@ def test_linear_cross_entropy_kernel_odd_shapes(dtype, options):
     kwargs = {"chunk_tokens": 40, **options}
     if kwargs.get("num_items_in_batch") == "tensor":
         kwargs["num_items_in_batch"] = torch.tensor(91, device=KERNEL_DEVICE)
+    if kwargs.get("token_weights") == "tensor":      # signed, as a per-sequence DPO weight can be
+        kwargs["token_weights"] = torch.randn(123, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
     _check_lce(hidden, weight, labels, dtype, kwargs)
 
 
@@ -205,6 +209,34 @@ def test_linear_cross_entropy_reference_matches_materialized_logits():
         torch.testing.assert_close(loss, ref.float(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(h.grad, h2.grad)
         torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_token_weights_give_the_gradient_of_a_weighted_token_loss():
+    """With w, the loss is sum_t w_t CE_t: its gradients are those of any loss L(log p) with w = -dL/dlog p."""
+    hidden, weight, labels = _lce_inputs(45, 16, 60, torch.float64, "cpu")
+    w_tok = torch.randn(45, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    h, w = _leaf(hidden), _leaf(weight)
+    reference.linear_cross_entropy(h, w, labels, chunk_tokens=8, token_weights=w_tok).backward()
+    h2, w2 = _leaf(hidden), _leaf(weight)
+    ce = torch.nn.functional.cross_entropy(h2 @ w2.t(), labels, reduction="none")     # 0 where ignored
+    (w_tok * ce).sum().backward()
+    torch.testing.assert_close(h.grad, h2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    h3 = _leaf(hidden)                               # and not the unweighted mean's
+    reference.linear_cross_entropy(h3, weight, labels, chunk_tokens=8).backward()
+    assert not torch.allclose(h3.grad, h2.grad)
+
+
+def test_token_statistics_match_materialized_logits():
+    hidden, weight, labels = _lce_inputs(45, 16, 60, torch.float64, "cpu")
+    log_probs, entropy, is_top1 = triton_ops.token_statistics(hidden, weight, labels, chunk_tokens=8)
+    lsm = torch.log_softmax(hidden @ weight.t(), -1)
+    valid = labels != -100
+    safe = labels.clamp(min=0)
+    torch.testing.assert_close(log_probs.double(), torch.where(valid, lsm.gather(1, safe[:, None])[:, 0], 0.0))
+    torch.testing.assert_close(entropy.double(), torch.where(valid, -(lsm.exp() * lsm).sum(-1), 0.0))
+    assert torch.equal(is_top1, valid & (lsm.argmax(-1) == labels))
+    assert not log_probs.requires_grad
 
 
 def test_default_chunk_tokens_follows_the_hidden_state_budget():

@@ -28,6 +28,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "swiglu",
+    "token_statistics",
     "unpatch",
     "LinearCrossEntropyLoss",
     "RMSNorm",
@@ -62,6 +63,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         from .kernels.cross_entropy import linear_cross_entropy as fused
         return fused(hidden, weight, labels, **options)
     return reference.linear_cross_entropy(hidden, weight, labels, **options)
+
+
+token_statistics = reference.token_statistics     # torch ops on every device: no kernel of its own
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,

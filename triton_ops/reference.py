@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "linear_cross_entropy",
+    "token_statistics",
     "LinearCrossEntropyFunction",
     "loss_denominator",
     "rms_norm",
@@ -44,13 +45,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     With z = logits (optionally soft-capped: z = c * tanh(x / c)), lse = logsumexp(z) and
     target y, the token loss is `lse - z_y + z_loss * lse**2` and its gradient with respect to
     the logits is `softmax(z) * (1 + 2 * z_loss * lse) - onehot(y)`, times `1 - tanh**2` when
-    capped. Ignored tokens contribute zero to the loss and to every gradient.
+    capped. Ignored tokens contribute zero to the loss and to every gradient. With
+    `token_weights` w, each token's loss and gradient are multiplied by w_t instead of divided by
+    the mean's denominator.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens,
+                token_weights=None):
         T, H = hidden.shape
-        denom = loss_denominator(labels, ignore_index, reduction, num_items_in_batch)
+        denom = loss_denominator(labels, ignore_index, reduction, num_items_in_batch) if token_weights is None else 1.0
         need_dh = ctx.needs_input_grad[0]
         need_dw = ctx.needs_input_grad[1]
         dh = torch.zeros_like(hidden) if need_dh else None
@@ -72,6 +76,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             tok_loss = lse - target
             if z_loss:
                 tok_loss = tok_loss + z_loss * lse * lse
+            w = None if token_weights is None else token_weights[s:s + chunk].to(acc)   # (C,)
+            if w is not None:
+                tok_loss = tok_loss * w
             total += torch.where(valid, tok_loss, torch.zeros_like(tok_loss)).sum()
             if not (need_dh or need_dw):
                 continue
@@ -82,7 +89,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if softcap is not None:
                 g = g * (1.0 - t * t)
             # Ignored rows are exactly zero (not 0/0 when every token of the batch is ignored).
-            g = torch.where(valid[:, None], g / denom, torch.zeros_like(g))
+            g = g / denom if w is None else g * w[:, None]
+            g = torch.where(valid[:, None], g, torch.zeros_like(g))
             if need_dh:
                 dh[s:s + chunk] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_dw:
@@ -96,7 +104,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         gh = dh * grad_loss.to(dh.dtype) if ctx.needs_input_grad[0] else None
         gw = dw * grad_loss.to(dw.dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -110,6 +118,7 @@ def linear_cross_entropy(
     softcap: float | None = None,
     z_loss: float = 0.0,
     chunk_tokens: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without materializing the logits.
 
@@ -122,6 +131,10 @@ def linear_cross_entropy(
         softcap: optional logit soft-capping, logits = softcap * tanh(logits / softcap).
         z_loss: coefficient of the auxiliary lse**2 term.
         chunk_tokens: tokens per chunk (default: 4096 rows at a time).
+        token_weights: optional (T,) fp32 weight of each token's loss: the loss is then
+            `sum_t token_weights[t] * loss_t` (`reduction` and `num_items_in_batch` are not used),
+            the gradient of any loss that is a function of the per-token log-probabilities
+            (w_t = -d loss / d log p_t).
 
     Returns:
         Scalar fp32 loss; its backward yields the gradients already computed in forward.
@@ -129,8 +142,43 @@ def linear_cross_entropy(
     if chunk_tokens is None:
         chunk_tokens = 4096
     return LinearCrossEntropyFunction.apply(
-        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens
+        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens,
+        token_weights,
     )
+
+
+@torch.no_grad()
+def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token statistics of the distribution `softmax(hidden @ weight.T)`, without the (T, V) logits.
+
+    Args:
+        hidden: (T, H) final hidden states.
+        weight: (V, H) lm_head weight.
+        labels: (T,) target ids; `ignore_index` entries get zeros (False).
+        chunk_tokens: tokens per chunk (default: as many as make 256 MiB of fp32 logits, so that
+            the few (C, V) temporaries stay near 1 GiB whatever the vocabulary).
+
+    Returns:
+        log_probs (T,) fp32 `log p(label)`, entropy (T,) fp32 of the distribution, and is_top1
+        (T,) bool: the label is the most likely token. No gradient.
+    """
+    T, V = hidden.shape[0], weight.shape[0]
+    chunk = int(chunk_tokens or max(64, (256 << 20) // (4 * V) // 64 * 64))
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    log_probs = torch.zeros(T, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device)
+    is_top1 = torch.zeros(T, dtype=torch.bool, device=hidden.device)
+    for s in range(0, T, chunk):
+        y = labels[s:s + chunk]                                               # (C,)
+        valid = y != ignore_index
+        logits = (hidden[s:s + chunk].to(weight.dtype) @ weight.t()).to(acc)  # (C, V)
+        lsm = torch.log_softmax(logits, dim=-1)
+        safe_y = torch.where(valid, y, torch.zeros_like(y))
+        log_probs[s:s + chunk] = torch.where(valid, lsm.gather(1, safe_y[:, None]).squeeze(1), 0.0).float()
+        entropy[s:s + chunk] = torch.where(valid, -(lsm.exp() * lsm).sum(-1), 0.0).float()
+        is_top1[s:s + chunk] = valid & (logits.argmax(-1) == y)
+    return log_probs, entropy, is_top1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

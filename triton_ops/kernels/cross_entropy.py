@@ -55,6 +55,7 @@ def _ce_fwd_bwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
@@ -65,7 +66,8 @@ def _ce_fwd_bwd_kernel(
         loss = lse - z[y] + z_loss * lse**2           (0 when y == ignore_index)
         g    = (softmax(z) * (1 + 2 * z_loss * lse) - onehot(y)) * (1 - tanh**2) * inv_denom
     `g` overwrites x (rows with an ignored label get zeros). inv_denom is read from memory so
-    that the mean's token count never has to reach the host.
+    that the mean's token count never has to reach the host; with ROW_SCALE it holds one factor
+    per row (a token's weight) instead of one for all.
     """
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_stride
@@ -101,7 +103,10 @@ def _ce_fwd_bwd_kernel(
         tl.store(loss_ptr + row, loss)
         if WRITE_GRAD:
             # Pass 2: the gradient, written over the logits it was computed from.
-            scale = tl.load(inv_denom_ptr)
+            if ROW_SCALE:
+                scale = tl.load(inv_denom_ptr + row)
+            else:
+                scale = tl.load(inv_denom_ptr)
             p_scale = scale
             if HAS_Z_LOSS:
                 p_scale = scale * (1.0 + 2.0 * z_loss * lse)
@@ -130,6 +135,7 @@ def cross_entropy_rows_(
     softcap: float | None = None,
     z_loss: float = 0.0,
     write_grad: bool = True,
+    row_scale: bool = False,
 ) -> None:
     """Launch the row kernel: loss per row into `loss_out`, gradient over `logits` in place.
 
@@ -137,7 +143,8 @@ def cross_entropy_rows_(
         logits: (C, V) logits, last dimension contiguous; overwritten by d loss / d logits.
         labels: (C,) int targets.
         loss_out: (C,) fp32 per-token losses (0 for ignored tokens).
-        inv_denom: (1,) fp32 factor applied to the gradient (1 / the mean's denominator).
+        inv_denom: (1,) fp32 factor applied to the gradient (1 / the mean's denominator), or (C,)
+            one factor per row with `row_scale`.
     """
     C, V = logits.shape
     if C == 0:
@@ -148,6 +155,7 @@ def cross_entropy_rows_(
         logits, logits.stride(0), labels, loss_out, inv_denom, V, ignore_index,
         float(softcap) if softcap is not None else 1.0, float(z_loss),
         HAS_SOFTCAP=softcap is not None, HAS_Z_LOSS=bool(z_loss), WRITE_GRAD=write_grad,
+        ROW_SCALE=row_scale,
         BLOCK=block, EMULATE_RNE=not logits.is_cuda, num_warps=num_warps,
     )
 
@@ -187,8 +195,9 @@ def _inv_denominator(labels, ignore_index, reduction, num_items_in_batch, device
 
 
 def chunked_loss_and_grads(hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-                           need_dh, need_dw):
+                           need_dh, need_dw, row_scale=False):
     """The chunk loop. Returns loss_rows (T,) fp32, dh (T, H) or None, dW (V, H) or None.
+    `inv_denom` is (1,), or (T,) per-token factors with `row_scale`.
 
     Every matmul writes into preallocated memory (`out=`), dW is updated by `addmm_` with
     beta = 1 (the first chunk writes it), and the chunk's logits buffer is reused in place.
@@ -205,8 +214,9 @@ def chunked_loss_and_grads(hidden, weight, labels, inv_denom, ignore_index, soft
         h_c = hidden[start:end]                                              # (c, H)
         buf = logits_buf[: end - start]                                      # (c, V)
         torch.mm(h_c, weight.t(), out=buf)
-        cross_entropy_rows_(buf, labels[start:end], loss_rows[start:end], inv_denom,
-                            ignore_index, softcap, z_loss, write_grad=need_dh or need_dw)
+        cross_entropy_rows_(buf, labels[start:end], loss_rows[start:end],
+                            inv_denom[start:end] if row_scale else inv_denom,
+                            ignore_index, softcap, z_loss, write_grad=need_dh or need_dw, row_scale=row_scale)
         if need_dh:
             torch.mm(buf, weight, out=dh[start:end])
         if need_dw:
@@ -227,20 +237,24 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss,
-                chunk_tokens):
+                chunk_tokens, token_weights=None):
         T, H = hidden.shape
         V = weight.shape[0]
         out_dtype = hidden.dtype
         hidden = hidden.to(weight.dtype).contiguous()                         # (T, H)
         weight = weight.contiguous()                                          # (V, H)
         labels = labels.reshape(-1).contiguous()                              # (T,)
-        inv_denom = _inv_denominator(labels, ignore_index, reduction, num_items_in_batch, hidden.device)
+        weighted = token_weights is not None
+        if weighted:
+            scale = token_weights.reshape(-1).to(device=hidden.device, dtype=torch.float32).contiguous()  # (T,)
+        else:
+            scale = _inv_denominator(labels, ignore_index, reduction, num_items_in_batch, hidden.device)  # (1,)
         chunk = int(chunk_tokens or default_chunk_tokens(T, H, V, weight.dtype, hidden.device))
         chunk = max(1, min(chunk, T))
         loss_rows, dh, dw = chunked_loss_and_grads(
-            hidden, weight, labels, inv_denom, ignore_index, softcap, z_loss, chunk,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        loss = loss_rows.sum() * inv_denom.squeeze(0)
+            hidden, weight, labels, scale, ignore_index, softcap, z_loss, chunk,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1], row_scale=weighted)
+        loss = (loss_rows * scale).sum() if weighted else loss_rows.sum() * scale.squeeze(0)
         ctx.dh = dh.to(out_dtype) if dh is not None else None
         ctx.dw = dw
         return loss
@@ -257,15 +271,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             dh.mul_(g.to(dh.dtype))
         if dw is not None:
             dw.mul_(g.to(dw.dtype))
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                          reduction: str = "mean", num_items_in_batch=None, softcap: float | None = None,
-                         z_loss: float = 0.0, chunk_tokens: int | None = None) -> torch.Tensor:
+                         z_loss: float = 0.0, chunk_tokens: int | None = None,
+                         token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Triton/cuBLAS cross-entropy of `hidden @ weight.T`: the arguments and the math are
     `triton_ops.reference.linear_cross_entropy`'s; `chunk_tokens` defaults to
     `default_chunk_tokens`. A scalar fp32 loss."""
     return LinearCrossEntropyFunction.apply(
-        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens
+        hidden, weight, labels, ignore_index, reduction, num_items_in_batch, softcap, z_loss, chunk_tokens,
+        token_weights,
     )
