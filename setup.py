@@ -24,7 +24,10 @@ setup(
         # kvikio (GPUDirect Storage) for the disk layer: 'nvme' for CUDA 13, 'nvme-cu12' for CUDA 12.
         "nvme": ["kvikio-cu13"],
         "nvme-cu12": ["kvikio-cu12"],
-        "test": ["pytest>=8", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "triton>=3.0"],
+        # TRL's SFTTrainer / DPOTrainer on a slid model (docs/integration.md, "TRL").
+        "trl": ["trl>=1.16", "datasets"],
+        "test": ["pytest>=8", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "triton>=3.0", "trl>=1.16",
+                 "datasets"],
     },
     entry_points={"console_scripts": ["hf-slideformer=hf_slideformer.cli:main"]},
 )

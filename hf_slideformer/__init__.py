@@ -21,6 +21,7 @@ _LAZY = {  # the HF integration imports transformers.Trainer: loaded on first us
     "SlideArgs": "training_args", "SlideArgsError": "training_args", "SlideTrainer": "trainer",
     "SlidePlugin": "accelerate_plugin", "SlideAccelerator": "accelerate_plugin",
     "save_training_state": "train_checkpoint", "load_training_state": "train_checkpoint",
+    "SlideSFTConfig": "trl_support", "SlideDPOConfig": "trl_support",     # need trl
 }
 
 
@@ -43,7 +44,7 @@ def __getattr__(name):
 
         module = _LAZY[name]
         value = getattr(importlib.import_module(f".{module}", __name__), name)
-        if module in ("training_args", "trainer"):
+        if module in ("training_args", "trainer", "trl_support"):
             install_trainer_hook()
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

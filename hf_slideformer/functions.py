@@ -161,7 +161,8 @@ class HeadFunction(torch.autograd.Function):
 
 
 class TokenHeadFunction(torch.autograd.Function):
-    """h (B, S, H) -> per-token (log p(label), entropy, is_top1), each (B, S), through the head.
+    """h (B, S, H) -> per-token statistics (`LossHead.token_statistics`), each (B, S), through the
+    head; only the first, log p(label), carries a gradient.
 
     Note: [Why a per-token head computes its gradients in backward] a loss that the caller makes
     from per-token log-probabilities (an SFT mean, DPO's per-sequence sums, weighted tokens)
@@ -175,13 +176,13 @@ class TokenHeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, engine, shift_labels):
         ctx.engine, ctx.gen, ctx.labels = engine, engine.generation, shift_labels
-        log_probs, entropy, is_top1 = engine.head.token_statistics(h, shift_labels)
+        log_probs, *rest = engine.head.token_statistics(h, shift_labels)
         ctx.save_for_backward(h)
-        ctx.mark_non_differentiable(entropy, is_top1)
-        return log_probs, entropy, is_top1
+        ctx.mark_non_differentiable(*rest)
+        return (log_probs, *rest)
 
     @staticmethod
-    def backward(ctx, g_log_probs, _g_entropy, _g_top1):
+    def backward(ctx, g_log_probs, *_):
         eng = ctx.engine
         eng.check_generation(ctx.gen)
         (h,) = ctx.saved_tensors

@@ -167,8 +167,9 @@ class LossHead:
             raise
 
     def token_statistics(self, h, shift_labels):
-        """Per-token (log p(label), entropy, is the label the argmax) of h (B, S, H) against
-        `shift_labels` (B, S), each (B, S), without gradients or logits (`triton_ops.token_statistics`)."""
+        """Per-token (log p(label), entropy, is the label the argmax, the logits' mean, log sum p**2) of
+        h (B, S, H) against `shift_labels` (B, S), each (B, S), without gradients or logits
+        (`triton_ops.token_statistics`)."""
         from triton_ops import token_statistics
         e, hu = self.engine, self.unit
         slot, hv, W = self._weights()

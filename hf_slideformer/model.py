@@ -255,10 +255,12 @@ class FusedLMHeadOutput(ModelOutput):
             when not given): the causal-LM loss.
         log_probs: (B, S - 1) log-probability of each next-token label (zero where it is -100);
             (B, S) with `shift_labels`. Differentiable: any loss made from it trains the model.
-        entropy: entropy of each next-token distribution (no gradient).
+        entropy: entropy of each next-token distribution (no gradient, as the fields below).
         is_top1: whether each label is the most likely token.
+        mean_logits: the mean of each position's logits over the vocabulary.
+        log_sum_sq_probs: log(sum_v p_v**2) of each next-token distribution.
         label_mask: whether each label is not -100.
-        log_sum_sq_probs, mean_logits, aux_loss: not computed (None).
+        aux_loss: not computed (None).
     """
 
     loss: torch.Tensor | None = None
@@ -324,7 +326,9 @@ class SlideModel:
         """A `SlideOptimizer` (AdamW) over this model's master weights.
 
         Args:
-            lr, betas, eps, weight_decay: as torch.optim.AdamW.
+            lr, betas, eps: as torch.optim.AdamW.
+            weight_decay: decoupled weight decay; default 0.0, as the HF Trainer's and
+                `SlideOptimizer`'s (torch.optim.AdamW's default is 0.01).
             param_groups: optional param-group dicts (e.g. decay / no-decay); default: one group.
         """
         params = param_groups if param_groups is not None else list(self.parameters())
@@ -410,15 +414,17 @@ class SlideModel:
         sl = sl.to(eng.device, torch.long)                          # (B, S)
         if torch.is_grad_enabled() and h.requires_grad:
             from .functions import TokenHeadFunction
-            log_probs, entropy, is_top1 = TokenHeadFunction.apply(h, eng, sl)
+            stats = TokenHeadFunction.apply(h, eng, sl)
         else:
-            log_probs, entropy, is_top1 = eng.head.token_statistics(h, sl)
+            stats = eng.head.token_statistics(h, sl)
         if shift_labels is None:                                    # the last position has no next token
-            log_probs, entropy, is_top1, sl = log_probs[:, :-1], entropy[:, :-1], is_top1[:, :-1], sl[:, :-1]
+            stats, sl = [x[:, :-1] for x in stats], sl[:, :-1]
+        log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs = stats
         mask = sl != -100
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -log_probs.sum() / (count.to(log_probs.device) if torch.is_tensor(count) else count)
-        return FusedLMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
+        return FusedLMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask,
+                                 mean_logits=mean_logits, log_sum_sq_probs=log_sum_sq_probs)
 
     def __setattr__(self, name, value):
         # Note: [Why TRL's fused LM head is not installed on a slid model] TRL's trainers replace

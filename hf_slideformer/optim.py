@@ -187,11 +187,13 @@ class SlideOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters of the slid model, or param-group dicts.
         engine: the model's SlideEngine (`model.slide_engine`).
-        lr, betas, eps, weight_decay, maximize: as torch.optim.AdamW.
+        lr, betas, eps, maximize: as torch.optim.AdamW.
+        weight_decay: decoupled weight decay, as torch.optim.AdamW's; the default is 0.0, the HF
+            Trainer's and `model.create_optimizer`'s (torch's own default is 0.01: pass it for that).
     """
 
     def __init__(self, params: Iterable, engine, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, amsgrad: bool = False, maximize: bool = False, **unused):
+                 weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False, **unused):
         if amsgrad:
             raise ValueError("SlideOptimizer does not support amsgrad=True")
         for k in unused:

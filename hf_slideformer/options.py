@@ -312,7 +312,9 @@ def option_fields(settings: dict[str, Option], surface: str, prefix: str = "") -
         for opt in settings.values():
             if surface in opt.surfaces:
                 annotations[prefix + opt.name] = opt.annotation
-                setattr(cls, prefix + opt.name, field(default=opt.default, metadata={"help": opt.help}))
+                # argparse formats help texts with %: a literal one is doubled (HfArgumentParser's --help).
+                setattr(cls, prefix + opt.name, field(default=opt.default,
+                                                      metadata={"help": opt.help.replace("%", "%%")}))
         cls.__annotations__ = annotations
         return cls
     return add

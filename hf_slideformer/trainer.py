@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 import logging
 import math
 import os
@@ -152,7 +153,7 @@ class SlideTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if not is_slid(self.model):
             raise SlideStateError("the Trainer's model is not slid; refusing to train it unslid")
-        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None   # a BatchEncoding too
         if ids is not None:
             self._slide_tokens += ids.numel()
         return super().training_step(model, inputs, num_items_in_batch)

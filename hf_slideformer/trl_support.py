@@ -19,7 +19,7 @@ __all__ = ["adopt_forward", "check_trainer", "slide_config_class", "SUPPORTED_TR
            "SlideDPOConfig"]
 
 # The per-token fields the engine's head computes (FusedLMHeadOutput); TRL asks for a subset.
-_HEAD_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1"})
+_HEAD_OUTPUTS = frozenset({"log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs"})
 SUPPORTED_TRAINERS = ("SFTTrainer", "DPOTrainer")
 
 
@@ -34,7 +34,7 @@ def adopt_forward(model, fn) -> bool:
 
     See note [Why TRL's fused LM head is not installed on a slid model] (model.py). What the patch
     asks for beyond the engine's head is refused: a temperature other than 1, logit scaling or
-    soft-capping, per-token fields other than log-probabilities, entropies and top-1 hits.
+    soft-capping, per-token fields other than `FusedLMHeadOutput`'s.
     """
     func = getattr(fn, "__func__", fn)
     code = getattr(func, "__code__", None)           # not its __name__ / __module__: functools.wraps copies them
@@ -55,7 +55,7 @@ def adopt_forward(model, fn) -> bool:
     if asked:
         raise NotImplementedError(
             f"TRL's fused LM head asks for {', '.join(asked)}, which the sliding engine's head does not compute "
-            f"(it scores log-probabilities, entropies and top-1 hits at temperature 1). Supported TRL trainers: "
+            f"(it scores at temperature 1: log-probabilities, entropies, top-1 hits, mean logits, log sum p**2). Supported TRL trainers: "
             f"{', '.join(SUPPORTED_TRAINERS)}.")
     logger.debug("TRL's fused LM head on %s: answered by the sliding engine's head", type(model).__name__)
     return True

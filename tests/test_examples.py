@@ -68,3 +68,11 @@ def test_train_trainer_runs_shorter_than_logging_steps_and_resumes(tmp_path):
     b = last_json(second.stdout)
     assert b["global_step"] == 4 and b["eval_loss"] == a["eval_loss"]     # exact resume: the same final weights
     assert [p.name for p in (tmp_path / "b").glob("checkpoint-*")] == ["checkpoint-4"]   # steps 3 and 4 only
+
+
+def test_every_python_example_answers_help():
+    """`--help` of an `HfArgumentParser(SlideArgs)` script formats every help text (a bare % broke it)."""
+    for script in sorted(p.name for p in EXAMPLES.glob("*.py")):
+        proc = run_example(script, "--help")
+        assert proc.returncode == 0, f"{script} --help: {proc.stderr[-2000:]}"
+        assert "usage" in proc.stdout.lower(), script

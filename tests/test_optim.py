@@ -1,6 +1,7 @@
 """`optim.apply_adamw`: the fused AdamW on a unit's flat master, whole or piece by piece."""
 import torch
 
+import hf_slideformer as hs
 from hf_slideformer import optim
 from hf_slideformer.store import ParamEntry, Unit
 
@@ -78,3 +79,13 @@ def test_apply_adamw_follows_torch_adamw_with_clipping_and_a_skipped_step():
     torch.testing.assert_close(u.master, torch.cat([p.detach().reshape(-1) for p in params]), rtol=1.3e-6, atol=1e-7)
     torch.testing.assert_close(u.exp_avg_sq, torch.cat([ref.state[p]["exp_avg_sq"].reshape(-1) for p in params]),
                                rtol=1.3e-6, atol=1e-9)
+
+
+def test_one_default_weight_decay():
+    """`model.create_optimizer()` and `SlideOptimizer(...)` decay alike by default (0.0, the HF Trainer's)."""
+    from helpers import make_pair
+
+    _, slid = make_pair("llama")
+    built = slid.create_optimizer().defaults["weight_decay"]
+    direct = hs.SlideOptimizer(list(slid.parameters()), slid.slide_engine).defaults["weight_decay"]
+    assert built == direct == 0.0

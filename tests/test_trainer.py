@@ -231,7 +231,6 @@ def test_hf_argument_parser_exposes_slide_fields(tmp_path):
     (dict(deepspeed={"zero_optimization": {"stage": 2}}), "DeepSpeed"),
     (dict(fsdp="full_shard"), "FSDP"),
     (dict(optim="sgd"), "AdamW"),
-    (dict(gradient_checkpointing=True), "recomputes"),
     (dict(label_smoothing_factor=0.1), "logits"),
     (dict(slide_window=0), "window"),
     (dict(slide_activation_tier="disk"), "slide_activation_tier"),
@@ -240,6 +239,34 @@ def test_hf_argument_parser_exposes_slide_fields(tmp_path):
 def test_contradictory_settings_are_rejected(tmp_path, kw, match):
     with pytest.raises(SlideArgsError, match=match):
         hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, report_to=[], **kw)
+
+
+@pytest.mark.parametrize("name", ["gradient_checkpointing", "activation_checkpointing"])
+def test_checkpointing_is_accepted_and_changes_nothing(tmp_path, name):
+    """TRL's configs turn checkpointing on by default: the engine's recompute is that saving already."""
+    args = hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, report_to=[], **{name: True})
+    assert not args.gradient_checkpointing and not getattr(args, "activation_checkpointing", False)
+
+
+def test_a_plain_trainer_given_a_slid_model_slides_and_logs_its_norm(tmp_path):
+    """Plain TrainingArguments, the optimizer built by hand and checkpointing asked on the model:
+    the Trainer becomes a sliding one and trains as the plain Trainer on the plain model."""
+    ref, model = tiny_model(), tiny_model()
+    data = tiny_data()
+    plain = Trainer(model=ref, args=TrainingArguments(**trainer_args(tmp_path, "plain")), train_dataset=data)
+    plain.train()
+    model = hs.slide(model, hs.SlideConfig(device="cpu", dtype=torch.float32))
+    model.gradient_checkpointing_enable()                 # a no-op on a slid model
+    groups = [{"params": [p for n, p in model.named_parameters() if p.dim() > 1], "weight_decay": 0.1},
+              {"params": [p for n, p in model.named_parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+    sliding = Trainer(model=model, args=TrainingArguments(**trainer_args(tmp_path, "slide")), train_dataset=data,
+                      optimizers=(model.create_optimizer(lr=1e-2, param_groups=groups, weight_decay=0.1), None))
+    sliding.train()
+    assert isinstance(sliding, hs.SlideTrainer) and isinstance(sliding.args, hs.SlideArgs)
+    torch.testing.assert_close(torch.tensor(losses(sliding)), torch.tensor(losses(plain)), rtol=RTOL, atol=ATOL)
+    norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (plain, sliding)]
+    assert min(norms[1]) > 0
+    torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("env", [{"ACCELERATE_USE_DEEPSPEED": "true"}, {"ACCELERATE_USE_FSDP": "true"}])

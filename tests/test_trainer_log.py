@@ -45,3 +45,22 @@ def test_a_non_finite_step_is_logged_as_it_is(tmp_path, max_grad_norm, caplog):
     if max_grad_norm:                                                       # the plain Trainer logs its norm then
         assert all(math.isnan(n) for n in logged(plain, "grad_norm"))
     assert "step 1: the gradient norm is nan" in caplog.text
+
+
+def test_tokens_per_second_counts_the_batches_of_hf_collators(tmp_path):
+    """DataCollatorForLanguageModeling returns a BatchEncoding (a Mapping, not a dict)."""
+    from transformers import BatchEncoding
+
+    def collate(rows):
+        ids = torch.stack([r["input_ids"] for r in rows])
+        return BatchEncoding({"input_ids": ids, "labels": ids.clone()})
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    trainer = hs.SlideTrainer(model=model, args=hs.SlideArgs(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[],
+        use_cpu=True, save_strategy="no", disable_tqdm=True), train_dataset=data(), data_collator=collate)
+    trainer.train()
+    rates = logged(trainer, "tokens_per_s")
+    assert len(rates) == 2 and all(r > 0 for r in rates)

@@ -42,3 +42,27 @@ def test_trainer_fields_reach_the_engine(tmp_path):
                slide_expandable_segments=False).to_slide_config()
     assert (cfg.gradient_accumulation_steps, cfg.max_grad_norm, cfg.host_adam) == (3, None, "torch")
     assert cfg.expandable_segments is False
+
+
+def test_every_slide_option_round_trips_through_hf_argument_parser(tmp_path):
+    """Each `slide_*` field parses from its own command-line flag back to its default, and --help formats."""
+    import contextlib
+    import io
+
+    from transformers import HfArgumentParser
+
+    from hf_slideformer.config import SETTINGS
+
+    parser = HfArgumentParser(hs.SlideArgs)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--help"])
+    assert "--slide_window" in text.getvalue()
+    argv = ["--output_dir", str(tmp_path), "--use_cpu"]
+    defaults = hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True)
+    for name, opt in SETTINGS.items():
+        value = getattr(defaults, "slide_" + name, None)
+        if "args" in opt.surfaces and value is not None:
+            argv += ["--slide_" + name, str(value)]
+    (args,) = parser.parse_args_into_dataclasses(argv)
+    assert args.to_slide_config() == defaults.to_slide_config()

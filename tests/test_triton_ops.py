@@ -229,13 +229,17 @@ def test_token_weights_give_the_gradient_of_a_weighted_token_loss():
 
 def test_token_statistics_match_materialized_logits():
     hidden, weight, labels = _lce_inputs(45, 16, 60, torch.float64, "cpu")
-    log_probs, entropy, is_top1 = triton_ops.token_statistics(hidden, weight, labels, chunk_tokens=8)
-    lsm = torch.log_softmax(hidden @ weight.t(), -1)
+    log_probs, entropy, is_top1, mean_logits, log_sum_sq = triton_ops.token_statistics(hidden, weight, labels,
+                                                                                       chunk_tokens=8)
+    logits = hidden @ weight.t()
+    lsm = torch.log_softmax(logits, -1)
     valid = labels != -100
     safe = labels.clamp(min=0)
     torch.testing.assert_close(log_probs.double(), torch.where(valid, lsm.gather(1, safe[:, None])[:, 0], 0.0))
     torch.testing.assert_close(entropy.double(), torch.where(valid, -(lsm.exp() * lsm).sum(-1), 0.0))
     assert torch.equal(is_top1, valid & (lsm.argmax(-1) == labels))
+    torch.testing.assert_close(mean_logits.double(), torch.where(valid, logits.mean(-1), 0.0))
+    torch.testing.assert_close(log_sum_sq.double(), torch.where(valid, (lsm.exp() ** 2).sum(-1).log(), 0.0))
     assert not log_probs.requires_grad
 
 

@@ -149,7 +149,7 @@ def linear_cross_entropy(
 
 @torch.no_grad()
 def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
-                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
     """Per-token statistics of the distribution `softmax(hidden @ weight.T)`, without the (T, V) logits.
 
     Args:
@@ -160,15 +160,16 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
             the few (C, V) temporaries stay near 1 GiB whatever the vocabulary).
 
     Returns:
-        log_probs (T,) fp32 `log p(label)`, entropy (T,) fp32 of the distribution, and is_top1
-        (T,) bool: the label is the most likely token. No gradient.
+        (T,) each, fp32 unless said: `log_probs` log p(label); `entropy` of the distribution;
+        `is_top1` (bool) the label is the most likely token; `mean_logits` the logits' mean over
+        the vocabulary; `log_sum_sq_probs` log(sum_v p_v**2). No gradient.
     """
     T, V = hidden.shape[0], weight.shape[0]
     chunk = int(chunk_tokens or max(64, (256 << 20) // (4 * V) // 64 * 64))
     acc = torch.promote_types(weight.dtype, torch.float32)
-    log_probs = torch.zeros(T, dtype=torch.float32, device=hidden.device)
-    entropy = torch.zeros(T, dtype=torch.float32, device=hidden.device)
-    is_top1 = torch.zeros(T, dtype=torch.bool, device=hidden.device)
+    out = [torch.zeros(T, dtype=torch.float32, device=hidden.device) for _ in range(5)]
+    out[2] = out[2].bool()
+    log_probs, entropy, is_top1, mean_logits, log_sum_sq = out
     for s in range(0, T, chunk):
         y = labels[s:s + chunk]                                               # (C,)
         valid = y != ignore_index
@@ -178,7 +179,9 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         log_probs[s:s + chunk] = torch.where(valid, lsm.gather(1, safe_y[:, None]).squeeze(1), 0.0).float()
         entropy[s:s + chunk] = torch.where(valid, -(lsm.exp() * lsm).sum(-1), 0.0).float()
         is_top1[s:s + chunk] = valid & (logits.argmax(-1) == y)
-    return log_probs, entropy, is_top1
+        mean_logits[s:s + chunk] = torch.where(valid, logits.mean(-1), 0.0).float()
+        log_sum_sq[s:s + chunk] = torch.where(valid, torch.logsumexp(2 * lsm, dim=-1), 0.0).float()
+    return log_probs, entropy, is_top1, mean_logits, log_sum_sq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
