@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import logging
 import os
@@ -136,9 +137,9 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         raise ValueError(f"slide() got {type(model).__name__}, a part of a PEFT model: pass the PeftModel that "
                          "get_peft_model returned")
     config = copy.copy(config) if config is not None else SlideConfig()   # the engine's own; the model's is read-only
-    from . import install_trainer_hook
-
-    install_trainer_hook()             # a Trainer (TRL's too) given the slid model slides it (trainer.py)
+    # A Trainer (TRL's too) given the slid model slides it (trainer.py). trainer.py builds on this
+    # module, so it is loaded by name when slide() runs, not imported at the top.
+    importlib.import_module(f"{__package__}.trainer").install_trainer_hook()
     configure_logging(config)
     # Several processes (torchrun): this rank's device, and one shared copy of the state (data_parallel.py).
     dp = DataParallel.from_environment(config, frozen=base is not None
@@ -433,9 +434,8 @@ class SlideModel:
         # answers `fused_lm_head=True` itself with the same fields (`_fused_head`), so that
         # patch is checked for what it asks and then left out (`trl_support.adopt_forward`).
         if name == "forward" and "slide_engine" in self.__dict__:
-            from .trl_support import adopt_forward
-
-            if adopt_forward(self, value):
+            trl_support = importlib.import_module(f"{__package__}.trl_support")   # the HF glue builds on this module
+            if trl_support.adopt_forward(self, value):
                 return
         super().__setattr__(name, value)
 
