@@ -27,7 +27,7 @@ import shutil
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .atomic_save import fsync_dir, fsync_file, leftover_path, remove_leftovers
@@ -106,8 +106,9 @@ def load_weights(model, path) -> None:
         src = aliases.get(n, n)
         by_file.setdefault(weight_map[src], []).append(n)
     mismatched = []
-    bar = tqdm(total=sum(u.numel for u in store.units) * 4, unit="B", unit_scale=True, desc="loading weights",
-               disable=sum(u.numel for u in store.units) < 50_000_000)
+    # HF's own bar: silenced as HF's loading bar is (`transformers.utils.logging.disable_progress_bar()`).
+    bar = hf_logging.tqdm(total=sum(u.numel for u in store.units) * 4, unit="B", unit_scale=True,
+                          desc="loading weights into host memory", disable=sum(u.numel for u in store.units) < 50_000_000)
     with torch.no_grad():
         for fname, names in by_file.items():
             fpath = os.path.join(path, fname)

@@ -7,7 +7,6 @@ host fp32 masters, and its forward runs through the sliding engine.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import importlib
 import inspect
@@ -19,13 +18,12 @@ import weakref
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import ModelOutput
 
 from .config import SlideConfig, configure_logging
 from .data_parallel import DataParallel
 from .engine import SlideEngine
+from .fused_head import FusedLMHeadOutput, fused_head
 from .lora import peft_base, refuse_outside_layers
 from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
@@ -246,34 +244,6 @@ def _install_proxies(model, adapter, engine) -> None:
     adapter.final_norm(model).forward = lambda hidden_states, *a, **k: hidden_states   # applied by the head
 
 
-@dataclasses.dataclass
-class FusedLMHeadOutput(ModelOutput):
-    """What `model(..., labels=labels, fused_lm_head=True)` returns: per-token statistics of the
-    next-token distribution instead of logits (the fields of TRL's fused LM head output).
-
-    Attributes:
-        loss: minus the summed `log_probs` over `num_items_in_batch` (the valid tokens' count
-            when not given): the causal-LM loss.
-        log_probs: (B, S - 1) log-probability of each next-token label (zero where it is -100);
-            (B, S) with `shift_labels`. Differentiable: any loss made from it trains the model.
-        entropy: entropy of each next-token distribution (no gradient, as the fields below).
-        is_top1: whether each label is the most likely token.
-        mean_logits: the mean of each position's logits over the vocabulary.
-        log_sum_sq_probs: log(sum_v p_v**2) of each next-token distribution.
-        label_mask: whether each label is not -100.
-        aux_loss: not computed (None).
-    """
-
-    loss: torch.Tensor | None = None
-    log_probs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    log_sum_sq_probs: torch.Tensor | None = None
-    mean_logits: torch.Tensor | None = None
-    is_top1: torch.Tensor | None = None
-    label_mask: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
-
-
 class SlideModel:
     """Mixin of every slid model; also the entry point `SlideModel.from_pretrained`.
 
@@ -394,7 +364,10 @@ class SlideModel:
         if fused_lm_head:
             if labels is None and shift_labels is None:
                 raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores each next-token label")
-            return self._fused_head(h, labels, shift_labels, num_items_in_batch)
+            out = fused_head(eng, h, labels, shift_labels, num_items_in_batch)
+            if torch.is_grad_enabled():
+                eng.stats.forward_s += time.perf_counter() - t0
+            return out
         if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(logits=eng.head.logits(h, logits_to_keep))
         if labels is not None:
@@ -409,29 +382,11 @@ class SlideModel:
             loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss)
 
-    def _fused_head(self, h, labels, shift_labels, num_items_in_batch) -> FusedLMHeadOutput:
-        eng = self.slide_engine
-        sl = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=-100)[..., 1:]
-        sl = sl.to(eng.device, torch.long)                          # (B, S)
-        if torch.is_grad_enabled() and h.requires_grad:
-            from .functions import TokenHeadFunction
-            stats = TokenHeadFunction.apply(h, eng, sl)
-        else:
-            stats = eng.head.token_statistics(h, sl)
-        if shift_labels is None:                                    # the last position has no next token
-            stats, sl = [x[:, :-1] for x in stats], sl[:, :-1]
-        log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs = stats
-        mask = sl != -100
-        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -log_probs.sum() / (count.to(log_probs.device) if torch.is_tensor(count) else count)
-        return FusedLMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask,
-                                 mean_logits=mean_logits, log_sum_sq_probs=log_sum_sq_probs)
-
     def __setattr__(self, name, value):
         # Note: [Why TRL's fused LM head is not installed on a slid model] TRL's trainers replace
         # `model.forward` by one that runs the decoder stack and scores `lm_head.weight` itself,
         # so the engine's head, where its backward starts, would be bypassed. The slid forward
-        # answers `fused_lm_head=True` itself with the same fields (`_fused_head`), so that
+        # answers `fused_lm_head=True` itself with the same fields (`fused_head.fused_head`), so that
         # patch is checked for what it asks and then left out (`trl_support.adopt_forward`).
         if name == "forward" and "slide_engine" in self.__dict__:
             trl_support = importlib.import_module(f"{__package__}.trl_support")   # the HF glue builds on this module

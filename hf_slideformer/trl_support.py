@@ -2,7 +2,7 @@
 
 TRL's trainers (`SFTTrainer`, `DPOTrainer`) score the next-token labels with a fused LM head
 that they install over `model.forward`; on a slid model the forward answers `fused_lm_head=True`
-itself (`SlideModel._fused_head`), so `adopt_forward` checks what TRL's patch asks for and leaves
+itself (`fused_head.fused_head`), so `adopt_forward` checks what TRL's patch asks for and leaves
 it out. `slide_config_class` makes, for a TRL config class, the class holding its fields and the
 `slide_*` ones (`hs.SlideSFTConfig`, `hs.SlideDPOConfig`); `check_trainer` refuses, at the
 trainer's construction, what cannot work on a slid model. TRL is imported only here and only

@@ -132,7 +132,8 @@ def test_small_helpers():
     assert peak_tflops("NVIDIA H200") == 989.4 and peak_tflops("mystery card") is None
     assert is_cuda_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
     assert not is_cuda_oom(RuntimeError("shape mismatch"))
-    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora", "hf_lora_offload"}
+    assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora", "hf_lora_offload",
+                              "slide_trainer", "slide_sft"}
     assert get_provider("hf").name == "hf"
 
 
@@ -578,3 +579,27 @@ def test_host_adam_rate_with_a_busy_core(tmp_path, capsys):
     assert {"torch fused, fp32 grad", "native, bf16 grad"} <= set(doc["rows"])
     assert all(r["params_per_s"] > 0 for r in doc["rows"].values())
     assert "1 other busy processes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["slide_trainer", "slide_sft"])
+def test_trainer_providers_take_the_slide_providers_step(name):
+    """slide_trainer (SlideTrainer) and slide_sft (TRL's SFTTrainer) on the CPU: the same loss and the
+    same weights after two steps as the slide provider's own loop, in fp32 (TRL's per-token head
+    sums the tokens in another order: 1e-5)."""
+    if name == "slide_sft":
+        pytest.importorskip("trl")
+    from benchmarks.providers.base import random_batch
+
+    spec = RunSpec(provider="slide", model="tiny", seq=32, batches=[2], device="cpu", dtype="float32", lr=1e-3)
+    providers = {}
+    for provider in ("slide", name):
+        providers[provider] = get_provider(provider)(dataclasses.replace(spec, provider=provider))
+        providers[provider].setup()
+    for step in range(2):
+        ids, labels = random_batch(256, 2, 32, torch.device("cpu"), seed=step)
+        losses = [p.train_step(ids, labels) for p in providers.values()]
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    ours, theirs = (dict(p.model.named_parameters()) for p in providers.values())
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        torch.testing.assert_close(theirs[key], ours[key], rtol=0, atol=1e-5)

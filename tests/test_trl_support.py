@@ -1,7 +1,7 @@
 """TRL's SFTTrainer and DPOTrainer on a slid model against the same trainer on the plain model (CPU, fp32).
 
 The slid model answers TRL's `fused_lm_head=True` forward from the engine's own head
-(`SlideModel._fused_head`, `functions.TokenHeadFunction`); the only change to a TRL script is
+(`fused_head.fused_head`, `functions.TokenHeadFunction`); the only change to a TRL script is
 the model. Losses, gradient norms and TRL's metrics agree to 1e-5 relative; weights within 5% of
 one lr=1e-2 update (Adam divides by sqrt(v), amplifying 1e-7 gradient differences, from sums
 taken in another order, where the gradient is ~0; a wrong gradient moves them by a whole step).

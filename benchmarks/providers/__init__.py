@@ -18,6 +18,8 @@ PROVIDERS = {
     "ds2": ("deepspeed_zero", "ZeRO2Provider", True, "DeepSpeed ZeRO-2 + CPU optimizer"),
     "ds3": ("deepspeed_zero", "ZeRO3Provider", True, "DeepSpeed ZeRO-3 + CPU params and optimizer"),
     "resident": ("resident", "ResidentProvider", False, "GPU-resident with triton_ops kernels: the compute bound"),
+    "slide_trainer": ("trainers", "SlideTrainerProvider", True, "hf_slideformer, the step taken by SlideTrainer"),
+    "slide_sft": ("trainers", "SlideSFTProvider", True, "hf_slideformer, the step taken by TRL's SFTTrainer"),
     "slide_lora": ("lora", "SlideLoraProvider", True, "hf_slideformer, PEFT LoRA on every linear layer"),
     "hf_lora": ("lora", "HFLoraProvider", False, "PEFT LoRA on the GPU-resident model (checkpointing, kernels)"),
     "hf_lora_offload": ("lora", "HFLoraOffloadProvider", True, "PEFT LoRA, last decoder layers' frozen base "
