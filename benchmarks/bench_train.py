@@ -9,7 +9,7 @@
 
 Each provider runs in its own process (clean GPU state, its own memory cap, DeepSpeed's
 process group) under a wall-time limit; the parent collects the workers' JSON lines, derives
-tokens/s, model TFLOPS, MFU and the efficiency against the step bound of DESIGN section 6,
+tokens/s, model TFLOPS, MFU and the efficiency against the step bound of docs/benchmarks.md,
 writes JSON and prints the table last. Protocol and columns: docs/benchmarks.md.
 
 With `--nproc N` each provider runs as N processes of one host (data parallel, one GPU each, the
@@ -478,7 +478,7 @@ def _write(doc: dict, path: str | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# derived figures: throughput, FLOPs, the bound of DESIGN section 6
+# derived figures: throughput, FLOPs, the step bound (docs/benchmarks.md, "Protocol and columns")
 # ---------------------------------------------------------------------------------------------
 def _finish(doc: dict, args: argparse.Namespace) -> None:
     rows = doc["results"]
@@ -523,7 +523,8 @@ def _resident_row(path: str, shape: dict) -> dict:
 
 
 def step_bound(row: dict, resident: dict | None, hardware: dict) -> dict:
-    """The largest of the step-time lower bounds of DESIGN section 6, and the row's efficiency against it.
+    """The largest of the step-time lower bounds (docs/benchmarks.md, "Protocol and columns"), and the
+    row's efficiency against it.
 
     - gpu: the `resident` provider's forward + backward time, scaled linearly to this row's tokens;
     - pcie (capped rows): bf16 weights sent twice (forward and backward) and bf16 gradients
@@ -652,7 +653,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-r", type=int, default=16, help="LoRA rank of the slide_lora, hf_lora and "
                     "hf_lora_offload providers")
     ap.add_argument("--peak-tflops", type=float, default=None, help="GPU bf16 peak for MFU (default: by GPU name)")
-    ap.add_argument("--no-probe", action="store_true", help="skip measuring PCIe and CPU Adam (use DESIGN's figures)")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="skip measuring PCIe and CPU Adam (use the H200 machine's figures of docs/benchmarks.md)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--resident-from", default=None, help="JSON of an earlier run of the same shape whose "
                     "`resident` row gives the bound's GPU term when this run has none")

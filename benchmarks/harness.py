@@ -272,11 +272,11 @@ def peak_tflops(gpu_name: str | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# hardware probe: the inputs of the step bound (DESIGN section 6)
+# hardware probe: the inputs of the step bound (docs/benchmarks.md, "Protocol and columns")
 # ---------------------------------------------------------------------------------------------
-# The H200 machine's figures of DESIGN section 6, used where the probe did not run.
+# The H200 machine's figures (docs/benchmarks.md, "The machine"), used where the probe did not run.
 DEFAULT_HARDWARE = {"h2d_gbs": 54.6, "d2h_gbs": 55.2, "duplex_gbs": 43.2, "adam_params_per_s": 3.5e9,
-                    "source": "DESIGN.md section 6 (H200 machine), not measured in this run"}
+                    "source": "the H200 machine's figures (docs/benchmarks.md), not measured in this run"}
 
 
 def run_probe(copy_bytes: int = GIB, adam_params: int = 1 << 29) -> int:

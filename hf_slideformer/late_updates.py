@@ -1,7 +1,7 @@
 """Late updates: updates held for the end of a backward and run during the next forward.
 
 Note: [Why the top layers are updated late] with updates in backward, a layer's AdamW on the CPU
-worker takes about as long as its backward on the GPU (docs/benchmarks.md, "Small GPUs: what the
+worker takes about as long as its backward on the GPU (benchmarks/NOTEBOOK.md, "Small GPUs: what the
 worker does..."), so the worker never makes up what it meets at the front of the backward: with
 the embedding on the host, the embedding's whole-table update (embedding.py: [Why the embedding
 is updated in two parts]), which must follow the head's verdict. The ring then fills, the GPU

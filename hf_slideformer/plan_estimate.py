@@ -2,7 +2,7 @@
 host and GPU memory, PCIe traffic and the step time's terms.
 
 The estimate follows the engine's allocations (engine.py, store.py, activations.py) and the
-performance model of DESIGN.md section 6; its free constants are calibrated on measurements
+step-time bound of docs/benchmarks.md ("Protocol and columns"); its free constants are calibrated on measurements
 of the Llama-3.2-3B and Llama-3.1-8B shapes on an H200 (docs/planner.md has the table). Nothing
 here touches a GPU or builds a model: the parameter counts come from the config's sizes.
 `planner.plan` applies these formulas to one setting; `plan_report` turns the result into text.
@@ -32,7 +32,7 @@ NVME_BUFFERS = 4
 GRAD_BYTES = 2               # a layer's gradient crosses PCIe in the compute dtype (bf16 on CUDA)
 GPU_USABLE = 0.90            # share of the card the caching allocator can fill (fragmentation)
 GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the allocator
-DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (DESIGN.md section 6)
+DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (docs/benchmarks.md, "The machine")
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
 ADAM_GPS = 3.5               # the H200 machine's host AdamW, G params/s, the CPU term was fitted with (torch's fused)
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bound / measured step
@@ -303,7 +303,7 @@ class Estimator:
 
     def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
-        GPU-resident time, DESIGN.md's compute bound)."""
+        GPU-resident time, the benchmark's compute bound)."""
         r = self.rates
         T = B * self.seq
         flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)

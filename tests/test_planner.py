@@ -278,7 +278,7 @@ def test_gpu_bound_plans_suggest_three_gradient_buffers():
                                                             grad_buffers=3, **H200).advice)
 
 
-# Measured on the H200 (docs/benchmarks.md, "Small GPUs"): (shape, GPU cap GiB) -> tokens/s, batch 16
+# Measured on the H200 (benchmarks/NOTEBOOK.md, "Small GPUs"): (shape, GPU cap GiB) -> tokens/s, batch 16
 MEASURED_SMALL_GPU = {("llama3-8b", 12): 9496, ("llama3-8b", 16): 9550, ("llama3-8b", 24): 10234,
                       ("llama3-3b", 9): 20674, ("llama3-3b", 24): 22646}
 
@@ -369,7 +369,7 @@ def test_cli_takes_the_disk(capsys):
 
 
 # ---------------------------------------------------------------- LoRA
-# Measured on the H200 (docs/benchmarks.md, "LoRA on a streamed frozen base", e3fbf73, whose frozen
+# Measured on the H200 (benchmarks/NOTEBOOK.md, "LoRA on a streamed frozen base", e3fbf73, whose frozen
 # base was fp32 masters: 4 B/param): Llama-3.1-8B shape, rank 16 on every linear layer (41.9 M adapter
 # parameters), batch 16 x 2048 under a 24 GiB cap: 7,903 tokens/s, the GPU busy the whole step.
 LORA_8B = dict(step=4.146, alloc=15.1, rss=46.0)
@@ -627,7 +627,7 @@ def test_cli_takes_several_gpus(capsys):
 def test_a_term_close_to_the_bound_sets_the_expected_step():
     """Each term at its own measured efficiency: at 3B batch 8 under 24 GiB the GPU binds, but the
     CPU's AdamW at 0.65 of its rate sets the step (measured 17,214-18,583 tokens/s on the H200);
-    the small-cap rows stay within 10% of their measurements (docs/benchmarks.md, "Small GPUs")."""
+    the small-cap rows stay within 10% of their measurements (benchmarks/NOTEBOOK.md, "Small GPUs")."""
     p = plan(CONFIGS / "llama3-3b.json", batch=8, gpu_mem=24, **H200)
     assert p.bound_by == "gpu" and p.paced_by == "cpu"
     assert rel(p.expected_tokens_per_s, 17_900) < 0.10

@@ -1,5 +1,5 @@
-"""The README's Quick start runs as printed: each Python snippet is extracted and executed on the CPU,
-with its placeholder paths pointing at a tiny saved model (and its tokenizer) and at the bundled corpus."""
+"""The README runs as printed: every Python snippet in it is extracted and executed on the CPU, with its
+placeholder paths pointing at a tiny saved model (and its tokenizer) and at the bundled corpus."""
 import os
 import re
 import subprocess
@@ -20,11 +20,18 @@ def section(title: str) -> str:
     return text[start: end if end >= 0 else None]
 
 
-def python_snippets(title: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", section(title), flags=re.S)
+def python_snippets(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
 
 
-QUICK_START = python_snippets("Quick start")
+def labelled_snippets(title: str) -> dict[str, str]:
+    """The Python snippets of a section, each under the bold label of the paragraph before it
+    (`**TRL** (...)` labels `trl`)."""
+    found = re.findall(r"\n\*\*([^*\n]+)\*\*[^\n]*\n(?:(?!```)[^\n]+\n)*```python\n(.*?)```", section(title), flags=re.S)
+    return {label.split()[-1].lower(): code for label, code in found}
+
+
+QUICK_START = labelled_snippets("Quick start")
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +49,19 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 def test_quick_start_has_the_documented_snippets():
-    assert len(QUICK_START) == 3
-    assert "for batch in loader:" in QUICK_START[0] and "SlideTrainer" in QUICK_START[1]
-    assert "get_peft_model" in QUICK_START[2] and "merge_and_unload" in QUICK_START[2]
+    assert list(QUICK_START) == ["notebook", "slidetrainer", "lora", "trl"]
+    assert "for batch in loader:" in QUICK_START["notebook"] and "SlideTrainer" in QUICK_START["slidetrainer"]
+    assert "get_peft_model" in QUICK_START["lora"] and "merge_and_unload" in QUICK_START["lora"]
+    assert "SFTTrainer(model=hs.SlideModel.from_pretrained(" in QUICK_START["trl"]
 
 
-@pytest.mark.parametrize("snippet", QUICK_START, ids=["own-loop", "trainer", "lora"])
+def test_every_python_snippet_of_the_readme_is_run():
+    """A snippet added anywhere in the README (or one whose label the pattern misses) fails here
+    instead of going unrun."""
+    assert sorted(python_snippets(README.read_text(encoding="utf-8"))) == sorted(QUICK_START.values())
+
+
+@pytest.mark.parametrize("snippet", list(QUICK_START.values()), ids=list(QUICK_START))
 def test_quick_start_snippet_runs_as_printed(snippet, tiny_llama_dir, tmp_path):
     from hf_slideformer.demo import corpus_path
 
@@ -56,7 +70,8 @@ def test_quick_start_snippet_runs_as_printed(snippet, tiny_llama_dir, tmp_path):
     for placeholder, path in placeholders.items():
         code = code.replace(f'"{placeholder}"', repr(path))
     assert not re.search(r'"path/to/', code), "a placeholder the test does not know"
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,7 @@ newer; Triton's interpreter runs them on the CPU):
     logits = h_c @ W.T        (C, V) = (C, H) x (V, H).T   `project_`
     dW    += G_c.T @ h_c      (V, H) = (C, V).T x (C, H)   `accumulate_dw_`
 
-The question they answer (benchmarks/experiments/lce_triton_probe.py; docs/benchmarks.md, "The loss
+The question they answer (benchmarks/experiments/lce_triton_probe.py; benchmarks/NOTEBOOK.md, "The loss
 head's GEMMs"): can the chunked loss head beat cuBLAS where cuBLAS is weakest, the dW update with a
 reduction of only K = C tokens per chunk, which reads and writes the whole (V, H) gradient once
 per chunk? The update's read-modify-write is tried three ways: the old tile loaded before the

@@ -78,7 +78,7 @@ class Provider:
     name: str = ""
     capped: bool = False  # runs under the consumer-card GPU memory cap
     # What the parent passes when the command line leaves --checkpointing / --kernels unset: the
-    # configuration this baseline's users run (DESIGN section 7). None: the setting does not apply.
+    # configuration this baseline's users run (docs/benchmarks.md, "Providers"). None: the setting does not apply.
     default_checkpointing: str | None = None
     default_kernels: str | None = None
     # Trains with several processes of one host (`bench_train.py --nproc N`): each process a rank of

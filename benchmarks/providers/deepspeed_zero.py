@@ -6,7 +6,7 @@
   style; the model is built under `deepspeed.zero.Init` through transformers' own ZeRO-3 path
   (an `HfDeepSpeedConfig` alive while `from_config` runs), so it never exists whole anywhere.
 
-Both run as DeepSpeed's users run them (DESIGN section 7): Hugging Face's gradient checkpointing,
+Both run as DeepSpeed's users run them (docs/benchmarks.md, "Providers"): Hugging Face's gradient checkpointing,
 non-reentrant (on unless `--checkpointing off`; `auto` counts as on, since DeepSpeed's engine
 cannot change it after an OOM), and the fused kernels of `recipe.apply_kernels` (Liger, else
 triton_ops), applied to the model before `deepspeed.initialize`. The fused loss reads
@@ -40,7 +40,7 @@ __all__ = ["ZeRO2Provider", "ZeRO3Provider", "ds_config"]
 
 
 def ds_config(stage: int, micro_batch: int, lr: float) -> dict[str, Any]:
-    """The DeepSpeed config of the benchmark (DESIGN section 7)."""
+    """The DeepSpeed config of the benchmark (docs/benchmarks.md, "Providers")."""
     zero: dict[str, Any] = {
         "stage": stage,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},

@@ -1,6 +1,6 @@
 """How a user of a baseline configures the model: gradient checkpointing and fused kernels.
 
-A baseline is measured as its users run it (DESIGN section 7): Hugging Face's gradient
+A baseline is measured as its users run it (docs/benchmarks.md, "Providers"): Hugging Face's gradient
 checkpointing, non-reentrant, and the fused kernels a Trainer user turns on with
 `use_liger_kernel=True` (RMSNorm, RoPE, SwiGLU and the fused linear cross-entropy that never
 materialises the logits). Liger is used when it imports (and its patch accepts the model);

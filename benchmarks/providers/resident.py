@@ -4,7 +4,7 @@ Same model and optimizer as `hf`, gradient checkpointing off unless the batch ru
 without it (`--checkpointing auto`), the decoder layers patched by `triton_ops.patch(model)`,
 and the loss is `triton_ops.linear_cross_entropy` on the final hidden states, so the (B*S, V)
 logits are never materialised. The forward + backward time of each step is measured separately
-(CUDA events): that is the GPU-compute term of the step bound (DESIGN section 6), the work an
+(CUDA events): that is the GPU-compute term of the step bound (docs/benchmarks.md, "Protocol and columns"), the work an
 offloading engine must hide its transfers and CPU Adam behind.
 """
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""The docs hold no dangling reference: every relative link of README.md, CHANGELOG.md and docs/*.md
+reaches a file (and its anchor a heading), every repository path they name exists, and every
+section they cite by name (`docs/engine.md, "Memory"`) is a heading of that file."""
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Where a section is cited by name: the docs, the notebook and the code's comments and docstrings.
+CITING = DOCS + [ROOT / "benchmarks" / "NOTEBOOK.md"] + sorted(
+    p for folder in ("hf_slideformer", "benchmarks", "tests", "examples", "triton_ops")
+    for p in (ROOT / folder).rglob("*.py") if p.name != "test_docs.py")
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PATH = re.compile(r"(?<![\w./-])((?:docs|benchmarks|examples|scripts|hf_slideformer|tests|triton_ops)/[\w./-]*\w)")
+TOP_DOC = re.compile(r"(?<![\w./-])([A-Z][A-Z_]*)(?:\.md\b|'s figures| section \d)")  # README.md: at the root
+SECTION = re.compile(r"((?:docs/\w+|benchmarks/NOTEBOOK|README|CHANGELOG)\.md)`?,? \(?\"([^\"]+)\"")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def headings(path: Path) -> list[str]:
+    """The Markdown headings of a file, outside code fences."""
+    out, fenced = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            out.append(line.lstrip("#").strip())
+    return out
+
+
+def prose(path: Path) -> str:
+    """A file's text without its code blocks (commands name paths made at run time)."""
+    return re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+
+
+def test_the_checks_find_what_they_look_for():
+    assert slug("3. Accelerate") == "3-accelerate" and slug("The `slide` rows: 8B") == "the-slide-rows-8b"
+    assert LINK.findall("see [the engine](docs/engine.md#memory) and [x](https://a.b)") == [
+        "docs/engine.md#memory", "https://a.b"]
+    assert PATH.findall("in `docs/engine.md` and benchmarks/configs/llama3-8b.json.") == [
+        "docs/engine.md", "benchmarks/configs/llama3-8b.json"]
+    assert SECTION.findall('(docs/benchmarks.md, "State on disk")') == [("docs/benchmarks.md", "State on disk")]
+    assert TOP_DOC.findall("README.md, docs/engine.md, benchmarks/NOTEBOOK.md, PLAN section 2") == ["README", "PLAN"]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_anchors_resolve(doc):
+    broken = []
+    for target in LINK.findall(prose(doc)):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists():
+            broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in {slug(h) for h in headings(path)}:
+            broken.append(target)
+    assert not broken, f"{doc.name}: links that reach nothing: {broken}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_paths_exist(doc):
+    missing = sorted({p for p in PATH.findall(prose(doc)) if not (ROOT / p.rstrip(".")).exists()})
+    assert not missing, f"{doc.name} names paths that do not exist: {missing}"
+
+
+def test_cited_sections_exist():
+    missing = []
+    for doc in CITING:
+        text = prose(doc) if doc.suffix == ".md" else doc.read_text(encoding="utf-8")
+        missing += [f"{doc.relative_to(ROOT)}: {file}, \"{name}\"" for file, name in cited_sections(text)
+                    if not has_section(ROOT / file, name)]
+    assert not missing, "sections cited that do not exist:\n" + "\n".join(missing)
+
+
+def test_cited_top_level_documents_exist():
+    """A bare `NAME.md` (or "NAME section 6") in the docs or the code is a file at the repository's root."""
+    missing = sorted({f"{doc.relative_to(ROOT)}: {name}" for doc in CITING
+                      for name in TOP_DOC.findall(doc.read_text(encoding="utf-8"))
+                      if not (ROOT / f"{name}.md").exists()})
+    assert not missing, "documents cited that the project does not contain:\n" + "\n".join(missing)
+
+
+def cited_sections(text: str) -> list[tuple[str, str]]:
+    """(file, section name) for each `file.md, "Section"` in a text, its line breaks and comment marks
+    between the words taken out."""
+    return SECTION.findall(re.sub(r"\s*\n\s*(?:#\s*)?", " ", text))
+
+
+def has_section(path: Path, name: str) -> bool:
+    """Whether a heading of `path` starts with `name` (a trailing "..." shortens a long one)."""
+    wanted = name.rstrip(".").strip()
+    return path.exists() and any(h.startswith(wanted) for h in headings(path))
