@@ -5,7 +5,7 @@ in host memory; a CPU worker runs AdamW while the GPU computes.
 """
 from .config import SlideConfig
 from .engine import SlideEngine, SlideStateError
-from .errors import NonFiniteGradientError
+from .errors import NonFiniteGradientError, NonFiniteWeightError, RankMismatchError, RankTimeoutError
 from .lora import merge_and_unload
 from .memory import HostMemoryError
 from .model import SlideModel, is_slid, slide
@@ -50,7 +50,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "NonFiniteGradientError", "HostMemoryError",
+__all__ = ["SlideConfig", "SlideEngine", "SlideModel", "SlideOptimizer", "SlideStateError", "NonFiniteGradientError",
+           "NonFiniteWeightError", "RankMismatchError", "RankTimeoutError", "HostMemoryError",
            "CheckpointError", "WorkerError", "SUPPORTED_MODEL_TYPES", "slide", "is_slid", "__version__",
            "plan", "Plan", "install_trainer_hook", "merge_and_unload",
            *_LAZY]

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import queue
-import tempfile
 import threading
+import uuid
 
 import torch
 
 from .disk.backends import FileBackend, make_backend
+from .disk.names import create_unlinked, engine_file, remove_leftovers
 from .memory import PinnedBuffers
 from .transfer import Streams
 
@@ -223,7 +224,11 @@ class FileTier(PinnedCpuTier):
                  backend: FileBackend | None = None):
         super().__init__(streams, counter, pinned)
         os.makedirs(path, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix="slide-act-", dir=path)
+        remove_leftovers(path)                  # what killed runs left (disk/names.py)
+        self.dir = path
+        self.file_id = uuid.uuid4().hex[:12]
+        self.files: dict[int, object] = {}      # i -> the open, nameless file of layer input i
+        self.sizes: dict[int, int] = {}         # i -> bytes of its last write
         self.backend = backend or make_backend("auto")
         self._owns_backend = backend is None
         self.bounce: list[torch.Tensor | None] = [None] * buffers
@@ -237,7 +242,15 @@ class FileTier(PinnedCpuTier):
         self.thread: threading.Thread | None = None
 
     def _file(self, i):
-        return os.path.join(self.dir, f"x{i}.bin")
+        """Layer input i's file (I/O thread). Note: [Why the layer-input files have no name] each
+        is unlinked right after it is created and opened (disk.names.create_unlinked), so no exit
+        of the process, a kill included, leaves it behind; it is reused by every step."""
+        f = self.files.get(i)
+        if f is None:
+            fd, f = create_unlinked(engine_file(self.dir, "act", part=i, file_id=self.file_id), self.backend.open)
+            os.close(fd)
+            self.files[i] = f
+        return f
 
     # ------------------------------------------------------------------ the I/O thread
     def _start(self) -> None:
@@ -263,7 +276,9 @@ class FileTier(PinnedCpuTier):
     def _write(self, i, k, ev, nbytes, done) -> None:
         try:
             ev.synchronize()                    # the d2h copy has landed in the bounce buffer
-            self.backend.write_file(self._file(i), self.bounce[k], nbytes)
+            self.sizes.pop(i, None)
+            self._file(i).pwrite(self.bounce[k], nbytes, 0).result()
+            self.sizes[i] = nbytes
         finally:
             self.free.put(k)
 
@@ -271,7 +286,9 @@ class FileTier(PinnedCpuTier):
         ev = self.bounce_ev[k]
         if ev is not None:
             ev.synchronize()                    # its previous h2d copy has read it
-        self.backend.read_file(self._file(i), self.bounce[k], nbytes)
+        if self.sizes.get(i) != nbytes:
+            raise OSError(f"layer input {i} was not written in full ({self.sizes.get(i)} of {nbytes} bytes)")
+        self._file(i).pread(self.bounce[k], nbytes, 0).result()
 
     def _check(self) -> None:
         if self.error is not None:
@@ -371,13 +388,14 @@ class FileTier(PinnedCpuTier):
         self._check()
 
     def close(self):
-        import shutil
         if self.thread is not None and self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join(timeout=30)
+        files, self.files = self.files, {}
+        for f in files.values():
+            f.close()
         if self._owns_backend:
             self.backend.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def make_tier(config, streams: Streams, counter=None, pinned: PinnedBuffers | None = None) -> ActivationTier:

@@ -30,7 +30,7 @@ import shutil
 import socket
 import time
 
-__all__ = ["staged_directory", "recover_directories", "leftover_path", "remove_leftovers", "fsync_file",
+__all__ = ["host_name", "alive_elsewhere", "staged_directory", "recover_directories", "leftover_path", "remove_leftovers", "fsync_file",
            "fsync_dir", "fsync_tree", "final_paths_in_logs"]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,16 @@ _LEFTOVER = re.compile(r"^\.(?P<kind>tmp|new|merge|old|slide-save)-(?P<name>.+)\
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+
+
+def host_name() -> str:
+    """This host's name as leftover names carry it (letters, digits and _ only)."""
+    return _host()
+
+
+def alive_elsewhere(host: str, pid: int) -> bool:
+    """True when `pid` is another process that still runs on this host, `host` (it may be writing)."""
+    return _alive_elsewhere(host, pid)
 
 
 def leftover_path(parent: str, kind: str, name: str) -> str:

@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from .atomic_save import fsync_dir, fsync_file, leftover_path, remove_leftovers
 from .models import get_adapter
+from .slide_checks import check_finite
 
 __all__ = ["load_model_meta", "load_weights", "save_model", "CheckpointError"]
 
@@ -77,6 +78,7 @@ def _index(path) -> dict[str, str]:
 def load_weights(model, path) -> None:
     """Read every tensor of the checkpoint at `path` into the slid model's masters, one at a time."""
     store = model.slide_engine.store
+    check = model.slide_engine.config.check_finite_weights
     weight_map = _index(path)
     expected = {}
     for u in store.units:
@@ -123,6 +125,8 @@ def load_weights(model, path) -> None:
                         for n in group:
                             e = expected[n][1]
                             t = f.get_tensor(aliases.get(n, n))
+                            if check:
+                                check_finite(n, t, f"in {fpath}")
                             if tuple(t.shape) != tuple(e.shape):
                                 mismatched.append(f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(e.shape)}")
                                 continue

@@ -146,6 +146,15 @@ class SlideConfig:
         "no master takes a non-finite value from a gradient. See docs/reliability.md.")
     check_host_memory: bool = option(True, Bool(), "Refuse to start when the host store (12 bytes per parameter "
                                                    "and more) cannot fit in available memory.")
+    check_finite_weights: bool = option(
+        True, Bool(), "Refuse a model whose weights hold inf or NaN, at slide() and when a checkpoint is loaded "
+                      "(NonFiniteWeightError names the parameter): every step of such a model would be skipped as a "
+                      "non-finite gradient. False lets such a model in anyway (to repair its weights, say).")
+    rank_timeout: float = option(
+        600.0, Float(lo=1.0),
+        "Data-parallel launches: seconds a rank waits for its peers at a step boundary before it stops with an "
+        "error (a rank that runs more steps than the others, or one that died). Longer than any step and any "
+        "save of a rank 0 (the others wait for it). See docs/reliability.md.")
     debug: bool = option(False, Bool(), "Log the package's messages (logger 'hf_slideformer') at DEBUG level.")
 
     def __post_init__(self):

@@ -57,12 +57,12 @@ import contextlib
 import os
 import threading
 import time
-import uuid
 from typing import Sequence
 
 import torch
 
 from .disk.buffers import ALIGN, HostBufferPool, round_up
+from .disk.names import engine_file, remove_leftovers
 from .disk.unit_state import UnitStateFile
 
 # `Unit` in the annotations is `store.Unit`, which imports this module (annotations are not evaluated).
@@ -181,7 +181,8 @@ class DiskStates:
             raise ValueError(f"{len(parts)} parts for {len(self.units)} disk units")
         self.records = [StateRecord(u.numel, p) for u, p in zip(self.units, parts)]
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"slide-state-{os.getpid()}-{uuid.uuid4().hex[:12]}.bin")
+        remove_leftovers(directory)                 # what killed runs left (disk/names.py)
+        path = engine_file(directory, "state")
         self.file = UnitStateFile(path, [r.file_numel for r in self.records], backend)
         try:
             self.pool = HostBufferPool(buffers or pool_buffers(len(self.units)), self.file.max_payload_bytes, pin=pin)

@@ -26,6 +26,7 @@ from .device_update import DeviceUpdater
 from .disk_placement import DiskLayer
 from .embedding import Embedding
 from .errors import SlideStateError
+from .model_inputs import LabelCheck
 from .functions import RngReplay, grad_only, swapped
 from .grad_ring import GradientRing
 from .late_updates import LateUpdates
@@ -70,6 +71,7 @@ class SlideEngine:
         self.dp = store.dp
         self.model_ref = weakref.ref(model)
         self.device, self.dtype = config.torch_device, config.dtype
+        self.labels = LabelCheck(self.device)       # labels outside the vocabulary (model_inputs.py)
         units = store.units
         self.embed_unit: Unit = units[0]
         self.layer_units: list[Unit] = [u for u in units if u.kind == "layer"]
@@ -456,6 +458,8 @@ class SlideEngine:
         self.stats.mark_step()
         self.stats.fold()
         self.residents.promote()
+        # After the step (skipped: its gradients were NaN), so that the engine stays consistent.
+        self.labels.raise_pending(wait=True)
 
     def _step_sum(self, u: Unit):
         """The host's sum of `u`'s gradients so far this step (this rank's shard of it with several

@@ -83,6 +83,7 @@ class LossHead:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         sl = shift_labels.reshape(-1).to(e.device, torch.long)
+        sl, poison = e.labels.prepare(sl, W.shape[0])      # poison: NaN for a bad batch on CUDA (model_inputs.py)
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(e.device)
         if not with_grad:
@@ -90,6 +91,7 @@ class LossHead:
                 hn = self.norm_fn(h)
                 loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
                                             chunk_tokens=e.config.head_chunk_tokens)
+                loss = loss if poison is None else loss * poison
             self.slots.release(slot)
             return loss, None
         t = e._span_start()
@@ -99,6 +101,7 @@ class LossHead:
                 hn = self.norm_fn(hx)
                 loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
                                             chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
+                loss = loss if poison is None else loss * poison
             (gh,) = torch.autograd.grad(loss, [hx])
             e._span_end(t)
             self.slots.release(slot)
@@ -114,6 +117,7 @@ class LossHead:
             hn = self.norm_fn(hx)
             loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
                                         chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
+            loss = loss if poison is None else loss * poison
         trained = [t for t in leaves if t.requires_grad]
         wrt = [hx] + trained + ([wl] if e.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -175,9 +179,12 @@ class LossHead:
         slot, hv, W = self._weights()
         sl = shift_labels.reshape(-1).to(e.device, torch.long)
         try:
+            sl, poison = e.labels.prepare(sl, W.shape[0])
             with torch.no_grad(), swapped(hu, hv):
                 hn = self.norm_fn(h)
                 stats = token_statistics(hn.reshape(-1, e.hidden), W, sl, chunk_tokens=e.config.head_chunk_tokens)
+                if poison is not None:
+                    stats = tuple(x * poison if x.is_floating_point() else x for x in stats)
         finally:
             self.slots.release(slot)
         return tuple(x.view(shift_labels.shape) for x in stats)

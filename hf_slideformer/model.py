@@ -28,7 +28,9 @@ from .lora import peft_base, refuse_outside_layers
 from .memory import GiB, enable_expandable_segments
 from .models import get_adapter
 from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
+from .model_inputs import check_label_dtype, check_token_ids
 from .optim import SlideOptimizer
+from .slide_checks import check_finite_weights
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
 
@@ -167,6 +169,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
             if _fill and e.param.device.type not in ("cpu", "meta"):
                 raise ValueError(f"slide() expects the model on the CPU; {e.name} is on {e.param.device}. "
                                  "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
+    if _fill and config.check_finite_weights:
+        check_finite_weights(model.named_parameters())
     store = HostStore(units, config, dp)
     if _fill and (dp is None or dp.writes):
         # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).
@@ -323,10 +327,10 @@ class SlideModel:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:
             raise ValueError("input_ids is required")
-        if not torch.is_tensor(input_ids) or input_ids.dtype.is_floating_point or input_ids.dtype.is_complex \
-                or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor of token ids (torch.long), got "
-                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}; a float would be truncated")
+        check_token_ids(input_ids)
+        check_label_dtype(labels)
+        check_label_dtype(shift_labels, "shift_labels")
+        eng.labels.raise_pending()               # a bad batch of an earlier step, once the device got there
         past = kwargs.pop("past_key_values", None)
         past = kwargs.pop("cache", None) if past is None else past
         if use_cache or past is not None:

@@ -21,7 +21,8 @@ def samples(tmp_path) -> dict:
                 head_chunk_tokens=64, mlp_chunk_tokens=16, grad_buffers=3,
                 late_layer_updates=2, resident_layers=1, resident_embedding=False, device_update_share=0.5,
                 expandable_segments=False,
-                host_adam="torch", nonfinite_grads="raise", check_host_memory=False, debug=True)
+                host_adam="torch", nonfinite_grads="raise", check_host_memory=False, check_finite_weights=False,
+                rank_timeout=30.0, debug=True)
 
 
 def on(surface):

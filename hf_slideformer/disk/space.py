@@ -6,7 +6,7 @@ import errno
 import os
 import shutil
 
-__all__ = ["DiskSpaceError", "preallocate", "ZERO_BLOCK"]
+__all__ = ["DiskSpaceError", "preallocate", "allocate", "check_room", "ZERO_BLOCK"]
 
 GiB = 1024 ** 3
 ZERO_BLOCK = 64 << 20          # bytes per write where the file system cannot allocate without writing
@@ -45,25 +45,22 @@ def _fill_zeros(fd: int, start: int, end: int) -> None:
         pos += os.pwrite(fd, memoryview(block)[:n], pos)
 
 
-def preallocate(path: str, nbytes: int) -> None:
-    """Create `path` (or resize an existing file) at exactly `nbytes` bytes with its blocks allocated.
-
-    `os.posix_fallocate` where the file system supports it, else zeros written in blocks of
-    `ZERO_BLOCK`. A file this call created is removed again when the space is not there.
-
-    Raises:
-        DiskSpaceError: the file system has less free space than the file still needs.
-        OSError: another failure (a missing directory, no permission), naming the path.
-    """
-    if nbytes < 0:
-        raise ValueError(f"cannot preallocate {nbytes} bytes")
-    directory = os.path.dirname(os.path.abspath(path))
-    have = os.path.getsize(path) if os.path.exists(path) else 0
-    free = _free_bytes(directory)
+def check_room(path: str, nbytes: int, have: int = 0) -> None:
+    """Raise `DiskSpaceError` when the file system of `path` has less free space than the
+    `nbytes - have` bytes a file there still needs (nothing is created)."""
+    free = _free_bytes(os.path.dirname(os.path.abspath(path)))
     if free is not None and nbytes - have > free:
         raise _no_space(path, nbytes, free)
-    created = not os.path.exists(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+
+def allocate(fd: int, path: str, nbytes: int, have: int = 0) -> None:
+    """Give the open file `fd` (of `path`, for messages; `have` bytes long now) exactly `nbytes`
+    bytes with their blocks allocated: `os.posix_fallocate`, else zeros in blocks of `ZERO_BLOCK`.
+
+    Raises:
+        DiskSpaceError: the file system ran out of space.
+        OSError: another failure, naming the path.
+    """
     try:
         if have > nbytes:
             os.ftruncate(fd, nbytes)
@@ -77,13 +74,33 @@ def preallocate(path: str, nbytes: int) -> None:
                     raise
                 _fill_zeros(fd, have, nbytes)
     except OSError as e:
-        os.close(fd)
-        fd = -1
+        if isinstance(e, DiskSpaceError):
+            raise
+        if e.errno in _FULL:
+            free = _free_bytes(os.path.dirname(os.path.abspath(path)))
+            raise _no_space(path, nbytes, free, f" (the allocation failed: {e.strerror})") from e
+        raise OSError(e.errno, f"could not allocate {nbytes} bytes for {path}: {e.strerror}", path) from e
+
+
+def preallocate(path: str, nbytes: int) -> None:
+    """Create `path` (or resize an existing file) at exactly `nbytes` bytes with its blocks allocated
+    (`allocate`). A file this call created is removed again when the space is not there.
+
+    Raises:
+        DiskSpaceError: the file system has less free space than the file still needs.
+        OSError: another failure (a missing directory, no permission), naming the path.
+    """
+    if nbytes < 0:
+        raise ValueError(f"cannot preallocate {nbytes} bytes")
+    have = os.path.getsize(path) if os.path.exists(path) else 0
+    check_room(path, nbytes, have)
+    created = not os.path.exists(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        allocate(fd, path, nbytes, have)
+    except OSError:
         if created:
             os.unlink(path)
-        if e.errno in _FULL:
-            raise _no_space(path, nbytes, _free_bytes(directory), f" (the allocation failed: {e.strerror})") from e
-        raise OSError(e.errno, f"could not allocate {nbytes} bytes for {path}: {e.strerror}", path) from e
+        raise
     finally:
-        if fd >= 0:
-            os.close(fd)
+        os.close(fd)

@@ -61,7 +61,8 @@ import torch
 
 from .backends import DiskIOError, FileBackend, make_backend
 from .buffers import ALIGN, HostBuffer, round_up
-from .space import preallocate
+from .names import create_unlinked
+from .space import allocate, check_room, preallocate
 
 __all__ = ["UnitState", "UnitStateFile", "UnitStateError", "record_layout"]
 
@@ -172,13 +173,25 @@ class UnitStateFile:
         self._closed = False
         creating = _file_id is None
         self.file_id = uuid.uuid4().int & (2 ** 64 - 1) if creating else _file_id
-        if creating:
-            preallocate(self.path, self.nbytes)
-        try:
+        if creating and not keep:
+            # Note: [Why the state file is sized after its name is gone] preallocating takes
+            # seconds per GiB where the file system writes zeros; a kill then would leave a
+            # full-size file that nobody can attribute. Created empty, opened and unlinked at once,
+            # it is sized through the open handle: a kill at any point leaves no name (or, in the
+            # instant before the unlink, an empty one that disk.names removes on the next run).
+            check_room(self.path, self.nbytes)
+            fd, self.handle = create_unlinked(self.path, self.backend.open)
+            try:
+                allocate(fd, self.path, self.nbytes)
+            except BaseException:
+                _close(self.handle, self.backend if self._owns_backend else None)
+                raise
+            finally:
+                os.close(fd)
+        else:
+            if creating:
+                preallocate(self.path, self.nbytes)
             self.handle = self.backend.open(self.path)
-        finally:
-            if not keep:
-                os.unlink(self.path)                # open or not, the name goes now
         self._finalizer = weakref.finalize(self, _close, self.handle, self.backend if self._owns_backend else None)
         self._workers = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slide-unit-io")
         if creating:
