@@ -99,3 +99,21 @@ def has_section(path: Path, name: str) -> bool:
     """Whether a heading of `path` starts with `name` (a trailing "..." shortens a long one)."""
     wanted = name.rstrip(".").strip()
     return path.exists() and any(h.startswith(wanted) for h in headings(path))
+
+
+def flat(path: Path) -> str:
+    """A file's text on one line: line breaks and comment marks between words taken out."""
+    return re.sub(r"\s*\n\s*(?:#\s*)?", " ", path.read_text(encoding="utf-8"))
+
+
+def test_cited_notes_exist():
+    """Every `[Why ...]` the docs, tests or code cite is a `Note: [Why ...]` of the code (the notebook,
+    a record, may name notes of code since removed)."""
+    sources = [p for folder in ("hf_slideformer", "triton_ops", "benchmarks") for pattern in ("*.py", "*.c")
+               for p in (ROOT / folder).rglob(pattern)]
+    notes = {name for p in sources for name in re.findall(r"Note: \[(Why[^\]]+)\]", flat(p))}
+    assert len(notes) > 20
+    missing = sorted({f"{doc.relative_to(ROOT)}: [{name}]" for doc in CITING + sources if doc.name != "NOTEBOOK.md"
+                      for name in re.findall(r"\[(Why[^\]]+)\]", flat(doc))
+                      if name not in notes and not name.endswith("...")})
+    assert not missing, "notes cited that no code defines:\n" + "\n".join(missing)
