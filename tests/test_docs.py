@@ -117,3 +117,29 @@ def test_cited_notes_exist():
                       for name in re.findall(r"\[(Why[^\]]+)\]", flat(doc))
                       if name not in notes and not name.endswith("...")})
     assert not missing, "notes cited that no code defines:\n" + "\n".join(missing)
+
+
+def results_rows(text: str) -> list[list[str]]:
+    """The cells of every table row in `text` (header and rule rows left out)."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|") and not line.startswith("|---")]
+    return [r for r in rows if r[0] != "run"]
+
+
+def test_the_readme_results_are_the_benchmarks_current_figures():
+    """Each README result row gives a tokens/s figure that docs/benchmarks.md's current results hold,
+    and a step time that matches it (tokens per step / tokens/s, within the rounding)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results = readme[readme.index("\n## Results"):readme.index("\n## ", readme.index("\n## Results") + 1)]
+    bench = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    current = bench[bench.index("\n## Current results"):]
+    rows = results_rows(results)
+    assert len(rows) >= 10
+    for run, tokens_s, step, *_ in rows:
+        figure = tokens_s.strip("*")
+        in_current = re.search(rf"(?<![\d,]){re.escape(figure)}(?![\d,])", current)
+        assert in_current, f"{run}: {figure} not in docs/benchmarks.md"
+        batch = re.search(r"batch (\d+)(?: x (\d+) accumulated)?(?: x ([\d,]+) tokens)?", run)
+        assert batch, run
+        tokens = int(batch[1]) * int(batch[2] or 1) * int((batch[3] or "2048").replace(",", ""))
+        assert abs(tokens / float(figure.replace(",", "")) / float(step) - 1) < 0.02, run

@@ -27,7 +27,8 @@ def python_snippets(text: str) -> list[str]:
 def labelled_snippets(title: str) -> dict[str, str]:
     """The Python snippets of a section, each under the bold label of the paragraph before it
     (`**TRL** (...)` labels `trl`)."""
-    found = re.findall(r"\n\*\*([^*\n]+)\*\*[^\n]*\n(?:(?!```)[^\n]+\n)*```python\n(.*?)```", section(title), flags=re.S)
+    label_then_code = r"\n\*\*([^*\n]+)\*\*[^\n]*\n(?:(?!```)[^\n]+\n)*```python\n(.*?)```"
+    found = re.findall(label_then_code, section(title), flags=re.S)
     return {label.split()[-1].lower(): code for label, code in found}
 
 
