@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Where a section is cited by name: the docs, the notebook and the code's comments and docstrings.
-CITING = DOCS + [ROOT / "benchmarks" / "NOTEBOOK.md"] + sorted(
+CITING = DOCS + sorted((ROOT / "benchmarks").rglob("*.md")) + sorted(
     p for folder in ("hf_slideformer", "benchmarks", "tests", "examples", "triton_ops")
     for p in (ROOT / folder).rglob("*.py") if p.name != "test_docs.py")
 
