@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .adapter_save import slid_peft_class
 from .config import SlideConfig, configure_logging
 from .data_parallel import DataParallel
 from .engine import SlideEngine
@@ -206,6 +207,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     closer.atexit = False                             # at exit the process tears everything down anyway
     if base is not None:
         engine.adapters.adopt_all()
+        peft_model.__class__ = slid_peft_class(type(peft_model))     # its save_pretrained, crash-safe
     return peft_model
 
 

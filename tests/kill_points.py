@@ -4,6 +4,7 @@ Every call that changes the file system by name (os.replace, os.rename, os.remov
 os.rmdir, os.mkdir, os.link; safetensors and torch writes) is one step. From step N on, each
 such call raises `Killed`, so no clean-up code of the save can run either: what is on disk is
 what a SIGKILL at that point would leave (modulo page-cache durability, which fsync covers).
+PEFT's safetensors write (it writes in place) is killed half-way: the file holds half its bytes.
 """
 from __future__ import annotations
 
@@ -38,11 +39,28 @@ def killed_at(step: int):
             return fn(*args, **kwargs)
         return inner
 
+    def torn(fn):
+        """A write killed half-way: the file holds the first half of its bytes (PEFT writes in place)."""
+        def inner(tensors, filename, *args, **kwargs):
+            n = seen["steps"]
+            seen["steps"] += 1
+            if n >= step:
+                seen["killed"] = True
+                fn(tensors, filename, *args, **kwargs)
+                os.truncate(filename, os.path.getsize(filename) // 2)
+                raise Killed(f"killed at file-system step {step}, half-way through {filename}")
+            return fn(tensors, filename, *args, **kwargs)
+        return inner
+
     targets = [(os, name) for name in _OS_CALLS]
     targets += [(checkpoint_mod, "save_file"), (train_checkpoint_mod, "save_file"), (torch, "save")]
     originals = [(mod, name, getattr(mod, name)) for mod, name in targets]
     for mod, name, fn in originals:
         setattr(mod, name, wrap(fn))
+    with contextlib.suppress(ImportError):
+        import peft.peft_model as peft_model_mod
+        originals.append((peft_model_mod, "safe_save_file", peft_model_mod.safe_save_file))
+        peft_model_mod.safe_save_file = torn(peft_model_mod.safe_save_file)
     try:
         yield seen
     except Killed:
