@@ -143,3 +143,22 @@ def test_the_readme_results_are_the_benchmarks_current_figures():
         assert batch, run
         tokens = int(batch[1]) * int(batch[2] or 1) * int((batch[3] or "2048").replace(",", ""))
         assert abs(tokens / float(figure.replace(",", "")) / float(step) - 1) < 0.02, run
+
+
+HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "docs/engine.md", "docs/placements.md"])
+def test_reference_docs_name_no_commits(name):
+    """History (which commit measured what) lives in benchmarks/NOTEBOOK.md and git, not in these."""
+    assert not HASH.findall(prose(ROOT / name)), HASH.findall(prose(ROOT / name))
+
+
+def test_the_readme_stays_a_front_page():
+    """About 150 lines, result tables of at most 8 rows per shape, cells without history."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 170
+    tables = re.findall(r"(?:^\|.*\n)+", readme, flags=re.M)
+    assert tables and all(len(results_rows(table)) <= 8 for table in tables)
+    assert max(len(cell) for table in tables for row in results_rows(table) for cell in row) <= 110
+    assert HASH.findall("measured at 7a71d76, not at 2026 or deadline") == ["7a71d76"]
