@@ -30,6 +30,7 @@ failing rank leaves the others in a collective; the launcher (torchrun, `mp.spaw
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import socket
@@ -39,7 +40,9 @@ import torch
 import torch.distributed as dist
 
 from .config import worker_threads
+from .errors import RankMismatchError, RankTimeoutError
 from .memory import HostMemoryError
+from .slide_checks import compare_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +76,13 @@ class DataParallel:
     Build it with `from_environment`.
     """
 
-    def __init__(self):
+    def __init__(self, rank_timeout: float = 600.0):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.worker_group = dist.new_group(backend="gloo")
         self.host_group = dist.new_group(backend="gloo")
+        # The ranks meet on this group before each training forward's first collective (`meet`).
+        self.rank_timeout = rank_timeout
+        self.step_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=rank_timeout))
         hosts = [None] * self.world
         dist.all_gather_object(hosts, socket.gethostname(), group=self.host_group)
         check_one_host(hosts)
@@ -117,7 +123,7 @@ class DataParallel:
         if getattr(config, "_auto_threads", False):
             # The ranks' workers share the host's cores (and its memory bandwidth): each its part.
             config.cpu_threads = worker_threads(max(1, (os.cpu_count() or 1) // world_size()))
-        dp = cls()
+        dp = cls(config.rank_timeout)
         logger.info("data parallel: rank %d of %d, device %s", dp.rank, dp.world, config.device)
         return dp
 
@@ -174,6 +180,43 @@ class DataParallel:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.host_group)
         return box[0]
+
+    def check_same(self, fingerprint: dict) -> None:
+        """Main thread, at `slide()`: every rank's `fingerprint` (`slide_checks.rank_fingerprint`)
+        is rank 0's, else every rank raises `RankMismatchError` naming the first difference."""
+        prints = [None] * self.world
+        dist.all_gather_object(prints, fingerprint, group=self.host_group)
+        compare_ranks(prints)
+
+    def meet(self, values: dict) -> None:
+        """Main thread, before a training forward's first collective: every rank has the same
+        `values` (its optimizer step and micro-batch, and the step's settings that change the
+        mathematics: accumulation, clipping, the optimizer's hyper-parameters).
+
+        Note: [Why the ranks meet before each training forward] a rank that runs more steps than
+        its peers would otherwise wait in the gradient's collective for a peer that never comes,
+        for as long as the default group's timeout (30 minutes for gloo; a launcher's own group
+        may have none). The meeting is a gloo all-gather of a few numbers on a group of its own
+        whose timeout is `SlideConfig.rank_timeout`: a lone rank stops within that bound with an
+        error naming the step, and ranks that differ (a skipped micro-batch, another learning
+        rate or clipping threshold) stop at once, naming what differs. Its cost is one small
+        host-side collective per micro-batch (well under a millisecond on one host).
+
+        Raises:
+            RankTimeoutError: no peer came within `rank_timeout` seconds (or a peer is gone).
+            RankMismatchError: the ranks differ in one of `values`.
+        """
+        every = [None] * self.world
+        try:
+            dist.all_gather_object(every, values, group=self.step_group)
+        except RuntimeError as e:
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise RankTimeoutError(
+                f"rank {self.rank} waited {self.rank_timeout:g} s (SlideConfig.rank_timeout) for the other ranks at "
+                f"optimizer step {values.get('optimizer step')}, micro-batch {values.get('micro-batch')}: a rank ran "
+                f"fewer steps than this one, or stopped ({type(e).__name__}: {first}). Give every rank the same "
+                "number of batches (as DistributedSampler(drop_last=True) does).") from e
+        compare_ranks(every)
 
     @property
     def writes(self) -> bool:

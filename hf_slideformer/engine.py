@@ -148,6 +148,17 @@ class SlideEngine:
     def attach_optimizer(self, optimizer) -> None:
         self.optimizer = optimizer
 
+    def meeting(self) -> dict:
+        """What every rank must agree on before a training forward (`DataParallel.meet`)."""
+        out = {"optimizer step": self._step_no, "micro-batch": self.micro,
+               "gradient_accumulation_steps": self.config.gradient_accumulation_steps,
+               "max_grad_norm": self.config.max_grad_norm}
+        for gi, g in enumerate(getattr(self.optimizer, "param_groups", ())):
+            for k in ("lr", "weight_decay", "eps", "betas"):
+                v = g.get(k)
+                out[f"{k} of param group {gi}"] = tuple(map(float, v)) if k == "betas" else float(v)
+        return out
+
     @property
     def single_micro(self) -> bool:
         return self.config.gradient_accumulation_steps == 1

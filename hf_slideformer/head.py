@@ -94,6 +94,8 @@ class LossHead:
                 loss = loss if poison is None else loss * poison
             self.slots.release(slot)
             return loss, None
+        if e.dp is not None:
+            e.dp.meet(e.meeting())                  # before this micro-batch's first collective (data_parallel.py)
         t = e._span_start()
         hx = h.detach().requires_grad_()
         if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only

@@ -31,7 +31,7 @@ from .models import get_adapter
 from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
 from .model_inputs import check_label_dtype, check_token_ids
 from .optim import SlideOptimizer
-from .slide_checks import check_finite_weights
+from .slide_checks import check_finite_weights, rank_fingerprint
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
 
@@ -172,6 +172,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
                                  "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
     if _fill and config.check_finite_weights:
         check_finite_weights(model.named_parameters())
+    if dp is not None:                  # before any shared memory: its sizes follow the model
+        dp.check_same(rank_fingerprint(config, model, units))
     store = HostStore(units, config, dp)
     if _fill and (dp is None or dp.writes):
         # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).

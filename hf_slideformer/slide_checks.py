@@ -24,6 +24,9 @@ _CHUNK = 1 << 24               # elements judged at once: a bounded temporary, w
 MATH_SETTINGS = ("dtype", "window", "gradient_accumulation_steps", "max_grad_norm", "nonfinite_grads",
                  "head_chunk_tokens", "mlp_chunk_tokens", "use_kernels", "host_adam", "late_layer_updates")
 
+_MODEL_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "tie_word_embeddings")
+
 
 def check_finite(name: str, t: torch.Tensor, where: str) -> None:
     """Raise `NonFiniteWeightError` naming `name` when `t` holds inf or NaN (judged in chunks)."""
@@ -51,6 +54,8 @@ def rank_fingerprint(config, model, units) -> dict:
     """What must be equal on every rank: the settings of `MATH_SETTINGS` and the model's shape."""
     out = {f"SlideConfig.{k}": repr(getattr(config, k, None)) for k in MATH_SETTINGS}
     out["model type"] = getattr(model.config, "model_type", None)
+    for key in _MODEL_SHAPE:
+        out[f"model config {key}"] = getattr(model.config, key, None)
     out["parameter count"] = sum(u.numel for u in units)
     out["units"] = len(units)
     out["unit shapes"] = [[(e.name, tuple(e.shape)) for e in u.entries] for u in units]

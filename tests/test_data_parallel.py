@@ -431,3 +431,74 @@ def test_two_gpus_equal_one_gpu_on_the_same_global_batch(tmp_path):
             assert math.isclose(a, b, rel_tol=1e-4), (case, ref["losses"], g["losses"])
         worst = max(float((ref["state"][n] - g["state"][n]).abs().max()) for n in ref["state"])
         assert worst < 0.05 * LR, (case, worst)
+
+
+# ---------------------------------------------------------------------------------------- ranks that disagree
+# (what rank 0 slides with, what rank 1 slides with, the words of the error): each setting that changes the
+# mathematics, and the model's shape.
+MISMATCHES = [
+    ("max_grad_norm", dict(max_grad_norm=1.0), dict(max_grad_norm=0.3), r"SlideConfig\.max_grad_norm: rank 0 has 1\.0, rank 1 has 0\.3"),
+    ("accumulation", dict(gradient_accumulation_steps=1), dict(gradient_accumulation_steps=2),
+     r"SlideConfig\.gradient_accumulation_steps: rank 0 has 1, rank 1 has 2"),
+    ("dtype", dict(dtype=torch.float32), dict(dtype=torch.bfloat16), r"SlideConfig\.dtype: rank 0 has torch\.float32, rank 1 has torch\.bfloat16"),
+    ("window", dict(window=2), dict(window=3), r"SlideConfig\.window: rank 0 has 2, rank 1 has 3"),
+    ("model shape", dict(), dict(intermediate_size=64), r"model config intermediate_size: rank 0 has 48, rank 1 has 64"),
+    ("lr", dict(lr=1e-2), dict(lr=1e-3), r"lr of param group 0: rank 0 has 0\.01, rank 1 has 0\.001"),
+]
+
+
+def _mismatch_main(rank: int, port: int, out: str):
+    from transformers import AutoModelForCausalLM
+    import time
+    got = {}
+    with _as_rank(rank, port):
+        for name, kw0, kw1, _ in MISMATCHES:
+            kw = dict(kw0 if rank == 0 else kw1)
+            lr = kw.pop("lr", LR)
+            shape = {k: kw.pop(k) for k in ("intermediate_size",) if k in kw}
+            torch.manual_seed(0)
+            m = AutoModelForCausalLM.from_config(family_config("llama", **shape)).float()
+            try:
+                model = hs.slide(m, hs.SlideConfig(device="cpu", **{"dtype": torch.float32, **kw}))
+                opt = model.create_optimizer(lr=lr)
+                ids = _data(1, 1)[0][0][rank * 2:rank * 2 + 2]
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                got[name] = "no error"
+            except (hs.RankMismatchError, hs.RankTimeoutError) as e:
+                got[name] = f"{type(e).__name__}: {e}"
+        # Uneven steps: rank 0 takes one step more than rank 1, which then stays alive, idle.
+        model = _model(False, dict(rank_timeout=2.0))
+        opt = model.create_optimizer(lr=LR)
+        t0 = time.monotonic()
+        try:
+            for n, step in enumerate(_data(2 if rank == 0 else 1, 1)):
+                ids = step[0][rank * 2:rank * 2 + 2]
+                t0 = time.monotonic()
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+            got["uneven"] = "no error"
+            if rank == 1:
+                time.sleep(12)
+        except (hs.RankMismatchError, hs.RankTimeoutError) as e:
+            got["uneven"] = f"{type(e).__name__}: {e}"
+            got["uneven_s"] = time.monotonic() - t0
+        torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_ranks_that_differ_stop_naming_the_setting_and_a_lone_rank_stops_in_bounded_time(tmp_path):
+    """Every rank stops at slide() (the settings, the model) or at the first forward (the
+    optimizer's hyper-parameters) with an error naming what differs and both values; a rank that
+    runs one step more than its peer stops after rank_timeout seconds (2 here), not never."""
+    import time
+    t0 = time.monotonic()
+    mp.spawn(_mismatch_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    assert time.monotonic() - t0 < 120
+    got = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(WORLD)]
+    import re
+    for name, _, _, words in MISMATCHES:
+        for r in range(WORLD):
+            assert got[r][name].startswith("RankMismatchError") and re.search(words, got[r][name]), (r, got[r][name])
+    assert got[1]["uneven"] == "no error"
+    assert got[0]["uneven"].startswith("RankTimeoutError") and "rank_timeout" in got[0]["uneven"], got[0]["uneven"]
+    assert got[0]["uneven_s"] < 10, got[0]["uneven_s"]
