@@ -27,7 +27,9 @@ setup(
         # TRL's SFTTrainer / DPOTrainer on a slid model (docs/integration.md, "TRL").
         "trl": ["trl>=1.16", "datasets"],
         "test": ["pytest>=8", "pytest-timeout", "nbclient", "nbformat", "ipykernel", "triton>=3.0", "trl>=1.16",
-                 "datasets"],
+                 "datasets",
+                 # the reference the 8-bit host AdamW is held to in tests (not a runtime dependency)
+                 "bitsandbytes>=0.50"],
     },
     entry_points={"console_scripts": ["hf-slideformer=hf_slideformer.cli:main"]},
 )

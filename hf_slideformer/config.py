@@ -138,6 +138,14 @@ class SlideConfig:
         "use: one pass that reads the compute-dtype gradient and the fp32 master and moments), 'torch' (torch's "
         "fused CPU AdamW; a bf16 gradient is widened first) or 'auto' ('native' where a C compiler is found). "
         "Both follow torch.optim.AdamW.")
+    optimizer_state: str = option(
+        "adamw", Choice("adamw", "adamw_8bit", "adamw_8bit_bf16"),
+        "What the host AdamW keeps per trainable parameter (docs/host_state.md): 'adamw' (fp32 master and moments, "
+        "12 bytes, torch.optim.AdamW bit for bit), 'adamw_8bit' (8-bit block-wise moments as bitsandbytes' "
+        "AdamW8bit, about 6 bytes) or 'adamw_8bit_bf16' (those and a bf16 master with stochastic rounding, about 4 "
+        "bytes). The embedding keeps 'adamw'. The compact formats update every layer on the CPU: no resident "
+        "layers, no device updates, no state on disk, one process (SlideArgs: also from the Trainer's optim, "
+        "e.g. adamw_8bit).")
     nonfinite_grads: str = option(
         "skip", Choice("skip", "raise"),
         "A step whose gradients are not finite (inf or NaN): 'skip' leaves the weights and AdamW state of every "
@@ -176,6 +184,7 @@ class SlideConfig:
         if self.host_memory_limit is not None and not self.nvme_path:
             raise ValueError(f"SlideConfig.host_memory_limit={self.host_memory_limit!r} needs nvme_path (a directory "
                              "on a fast disk for the state of the layers that do not fit), or host_memory_limit=None")
+        self._check_optimizer_state()
         # None: the host's cores (data_parallel.py gives each of several processes its share of them).
         self._auto_threads = self.cpu_threads is None
         if self.cpu_threads is None:
@@ -184,6 +193,25 @@ class SlideConfig:
             self.pin_memory = dev.type == "cuda"
         if self.use_kernels is None:
             self.use_kernels = dev.type == "cuda"
+
+    def _check_optimizer_state(self) -> None:
+        """A compact optimizer state runs its update in the host kernel only: refuse what would run it
+        elsewhere, and resolve the 'auto' placements to the host."""
+        if self.optimizer_state == "adamw":
+            return
+        bad = []
+        if self.host_adam == "torch":
+            bad.append("host_adam='torch' (the compact update is in the native kernel: use 'auto' or 'native')")
+        if self.host_memory_limit is not None:
+            bad.append("host_memory_limit (state on disk keeps fp32 records: use None)")
+        if self.resident_layers not in ("auto", 0):
+            bad.append(f"resident_layers={self.resident_layers!r} (use 0)")
+        if self.device_update_share not in ("auto", 0, 0.0):
+            bad.append(f"device_update_share={self.device_update_share!r} (use 0)")
+        if bad:
+            raise ValueError(f"SlideConfig.optimizer_state={self.optimizer_state!r} updates every layer on the host "
+                             f"and does not support {'; '.join(bad)}")
+        self.resident_layers, self.device_update_share = 0, 0.0
 
     @property
     def torch_device(self) -> torch.device:

@@ -112,6 +112,8 @@ class DataParallel:
             unsupported.append(f"resident_embedding={config.resident_embedding!r} (use False)")
         if config.device_update_share not in ("auto", 0, 0.0):
             unsupported.append(f"device_update_share={config.device_update_share!r} (use 0)")
+        if config.optimizer_state != "adamw":
+            unsupported.append(f"optimizer_state={config.optimizer_state!r} (use 'adamw')")
         if frozen:
             unsupported.append("frozen parameters (a LoRA / PEFT model, or requires_grad=False): every parameter "
                                "must train")

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HostAdam", "HostRate", "NativeKernelError", "measure_rate", "native_library", "torch_fused_adamw", "triad"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
+_SOURCE8 = "host_adam8.c"          # the 8-bit moments' update (host_optim.py binds it), in the same library
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 # The contraction torch's fused CPU AdamW build applies to v * beta2 + (1 - beta2) * g * g (its
 # Vectorized operators are plain vector arithmetic the compiler may fuse): 0 none, 1 fma(v, beta2,
@@ -85,10 +86,11 @@ def native_library():
         cc = _compiler()
         if cc is None:
             raise NativeKernelError("no C compiler found (cc, gcc or clang; or set CC)")
+        sources = (_SOURCE, _SOURCE.with_name(_SOURCE8))
         try:
-            src = _SOURCE.read_bytes()
+            src = b"\0".join(p.read_bytes() for p in sources)
         except OSError as e:
-            raise NativeKernelError(f"the kernel's source {_SOURCE} is missing ({e}); reinstall hf_slideformer") from e
+            raise NativeKernelError(f"a source of the kernel is missing ({e}); reinstall hf_slideformer") from e
         try:
             version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         except (OSError, subprocess.SubprocessError) as e:
@@ -101,7 +103,7 @@ def native_library():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
             try:
-                r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
+                r = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
                                    timeout=300)
                 if r.returncode != 0:
                     raise NativeKernelError(f"building the host AdamW failed:\n{r.stderr[-2000:]}")

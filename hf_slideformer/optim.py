@@ -10,12 +10,12 @@ masters and moments.
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import torch
 
 from .host_adam import torch_fused_adamw
+from .host_optim import ADAMW, StateFormatMismatchError, formats_holding
 from .store import Unit
 
 __all__ = ["SlideOptimizer", "apply_adamw", "apply_batch", "groups_of", "piece_batches", "sq_norm"]
@@ -63,6 +63,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
             advance as for the whole unit (each rank keeps them all).
     """
     state = unit if state is None else state
+    fmt = unit.state_format or ADAMW
     if found_inf is not None and found_inf.device.type == "cpu":
         if float(found_inf):                # decided on the host: nothing to do
             return
@@ -75,18 +76,20 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         kernel = None
     elif kernel is None and (grad.dtype != torch.float32 or grad_mul != 1.0):
         raise ValueError("a bf16 or scaled gradient of host state needs a HostAdam kernel")
-    run = functools.partial(_run, kernel, grad_mul, found_inf)
     if piece is not None and (piece <= 0 or piece & (piece - 1)):
         raise ValueError(f"piece must be a power of two, got {piece}")
     if found_inf is not None:
         # the kernel skips the update itself; the counters advanced above go back (as torch.optim does)
         _revert = [state.steps[k] for ks in by_group.values() for k in ks]
+
+    def run(gi, ranges, lo=0):
+        # the unit's format updates its flat ranges [(entry, a, b)] (host_optim.py)
+        fmt.run(kernel, groups[gi], unit, state, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
+                [state.steps[k] for k, _, _ in ranges], scale, grad_mul=grad_mul, found_inf=found_inf)
+
     if piece is None and span is None:
         for gi, ks in by_group.items():
-            es = [unit.entries[k] for k in ks]
-            run(groups[gi], [e.view(state.master) for e in es], [e.view(grad) for e in es],
-                [e.view(state.exp_avg) for e in es], [e.view(state.exp_avg_sq) for e in es],
-                [state.steps[k] for k in ks], scale)
+            run(gi, [(k, unit.entries[k].offset, unit.entries[k].offset + unit.entries[k].numel) for k in ks])
         if found_inf is not None and _revert:
             torch._foreach_sub_(_revert, [found_inf] * len(_revert))
         return
@@ -97,9 +100,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
         for gi, ranges in batch.items():
             cut = [(k, max(a, lo), min(b, hi)) for k, a, b in ranges if max(a, lo) < min(b, hi)]
             if cut:
-                run(groups[gi], [state.master[a:b] for _, a, b in cut], [grad[a - lo:b - lo] for _, a, b in cut],
-                    [state.exp_avg[a:b] for _, a, b in cut], [state.exp_avg_sq[a:b] for _, a, b in cut],
-                    [state.steps[k] for k, _, _ in cut], scale)
+                run(gi, cut, lo)
         if on_piece is not None:
             on_piece(end)
     if found_inf is not None and _revert:
@@ -154,13 +155,6 @@ def _grad_scale(clip_coef, device) -> torch.Tensor | None:
     if clip_coef == 1.0:
         return None
     return torch.tensor(1.0 / clip_coef, dtype=torch.float32, device=device)
-
-
-def _run(kernel, grad_mul, found_inf, hp, params, grads, m, v, steps, scale) -> None:
-    if kernel is None:
-        torch_fused_adamw(hp, params, grads, m, v, steps, scale, found_inf)
-    else:
-        kernel.step(hp, params, grads, m, v, steps, grad_scale=scale, grad_mul=grad_mul)
 
 
 def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],
@@ -221,8 +215,9 @@ class SlideOptimizer(torch.optim.Optimizer):
         for u in store.units:
             for k, e in enumerate(u.entries):
                 # a layer on disk has no moments in memory: state_dict() reads them (`_disk_moments`)
+                # the arrays the unit's format declares (host_optim.py), views of the host store
                 self.state[e.param] = {"step": u.steps[k]} if store.on_disk(u) else {
-                    "step": u.steps[k], "exp_avg": e.view(u.exp_avg), "exp_avg_sq": e.view(u.exp_avg_sq)}
+                    "step": u.steps[k], **u.state_format.entry_state(u, k)}
         engine.adapters.allocate(self.state)
         engine.attach_optimizer(self)
 
@@ -290,6 +285,7 @@ class SlideOptimizer(torch.optim.Optimizer):
         for u, entries in self._indexed_units():
             on_disk.update({id(e.param): (u, e) for e, _ in entries})
         disk_moments: dict[int, list] = {}
+        fmt_of = {id(e.param): u.state_format for u in self.engine.store.units for e in u.entries}
         for sg, g in zip(groups, self.param_groups):
             if len(sg["params"]) != len(g["params"]):
                 raise ValueError("optimizer state does not match this model's parameter groups")
@@ -301,14 +297,13 @@ class SlideOptimizer(torch.optim.Optimizer):
                 if s is None:
                     continue
                 st = self.state[p]
-                if s["exp_avg"].shape != p.shape:
-                    raise ValueError(f"optimizer state for a parameter of shape {tuple(p.shape)} has shape "
-                                     f"{tuple(s['exp_avg'].shape)}")
                 if id(p) in on_disk:                # written to disk below, one unit at a time
+                    if s["exp_avg"].shape != p.shape:
+                        raise ValueError(f"optimizer state for a parameter of shape {tuple(p.shape)} has shape "
+                                         f"{tuple(s['exp_avg'].shape)}")
                     disk_moments.setdefault(id(on_disk[id(p)][0]), []).append((*on_disk[id(p)], s))
                 else:
-                    st["exp_avg"].copy_(s["exp_avg"])
-                    st["exp_avg_sq"].copy_(s["exp_avg_sq"])
+                    _copy_entry_state(st, s, p, fmt_of[id(p)])
                 st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
         for items in disk_moments.values():
             u = items[0][0]
@@ -317,3 +312,24 @@ class SlideOptimizer(torch.optim.Optimizer):
                     e.view(u.exp_avg).copy_(s["exp_avg"])
                     e.view(u.exp_avg_sq).copy_(s["exp_avg_sq"])
         self.engine.note_restored(optimizer=True)
+
+
+def _copy_entry_state(st: dict, saved: dict, p, fmt) -> None:
+    """Copy one parameter's saved optimizer state into its views `st`, checked against the format."""
+    names = [a.name for a in fmt.arrays]
+    missing = [n for n in names if n not in saved]
+    extra = [n for n in saved if n not in names and n != "step"]
+    bad_dtype = [n for n in names if n in saved and saved[n].dtype != st[n].dtype]
+    if missing or extra or bad_dtype:
+        theirs = formats_holding({k: v.dtype for k, v in saved.items() if torch.is_tensor(v) and k != "step"})
+        raise StateFormatMismatchError(
+            f"the optimizer state is of format {' or '.join(map(repr, theirs)) or 'unknown'}; this model's "
+            f"optimizer_state is {fmt.name!r} with {names}: load it into a model slid with the same "
+            "SlideConfig.optimizer_state")
+    for n in names:
+        if saved[n].shape != st[n].shape:
+            raise ValueError(f"optimizer state {n} for a parameter of shape {tuple(p.shape)} has shape "
+                             f"{tuple(saved[n].shape)}, expected {tuple(st[n].shape)}")
+        fmt.check(n, saved[n], f"optimizer state of a parameter of shape {tuple(p.shape)}")
+    for n in names:
+        st[n].copy_(saved[n])

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .disk_plan import plan_disk_units
 from .disk_store import WHOLE, DiskStates, pool_buffers, record_bytes
+from .host_optim import format_of
 from .memory import PinnedBuffers, PrivateHostMemory, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
@@ -54,9 +55,14 @@ class Unit:
     index: int                                  # position in the schedule order
     entries: list[ParamEntry]
     numel: int = 0
-    master: torch.Tensor | None = None          # (numel,) fp32, pinned on CUDA
+    master: torch.Tensor | None = None          # (numel,) fp32 (bf16 under adamw_8bit_bf16), pinned on CUDA
+    # The optimizer state the unit's `state_format` declares (host_optim.py): fp32 or 8-bit moments,
+    # and the 8-bit moments' per-block scales.
     exp_avg: torch.Tensor | None = None
     exp_avg_sq: torch.Tensor | None = None
+    exp_avg_absmax: torch.Tensor | None = None
+    exp_avg_sq_absmax: torch.Tensor | None = None
+    state_format: object = None
     grad: torch.Tensor | None = None            # (numel,) fp32 accumulated gradient (deferred mode)
     grad_valid: bool = False                    # `grad` holds this step's sum so far
     steps: list = field(default_factory=list)    # per-entry AdamW step counters (fp32 scalars)
@@ -113,6 +119,8 @@ class HostStore:
             off += u.numel
         self.numel = off
         self.deferred = config.deferred
+        for u in units:                       # what each unit's optimizer keeps (host_optim.py)
+            u.state_format = format_of(u.kind, config.optimizer_state)
         # The last layers' moments, or whole state, on disk when host_memory_limit says so (disk_store.py).
         on_disk = plan_disk_units(units, config)                 # [(unit, part)]
         self._on_disk = {id(u) for u, _ in on_disk}
@@ -130,7 +138,10 @@ class HostStore:
         frozen_numel = sum(u.numel for u in frozen)
         if config.check_host_memory:
             pool = pool_buffers(len(on_disk)) * max((record_bytes(u.numel, part) for u, part in on_disk), default=0)
-            need = (4 * (self.host_numel - frozen_numel) + 8 * (self.moments_numel - frozen_numel)
+            held = [u for u in units if not self.on_disk(u) and id(u) not in self._frozen]
+            need = (sum(u.numel * u.state_format.master_dtype.itemsize for u in held)
+                    + 4 * sum(u.numel for u in units if self.on_disk(u) and not self.master_on_disk(u))
+                    + sum(u.state_format.state_bytes(u) for u in held)
                     + 2 * frozen_numel + pool
                     + (4 * sum(u.numel for u in units if u.kind != "embed" and u.trainable) if self.deferred else 0))
             check_host_memory(self.numel, deferred=self.deferred, config=config, need=need)
@@ -149,7 +160,10 @@ class HostStore:
         # The embedding's master is a buffer of its own: a resident embedding gives its host pages
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
-        self.master_slab = self.memory.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel)
+        # One dtype per slab: the decoder layers' and head's format decides it (the embedding's is its own).
+        master_dtype = format_of("layer", config.optimizer_state).master_dtype
+        self.master_slab = self.memory.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel,
+                                             dtype=master_dtype)
         self._carve(self.master_slab, "master", [u for u in units if not self.master_on_disk(u)], skip=own + frozen)
         for u in own:
             u.master = self.memory.empty(u.numel)
@@ -208,10 +222,11 @@ class HostStore:
         if self.optimizer_ready:
             return
         held = [u for u in self.units if not self.on_disk(u)]   # a disk unit's moments are in its file
-        self.exp_avg_slab = self.memory.zeros(self.moments_numel)
-        self.exp_avg_sq_slab = self.memory.zeros(self.moments_numel)
-        self._carve(self.exp_avg_slab, "exp_avg", held)
-        self._carve(self.exp_avg_sq_slab, "exp_avg_sq", held)
+        by_format: dict[int, list[Unit]] = {}
+        for u in held:
+            by_format.setdefault(id(u.state_format), []).append(u)
+        for us in by_format.values():      # the arrays each format declares, one mapped slab per array
+            us[0].state_format.allocate(us, self.memory.zeros)
         for u in self.units:
             u.steps = [torch.zeros((), dtype=torch.float32) for _ in u.entries]
         if self.deferred:

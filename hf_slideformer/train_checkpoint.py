@@ -2,10 +2,12 @@
 
 A checkpoint directory holds the HF export (`model.safetensors`, written by `save_pretrained`
 from the fp32 masters) and, for an exact resume, `slide_state/`: one safetensors file per unit
-(embedding, each decoder layer, head) with the unit's flat fp32 `master`, `exp_avg`,
-`exp_avg_sq` and its per-parameter AdamW `step` counters, plus `slide_state/index.json` naming
-every file with its size, tensor shapes and a CRC-32 per tensor, and the optimizer's
-hyper-parameters per group. No single pickle ever holds the whole state; host memory stays flat
+(embedding, each decoder layer, head) with the unit's flat `master` and the arrays its optimizer
+state format declares (host_optim.py: fp32 `exp_avg`, `exp_avg_sq` for 'adamw'; 8-bit moments
+and their block scales for the compact formats) and its per-parameter AdamW `step` counters,
+plus `slide_state/index.json` naming every file with its size, tensor shapes, its unit's state
+format and a CRC-32 per tensor, and the optimizer's hyper-parameters per group. A checkpoint
+loads only into a model of the same state format (`StateFormatMismatchError` names both). No single pickle ever holds the whole state; host memory stays flat
 while saving. A frozen unit (the base under LoRA) is named in the index without a file: it never
 changes, and the LoRA adapters with their moments are `slide_state/adapters.safetensors`.
 
@@ -28,6 +30,7 @@ from safetensors.torch import save_file
 
 from .atomic_save import fsync_dir, fsync_file, recover_directories, staged_directory
 from .checkpoint import CheckpointError
+from .host_optim import ADAMW, CorruptOptimizerStateError, StateFormatMismatchError
 
 __all__ = ["STATE_DIR", "atomic_directory", "recover_checkpoint", "save_training_state", "load_training_state",
            "verify_training_state", "tensor_crc32", "write_plain_resume_refusal"]
@@ -38,7 +41,7 @@ STATE_DIR = "slide_state"
 INDEX = "index.json"
 ADAPTERS = "adapters.safetensors"
 FORMAT = "hf_slideformer.training_state/1"
-_TENSORS = ("master", "exp_avg", "exp_avg_sq", "step")
+_CRC_THREADS = 4
 PLAIN_OPTIMIZER_NAME = "optimizer.pt"
 
 
@@ -129,7 +132,7 @@ def save_training_state(directory: str, model, optimizer) -> None:
     out = os.path.join(directory, STATE_DIR)
     os.makedirs(out, exist_ok=True)
     units = []
-    with ThreadPoolExecutor(max_workers=len(_TENSORS)) as pool:     # zlib.crc32 releases the GIL
+    with ThreadPoolExecutor(max_workers=_CRC_THREADS) as pool:     # zlib.crc32 releases the GIL
         for k, u in enumerate(engine.store.units):
             if not u.trainable:
                 units.append({"name": u.name, "frozen": True, "numel": u.numel,
@@ -138,14 +141,15 @@ def save_training_state(directory: str, model, optimizer) -> None:
             fname = _unit_file(k)
             path = os.path.join(out, fname)
             with engine.store.unit_state(u):          # a layer on disk: read into a buffer meanwhile
-                # (numel,) fp32 each; the step counters are one fp32 scalar per parameter of the unit
-                tensors = {"master": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
+                # the format's arrays; the step counters are one fp32 scalar per parameter of the unit
+                tensors = {**(u.state_format or ADAMW).tensors(u),
                            "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)}
                 crcs = {n: pool.submit(tensor_crc32, t) for n, t in tensors.items()}
                 save_file(tensors, path, metadata={"format": FORMAT, "unit": u.name})
                 crcs = {n: c.result() for n, c in crcs.items()}
                 del tensors
             units.append({"name": u.name, "file": fname, "bytes": os.path.getsize(path), "numel": u.numel,
+                          "state_format": (u.state_format or ADAMW).name,
                           "params": [[e.name, list(e.shape)] for e in u.entries], "crc32": crcs})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
@@ -226,7 +230,14 @@ def verify_training_state(directory: str, model) -> dict:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
         if meta.get("unit") != rec["name"]:
             raise CheckpointError(f"{path} holds unit {meta.get('unit')!r}, the index expects {rec['name']!r}")
-        want = {"master": (u.numel,), "exp_avg": (u.numel,), "exp_avg_sq": (u.numel,), "step": (len(u.entries),)}
+        fmt = u.state_format or ADAMW
+        theirs_fmt = rec.get("state_format", ADAMW.name)
+        if theirs_fmt != fmt.name:
+            raise StateFormatMismatchError(
+                f"{path} holds unit {rec['name']} in optimizer state format {theirs_fmt!r}; this model keeps "
+                f"{fmt.name!r} (SlideConfig.optimizer_state): slide the model with optimizer_state={theirs_fmt!r} "
+                "to resume this checkpoint")
+        want = {"master": (u.numel,), **{n: (k,) for n, k in fmt.sizes(u).items()}, "step": (len(u.entries),)}
         if shapes != want:
             raise CheckpointError(f"{path} holds tensors {shapes}, expected {want}")
     return index
@@ -268,15 +279,19 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
                                               "before training")
                     return t
 
+                fmt = u.state_format or ADAMW
                 if weights:
                     u.master.copy_(read("master"))
                 if opt is not None:
-                    m, v, steps = read("exp_avg"), read("exp_avg_sq"), read("step")
-                    u.exp_avg.copy_(m)
-                    u.exp_avg_sq.copy_(v)
-                    for s, x in zip(u.steps, steps):
+                    arrays = {a.name: read(a.name) for a in fmt.arrays}
+                    for n, t in arrays.items():      # every scale is checked before anything is written
+                        fmt.check(n, t, f"{path} (unit {rec['name']})")
+                    for n, t in arrays.items():
+                        getattr(u, n).copy_(t)
+                    for s, x in zip(u.steps, read("step")):
                         s.copy_(x)
-        except CheckpointError:
+                    del arrays
+        except (CheckpointError, StateFormatMismatchError, CorruptOptimizerStateError):
             raise
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{path} could not be read: {e}") from e

@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["SlideArgs", "SlideArgsError"]
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+# The Trainer's 8-bit AdamW names: the engine's own 8-bit block-wise moments (host_optim.py) are that
+# optimizer's scheme; "paged" has no meaning for host state, which is never on the GPU.
+_ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")
 PREFIX = "slide_"
 
 
@@ -98,8 +101,13 @@ class SlideArgs(TrainingArguments):
             raise SlideArgsError("label_smoothing_factor needs the logits, which the sliding head never "
                                  "materializes; set it to 0")
         optim = OptimizerNames(self.optim).value
-        if optim not in _ADAMW:
-            raise SlideArgsError(f"optim={optim!r}: the sliding engine runs AdamW on the CPU; use optim='adamw_torch'")
+        if optim in _ADAMW_8BIT:
+            if self.slide_optimizer_state == "adamw":     # the default: the Trainer's optim says 8-bit moments
+                self.slide_optimizer_state = "adamw_8bit"
+        elif optim not in _ADAMW:
+            raise SlideArgsError(f"optim={optim!r}: the sliding engine runs AdamW on the CPU; use optim='adamw_torch' "
+                                 f"(fp32 state) or one of {', '.join(_ADAMW_8BIT)} (8-bit moments; a bf16 master "
+                                 "too with slide_optimizer_state='adamw_8bit_bf16')")
         if self.bf16 and self.slide_dtype not in (None, "bfloat16"):
             raise SlideArgsError(f"slide_dtype={self.slide_dtype!r} contradicts bf16=True")
 

@@ -1,0 +1,187 @@
+/* The host AdamW with 8-bit block-wise moments (the scheme of Dettmers et al., "8-bit Optimizers via
+ * Block-wise Quantization", as bitsandbytes' blockwise 8-bit Adam runs it on the CPU), one pass per block.
+ *
+ * State of n parameters, in blocks of 256 (a parameter's blocks start at its own first element):
+ *   master      fp32 or bf16 (n,)
+ *   q1, q2      uint8 (n,): codes into the signed / unsigned dynamic maps `code1`, `code2` (256 floats)
+ *   a1, a2      fp32 (blocks,): each block's absmax, the scale of its codes
+ * For each block, with m = code1[q1] * a1, v = code2[q2] * a2 (dequantized) and per element:
+ *   g = widen(grad) * gmul * gclip * sign       (gclip: the clip factor, as bitsandbytes' gnorm_scale)
+ *   m = fma(g, 1 - beta1, m * beta1)            (torch's m.mul_(beta1).add_(g, alpha=1 - beta1))
+ *   v = v * beta2 + ((1 - beta2) * g) * g       (v.mul_(beta2).addcmul_(g, g, value=1 - beta2))
+ *   p = master * wd_mul                          (decoupled weight decay, 1 - lr * wd)
+ *   p = p + neg_step * (m / (sqrt(v) / bc2 + eps))        (neg_step = -lr / (1 - beta1^t))
+ * then the block's new absmax of m and of v, and each value requantized to the code nearest on the
+ * 65536-point grid of [-1, 1] (bitsandbytes' CPU rounding: lut[(x / absmax + 1) / 2 * 65535 + 0.5]).
+ * An all-zero block has absmax 0 and codes 0. The update uses the unquantized m and v of this step,
+ * as the reference does; only what is stored is quantized.
+ *
+ * A bf16 master is rounded stochastically: the 16 low bits of the fp32 result are added to a
+ * uniform 16-bit number and truncated, which is unbiased (E[round(x)] = x) for finite x. The
+ * number is a counter-based hash of (seed, step, ctr + i): reproducible for a seed and the same for
+ * any thread count or split of the range into calls. out16 (optional) receives the bf16 weights
+ * (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
+ *
+ * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define Q_BLOCK 256
+
+typedef struct {
+    float gmul, gclip, sign, wd_mul, beta1, c1, beta2, c2, bc2, eps, neg_step;
+    int32_t pad_;
+    uint64_t seed;    /* stochastic rounding: the hash's key (seed and step mixed by the caller) */
+} slide_adam8_hp;
+
+static inline float b2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f2b_rne(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A 32-bit integer hash (two rounds of multiply-xorshift, "lowbias32"), keyed: vectorizes with
+ * 32-bit multiplies. Element counters are unit offsets (< 2^32 in every unit). */
+static inline uint32_t hash32(uint32_t x, uint32_t k1, uint32_t k2) {
+    x ^= k1;
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    x ^= k2;
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+
+static inline uint16_t f2b_stochastic(float f, uint64_t key, uint64_t idx) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t r = hash32((uint32_t)idx, (uint32_t)key, (uint32_t)(key >> 32)) & 0xffffu;
+    uint32_t t = u + r;
+    /* inf / NaN stay as they are; a carry into the exponent of inf truncates instead */
+    if ((u & 0x7f800000u) == 0x7f800000u || (t & 0x7f800000u) == 0x7f800000u) t = u;
+    return (uint16_t)(t >> 16);
+}
+
+/* The rounding table's index of x / absmax: (clamp(x * inv, -1, 1) + 1) / 2 * 65535 + 0.5, truncated. */
+static inline int32_t lut_index(float x, float inv) {
+    float y = x * inv;
+    y = y < -1.0f ? -1.0f : (y > 1.0f ? 1.0f : y);
+    y = (y + 1.0f) * 0.5f;
+    y = y * 65535.0f;
+    y = y + 0.5f;
+    return (int32_t)y;
+}
+
+static inline __attribute__((always_inline)) void adam8_block(
+        void *restrict master_, unsigned char *restrict q1, unsigned char *restrict q2, float *restrict a1,
+        float *restrict a2, const void *restrict grad_, uint16_t *restrict out16, int64_t lo, int64_t hi,
+        const float *restrict code1, const float *restrict code2, const uint32_t *restrict lut1,
+        const uint32_t *restrict lut2, const slide_adam8_hp *hp, uint64_t ctr, const int gbf, const int mbf, const int o16) {
+    float m[Q_BLOCK], v[Q_BLOCK];
+    const int64_t len = hi - lo;
+    const int64_t b = lo / Q_BLOCK;
+    const float s1 = a1[b], s2 = a2[b];
+    float mx1 = 0.0f, mx2 = 0.0f;
+    const float gmul = hp->gmul, gclip = hp->gclip, sign = hp->sign, wd_mul = hp->wd_mul, beta1 = hp->beta1,
+                c1 = hp->c1, beta2 = hp->beta2, c2 = hp->c2, bc2 = hp->bc2, eps = hp->eps, neg_step = hp->neg_step;
+    float *restrict m32 = (float *)master_;
+    uint16_t *restrict m16 = (uint16_t *)master_;
+    const float *restrict g32 = (const float *)grad_;
+    const uint16_t *restrict g16 = (const uint16_t *)grad_;
+    _Pragma("omp simd reduction(max:mx1, mx2)")
+    for (int64_t j = 0; j < len; j++) {
+        const int64_t i = lo + j;
+        float g = (gbf ? b2f(g16[i]) : g32[i]) * gmul;
+        g = g * gclip;
+        g = g * sign;
+        float mm = code1[q1[i]] * s1;
+        float vv = code2[q2[i]] * s2;
+        mm = fmaf(g, c1, mm * beta1);
+        vv = fmaf(c2 * g, g, vv * beta2);
+        m[j] = mm;
+        v[j] = vv;
+        const float am = fabsf(mm), av = fabsf(vv);
+        mx1 = mx1 < am ? am : mx1;                 /* std::max's order, as the reference */
+        mx2 = mx2 < av ? av : mx2;
+        float p = (mbf ? b2f(m16[i]) : m32[i]) * wd_mul;
+        p = p + (neg_step * mm) / (sqrtf(vv) / bc2 + eps);
+        if (mbf) {
+            uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);
+            m16[i] = w;
+            if (o16) out16[i] = w;
+        } else {
+            m32[i] = p;
+            if (o16) out16[i] = f2b_rne(p);
+        }
+    }
+    a1[b] = mx1;
+    a2[b] = mx2;
+    /* Requantize: the indices in one vector loop, then the table's bytes (a load each). */
+    const float i1 = mx1 > 0.0f ? 1.0f / mx1 : 0.0f, i2 = mx2 > 0.0f ? 1.0f / mx2 : 0.0f;
+    int32_t x1[Q_BLOCK], x2[Q_BLOCK];
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < len; j++) {
+        x1[j] = lut_index(m[j], i1);
+        x2[j] = lut_index(v[j], i2);
+    }
+    const uint32_t z1 = mx1 > 0.0f ? 0xffu : 0u, z2 = mx2 > 0.0f ? 0xffu : 0u;   /* an all-zero block: codes 0 */
+    _Pragma("omp simd")
+    for (int64_t j = 0; j < len; j++) {
+        q1[lo + j] = (unsigned char)(lut1[x1[j]] & z1);
+        q2[lo + j] = (unsigned char)(lut2[x2[j]] & z2);
+    }
+}
+
+/* Blocks handed to the threads about 64 Ki elements at a time, as in host_adam.c. */
+#define Q_CHUNK 256
+#define ADAM8_IMPL(NAME, GBF, MBF)                                                               \
+    static void NAME(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2,   \
+                     const void *grad, uint16_t *out16, int64_t n, const float *code1,            \
+                     const float *code2, const uint32_t *lut1, const uint32_t *lut2,    \
+                     const slide_adam8_hp *hp, uint64_t ctr, int threads) {                       \
+        int64_t nb = (n + Q_BLOCK - 1) / Q_BLOCK;                                                 \
+        _Pragma("omp parallel for num_threads(threads) schedule(dynamic, Q_CHUNK) if(nb > Q_CHUNK)") \
+        for (int64_t b = 0; b < nb; b++) {                                                        \
+            int64_t lo = b * Q_BLOCK, hi = lo + Q_BLOCK < n ? lo + Q_BLOCK : n;                   \
+            if (out16) adam8_block(master, q1, q2, a1, a2, grad, out16, lo, hi, code1, code2, lut1, lut2, \
+                                   hp, ctr, GBF, MBF, 1);                                        \
+            else adam8_block(master, q1, q2, a1, a2, grad, out16, lo, hi, code1, code2, lut1, lut2, hp, \
+                             ctr, GBF, MBF, 0);                                                  \
+        }                                                                                        \
+    }
+ADAM8_IMPL(adam8_g32_m32, 0, 0)
+ADAM8_IMPL(adam8_g16_m32, 1, 0)
+ADAM8_IMPL(adam8_g32_m16, 0, 1)
+ADAM8_IMPL(adam8_g16_m16, 1, 1)
+
+/* One update of n parameters from a block boundary: q1, q2, master, grad, out16 point at the
+ * range's first element, a1, a2 at its first block. grad_bf16 / master_bf16 pick the dtypes; ctr
+ * is the counter of the range's first element for the stochastic rounding. */
+void slide_adamw8(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2, const void *grad,
+                  uint16_t *out16, int64_t n, const float *code1, const float *code2, const uint32_t *lut1,
+                  const uint32_t *lut2, const slide_adam8_hp *hp, uint64_t ctr, int grad_bf16,
+                  int master_bf16, int threads) {
+    if (n <= 0) return;
+    if (threads < 1) threads = 1;
+    if (grad_bf16 && master_bf16) adam8_g16_m16(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
+    else if (grad_bf16) adam8_g16_m32(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
+    else if (master_bf16) adam8_g32_m16(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
+    else adam8_g32_m32(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
+}
+
+/* out[i] = bf16(x[i]) rounded stochastically with the kernel's hash (key, ctr + i): the rounding a
+ * bf16 master takes, for tests and for loading an fp32 value into a bf16 master. */
+void slide_round_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t key, uint64_t ctr, int threads) {
+    if (threads < 1) threads = 1;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if(n > 65536)")
+    for (int64_t i = 0; i < n; i++) out[i] = f2b_stochastic(x[i], key, ctr + (uint64_t)i);
+}

@@ -1,0 +1,276 @@
+"""The host optimizer's state formats: what AdamW keeps per parameter, and the update of a range.
+
+A `StateFormat` declares the arrays it keeps for a unit (named, with their dtype and whether they
+hold one value per parameter or one per block of a parameter), its bytes per parameter, and
+updates a range of a unit from its gradient. The host store allocates what the format declares,
+the checkpoints save and check it, the planner and the memory checks count its bytes; nothing
+else assumes two fp32 moments.
+
+| name | master | moments | bytes / param | update |
+|---|---|---|---|---|
+| `adamw` (default) | fp32 | fp32 `exp_avg`, `exp_avg_sq` | 12 | torch.optim.AdamW, bit for bit |
+| `adamw_8bit` | fp32 | 8-bit block-wise, fp32 absmax per 256 | 6.03 | bitsandbytes' blockwise 8-bit AdamW |
+| `adamw_8bit_bf16` | bf16, rounded stochastically | as `adamw_8bit` | 4.03 | the same, master rounded to bf16 |
+
+The embedding keeps `adamw` under every format (`format_of`): its update is row-sparse
+(`HostAdam.step_rows`) and it may live on the GPU (`resident_embedding`); it is one unit of
+vocab x hidden parameters (6% of Llama-3.1-8B), and fp32 there keeps the rare rows' moments exact.
+docs/host_state.md compares the formats and says how to add one.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .host_adam import torch_fused_adamw
+from .quant_maps import BLOCK, dynamic_map, num_blocks, quantize_lut
+
+__all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
+           "format_of", "formats_holding", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
+
+
+class StateFormatMismatchError(ValueError):
+    """Optimizer state of one format offered to a model configured with another."""
+
+
+class CorruptOptimizerStateError(ValueError):
+    """A loaded optimizer state holds values its format cannot hold (a non-finite or negative scale)."""
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One array of a unit's optimizer state: `per` is "param" (one value per parameter, laid out as
+    the master) or "block" (one per block of `BLOCK` values of each parameter, from its start)."""
+
+    name: str
+    dtype: torch.dtype
+    per: str = "param"
+
+
+class StateFormat:
+    """What the host AdamW keeps per parameter and how it updates a range (see the module)."""
+
+    name: str = ""
+    master_dtype: torch.dtype = torch.float32
+    arrays: tuple[StateArray, ...] = ()
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Host bytes per trainable parameter: master and moments (block scales amortised)."""
+        b = self.master_dtype.itemsize
+        for a in self.arrays:
+            b += a.dtype.itemsize / (BLOCK if a.per == "block" else 1)
+        return b
+
+    def sizes(self, u) -> dict[str, int]:
+        """Elements of each array of unit `u`."""
+        blocks = sum(num_blocks(e.numel) for e in u.entries)
+        return {a.name: (blocks if a.per == "block" else u.numel) for a in self.arrays}
+
+    def state_bytes(self, u) -> int:
+        """Host bytes of `u`'s moments (its master not included)."""
+        return sum(n * a.dtype.itemsize for a, n in zip(self.arrays, self.sizes(u).values()))
+
+    def allocate(self, units, zeros) -> None:
+        """Give each unit its zeroed arrays, carved from one `zeros(numel, dtype)` slab per array."""
+        for a in self.arrays:
+            sizes = [self.sizes(u)[a.name] for u in units]
+            slab = zeros(sum(sizes), a.dtype)
+            off = 0
+            for u, n in zip(units, sizes):
+                setattr(u, a.name, slab[off:off + n])
+                off += n
+        for u in units:
+            u.state_format = self
+
+    def tensors(self, u) -> dict[str, torch.Tensor]:
+        """`u`'s master and arrays by name (what a checkpoint holds)."""
+        return {"master": u.master, **{a.name: getattr(u, a.name) for a in self.arrays}}
+
+    def entry_state(self, u, k: int, src=None) -> dict[str, torch.Tensor]:
+        """Views of entry `k`'s part of each array (the optimizer's per-parameter state); of `src`
+        (another holder of the arrays in `u`'s layout) when given."""
+        src = u if src is None else src
+        e, out = u.entries[k], {}
+        b0 = sum(num_blocks(x.numel) for x in u.entries[:k])
+        for a in self.arrays:
+            t = getattr(src, a.name)
+            out[a.name] = e.view(t) if a.per == "param" else t[b0:b0 + num_blocks(e.numel)]
+        return out
+
+    def check(self, name: str, t: torch.Tensor, where: str) -> None:
+        """Raise `CorruptOptimizerStateError` when array `name` holds values the format cannot hold."""
+
+    def run(self, kernel, hp: dict, u, state, ranges, grads, steps, scale, grad_mul: float = 1.0,
+            found_inf=None) -> None:
+        """One AdamW step of the flat ranges [(entry index, lo, hi)] of unit `u`'s `state` (the
+        unit, or a holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]`
+        its counter (advanced). `scale`: divide the gradient by it (the clip factor's reciprocal)."""
+        raise NotImplementedError
+
+
+class AdamW32(StateFormat):
+    """fp32 master and moments: torch.optim.AdamW's step bit for bit (host_adam.py)."""
+
+    name = "adamw"
+    arrays = (StateArray("exp_avg", torch.float32), StateArray("exp_avg_sq", torch.float32))
+
+    def run(self, kernel, hp, u, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
+        ps = [state.master[a:b] for _, a, b in ranges]
+        ms = [state.exp_avg[a:b] for _, a, b in ranges]
+        vs = [state.exp_avg_sq[a:b] for _, a, b in ranges]
+        if kernel is None:
+            torch_fused_adamw(hp, ps, grads, ms, vs, steps, scale, found_inf)
+        else:
+            kernel.step(hp, ps, grads, ms, vs, steps, grad_scale=scale, grad_mul=grad_mul)
+
+
+class _HP8(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_float) for n in
+                ("gmul", "gclip", "sign", "wd_mul", "beta1", "c1", "beta2", "c2", "bc2", "eps", "neg_step")] + [
+        ("pad_", ctypes.c_int32), ("seed", ctypes.c_uint64)]
+
+
+def _bind(lib):
+    fn = lib.slide_adamw8
+    if getattr(fn, "_bound", False):
+        return fn
+    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                   + [ctypes.POINTER(_HP8), ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int])
+    fn.restype = None
+    lib.slide_round_bf16_stochastic.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
+                                                ctypes.c_uint64, ctypes.c_int]
+    lib.slide_round_bf16_stochastic.restype = None
+    fn._bound = True
+    return fn
+
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    x &= _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def rounding_key(seed: int, unit_index: int, step: int) -> int:
+    """The stochastic rounding's key of one unit's update at `step` (a pure function of the three)."""
+    return _mix64(_mix64(_mix64(seed) ^ unit_index) ^ step)
+
+
+def round_bf16_stochastic(x: torch.Tensor, key: int, ctr: int = 0, threads: int = 1) -> torch.Tensor:
+    """bf16 of fp32 `x` (flat) rounded stochastically as a bf16 master is: element i with the hash
+    of (key, ctr + i). Native kernel only."""
+    from .host_adam import native_library
+
+    lib = native_library()
+    _bind(lib)
+    x = x.reshape(-1).contiguous().to(torch.float32)
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    lib.slide_round_bf16_stochastic(x.data_ptr(), out.data_ptr(), x.numel(), key & _M64, ctr & _M64, threads)
+    return out
+
+
+class AdamW8bit(StateFormat):
+    """8-bit block-wise moments (bitsandbytes' blockwise 8-bit AdamW), fp32 master.
+
+    The update is one pass per block of 256 (csrc/host_adam8.c): it dequantizes the moments, takes
+    the step with the unquantized new moments, and stores them requantized with the block's new
+    absmax, as bitsandbytes' CPU update does. A range must start at a block of its parameter.
+    """
+
+    name = "adamw_8bit"
+    arrays = (StateArray("exp_avg", torch.uint8), StateArray("exp_avg_sq", torch.uint8),
+              StateArray("exp_avg_absmax", torch.float32, "block"),
+              StateArray("exp_avg_sq_absmax", torch.float32, "block"))
+    seed = 0
+
+    def __init__(self):
+        self._tables = None
+
+    def tables(self):
+        """The maps and rounding tables of exp_avg (signed) and exp_avg_sq (unsigned)."""
+        if self._tables is None:
+            self._tables = tuple(t.contiguous() for t in (dynamic_map(True), dynamic_map(False),
+                                                          quantize_lut(True).to(torch.int32), quantize_lut(False).to(torch.int32)))
+        return self._tables
+
+    def check(self, name, t, where) -> None:
+        if name.endswith("_absmax"):
+            bad = ~torch.isfinite(t) | (t < 0)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise CorruptOptimizerStateError(
+                    f"{where}: {name} holds {int(bad.sum())} invalid block scale(s) (block {i}: {float(t[i])!r}; "
+                    "a scale is a finite absmax >= 0): the optimizer state is damaged, load a good checkpoint")
+
+    def run(self, kernel, hp, u, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
+        if kernel is None or not kernel.native or found_inf is not None:
+            raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
+        fn = _bind(kernel.lib)
+        code1, code2, lut1, lut2 = self.tables()
+        beta1, beta2 = (float(b) for b in hp["betas"])
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        f = lambda x: ctypes.c_float(x).value                             # noqa: E731 - fp32 as torch casts
+        s = _HP8(gmul=grad_mul, gclip=1.0 if scale is None else 1.0 / float(scale),
+                 sign=-1.0 if hp.get("maximize", False) else 1.0, wd_mul=f(1.0 - lr * wd) if wd > 0.0 else 1.0,
+                 beta1=beta1, c1=f(1.0 - beta1), beta2=beta2, c2=f(1.0 - beta2), eps=float(hp["eps"]))
+        starts, b0 = [], 0
+        for e in u.entries:
+            starts.append(b0)
+            b0 += num_blocks(e.numel)
+        mbf = int(state.master.dtype == torch.bfloat16)
+        for (k, a, b), g, st in zip(ranges, grads, steps):
+            e = u.entries[k]
+            if (a - e.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {u.name} [{a}, {b})")
+            t = float(st)
+            s.bc2 = math.sqrt(1.0 - beta2 ** t)
+            s.neg_step = -lr / (1.0 - beta1 ** t)
+            s.seed = rounding_key(self.seed, u.index, int(t))
+            blk = starts[k] + (a - e.offset) // BLOCK
+            assert g.is_contiguous() and g.numel() == b - a and g.dtype in (torch.float32, torch.bfloat16)
+            fn(state.master[a:b].data_ptr(), state.exp_avg[a:b].data_ptr(), state.exp_avg_sq[a:b].data_ptr(),
+               state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
+               b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
+               int(g.dtype == torch.bfloat16), mbf, kernel.threads)
+
+
+class AdamW8bitBf16(AdamW8bit):
+    """8-bit block-wise moments and a bf16 master rounded stochastically (unbiased: the expected
+    rounding of each update is its fp32 value, so small updates are not lost to round-to-nearest).
+
+    The rounding of element i of unit u at step t uses a counter-based hash of (seed, u, t, i):
+    the same for a seed whatever the threads or the cut of the update into pieces.
+    """
+
+    name = "adamw_8bit_bf16"
+    master_dtype = torch.bfloat16
+
+
+ADAMW = AdamW32()
+FORMATS: dict[str, StateFormat] = {f.name: f for f in (ADAMW, AdamW8bit(), AdamW8bitBf16())}
+
+
+def state_format(name: str) -> StateFormat:
+    """The format registered under `name` (`SlideConfig.optimizer_state`)."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown optimizer_state {name!r}; one of {sorted(FORMATS)}") from None
+
+
+def formats_holding(arrays: dict[str, torch.dtype]) -> list[str]:
+    """The names of the formats whose moments are exactly `arrays` (name -> dtype)."""
+    return [f.name for f in FORMATS.values() if {a.name: a.dtype for a in f.arrays} == arrays]
+
+
+def format_of(unit_kind: str, name: str) -> StateFormat:
+    """The format a unit of `unit_kind` keeps under `SlideConfig.optimizer_state` = `name`: the
+    embedding keeps fp32 AdamW (see the module)."""
+    return ADAMW if unit_kind == "embed" else state_format(name)
