@@ -1,0 +1,169 @@
+"""The host optimizer's state formats (host_optim.py): the 8-bit AdamW held to bitsandbytes' blockwise
+AdamW8bit step by step, the stochastic rounding of a bf16 master, and what each format declares."""
+import pytest
+import torch
+
+from hf_slideformer.host_adam import HostAdam
+from hf_slideformer.host_optim import (FORMATS, AdamW8bit, round_bf16_stochastic, rounding_key, state_format)
+from hf_slideformer.quant_maps import BLOCK, dequantize_blockwise, dynamic_map, quantize_blockwise
+from hf_slideformer.store import ParamEntry, Unit
+
+bnb = pytest.importorskip("bitsandbytes")
+
+SHAPES = [(37, 41), (300,), (1000, 3), (256,), (5,)]     # partial blocks, one exact block, a tiny one
+GROUPS = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+          dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)]
+GROUP_OF = [0, 1, 0, 1, 0]                                  # the group of each shape
+
+
+def make_unit(fmt, params, index=1):
+    """A host unit holding `params` back to back, its state allocated by `fmt`."""
+    entries, off = [], 0
+    for k, p in enumerate(params):
+        entries.append(ParamEntry(name=f"p{k}", shape=p.shape, offset=off, numel=p.numel(), holders=[]))
+        off += p.numel()
+    u = Unit(name="layer", kind="layer", index=index, entries=entries, numel=off)
+    u.master = torch.cat([p.reshape(-1) for p in params]).to(fmt.master_dtype)
+    fmt.allocate([u], lambda n, dtype: torch.zeros(n, dtype=dtype))
+    u.steps = [torch.zeros(()) for _ in entries]
+    return u
+
+
+def step(fmt, kernel, u, grads, groups, piece=None):
+    """One update of every entry, group by group (cut at multiples of `piece` when given)."""
+    for gi, hp in enumerate(groups):
+        ranges = []
+        for k, e in enumerate(u.entries):
+            if GROUP_OF[k] != gi:
+                continue
+            u.steps[k].add_(1)
+            cut = piece or e.numel
+            ranges += [(k, e.offset + a, e.offset + min(a + cut, e.numel)) for a in range(0, e.numel, cut)]
+        fmt.run(kernel, hp, u, u, ranges, [grads[a:b] for _, a, b in ranges], [u.steps[k] for k, _, _ in ranges],
+                None)
+
+
+def test_the_maps_and_the_rounding_are_bitsandbytes():
+    import bitsandbytes.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        code = F.create_dynamic_map(signed=signed)
+        assert torch.equal(dynamic_map(signed), code)
+        for n in (5, 256, 1000, 4099):
+            x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 6     # values over many decades
+            x = x if signed else x.abs()
+            x[: min(n, 256)] *= 0 if n > 512 else 1                              # an all-zero block
+            ref, state = F.quantize_blockwise(x, code=code, blocksize=BLOCK)
+            codes, absmax = quantize_blockwise(x, signed)
+            assert torch.equal(codes, ref.view(-1)) and torch.equal(absmax, state.absmax)
+            assert torch.equal(dequantize_blockwise(codes, absmax, signed), F.dequantize_blockwise(ref, state).view(-1))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_8bit_adamw_follows_bitsandbytes_step_by_step(grad_dtype):
+    """Odd sizes, two groups (one with weight decay), the lr changed every step, bf16 or fp32 gradients.
+
+    Tolerance: the codes and block scales are bitsandbytes' exactly (the same rounding table and
+    the same operation order); the master within 2 ulp of fp32, because torch's vectorized
+    addcdiv_ may contract differently from the kernel. Plain fp32 AdamW (the quantization switched
+    off) is checked to miss the same master tolerance by far, so that the comparison can fail."""
+    torch.manual_seed(0)
+    params = [torch.randn(s) for s in SHAPES]
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    fp32 = [torch.nn.Parameter(p.clone()) for p in params]
+    groups = [dict(g) for g in GROUPS]
+    ref_opt = bnb.optim.AdamW8bit([{"params": [r for r, gi in zip(ref, GROUP_OF) if gi == k], **g}
+                                   for k, g in enumerate(groups)], min_8bit_size=0)
+    fp32_opt = torch.optim.AdamW([{"params": [r for r, gi in zip(fp32, GROUP_OF) if gi == k], **g}
+                                  for k, g in enumerate(groups)])
+    fmt = FORMATS["adamw_8bit"]
+    u = make_unit(fmt, params)
+    kernel = HostAdam("native", 2)
+    worst_fp32 = 0.0
+    for t in range(6):
+        for hp, rg, fg in zip(groups, ref_opt.param_groups, fp32_opt.param_groups):
+            hp["lr"] = rg["lr"] = fg["lr"] = hp["lr"] * 0.7               # a schedule
+        grads = [torch.randn(s).to(grad_dtype) for s in SHAPES]
+        for r, f, g in zip(ref, fp32, grads):
+            r.grad, f.grad = g.float(), g.float()
+        ref_opt.step()
+        fp32_opt.step()
+        step(fmt, kernel, u, torch.cat([g.reshape(-1) for g in grads]), groups)
+        for k, (r, f) in enumerate(zip(ref, fp32)):
+            s, ours = ref_opt.state[r], fmt.entry_state(u, k)
+            assert torch.equal(ours["exp_avg"].reshape(-1), s["state1"].reshape(-1)), (t, k)
+            assert torch.equal(ours["exp_avg_sq"].reshape(-1), s["state2"].reshape(-1)), (t, k)
+            assert torch.equal(ours["exp_avg_absmax"], s["absmax1"]), (t, k)
+            assert torch.equal(ours["exp_avg_sq_absmax"], s["absmax2"]), (t, k)
+            w = u.entries[k].view(u.master)
+            tol = 2 * torch.finfo(torch.float32).eps * r.detach().abs() + 1e-12
+            assert ((w - r.detach()).abs() <= tol).all(), (t, k, (w - r.detach()).abs().max())
+            worst_fp32 = max(worst_fp32, float(((f.detach() - r.detach()).abs() / tol).max()))
+    assert worst_fp32 > 100          # fp32 moments are far outside the tolerance: the test sees quantization
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_an_update_in_pieces_or_on_other_threads_is_bit_identical(name):
+    fmt = FORMATS[name]
+    torch.manual_seed(1)
+    params = [torch.randn(s) for s in SHAPES]
+    units = [make_unit(fmt, params) for _ in range(3)]
+    kernels = [HostAdam("native", 1), HostAdam("native", 2), HostAdam("native", 2)]
+    for _ in range(3):
+        g = torch.randn(units[0].numel).to(torch.bfloat16)
+        for u, kernel, piece in zip(units, kernels, (None, None, BLOCK)):
+            step(fmt, kernel, u, g, GROUPS, piece=piece)
+    for u in units[1:]:
+        for name, t in fmt.tensors(u).items():
+            assert torch.equal(t, fmt.tensors(units[0])[name]), name
+
+
+def test_a_bf16_master_is_rounded_stochastically_without_bias_and_reproducibly():
+    lo = 1.0
+    x = torch.full((200_000,), lo + 2 ** -10)        # between the bf16 neighbours 1 and 1 + 2^-7
+    r = round_bf16_stochastic(x, key=rounding_key(0, 3, 7))
+    assert set(r.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    p = 2 ** -10 / 2 ** -7                           # the probability of rounding up
+    up = float((r.float() > lo).double().mean())
+    assert abs(up - p) < 5 * (p * (1 - p) / x.numel()) ** 0.5            # five standard deviations
+    assert torch.equal(r, round_bf16_stochastic(x, key=rounding_key(0, 3, 7), threads=2))   # threads: same
+    assert not torch.equal(r, round_bf16_stochastic(x, key=rounding_key(1, 3, 7)))          # another seed
+    assert not torch.equal(r, round_bf16_stochastic(x, key=rounding_key(0, 3, 8)))          # another step
+    exact = torch.tensor([1.0, -2.5, 0.0, float("inf"), float("-inf")])
+    assert torch.equal(round_bf16_stochastic(exact, key=5).float(), exact)                  # bf16 values stay
+
+
+def test_small_updates_survive_a_bf16_master_on_average():
+    """An update 1/16 of a bf16 ulp rounds away with nearest; stochastic rounding keeps its mean."""
+    torch.manual_seed(0)
+    fmt = FORMATS["adamw_8bit_bf16"]
+    u = make_unit(fmt, [torch.ones(4096)])
+    kernel = HostAdam("native", 2)
+    hp = dict(lr=2 ** -7 / 16, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    for t in range(16):
+        u.steps[0].add_(1)
+        fmt.run(kernel, hp, u, u, [(0, 0, 4096)], [torch.full((4096,), -1.0)], u.steps, None)
+    # Each step moves a weight by lr (Adam's step of a constant gradient): 16 of them make one ulp.
+    mean = float(u.master.float().mean())
+    assert abs(mean - (1.0 + 16 * hp["lr"])) < 0.1 * 2 ** -7
+
+
+def test_each_format_declares_its_bytes():
+    assert state_format("adamw").bytes_per_param == 12
+    assert state_format("adamw_8bit").bytes_per_param == 4 + 2 + 8 / 256
+    assert state_format("adamw_8bit_bf16").bytes_per_param == 2 + 2 + 8 / 256
+    u = make_unit(FORMATS["adamw_8bit"], [torch.zeros(300), torch.zeros(5)])
+    assert FORMATS["adamw_8bit"].sizes(u) == {"exp_avg": 305, "exp_avg_sq": 305, "exp_avg_absmax": 3,
+                                              "exp_avg_sq_absmax": 3}
+    with pytest.raises(ValueError, match="adamw_8bit"):
+        state_format("adam8")
+
+
+def test_a_damaged_block_scale_is_named():
+    fmt = AdamW8bit()
+    fmt.check("exp_avg_absmax", torch.tensor([0.0, 1.0]), "here")
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(Exception, match="invalid block scale") as e:
+            fmt.check("exp_avg_sq_absmax", torch.tensor([1.0, bad]), "unit 3")
+        assert type(e.value).__name__ == "CorruptOptimizerStateError" and "unit 3" in str(e.value)
