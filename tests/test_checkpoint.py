@@ -119,6 +119,9 @@ def test_from_pretrained_peak_host_memory_is_bounded(tmp_path):
     code = textwrap.dedent(f"""
         import torch, hf_slideformer as hs
         import transformers.models.llama.modeling_llama, safetensors.torch   # code, not data
+        import importlib.util
+        if importlib.util.find_spec("bitsandbytes"):     # code too: transformers imports it while loading
+            import bitsandbytes
         def hwm():
             return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
         base = hwm()
