@@ -125,6 +125,7 @@ class SlideEngine:
         # resident plan, the device updates and the device accumulation.
         self.host = HostUpdates(self)
         self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
+        self.logit_transform = adapter.logit_transform(model)
         norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
         self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn,
                              SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter))

@@ -39,7 +39,12 @@ class LossHead:
 
     def __init__(self, engine, unit: Unit, lm_module, norm_fn, slots: SlotQueue):
         self.engine, self.unit = engine, unit
-        self.lm_module, self.norm_fn, self.slots = lm_module, norm_fn, slots
+        self.lm_module, self.slots = lm_module, slots
+        # The family's logit transform (registry.LogitTransform): its divisor divides the normed
+        # hidden states, (h / d) @ W.T = (h @ W.T) / d, and its soft-cap goes to the loss.
+        transform = engine.logit_transform
+        self.softcap = transform.softcap
+        self.norm_fn = norm_fn if transform.divisor == 1.0 else (lambda h: norm_fn(h) / transform.divisor)
         self.units = (unit, engine.embed_unit) if engine.tied else (unit,)
         self.host: torch.Tensor | None = None
         self.own_buffer: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
@@ -90,7 +95,7 @@ class LossHead:
             with torch.no_grad(), swapped(hu, hv):
                 hn = self.norm_fn(h)
                 loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=e.config.head_chunk_tokens)
+                                            chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap)
                 loss = loss if poison is None else loss * poison
             self.slots.release(slot)
             return loss, None
@@ -102,7 +107,8 @@ class LossHead:
             with torch.enable_grad(), swapped(hu, hv):
                 hn = self.norm_fn(hx)
                 loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
+                                            chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap,
+                                            token_weights=token_weights)
                 loss = loss if poison is None else loss * poison
             (gh,) = torch.autograd.grad(loss, [hx])
             e._span_end(t)
@@ -118,7 +124,8 @@ class LossHead:
         with torch.enable_grad(), swapped(hu, leaves):
             hn = self.norm_fn(hx)
             loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
-                                        chunk_tokens=e.config.head_chunk_tokens, token_weights=token_weights)
+                                        chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap,
+                                        token_weights=token_weights)
             loss = loss if poison is None else loss * poison
         trained = [t for t in leaves if t.requires_grad]
         wrt = [hx] + trained + ([wl] if e.tied else [])
@@ -184,7 +191,8 @@ class LossHead:
             sl, poison = e.labels.prepare(sl, W.shape[0])
             with torch.no_grad(), swapped(hu, hv):
                 hn = self.norm_fn(h)
-                stats = token_statistics(hn.reshape(-1, e.hidden), W, sl, chunk_tokens=e.config.head_chunk_tokens)
+                stats = token_statistics(hn.reshape(-1, e.hidden), W, sl, chunk_tokens=e.config.head_chunk_tokens,
+                                         softcap=self.softcap)
                 if poison is not None:
                     stats = tuple(x * poison if x.is_floating_point() else x for x in stats)
         finally:
@@ -199,6 +207,8 @@ class LossHead:
             h = h[:, -logits_to_keep:, :]
         with torch.no_grad(), swapped(hu, hv):
             logits = F.linear(self.norm_fn(h), W)
+            if self.softcap is not None:
+                logits = self.softcap * torch.tanh(logits / self.softcap)
         self.slots.release(slot)
         return logits
 

@@ -186,7 +186,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         dp.barrier()
     store.bind_parameters()
     for name, buf in model.named_buffers():
-        if buf.device.type == "meta" and not name.endswith("inv_freq") and "rotary" not in name:
+        # The embedding's scale buffer is not read: the engine's embedding scales (_install_proxies).
+        if buf.device.type == "meta" and not name.endswith(("inv_freq", "embed_scale")) and "rotary" not in name:
             raise NotImplementedError(f"buffer {name} is uninitialized (meta)")
     rot = adapter.rotary(model)
     if rot is not None:
@@ -229,8 +230,16 @@ def _install_proxies(model, adapter, engine) -> None:
     from .functions import EmbedFunction, LayerFunction
 
     emb = adapter.embed(model)
+    scale = adapter.embedding_scale(model)
 
     def embed_forward(input_ids):
+        out = gathered(input_ids)
+        # The family's embedding module scales its rows (Gemma); the cast mirrors HF's, which
+        # multiplies by the scale in the weights' dtype. A product, not the gather: layer 0's
+        # input is then kept, not remade from the ids (embedding.remake_input).
+        return out if scale is None else out * torch.tensor(scale, dtype=out.dtype, device=out.device)
+
+    def gathered(input_ids):
         if torch.is_grad_enabled():
             # Note: [Why a parameter added after slide() is checked at every forward] a trainable
             # one that neither the store nor the adapters hold would get no gradient: LoRA

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def adopt_forward(model, fn) -> bool:
 
     See note [Why TRL's fused LM head is not installed on a slid model] (model.py). What the patch
     asks for beyond the engine's head is refused: a temperature other than 1, logit scaling or
-    soft-capping, per-token fields other than `FusedLMHeadOutput`'s.
+    soft-capping other than the family's own, per-token fields other than `FusedLMHeadOutput`'s.
     """
     func = getattr(fn, "__func__", fn)
     code = getattr(func, "__code__", None)           # not its __name__ / __module__: functools.wraps copies them
@@ -43,11 +44,16 @@ def adopt_forward(model, fn) -> bool:
         return False
     spec = _closure(func)
     asked = []
+    # The family's own logit transform (Gemma's soft-cap, Granite's 1 / logits_scaling) is the
+    # head's already (registry.LogitTransform): asked for, it is what the head computes.
+    own = getattr(getattr(model, "slide_engine", None), "logit_transform", None)
+    own_cap, own_scale = (own.softcap, 1.0 / own.divisor) if own is not None else (None, 1.0)
     if spec.get("temperature", 1.0) != 1.0:
         asked.append(f"temperature={spec['temperature']}")
-    if spec.get("final_logit_softcapping") is not None:
-        asked.append(f"final_logit_softcapping={spec['final_logit_softcapping']}")
-    if spec.get("logit_scale", 1.0) != 1.0:
+    cap = spec.get("final_logit_softcapping")
+    if cap != own_cap and not (cap is not None and own_cap is not None and math.isclose(cap, own_cap)):
+        asked.append(f"final_logit_softcapping={cap}")
+    if not math.isclose(spec.get("logit_scale", 1.0), own_scale, rel_tol=1e-6):
         asked.append(f"logit_scale={spec['logit_scale']}")
     extra = sorted(set(spec.get("outputs", ("log_probs",))) - _HEAD_OUTPUTS)
     if extra:

@@ -11,7 +11,10 @@ import hf_slideformer as hs
 from hf_slideformer.demo import tiny_config
 from hf_slideformer.models import FAMILIES as _REGISTRY
 
-FAMILIES = tuple(_REGISTRY)            # every registered family, in the registry's order
+# The Llama-layout families, tested through every engine path (test_engine.py, test_model.py);
+# the families with quirks of their own are the rest of the registry (test_families.py).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+QUIRK_FAMILIES = tuple(f for f in _REGISTRY if f not in FAMILIES)
 
 # Config settings that exercise a family's own features in a tiny model (a family without an
 # entry is tested with its defaults).
@@ -19,6 +22,18 @@ FAMILY_FEATURES = {
     "mistral": dict(sliding_window=5),     # shorter than the test sequences: exercises the window
     "qwen2": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1),
     "qwen3": dict(use_sliding_window=False),
+    # Sliding and full layers, soft-capped logits, GeGLU, (1 + w) norms, a scaled embedding.
+    "gemma3_text": dict(head_dim=8, sliding_window=5, final_logit_softcapping=3.0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "phi3": dict(partial_rotary_factor=0.75),                      # fused qkv / gate_up, partial rotary
+    "olmo3": dict(sliding_window=5, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "smollm3": dict(no_rope_layers=[1, 0, 1]),                     # a NoPE layer between RoPE ones
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                    logits_scaling=4.0),
+    # Linear-attention (gated delta rule) layers around a full-attention one, partial rotary.
+    "qwen3_5_text": dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_conv_kernel_dim=3,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
 
 

@@ -1,16 +1,21 @@
 """Swap the fused ops into a Hugging Face causal LM, and take them out again.
 
-What `patch(model)` changes, for the families of hf_slideformer's registry whose entry has
-`kernels` set (`hf_slideformer.models.FAMILIES`, listed by `supported_families()`):
+What `patch(model)` changes, for the families of hf_slideformer's registry whose entry lists
+`kernels` (`hf_slideformer.models.FAMILIES`, listed by `supported_families()`), and only the ops
+that entry lists (a family's op that differs, as Gemma's GeGLU or its (1 + w) norm, keeps
+HF's module):
 
-- every `*RMSNorm` module: its `forward` becomes `triton_ops.rms_norm` (instance attribute);
-- every `*MLP` module with a SiLU activation: `forward` uses the fused `swiglu`;
-- the family's `apply_rotary_pos_emb` (a module-level function the attention layers look up at
-  call time) becomes `triton_ops.rope`. This is the one change that is not per model: it lasts
-  while at least one model of that family is patched (a count per family);
+- "rms_norm": every `*RMSNorm` module with the Llama casting: its `forward` becomes
+  `triton_ops.rms_norm` (instance attribute);
+- "swiglu": every `*MLP` module with gate / up / down projections and a SiLU activation:
+  `forward` uses the fused `swiglu`;
+- "rope": the family's `apply_rotary_pos_emb` (a module-level function the attention layers look
+  up at call time) becomes `triton_ops.rope`. This is the one change that is not per model: it
+  lasts while at least one model of that family is patched (a count per family);
 - the causal LM's `forward`: with labels, the loss comes from `linear_cross_entropy` on the
-  final hidden states and the logits are not materialized (`logits` is None in the output);
-  without labels, the original forward runs.
+  final hidden states, with the family's logit transform (Granite's divisor, Gemma's
+  soft-capping), and the logits are not materialized (`logits` is None in the output); without
+  labels, the original forward runs.
 
 Each op dispatches at call time, so a patched model on CPU keeps computing the reference
 mathematics. `unpatch(model)` or `handle.revert()` restores the originals.
@@ -60,10 +65,13 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
     hidden = outputs.last_hidden_state                                               # (B, S, H)
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]             # (B, S)
+    transform = _family(self).final_logits(self.config)
+    if transform.divisor != 1.0:
+        hidden = hidden / transform.divisor                  # (h / d) @ W.T = (h @ W.T) / d
     loss = triton_ops.linear_cross_entropy(
         hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight,
         shift_labels.reshape(-1).to(hidden.device),
-        ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+        ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, softcap=transform.softcap,
     )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -121,6 +129,7 @@ def _kernel_families() -> dict:
     return {name: f for name, f in FAMILIES.items() if f.kernels}
 
 
+
 def supported_families() -> tuple[str, ...]:
     """The model types `patch` accepts."""
     return tuple(_kernel_families())
@@ -142,7 +151,8 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
 
     Args:
         model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
-        rms_norm, rope, swiglu, cross_entropy: which ops to swap in.
+        rms_norm, rope, swiglu, cross_entropy: which ops to swap in (of those the family's entry
+            lists; the loss head applies to every family).
 
     Returns:
         A `PatchHandle`; `handle.revert()` or `unpatch(model)` restores the model.
@@ -152,7 +162,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
         raise RuntimeError("model is already patched; unpatch it first")
     handle = PatchHandle(model=model, family=family.model_type)
     modeling = family.modeling
-    silu = getattr(model.config, "hidden_act", "silu") in ("silu", "swish")
+    rms_norm, rope = rms_norm and "rms_norm" in family.kernels, rope and "rope" in family.kernels
+    config = model.config
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    silu = "swiglu" in family.kernels and act in ("silu", "swish")
     for module in model.modules():
         name = type(module).__name__
         if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):

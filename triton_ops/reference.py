@@ -149,7 +149,7 @@ def linear_cross_entropy(
 
 @torch.no_grad()
 def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
-                     chunk_tokens: int | None = None) -> tuple[torch.Tensor, ...]:
+                     chunk_tokens: int | None = None, softcap: float | None = None) -> tuple[torch.Tensor, ...]:
     """Per-token statistics of the distribution `softmax(hidden @ weight.T)`, without the (T, V) logits.
 
     Args:
@@ -158,6 +158,8 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         labels: (T,) target ids; `ignore_index` entries get zeros (False).
         chunk_tokens: tokens per chunk (default: as many as make 256 MiB of fp32 logits, so that
             the few (C, V) temporaries stay near 1 GiB whatever the vocabulary).
+        softcap: optional logit soft-capping, logits = softcap * tanh(logits / softcap) (as
+            `linear_cross_entropy`'s).
 
     Returns:
         (T,) each, fp32 unless said: `log_probs` log p(label); `entropy` of the distribution;
@@ -174,6 +176,8 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         y = labels[s:s + chunk]                                               # (C,)
         valid = y != ignore_index
         logits = (hidden[s:s + chunk].to(weight.dtype) @ weight.t()).to(acc)  # (C, V)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
         lsm = torch.log_softmax(logits, dim=-1)
         safe_y = torch.where(valid, y, torch.zeros_like(y))
         log_probs[s:s + chunk] = torch.where(valid, lsm.gather(1, safe_y[:, None]).squeeze(1), 0.0).float()

@@ -5,8 +5,9 @@ decoder layers, the final norm and the lm_head. Masks, RoPE, GQA and sliding-win
 with the HF model's own code: the base model's forward runs unchanged and calls the layers, whose
 forward the engine replaces by a sliding proxy. So every family whose decoder follows the
 Llama layout (embed_tokens / layers / norm / lm_head, layers that take the hidden states and
-return them) is supported by one adapter; families only differ in what they need checked.
-Which families those are is the registry's (`registry.FAMILIES`).
+return them) is supported by one adapter; families differ in what their registry entry
+(`registry.Family`) says: which layer classes and types are proven, whether the MLP's last
+projection feeds the residual, the embedding scale and the logit transform, all read here.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ..modules_to_save import trained_copy
-from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, get_family
+from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, Family, LogitTransform, get_family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
 
@@ -26,6 +27,21 @@ class DecoderAdapter:
 
     model_type: str
     base_attr: str = "model"
+
+    @property
+    def family(self) -> Family:
+        """The registry entry this adapter is made from."""
+        return FAMILIES[self.model_type]
+
+    def embedding_scale(self, model: nn.Module) -> float | None:
+        """The factor the family's embedding module multiplies its rows by (the engine's embedding
+        applies it), or None."""
+        scale = self.family.embedding_scale
+        return None if scale is None else scale(model.config)
+
+    def logit_transform(self, model: nn.Module) -> LogitTransform:
+        """What the family's causal LM does to the logits before its loss (the loss head does the same)."""
+        return self.family.final_logits(model.config)
 
     def base(self, model: nn.Module) -> nn.Module:
         return getattr(model, self.base_attr)
@@ -53,8 +69,12 @@ class DecoderAdapter:
         In these families a decoder layer ends with `hidden = residual + mlp.down_proj(...)`: no
         gradient inside the layer reads that product's value, so the engine's recompute in
         backward can skip it. None (nothing skipped) when `down_proj` is not a plain
-        `nn.Linear` or a LoRA wrapper of one (a quantized layer, say).
+        `nn.Linear` or a LoRA wrapper of one (a quantized layer, say), and in families whose
+        MLP feeds a norm before the residual (`Family.mlp_feeds_residual`: Gemma, OLMo), where
+        the norm's backward reads that product.
         """
+        if not self.family.mlp_feeds_residual:
+            return None
         proj = getattr(getattr(layer, "mlp", None), "down_proj", None)
         # A LoRA wrapper adds its adapter's branch to its frozen linear's product: the linear's
         # output is skipped the same way, and the branch is computed as usual (the adapter's
@@ -64,13 +84,25 @@ class DecoderAdapter:
 
     def check(self, model: nn.Module) -> None:
         """Raise if this model instance uses something the engine cannot reproduce exactly."""
-        cfg = model.config
-        if getattr(cfg, "attention_dropout", 0.0):
+        cfg, family = model.config, self.family
+        for key in family.dropouts:
+            if getattr(cfg, key, 0.0):
+                raise NotImplementedError(
+                    f"{key}={getattr(cfg, key)} is not supported: recompute in backward would draw "
+                    f"different dropout masks. Set config.{key} = 0.0 (the value every supported "
+                    "checkpoint ships with)."
+                )
+        layers = self.layers(model)
+        foreign = sorted({type(layer).__name__ for layer in layers} - set(family.layer_classes))
+        if foreign:
             raise NotImplementedError(
-                f"attention_dropout={cfg.attention_dropout} is not supported: recompute in backward would draw "
-                "different dropout masks. Set config.attention_dropout = 0.0 (the value every supported "
-                "checkpoint ships with)."
-            )
+                f"decoder layer class {', '.join(foreign)} is not one the engine handles for {self.model_type} "
+                f"(the family's layers: {', '.join(family.layer_classes)}); the layers' structure decides "
+                "what the engine recomputes and skips")
+        types = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(family.layer_types))
+        if types:
+            raise NotImplementedError(f"layer type(s) {', '.join(types)} of config.layer_types are not supported "
+                                      f"for {self.model_type} (supported: {', '.join(family.layer_types)})")
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise NotImplementedError("pretraining_tp > 1 is not supported; set config.pretraining_tp = 1")
         head = self.lm_head(model)

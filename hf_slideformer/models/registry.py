@@ -1,12 +1,28 @@
 """The family registry: one entry per supported `model_type`, read by everything that needs the families.
 
-An entry says what hf_slideformer does for one Hugging Face family: where the adapter finds the
-parts the engine slides (`adapters.DecoderAdapter`, made from the entry), whether
-`triton_ops.patch` swaps its fused kernels in (and from which transformers module it takes
-`apply_rotary_pos_emb`), and the parameters a decoder layer holds beyond the Llama core, which
-the planner counts from a config.json. Every
-family whose decoder follows the Llama layout (embed_tokens / layers / norm / lm_head) is one
-entry here; `docs/engine.md` ("How to add a model family") lists what to check.
+An entry says what hf_slideformer does for one Hugging Face family, and names each way in which
+the family departs from the Llama decoder:
+
+- where the adapter finds the parts the engine slides (`adapters.DecoderAdapter`, made from the
+  entry) and which decoder-layer classes it proves it handles (`layer_classes`);
+- the layer types its layers may have (`layer_types`: sliding, full or linear attention). The
+  base model's own forward builds each type's mask and rotary embeddings and passes them to each
+  layer, so the engine hands a layer exactly what HF's forward gives it;
+- an embedding scale that the embedding module applies itself (Gemma's sqrt(hidden)), and a
+  transform of the final logits (`LogitTransform`: Granite's divisor, Gemma's soft-capping), which
+  the loss head applies (a multiplier that the base model's forward applies, as Granite's
+  embedding multiplier, needs nothing: that forward runs unchanged);
+- whether the MLP's last projection feeds the residual directly (`mlp_feeds_residual`; Gemma's
+  and OLMo's feed a post-norm) and whether the norms scale by (1 + w) (`norm_offset`);
+- the ops `triton_ops.patch` replaces by the project's kernels (`kernels`); the others run HF's
+  modules;
+- the parameters a decoder layer holds, which the planner counts from a config.json: beyond the
+  Llama core by formula (`extra_layer_params`), or, with None, from the family's own modules
+  built on the meta device (`layer_params_of`).
+
+`NOT_SUPPORTED` names families that transformers ships but the engine refuses, with the reason.
+`docs/models.md` is the table of the families; `docs/engine.md` ("How to add a model family")
+lists what to check for a new entry.
 
 Readers: `models.get_adapter` (the engine, checkpoints), `triton_ops.patching` (the kernel
 patch), `planner.model_shape` (parameter counts), and the tests' family list (tests/helpers.py).
@@ -16,7 +32,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["LayerDims", "Family", "FAMILIES", "SUPPORTED_MODEL_TYPES", "get_family", "llama_core_params"]
+__all__ = ["LayerDims", "LogitTransform", "Family", "FAMILIES", "NOT_SUPPORTED", "SUPPORTED_MODEL_TYPES",
+           "get_family", "llama_core_params", "layer_params_of"]
+
+ATTENTION = ("full_attention", "sliding_attention")
+ALL_KERNELS = ("rms_norm", "rope", "swiglu")
 
 
 @dataclass(frozen=True)
@@ -28,6 +48,25 @@ class LayerDims:
     q: int                # heads x head_dim
     kv: int               # kv_heads x head_dim
     head_dim: int
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What the family's causal LM does to the lm_head's product before the loss.
+
+    logits = softcap * tanh((h @ W.T / divisor) / softcap), the tanh only with a softcap.
+
+    Attributes:
+        divisor: the logits are divided by it (Granite's `logits_scaling`).
+        softcap: soft-capping of the logits (Gemma's `final_logit_softcapping`), or None.
+    """
+
+    divisor: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.divisor == 1.0 and self.softcap is None
 
 
 def llama_core_params(d: LayerDims) -> int:
@@ -53,50 +92,135 @@ def _qwen3_extra(cfg: dict, d: LayerDims) -> int:
     return n + 2 * d.head_dim                                                   # q_norm, k_norm
 
 
+def _plain(cfg) -> LogitTransform:
+    return LogitTransform()
+
+
+def _gemma_logits(cfg) -> LogitTransform:
+    return LogitTransform(softcap=getattr(cfg, "final_logit_softcapping", None))
+
+
+def _granite_logits(cfg) -> LogitTransform:
+    return LogitTransform(divisor=float(getattr(cfg, "logits_scaling", 1.0) or 1.0))
+
+
+def _gemma_embedding_scale(cfg) -> float:
+    return float(cfg.hidden_size) ** 0.5
+
+
 @dataclass(frozen=True)
 class Family:
     """What hf_slideformer does for one `model_type`.
 
     Attributes:
         model_type: the config's `model_type`.
+        layer_classes: class names of the decoder layers the engine proves it handles; a model
+            with another layer class is refused at `slide()`.
         extra_layer_params: (config dict, LayerDims) -> parameters of one decoder layer beyond
-            `llama_core_params` (biases, q/k norms).
-        kernels: `triton_ops.patch` applies: RMSNorm modules, SwiGLU MLPs and a module-level
-            `apply_rotary_pos_emb` in `modeling`.
+            `llama_core_params` (biases, q/k norms); None: counted from the family's modules
+            built on the meta device (`layer_params_of`).
+        kernels: the ops `triton_ops.patch` replaces by the project's kernels ("rms_norm": the
+            Llama-cast RMSNorm modules, "rope": the module-level `apply_rotary_pos_emb`,
+            "swiglu": SiLU-gated MLPs with gate / up / down projections); empty: the family runs
+            HF's modules only.
+        layer_types: the `config.layer_types` values its layers may take.
+        embedding_scale: (config) -> the factor the embedding module multiplies its rows by,
+            which the engine's embedding applies in its place; None: no scale.
+        final_logits: (config) -> the `LogitTransform` the loss head applies.
+        mlp_feeds_residual: the MLP's last projection (`down_proj`) only feeds the layer's closing
+            residual add (not a norm), so the recompute may skip its product.
+        norm_offset: the family's RMSNorm scales by (1 + weight) (not the Llama kernel's op).
         base_attr: the causal LM's attribute holding the base model (embed_tokens / layers / norm).
+        dropouts: config keys of dropout probabilities that must be 0 (recompute would draw
+            other masks).
     """
 
     model_type: str
-    extra_layer_params: Callable[[dict, LayerDims], int] = _no_extra
-    kernels: bool = True
+    layer_classes: tuple[str, ...]
+    extra_layer_params: Callable[[dict, LayerDims], int] | None = _no_extra
+    kernels: tuple[str, ...] = ALL_KERNELS
+    layer_types: tuple[str, ...] = ATTENTION
+    embedding_scale: Callable[[object], float] | None = None
+    final_logits: Callable[[object], LogitTransform] = _plain
+    mlp_feeds_residual: bool = True
+    norm_offset: bool = False
     base_attr: str = "model"
+    dropouts: tuple[str, ...] = ("attention_dropout",)
 
     @property
     def modeling(self) -> str:
         """The transformers module of the family's modeling code."""
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
+        name = self.model_type.removesuffix("_text")
+        return f"transformers.models.{name}.modeling_{name}"
 
     def layer_params(self, cfg: dict, d: LayerDims) -> int:
-        """Parameters of one decoder layer of a model with config `cfg`."""
+        """Parameters of the largest decoder layer of a model with config `cfg`."""
+        if self.extra_layer_params is None:
+            return layer_params_of(cfg)
         return llama_core_params(d) + self.extra_layer_params(cfg, d)
 
 
+def layer_params_of(cfg: dict) -> int:
+    """Parameters of the largest decoder layer of the model of config dict `cfg`, counted from
+    the family's own modules built on the meta device (no memory is allocated)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = AutoConfig.for_model(cfg["model_type"], **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = getattr(model, "model", model).layers
+    return max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+
+
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", _llama_extra),
-    Family("qwen2", _qwen2_extra),
-    Family("qwen3", _qwen3_extra),
-    Family("mistral"),
+    Family("llama", ("LlamaDecoderLayer",), _llama_extra),
+    Family("qwen2", ("Qwen2DecoderLayer",), _qwen2_extra),
+    Family("qwen3", ("Qwen3DecoderLayer",), _qwen3_extra),
+    Family("mistral", ("MistralDecoderLayer",)),
+    # Note: [Why a post-norm family keeps HF's RMSNorm] the kernel's backward writes dx over the
+    # incoming gradient, which is right only when the norm's output feeds linears alone. Gemma's
+    # and OLMo's post-norms feed the residual add, whose gradient is the same tensor as the one
+    # the residual carries on: those norms run HF's modules (Gemma's also scales by 1 + w).
+    Family("gemma3_text", ("Gemma3DecoderLayer",), None, kernels=("rope",),
+           embedding_scale=_gemma_embedding_scale, final_logits=_gemma_logits, mlp_feeds_residual=False,
+           norm_offset=True),
+    Family("phi3", ("Phi3DecoderLayer",), None, kernels=("rms_norm",),     # fused gate_up, partial rotary
+           dropouts=("attention_dropout", "resid_pdrop", "embd_pdrop")),
+    Family("olmo2", ("Olmo2DecoderLayer",), None, kernels=("rope", "swiglu"), mlp_feeds_residual=False),
+    Family("olmo3", ("Olmo3DecoderLayer",), None, kernels=("rope", "swiglu"), mlp_feeds_residual=False),
+    Family("smollm3", ("SmolLM3DecoderLayer",), None),
+    Family("granite", ("GraniteDecoderLayer",), None, final_logits=_granite_logits),
+    # Linear-attention layers (gated delta rule) run HF's module as the layer body; partial
+    # rotary and the (1 + w) norm: only the MLP takes a kernel.
+    Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None, kernels=("swiglu",),
+           layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
 )}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
+_MOE = ("a mixture-of-experts family: its layers' router logits and auxiliary loss are not carried by the "
+        "engine yet (docs/models.md, part 3 of the family support)")
+_MULTIMODAL = ("a multimodal model: slide its text model, loaded with AutoModelForCausalLM from the "
+               "checkpoint's text config ({text} model_type), or use a text-only checkpoint")
+NOT_SUPPORTED: dict[str, str] = {
+    "qwen3_moe": _MOE, "qwen3_5_moe": _MOE, "qwen3_5_moe_text": _MOE, "mixtral": _MOE, "gpt_oss": _MOE,
+    "gemma3": _MULTIMODAL.format(text="gemma3_text"),
+    "qwen3_5": _MULTIMODAL.format(text="qwen3_5_text"),
+    "gemma4": _MULTIMODAL.format(text="gemma4_text"),
+    "gemma4_text": ("Gemma 4's per-layer embeddings (embed_tokens_per_layer, a second input of every layer) "
+                    "and its shared KV layers are not parts the engine slides yet"),
+}
+
 
 def get_family(model_type: str) -> Family:
-    """The registry entry of `model_type`, or a ValueError naming the supported ones."""
+    """The registry entry of `model_type`, or a ValueError naming the supported ones (and, for a
+    family transformers ships that the engine refuses, why)."""
     try:
         return FAMILIES[model_type]
     except KeyError:
+        why = f" ({model_type}: {NOT_SUPPORTED[model_type]})" if model_type in NOT_SUPPORTED else ""
         raise ValueError(
-            f"model_type {model_type!r} is not supported by hf_slideformer; supported model_types: "
+            f"model_type {model_type!r} is not supported by hf_slideformer{why}; supported model_types: "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         ) from None
-

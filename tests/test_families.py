@@ -1,0 +1,245 @@
+"""The families with quirks of their own (models/registry.py): Gemma 3, Phi-3, OLMo 2 / 3, SmolLM3,
+Granite, Qwen3.5, each a tiny model with its quirks switched on (helpers.FAMILY_FEATURES), against
+plain HF + torch.optim.AdamW in fp32; the kernels each entry lists, through the CPU references
+held to the kernels' in-place contracts; and the families the engine refuses."""
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+import triton_ops
+from hf_slideformer.models import FAMILIES as REGISTRY
+from hf_slideformer.plan_estimate import model_shape
+from helpers import QUIRK_FAMILIES, batches, family_config, make_pair
+from test_engine import LR, PARAM_TOL, train_both
+from triton_ops import reference
+
+GA, CLIP = 2, 0.5
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+@pytest.mark.parametrize("tied", [False, True])
+def test_sliding_equals_hf_with_accumulation_and_clipping(family, tied):
+    """Three optimizer steps of two micro-batches each, clipped: every loss within 1e-5, every
+    weight within 5% of one lr step (right padding: left-padded tiny OLMo 2 runs are chaotic,
+    a 1e-7 change of the weights moves HF's own second-step norm by 1e-3)."""
+    ref, slid = make_pair(family, tied, gradient_accumulation_steps=GA, max_grad_norm=CLIP)
+    assert (slid.lm_head.weight is slid.model.embed_tokens.weight) == tied
+    assert train_both(ref, slid, batches(3 * GA, pad=True), ga=GA, clip=CLIP) < PARAM_TOL
+
+
+@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+def test_save_reloads_with_auto_model_and_from_pretrained(tmp_path, family):
+    tied = family in ("gemma3_text", "granite")          # the tied checkpoints of the list
+    _, slid = make_pair(family, tied)
+    opt = slid.create_optimizer(lr=LR)
+    for b in batches(2, pad=True):
+        slid(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    slid.save_pretrained(tmp_path)
+    b = batches(1, seed=3)[0]
+    with torch.no_grad():
+        expected = slid(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+        torch.testing.assert_close(hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                   expected, rtol=1e-5, atol=1e-5)
+        again = hs.SlideModel.from_pretrained(tmp_path, slide_config=hs.SlideConfig(device="cpu"))
+        torch.testing.assert_close(again(**b).loss, slid(**b).loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+def test_resume_equals_the_uninterrupted_run(tmp_path, family):
+    from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+    data = batches(4 * GA, pad=True)
+    kw = dict(gradient_accumulation_steps=GA, max_grad_norm=CLIP)
+
+    def train(model, opt, chunk):
+        for n, b in enumerate(chunk):
+            (model(**b).loss / GA).backward()
+            if (n + 1) % GA == 0:
+                opt.step()
+                opt.zero_grad()
+
+    _, full = make_pair(family, **kw)
+    train(full, full.create_optimizer(lr=LR, weight_decay=0.1), data)
+    _, first = make_pair(family, **kw)
+    opt1 = first.create_optimizer(lr=LR, weight_decay=0.1)
+    train(first, opt1, data[:2 * GA])
+    save_training_state(str(tmp_path / "ck"), first, opt1)
+    _, second = make_pair(family, seed=7, **kw)
+    opt2 = second.create_optimizer(lr=LR, weight_decay=0.1)
+    load_training_state(str(tmp_path / "ck"), second, opt2)
+    train(second, opt2, data[2 * GA:])
+    a, b = _state(full), _state(second)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5_text"])
+def test_lora_equals_peft(family):
+    """PEFT LoRA on the attention and MLP projections (Qwen3.5: its full-attention layer and
+    every MLP), slid against PEFT alone, accumulation and clipping on."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(family_config(family, tied=True)).float()
+    base.config.use_cache = False
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                     init_lora_weights=False)
+    ref = get_peft_model(base, cfg)
+    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cpu", dtype=torch.float32,
+                                                       gradient_accumulation_steps=GA, max_grad_norm=CLIP))
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
+    data = batches(3 * GA, pad=True)
+    for k in range(0, len(data), GA):
+        for b in data[k:k + GA]:
+            r, s = ref(**b).loss, slid(**b).loss
+            assert math.isclose(s.item(), r.item(), rel_tol=1e-5), (s.item(), r.item())
+            (r / GA).backward()
+            (s / GA).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], CLIP)
+        for o in (ropt, opt):
+            o.step()
+            o.zero_grad()
+    slid.slide_engine.synchronize()
+    a = {n: p for n, p in ref.named_parameters() if "lora_" in n}
+    b = {n: p for n, p in slid.named_parameters() if "lora_" in n}
+    assert set(a) == set(b) and a
+    assert max((a[n] - b[n].detach()).abs().max().item() for n in a) < PARAM_TOL
+
+
+# ---------------------------------------------------------------- the kernels each entry lists
+class _NormContract(torch.autograd.Function):
+    """`reference.rms_norm` held to the kernel's contract: with `in_place_backward`, dx is
+    written over the incoming gradient (triton_ops/kernels/rms_norm.py)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, in_place):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.in_place = eps, in_place
+        return reference.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            xl, wl = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(reference.rms_norm(xl, wl, ctx.eps), (xl, wl), dy)
+        if ctx.in_place:
+            dx = dy.copy_(dx)
+        return dx, dw, None, None
+
+
+class _RopeContract(torch.autograd.Function):
+    """`reference.rope` held to the kernel's contract: q and k rotated in place (their version
+    bumped), the incoming gradients rotated back in place (triton_ops/kernels/rope.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, dim):
+        rq, rk = reference.rope(q, k, cos, sin, dim)
+        q.copy_(rq)
+        k.copy_(rk)
+        ctx.save_for_backward(cos, sin)
+        ctx.dim = dim
+        return q.view_as(q), k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin = ctx.saved_tensors
+        dq, dk = dq.contiguous(), dk.contiguous()
+        rq, rk = reference.rope(dq, dk, cos, -sin, ctx.dim)        # the transposed rotation
+        return dq.copy_(rq), dk.copy_(rk), None, None, None
+
+
+@pytest.fixture
+def kernel_contracts(monkeypatch):
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda x, w, eps=1e-6, in_place_backward=False:
+                        _NormContract.apply(x, w, eps, in_place_backward))
+    monkeypatch.setattr(triton_ops, "rope", lambda q, k, cos, sin, dim=1: _RopeContract.apply(q, k, cos, sin, dim))
+
+
+def _patched_against_hf(family):
+    """Loss and every gradient of a tiny model patched by `triton_ops.patch`, against HF's."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(family_config(family, tied=False)).float()
+    patched = copy.deepcopy(hf)
+    b = batches(1, pad=True)[0]
+    with triton_ops.patch(patched) as handle:
+        losses = [m(**b).loss for m in (hf, patched)]
+        for loss in losses:
+            loss.backward()
+        assert handle.forwards
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    grads = {n: p.grad for n, p in patched.named_parameters()}
+    return max(((p.grad - grads[n]).abs().max() / (p.grad.abs().max() + 1e-12)).item()
+               for n, p in hf.named_parameters())
+
+
+@pytest.mark.parametrize("family", [f for f in QUIRK_FAMILIES if REGISTRY[f].kernels])
+def test_the_kernels_an_entry_lists_keep_the_family_math(family, kernel_contracts):
+    assert _patched_against_hf(family) < 1e-4
+
+
+def test_the_contract_catches_a_norm_whose_output_feeds_the_residual(kernel_contracts, monkeypatch):
+    """OLMo 2's post-norms feed the residual add: the in-place norm backward would corrupt the
+    residual's gradient (note [Why a post-norm family keeps HF's RMSNorm])."""
+    wrong = dataclasses.replace(REGISTRY["olmo2"], kernels=("rms_norm", "rope", "swiglu"))
+    monkeypatch.setitem(REGISTRY, "olmo2", wrong)
+    assert _patched_against_hf("olmo2") > 1e-2
+
+
+def test_gemma_geglu_is_not_taken_for_a_swiglu():
+    model = AutoModelForCausalLM.from_config(family_config("gemma3_text"))
+    with triton_ops.patch(model) as handle:
+        assert not any(type(m).__name__.endswith(("MLP", "RMSNorm")) for m in handle.forwards)
+
+
+# ---------------------------------------------------------------- planner counts, refusals
+@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+def test_the_planner_counts_the_family_parameters(family):
+    cfg = family_config(family, tied=False)
+    model = AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(cfg.to_dict())
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    assert shape.layer_params == max(layers)
+    if len(set(layers)) == 1:
+        assert shape.n_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type,part", [("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture-of-experts"),
+                                             ("gemma3", "text model")])
+def test_refused_families_name_the_reason(model_type, part):
+    from hf_slideformer.demo import tiny_config
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if model_type == "qwen3_moe" else {}
+    if model_type == "gemma3":
+        from transformers import Gemma3Config
+        cfg = Gemma3Config(text_config=family_config("gemma3_text").to_dict())
+    else:
+        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2, **extra)
+    with torch.device("meta"):                     # refused before any weight is read
+        model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=part):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+def test_a_layer_the_family_does_not_prove_is_refused():
+    """A Llama whose second layer is another class (here: an OLMo 2 layer, whose MLP feeds a norm)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    model.model.layers[1] = Olmo2DecoderLayer(family_config("olmo2"), 1)
+    with pytest.raises(NotImplementedError, match="Olmo2DecoderLayer"):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+def test_a_dropout_of_the_family_is_refused():
+    model = AutoModelForCausalLM.from_config(family_config("phi3", resid_pdrop=0.1))
+    with pytest.raises(NotImplementedError, match="resid_pdrop"):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
