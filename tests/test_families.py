@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 import hf_slideformer as hs
 import triton_ops
 from hf_slideformer.models import FAMILIES as REGISTRY
-from hf_slideformer.plan_estimate import model_shape
 from helpers import QUIRK_FAMILIES, batches, family_config, make_pair
 from test_engine import LR, PARAM_TOL, train_both
 from triton_ops import reference
@@ -202,18 +201,7 @@ def test_gemma_geglu_is_not_taken_for_a_swiglu():
         assert not any(type(m).__name__.endswith(("MLP", "RMSNorm")) for m in handle.forwards)
 
 
-# ---------------------------------------------------------------- planner counts, refusals
-@pytest.mark.parametrize("family", QUIRK_FAMILIES)
-def test_the_planner_counts_the_family_parameters(family):
-    cfg = family_config(family, tied=False)
-    model = AutoModelForCausalLM.from_config(cfg)
-    shape = model_shape(cfg.to_dict())
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
-    assert shape.layer_params == max(layers)
-    if len(set(layers)) == 1:
-        assert shape.n_params == sum(p.numel() for p in model.parameters())
-
-
+# ---------------------------------------------------------------- refusals (the counts: test_registry.py)
 @pytest.mark.parametrize("model_type,part", [("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture-of-experts"),
                                              ("gemma3", "text model")])
 def test_refused_families_name_the_reason(model_type, part):
@@ -243,3 +231,29 @@ def test_a_dropout_of_the_family_is_refused():
     model = AutoModelForCausalLM.from_config(family_config("phi3", resid_pdrop=0.1))
     with pytest.raises(NotImplementedError, match="resid_pdrop"):
         hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "granite"])
+def test_per_token_statistics_take_the_logit_transform(family):
+    """TRL's fused-head fields from the engine's head: log p(label) and the entropy of the
+    soft-capped (Gemma) or divided (Granite) logits, as HF's logits give them."""
+    ref, slid = make_pair(family)
+    b = batches(1, pad=True)[0]
+    with torch.no_grad():
+        out = slid(**b, fused_lm_head=True)
+        logp = torch.log_softmax(ref(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits, -1)
+    labels = b["labels"][:, 1:]
+    valid = labels != -100
+    expected = logp[:, :-1].gather(-1, labels.clamp(min=0)[..., None])[..., 0] * valid
+    torch.testing.assert_close(out.log_probs, expected, rtol=1e-5, atol=1e-5)
+    entropy = -(logp[:, :-1].exp() * logp[:, :-1]).sum(-1) * valid
+    torch.testing.assert_close(out.entropy, entropy, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "granite"])
+def test_trl_fused_head_asking_for_the_family_transform_is_the_engine_head(family):
+    """TRL reads the soft-cap / logit scale from the config; the engine's head applies the same."""
+    utils = pytest.importorskip("trl.trainer.utils")
+    _, slid = make_pair(family)
+    utils.add_fused_lm_head(slid, outputs=("log_probs", "entropy"))
+    assert "forward" not in slid.__dict__

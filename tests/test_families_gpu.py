@@ -1,0 +1,80 @@
+"""Every registered family on CUDA (models/registry.py): fp32 sliding against fp32 HF on the GPU,
+and bf16 compute with the family's kernels against fp32 HF, with stated tolerances."""
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+from hf_slideformer.models import FAMILIES as REGISTRY
+from helpers import batches, family_config, max_param_diff
+
+pytestmark = pytest.mark.gpu
+LR = 1e-3
+VOCAB = 1001
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 means fp32: TF32 matmuls (10-bit mantissa) would put HF's reference 1e-4..1e-3 off."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def _pair(family, dtype, tied, **kw):
+    torch.manual_seed(0)
+    cfg = family_config(family, tied, vocab_size=VOCAB, hidden_size=256, intermediate_size=704,
+                        num_attention_heads=8, num_key_value_heads=2)
+    ref = AutoModelForCausalLM.from_config(cfg).float()
+    ref.config.use_cache = False
+    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cuda", dtype=dtype, **kw))
+    return ref.cuda(), slid
+
+
+def _train(ref, slid, steps, clip=0.5):
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.01)
+    losses = []
+    for b in batches(steps, bsz=4, seq=96, vocab=VOCAB, pad=True):
+        b = {k: v.cuda() for k, v in b.items()}
+        r = ref(**b).loss
+        r.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        ropt.step()
+        ropt.zero_grad()
+        s = slid(**b).loss
+        s.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((s.item(), r.item()))
+    return losses
+
+
+@pytest.mark.parametrize("family", list(REGISTRY))
+def test_fp32_cuda_matches_hf(family):
+    ref, slid = _pair(family, torch.float32, tied=False, max_grad_norm=0.5, use_kernels=False)
+    losses = _train(ref, slid, 3)
+    for s, r in losses:
+        assert math.isclose(s, r, rel_tol=1e-4), losses
+    assert max_param_diff(ref.cpu(), slid) < 0.05 * LR
+
+
+@pytest.mark.parametrize("family", list(REGISTRY))
+def test_bf16_with_the_family_kernels_tracks_fp32_hf(family):
+    """bf16 compute, the kernels the entry lists: losses within 2% per step, the mean parameter
+    difference under 5% of one lr step, the largest under 2 lr steps per step."""
+    ref, slid = _pair(family, torch.bfloat16, tied=True, max_grad_norm=0.5, use_kernels=True)
+    handle = getattr(slid, "_triton_ops_patch", None)
+    if REGISTRY[family].kernels:
+        assert handle is not None and (handle.forwards or handle.rope_module), family
+    steps = 4
+    losses = _train(ref, slid, steps)
+    for s, r in losses:
+        assert abs(s - r) / r < 2e-2, losses
+    sd, rsd = slid.state_dict(), ref.cpu().state_dict()
+    diffs = torch.cat([(sd[k] - rsd[k]).abs().flatten() for k in rsd])
+    assert diffs.mean().item() < 0.05 * LR and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max())
