@@ -7,7 +7,9 @@ Rates are parameters per second of one update over flat fp32 state (master, exp_
 exp_avg_sq), median of `--repeat` calls after one warm-up, gradient read included:
 - torch fused, fp32 gradient: torch._fused_adamw_ (what torch.optim.AdamW(fused=True) runs);
 - torch fused on a bf16 gradient: widened into an fp32 buffer first (the fallback route);
-- native, bf16 / fp32 gradient, and bf16 with the bf16 weight copy written in the same pass.
+- native, bf16 / fp32 gradient, and bf16 with the bf16 weight copy written in the same pass;
+- native with 8-bit block-wise moments (adamw_8bit: 14 B/param moved, the 8-bit moments and
+  their scales read and written) and with a bf16 master too (adamw_8bit_bf16: 10 B/param).
 The bound: STREAM's triad (a = b + s * c) on the same threads, best of the repeats; its bytes are
 counted as 16 per element (two reads, the write and its read for ownership), the update's as 26
 (bf16 gradient, master and moments read, master and moments written).
@@ -30,6 +32,7 @@ import torch  # noqa: E402
 
 from hf_slideformer.config import _host_cores, worker_threads  # noqa: E402
 from hf_slideformer.host_adam import HostAdam, triad  # noqa: E402
+from hf_slideformer.host_optim import rate_unit, state_format  # noqa: E402
 
 
 def timed(fn, repeat: int) -> list[float]:
@@ -86,6 +89,13 @@ def _measure(args) -> int:
     rate("native, fp32 grad", lambda: native.step(hp, [p], [g], [m], [v], step), 28)
     rate("native, bf16 grad", lambda: native.step(hp, [p], [gb], [m], [v], step), 26)
     rate("native, bf16 grad + bf16 weights", lambda: native.step(hp, [p], [gb], [m], [v], step, out16=[out16]), 28)
+    # The compact state formats (host_optim.py): 8-bit moments (fp32 master), and a bf16 master too.
+    for name, nbytes in (("adamw_8bit", 14), ("adamw_8bit_bf16", 10)):
+        fmt = state_format(name)
+        u = rate_unit(fmt, n)
+        rate(f"native {name}, bf16 grad",
+             lambda fmt=fmt, u=u: fmt.run(native, hp, u, u, [(0, 0, n)], [gb], step, None), nbytes)
+        del u
     a = torch.empty(n)
     best = min(timed(lambda: triad(a, p, m, 3.0, threads), args.repeat))
     triad_gbs = 16 * n / best / 1e9

@@ -95,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="data parallelism over N GPUs of one host, one process each (torchrun): --batch is per GPU, "
                         "the host state is one shared copy; no resident units, no --nvme-gb, no --lora-r (default: 1)")
+    p.add_argument("--optim", default="adamw", metavar="NAME",
+                   help="the host optimizer state (SlideConfig.optimizer_state): adamw (12 B/param), adamw_8bit (8-bit "
+                        "moments, about 6), adamw_8bit_bf16 (and a bf16 master, about 4), or the Trainer's "
+                        "adamw_torch / adamw_8bit / adamw_bnb_8bit / adamw_torch_8bit / paged_adamw_8bit "
+                        "(default: adamw; docs/host_state.md)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                       nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
                       lora_modules_to_save=tuple(m.strip() for m in args.lora_modules_to_save.split(",") if m.strip()),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
-                      gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus)
+                      gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus,
+                      optim=args.optim)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

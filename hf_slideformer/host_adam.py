@@ -372,7 +372,8 @@ class HostRate:
         return f"measured here: the {self.route} route, {self.threads} threads"
 
 
-def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1 << 26, repeat: int = 5) -> HostRate:
+def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1 << 26, repeat: int = 5,
+                 update=None) -> HostRate:
     """Time the host AdamW as the engine's CPU worker runs it: one update of `params` fp32
     parameters (master, exp_avg, exp_avg_sq) from a bf16 gradient, the fastest of `repeat`
     updates after one warm-up (as STREAM reports bandwidth: the slower ones met other work on
@@ -385,6 +386,8 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
             CPU cache, so the rate is the memory-bound one of a layer's update. Fewer where a quarter
             of the memory available here would not hold them (`HostRate.params` says how many).
         repeat: timed updates.
+        update: `update(kernel, params, hp, grad, step)` returns the callable timed, for another
+            state than fp32 AdamW's (`host_optim.measure_state_rate`); None: fp32 master and moments.
 
     Note: the rate is the kernel's alone on the machine. In a training step the host's memory
     also serves the copy engines (about 0.85 of this rate on the H200 machine, docs/engine.md);
@@ -403,17 +406,23 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
     if free is not None and free < 4 * STATE_BYTES * params:   # a small machine: a quarter of what is free at most
         params = max(1024, free // (4 * STATE_BYTES))
     # Plain values (no subnormals): the update's time does not depend on them.
-    p, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
     g = torch.full((params,), 1e-3, dtype=torch.bfloat16)
     hp = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     step = [torch.tensor(1.0)]
+    if update is None:
+        p, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
+
+        def run():
+            kernel.step(hp, [p], [g], [m], [v], step)
+    else:
+        run = update(kernel, params, hp, g, step)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)        # the torch route's threads, as the worker sets them
     try:
         times = []
         for k in range(repeat + 1):
             t0 = time.perf_counter()
-            kernel.step(hp, [p], [g], [m], [v], step)
+            run()
             if k:
                 times.append(time.perf_counter() - t0)
     finally:

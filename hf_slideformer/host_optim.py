@@ -29,7 +29,7 @@ from .host_adam import torch_fused_adamw
 from .quant_maps import BLOCK, dynamic_map, num_blocks, quantize_lut
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
-           "format_of", "formats_holding", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
+           "format_of", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES", "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
 
 
 class StateFormatMismatchError(ValueError):
@@ -263,6 +263,66 @@ def state_format(name: str) -> StateFormat:
         return FORMATS[name]
     except KeyError:
         raise ValueError(f"unknown optimizer_state {name!r}; one of {sorted(FORMATS)}") from None
+
+
+# The Trainer's 8-bit AdamW names (`TrainingArguments.optim`): 8-bit block-wise moments are those
+# optimizers' scheme; "paged" has no meaning for host state, which never is on the GPU.
+TRAINER_8BIT_NAMES = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")
+TRAINER_FP32_NAMES = ("adamw_torch", "adamw_torch_fused")
+
+
+def optimizer_state_of(optim: str) -> str:
+    """`SlideConfig.optimizer_state` for a format's name or one of the Trainer's AdamW names."""
+    if optim in FORMATS:
+        return optim
+    if optim in TRAINER_8BIT_NAMES:
+        return "adamw_8bit"
+    if optim in TRAINER_FP32_NAMES:
+        return "adamw"
+    raise ValueError(f"optim={optim!r}: one of {', '.join(FORMATS)}, or the Trainer's "
+                     f"{', '.join(TRAINER_FP32_NAMES + TRAINER_8BIT_NAMES)}")
+
+
+@dataclass
+class _Range:
+    offset: int
+    numel: int
+
+
+@dataclass
+class _RateUnit:
+    entries: list
+    numel: int
+    master: torch.Tensor
+    name: str = "rate"
+    index: int = 0
+
+
+def rate_unit(fmt: StateFormat, numel: int):
+    """A unit of one parameter of `numel` elements in `fmt`, its state plain values (the rate
+    measurements: `measure_state_rate`, benchmarks/host_adam_rate.py)."""
+    u = _RateUnit([_Range(0, numel)], numel, torch.full((numel,), 0.5, dtype=fmt.master_dtype))
+    fmt.allocate([u], lambda n, dtype: torch.ones(n, dtype=dtype))
+    for a in fmt.arrays:
+        if a.per == "block":
+            getattr(u, a.name).fill_(1e-3)
+    return u
+
+
+def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threads: int | None = None,
+                       params: int = 1 << 26, repeat: int = 5):
+    """`host_adam.measure_rate` of the update of `optimizer_state` (its master and moments in their
+    dtypes, a bf16 gradient): a `HostRate`."""
+    from .host_adam import measure_rate
+
+    if optimizer_state == "adamw":
+        return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat)
+    fmt = state_format(optimizer_state)
+
+    def update(kernel, n, hp, grad, step):
+        u = rate_unit(fmt, n)
+        return lambda: fmt.run(kernel, hp, u, u, [(0, 0, n)], [grad], step, None)
+    return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat, update=update)
 
 
 def formats_holding(arrays: dict[str, torch.dtype]) -> list[str]:

@@ -438,10 +438,14 @@ class SlideModel:
         blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers
         (with any state on disk), disk_moment_layers (of them, those with only their moments there),
         disk_buffers, disk_read_bytes, disk_write_bytes and wait_disk_s (time the main thread and
-        the worker waited for a buffer, a read or a write).
+        the worker waited for a buffer, a read or a write). optimizer_state (SlideConfig's) and
+        host_state_bytes: the masters and optimizer state the host store holds, as each unit's
+        format declares them (host_optim.py; the embedding keeps fp32 AdamW).
         """
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
+        out["optimizer_state"] = eng.config.optimizer_state
+        out["host_state_bytes"] = eng.store.state_bytes()
         out["resident_layers"] = len(eng.residents.layers)
         out["resident_embedding"] = eng.embedding.resident is not None
         out["device_updated_layers"] = len(eng.device_updates.units)

@@ -17,6 +17,7 @@ from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
 from .disk_plan import DiskSplit
 from .disk_store import MOMENTS, WHOLE, StateRecord, pool_buffers, record_bytes
+from .host_optim import state_format
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 
@@ -123,6 +124,23 @@ class Estimator:
     rates: dict
     mlp_chunk: int | None = None      # SlideConfig.mlp_chunk_tokens
     gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
+    optimizer_state: str = "adamw"    # SlideConfig.optimizer_state: the host bytes per parameter (host_optim.py)
+
+    @property
+    def state_key(self) -> str:
+        """The host item of the masters and AdamW state."""
+        if self.optimizer_state == "adamw":
+            return "fp32 masters + Adam m, v (12 B/param)"
+        bpp = state_format(self.optimizer_state).bytes_per_param
+        return f"masters + AdamW state ({self.optimizer_state}: {bpp:.2f} B/param, the embedding's 12)"
+
+    def state_bytes(self, layers_on_disk: int = 0) -> int:
+        """Host bytes of the masters and AdamW state of the units in host memory (the embedding
+        keeps fp32 AdamW under every format)."""
+        s = self.s
+        bpp = state_format(self.optimizer_state).bytes_per_param
+        held = s.n_params - layers_on_disk * s.layer_params
+        return int(bpp * (held - s.embed_params)) + 12 * s.embed_params
 
     def inter_tokens(self, T: int) -> int:
         """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""
@@ -156,7 +174,7 @@ class Estimator:
         # Pinned buffers count their exact size: the engine registers what it allocates
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         acts = self.layer_inputs_host(B, tier)
-        out = {"fp32 masters + Adam m, v (12 B/param)": 12 * (s.n_params - disk_layers.layers * s.layer_params)}
+        out = {self.state_key: self.state_bytes(disk_layers.layers)}
         if disk_layers.moments:
             out["fp32 masters of the layers with moments on disk (4 B/param)"] = \
                 4 * disk_layers.moments * s.layer_params

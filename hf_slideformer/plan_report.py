@@ -64,6 +64,7 @@ class Plan:
     lora_trained: tuple = ()          # its modules_to_save (trained in full on the host)
     lora_trained_params: int = 0      # their parameters
     adapter_s: float = 0.0            # the adapters' part of the gpu term
+    optimizer_state: str = "adamw"    # SlideConfig.optimizer_state (host_optim.py)
     bound_s: float = 0.0
     bound_by: str = ""
     paced_by: str = ""                # the term that sets the expected step (each at its measured efficiency)
@@ -108,6 +109,8 @@ class Plan:
         d = asdict(self)
         if self.gpus == 1:
             del d["gpus"]           # one GPU: the dict as it was before data parallelism
+        if self.optimizer_state == "adamw":
+            del d["optimizer_state"]    # the default: the dict as it was before the state formats
         d["shape"]["n_params"] = self.shape.n_params
         d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
                  disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
@@ -139,7 +142,11 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
-        if p.disk_mem_bytes is None and G == 1:
+        compact = {"adamw": ("adamw_8bit", 6), "adamw_8bit": ("adamw_8bit_bf16", 2)}.get(p.optimizer_state)
+        if compact and not p.lora_r and G == 1:
+            fixes.append(f"optimizer_state='{compact[0]}' (--optim {compact[0]}) saves "
+                         f"{gib(compact[1] * (s.n_params - s.embed_params))} (docs/host_state.md)")
+        if p.disk_mem_bytes is None and G == 1 and p.optimizer_state == "adamw":
             fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
                          "last layers' masters and moments there")
         if deferred:
@@ -156,7 +163,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             fixes.append(f"grad_buffers=2 saves {gib(G * GRAD_BYTES * (p.grad_buffers - 2) * s.layer_params)}")
         if p.max_batch_host and p.max_batch_host < p.batch:
             fixes.append(f"batch {p.max_batch_host} fits")
-        floor = 12 * s.n_params + 4 * s.embed_params + G * PROCESS_HOST_BYTES
+        floor = est.state_bytes() + 4 * s.embed_params + G * PROCESS_HOST_BYTES
         msg = f"host memory short by {gib(short)}: " + "; ".join(fixes) if fixes else \
             f"host memory short by {gib(short)}"
         if p.host_mem_bytes < floor:
@@ -262,7 +269,8 @@ def _format_report(p: Plan) -> str:
         f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
         f"{f' x {p.gpus} GPUs' if p.gpus > 1 else ''}"
         f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
-        f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}",
+        f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}"
+        f"{f', optimizer state {p.optimizer_state}' if p.optimizer_state != 'adamw' else ''}",
     ]
     G = p.gpus
     if G > 1:

@@ -59,7 +59,7 @@ def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_byt
     is short)."""
     items = est.host(batch, tier, deferred)
     s = est.s
-    state = 12 * s.n_params
+    state = est.state_bytes()
     others = sum(items.values()) - state
     fixed = 12 * (s.n_params - s.layers * s.layer_params) + others
     split = split_layers(host_bytes, fixed, [s.layer_params] * s.layers)
@@ -74,7 +74,7 @@ def _default_gpu_gib() -> tuple[float, str]:
     return 24.0, "assumed: no GPU here"
 
 
-def _adam_rate(adam_gps) -> tuple:
+def _adam_rate(adam_gps, optim: str = "adamw") -> tuple:
     """(rate in G params/s, where it came from) for `plan`'s adam_gps."""
     if adam_gps is None:
         return ADAM_GPS, "the H200 machine's; --adam-gps host measures this one's"
@@ -82,8 +82,8 @@ def _adam_rate(adam_gps) -> tuple:
         if adam_gps.strip().lower() != "host":
             raise ValueError(f"adam_gps must be a positive number of G parameters/s or 'host' (measure this machine's), "
                              f"got {adam_gps!r}")
-        from .host_adam import measure_rate
-        r = measure_rate()
+        from .host_optim import measure_state_rate
+        r = measure_state_rate(optim)
         return round(r.params_per_s / 1e9, 2), r.describe()
     return adam_gps, "given"
 
@@ -96,7 +96,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          nvme_read_gbs: float = 0.9, resident: bool = True, nvme_gb: float | None = None,
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
          lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = None,
-         gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1) -> Plan:
+         gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1,
+         optim: str = "adamw") -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -143,6 +144,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             each process adds its ring, row buffers, layer inputs and overhead; each GPU's link
             copies out 1/gpus of every gradient; one host's AdamW rate for all. No resident units
             and no GPU-side updates (the engine turns them off); no nvme_gb, no LoRA.
+        optim: SlideConfig.optimizer_state ("adamw", "adamw_8bit", "adamw_8bit_bf16"), or one of the
+            Trainer's 8-bit AdamW names (adamw_8bit, adamw_bnb_8bit, ...): the host bytes per
+            parameter follow the format's declaration (host_optim.py); a compact format keeps no
+            resident layers and no state on disk (the engine refuses them), and its AdamW rate is
+            `adam_gps` too unless measured ("host" measures that format's update).
 
     Returns:
         A Plan; `Plan.report()` formats it, `Plan.to_dict()` serialises it.
@@ -171,7 +177,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         if refused:
             raise ValueError(f"with gpus={gpus} (--gpus {gpus}) the engine does not support {'; '.join(refused)}; "
                              "plan these with one GPU (gpus=1), or leave them out")
-    adam_gps, adam_source = _adam_rate(adam_gps)
+    from .host_optim import optimizer_state_of
+    optim = optimizer_state_of(optim)
+    if optim != "adamw" and nvme_gb is not None:
+        raise ValueError(f"optim={optim!r} keeps no state on disk (the engine refuses host_memory_limit with it): "
+                         "plan it without nvme_gb, or with optim='adamw'")
+    if optim != "adamw" and lora_r is not None:
+        raise ValueError(f"optim={optim!r} is a setting of full fine-tuning: plan a LoRA run with optim='adamw'")
+    adam_gps, adam_source = _adam_rate(adam_gps, optim)
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
                  nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw,
                  gpu_hbm_gbs=gpu_hbm_gbs, gpu_fp32_tflops=gpu_fp32_tflops)
@@ -207,7 +220,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
                "an int >= 1")
     est = (LoraEstimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, r=lora_r,
                          base_bytes=lora_base_bytes, trained=tuple(dict.fromkeys(lora_modules_to_save))) if lora
-           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, gpus=gpus))
+           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, gpus=gpus, optimizer_state=optim))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
     extras = est.gpu_extras(N, clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
@@ -226,6 +239,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p = Plan(shape, batch, seq, N, clip, window, tier, grad_buffers, int(gpu_mem * GiB), host_bytes or None,
              host_source, gpu_source, rates, adam_source=adam_source, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
              max_batch_host=max_host, gpus=gpus)
+    p.optimizer_state = optim
     if lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params
         p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
@@ -238,7 +252,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.disk_bytes_per_step = est.disk_traffic(N, k_disk, deferred)
     if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
-        state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))]
+        state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))
+                 or k == est.state_key]
         p.host_memory_limit_gib = math.ceil(sum(p.host[k] for k in state) / GiB * 10) / 10
     p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)
     p.gpu_fixed.update(extras)
@@ -246,8 +261,10 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
     if resident and N == 1 and gpus == 1 and est.host_updates:     # several GPUs: the engine keeps none
+        # a compact state format keeps no resident layers (its update is the host kernel's); the embedding's is fp32
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
-                            layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
+                            layer_numel=shape.layer_params,
+                            n_layers=shape.layers - k_disk.layers if optim == "adamw" else 0,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
@@ -261,7 +278,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         # Resident from the first step (engine: [Why the embedding can be resident before the first
         # step]): its moments are never written, its master is given back, its dense gradient and
         # row buffers are never made; no layer is late (late_updates.py: nothing at the worker's front).
-        key = "fp32 masters + Adam m, v (12 B/param)"
+        key = est.state_key
         dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (B*S*H bf16 + fp32, pinned)",
                    "late layers' gradients")
         p.host = {(k + ", the resident embedding's given back" if k == key else k):

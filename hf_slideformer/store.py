@@ -260,6 +260,17 @@ class HostStore:
                     mod._parameters[attr] = p
                 e.param = p
 
+    def state_bytes(self) -> int:
+        """Host bytes of the masters and optimizer state of the units held here (their formats'
+        declarations; moments once allocated)."""
+        out = 0
+        for u in self.units:
+            if not self.master_on_disk(u) and u.master is not None:
+                out += u.numel * u.master.element_size()
+            if self.optimizer_ready and not self.on_disk(u) and u.trainable:
+                out += u.state_format.state_bytes(u)
+        return out
+
     def params(self):
         for u in self.units:
             for e in u.entries:

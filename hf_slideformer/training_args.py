@@ -22,6 +22,7 @@ from transformers.training_args import OptimizerNames
 
 from .accelerate_plugin import launch_environment
 from .config import DTYPES, FLOAT16_REFUSED, SETTINGS, SlideConfig
+from .host_optim import TRAINER_8BIT_NAMES
 from .options import check_fields, option_fields
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SlideArgs", "SlideArgsError"]
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
-# The Trainer's 8-bit AdamW names: the engine's own 8-bit block-wise moments (host_optim.py) are that
-# optimizer's scheme; "paged" has no meaning for host state, which is never on the GPU.
-_ADAMW_8BIT = ("adamw_8bit", "adamw_bnb_8bit", "adamw_torch_8bit", "paged_adamw_8bit")
+_ADAMW_8BIT = TRAINER_8BIT_NAMES          # the engine's own 8-bit moments (host_optim.py)
 PREFIX = "slide_"
 
 

@@ -680,3 +680,25 @@ def test_adam_rate_measured_on_this_host(monkeypatch, capsys):
     with pytest.raises(SystemExit) as ex:
         main(args + ["--adam-gps", "fast"])
     assert ex.value.code == 2 and "or 'host'" in capsys.readouterr().err
+
+
+def test_the_host_state_follows_the_optimizer_states_declared_bytes():
+    """--optim: the masters and moments item is the format's bytes per parameter (the embedding's 12);
+    a compact format keeps nothing on disk and no resident units, as the engine."""
+    from hf_slideformer.host_optim import state_format
+    plans = {o: plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=120, optim=o, resident=False)
+             for o in ("adamw", "adamw_8bit", "adamw_8bit_bf16")}
+    s = plans["adamw"].shape
+    for o, p in plans.items():
+        item = next(v for k, v in p.host.items() if "AdamW state" in k or "Adam m, v" in k)
+        want = state_format(o).bytes_per_param * (s.n_params - s.embed_params) + 12 * s.embed_params
+        assert item == pytest.approx(want, rel=1e-6), o
+    for o in ("adamw_8bit", "adamw_8bit_bf16"):
+        assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=80, host_mem=120, optim=o).resident_layers == 0
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=80, host_mem=120).resident_layers > 0
+    assert plans["adamw_8bit_bf16"].host_total < plans["adamw_8bit"].host_total < plans["adamw"].host_total
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, optim="adamw_bnb_8bit").optimizer_state == "adamw_8bit"
+    with pytest.raises(ValueError, match="nvme_gb"):
+        plan(CONFIGS / "llama3-8b.json", batch=16, optim="adamw_8bit", nvme_gb=100)
+    with pytest.raises(ValueError, match="adamw_8bit_bf16"):
+        plan(CONFIGS / "llama3-8b.json", batch=16, optim="lion")
