@@ -18,6 +18,10 @@ PROVIDERS = {
     "ds2": ("deepspeed_zero", "ZeRO2Provider", True, "DeepSpeed ZeRO-2 + CPU optimizer"),
     "ds3": ("deepspeed_zero", "ZeRO3Provider", True, "DeepSpeed ZeRO-3 + CPU params and optimizer"),
     "resident": ("resident", "ResidentProvider", False, "GPU-resident with triton_ops kernels: the compute bound"),
+    "slide_8bit": ("slide", "Slide8bitProvider", True, "hf_slideformer, 8-bit AdamW moments (optimizer_state="
+                   "adamw_8bit)"),
+    "slide_8bit_bf16": ("slide", "Slide8bitBf16Provider", True, "hf_slideformer, 8-bit moments and a bf16 master "
+                        "(optimizer_state=adamw_8bit_bf16)"),
     "slide_trainer": ("trainers", "SlideTrainerProvider", True, "hf_slideformer, the step taken by SlideTrainer"),
     "slide_sft": ("trainers", "SlideSFTProvider", True, "hf_slideformer, the step taken by TRL's SFTTrainer"),
     "slide_lora": ("lora", "SlideLoraProvider", True, "hf_slideformer, PEFT LoRA on every linear layer"),

@@ -23,13 +23,14 @@ import torch
 
 from .base import Provider, build_model, call_with_known_fields
 
-__all__ = ["SlideProvider"]
+__all__ = ["SlideProvider", "Slide8bitProvider", "Slide8bitBf16Provider"]
 
 
 class SlideProvider(Provider):
     name = "slide"
     capped = True
     multi_process = True
+    optimizer_state: str | None = None     # SlideConfig.optimizer_state of the row (None: the default)
 
     def setup(self) -> None:
         import hf_slideformer as hs
@@ -37,6 +38,8 @@ class SlideProvider(Provider):
         options = {"device": self.spec.device, "dtype": self.spec.torch_dtype}
         if self.spec.cap_gib is not None and self.device.type == "cuda":
             options["gpu_memory_limit"] = self.spec.cap_gib
+        if self.optimizer_state is not None:
+            options["optimizer_state"] = self.optimizer_state
         options.update(self.spec.slide_options)
         self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
         self.model = self.build_slid()
@@ -119,3 +122,19 @@ class SlideProvider(Provider):
             k: (v - start[k]) / self.spec.steps if isinstance(v, (int, float)) and isinstance(start.get(k), (int, float))
             else v for k, v in stats.items()}
         return out
+
+
+class Slide8bitProvider(SlideProvider):
+    """`slide` with 8-bit block-wise AdamW moments (docs/host_state.md)."""
+
+    name = "slide_8bit"
+    multi_process = False
+    optimizer_state = "adamw_8bit"
+
+
+class Slide8bitBf16Provider(SlideProvider):
+    """`slide` with 8-bit moments and a bf16 master (docs/host_state.md)."""
+
+    name = "slide_8bit_bf16"
+    multi_process = False
+    optimizer_state = "adamw_8bit_bf16"
