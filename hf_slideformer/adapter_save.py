@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 
-from .atomic_save import fsync_dir, fsync_tree, leftover_path, remove_leftovers
+from .atomic_save import fsync_dir, fsync_tree, leftover_path, one_save_at_a_time, remove_leftovers
 
 __all__ = ["save_adapter", "slid_peft_class"]
 
@@ -58,6 +58,12 @@ def save_adapter(save, save_directory: str, **kwargs) -> None:
     """
     save_directory = os.path.abspath(os.fspath(save_directory))
     os.makedirs(save_directory, exist_ok=True)
+    with one_save_at_a_time(save_directory):
+        _commit(save, save_directory, kwargs)
+    logger.info("adapter saved in %s", save_directory)
+
+
+def _commit(save, save_directory: str, kwargs: dict) -> None:
     remove_leftovers(save_directory, STAGING)
     stage = leftover_path(save_directory, STAGING, "adapter")
     os.mkdir(stage)
@@ -73,7 +79,6 @@ def save_adapter(save, save_directory: str, **kwargs) -> None:
             fsync_dir(os.path.dirname(dst))
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    logger.info("adapter saved in %s", save_directory)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,9 +28,10 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 
-__all__ = ["host_name", "alive_elsewhere", "staged_directory", "recover_directories", "leftover_path", "remove_leftovers", "fsync_file",
+__all__ = ["host_name", "alive_elsewhere", "ConcurrentSaveError", "one_save_at_a_time", "staged_directory", "recover_directories", "leftover_path", "remove_leftovers", "fsync_file",
            "fsync_dir", "fsync_tree", "final_paths_in_logs"]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,33 @@ _LEFTOVER = re.compile(r"^\.(?P<kind>tmp|new|merge|old|slide-save)-(?P<name>.+)\
 
 def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+
+
+class ConcurrentSaveError(RuntimeError):
+    """Another save into the same directory is running in this process."""
+
+
+_SAVING: set[str] = set()
+_SAVING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def one_save_at_a_time(directory: str):
+    """The body is the only save into `directory` in this process; a second one (another thread)
+    raises `ConcurrentSaveError` at once and leaves the first to complete (its clean-up of killed
+    saves' leftovers would otherwise remove the running save's staging folder)."""
+    key = os.path.realpath(directory)
+    with _SAVING_LOCK:
+        if key in _SAVING:
+            raise ConcurrentSaveError(
+                f"another save into the same folder {directory} ran concurrently (another thread of this process); "
+                "this one did nothing and the other completes. Save into separate folders, or one after the other.")
+        _SAVING.add(key)
+    try:
+        yield
+    finally:
+        with _SAVING_LOCK:
+            _SAVING.discard(key)
 
 
 def host_name() -> str:

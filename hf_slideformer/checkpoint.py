@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .atomic_save import fsync_dir, fsync_file, leftover_path, remove_leftovers
+from .atomic_save import fsync_dir, fsync_file, leftover_path, one_save_at_a_time, remove_leftovers
 from .models import get_adapter
 from .slide_checks import check_finite
 
@@ -210,10 +210,18 @@ def save_model(model, save_directory, max_shard_size="5GB", dtype=torch.float32)
 
     Over an earlier save, the directory loads as the old save or the new one at every step,
     whenever the process is killed (see the module note); other files in it are left alone.
+
+    Raises:
+        ConcurrentSaveError: another thread of this process is saving into `save_directory`.
     """
+    os.makedirs(save_directory, exist_ok=True)
+    with one_save_at_a_time(save_directory):
+        _save_model(model, save_directory, max_shard_size, dtype)
+
+
+def _save_model(model, save_directory, max_shard_size, dtype) -> None:
     eng = model.slide_engine
     limit = _parse_size(max_shard_size)
-    os.makedirs(save_directory, exist_ok=True)
     remove_leftovers(save_directory, STAGING)
     committed = _referenced(save_directory)
     plan = _shard_plan(eng, limit, dtype)

@@ -64,6 +64,23 @@ class SlideEngine:
     """
 
     def __init__(self, model, adapter, config, store: HostStore):
+        try:
+            self._build(model, adapter, config, store)
+        except BaseException:
+            self._close_built()          # a failed slide() leaves no thread or file behind (the store is the caller's)
+            raise
+
+    def _close_built(self) -> None:
+        """Release what a failed `_build` made: the worker's threads, the activation tier's files and thread."""
+        for name in ("worker", "tier"):
+            part = self.__dict__.get(name)
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:        # noqa: BLE001 - the build's own error is the one to raise
+                    logger.debug("closing the %s of a failed build", name, exc_info=True)
+
+    def _build(self, model, adapter, config, store: HostStore) -> None:
         # No strong reference to the model itself: the model owns the engine, and the finalizer that
         # closes the engine when the model is collected must not keep the model alive.
         self.adapter, self.config, self.store = adapter, config, store

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 
@@ -79,9 +80,19 @@ def pin_slab(t: torch.Tensor) -> bool:
     nbytes = t.numel() * t.element_size()
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
-        logger.warning("cudaHostRegister of %.2f GiB failed (error %s); transfers will be slower", nbytes / GiB, err)
+        logger.warning("cudaHostRegister of %d bytes (%.2f GiB) failed: %s; transfers from it will be slower",
+                       nbytes, nbytes / GiB, _cuda_error(err))
         return False
     return True
+
+
+def _cuda_error(err) -> str:
+    """A CUDA runtime error code in words (torch's enum does not name every code)."""
+    code = int(err)
+    try:
+        return f"{torch.cuda.CudaError(code)}"
+    except Exception:                               # noqa: BLE001 - a code the bindings do not know
+        return f"CUDA error {code}"
 
 
 def unpin_slab(t: torch.Tensor) -> None:
@@ -95,6 +106,9 @@ class PinnedBuffers:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self._held: list[torch.Tensor] = []
+        # Collected without close(): unregister first, or a later registration of the freed
+        # addresses fails (model.py: [Why a failed slide() releases what it took]).
+        weakref.finalize(self, _unpin_all, self._held)
 
     def empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
         t = torch.empty(*shape, dtype=dtype)
@@ -117,9 +131,13 @@ class PinnedBuffers:
                 return
 
     def close(self) -> None:
-        for h in self._held:
-            unpin_slab(h)
-        self._held.clear()
+        _unpin_all(self._held)
+
+
+def _unpin_all(held: list) -> None:
+    for h in held:
+        unpin_slab(h)
+    held.clear()
 
 
 class PrivateHostMemory:

@@ -6,6 +6,7 @@ host fp32 masters, and its forward runs through the sliding engine.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -31,7 +32,7 @@ from .models import get_adapter
 from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
 from .model_inputs import check_label_dtype, check_token_ids
 from .optim import SlideOptimizer
-from .slide_checks import check_finite_weights, rank_fingerprint
+from .slide_checks import check_finite_weights, check_gpu_limit, rank_fingerprint
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
 
@@ -160,10 +161,6 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         refuse_outside_layers([n for n, p in model.named_parameters() if id(p) in adapters and id(p) not in inside])
     if config.expandable_segments and config.is_cuda:
         enable_expandable_segments()
-    if config.gpu_memory_limit is not None and config.is_cuda:
-        total = torch.cuda.get_device_properties(config.torch_device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total),
-                                                   config.torch_device)
     units = build_units(model, adapter, skip=adapters | originals)
     for u in units:
         for e in u.entries:
@@ -174,7 +171,61 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         check_finite_weights(model.named_parameters())
     if dp is not None:                  # before any shared memory: its sizes follow the model
         dp.check_same(rank_fingerprint(config, model, units))
-    store = HostStore(units, config, dp)
+    if config.is_cuda:
+        check_gpu_limit(config, units, tied=adapter.lm_head(model).weight is adapter.embed(model).weight)
+    with _released_on_failure(config) as built:
+        built["store"] = HostStore(units, config, dp)
+        _fill_and_build(model, adapter, config, built, units, dp, _fill)
+    engine = built["engine"]
+    model.__class__ = _slid_class(type(model))
+    model.slide_engine = engine
+    model.slide_config = config.read_only()
+    _install_proxies(model, adapter, engine)
+    closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
+    closer.atexit = False                             # at exit the process tears everything down anyway
+    if base is not None:
+        engine.adapters.adopt_all()
+        peft_model.__class__ = slid_peft_class(type(peft_model))     # its save_pretrained, crash-safe
+    return peft_model
+
+
+@contextlib.contextmanager
+def _released_on_failure(config):
+    """Set the GPU cap; on a failure, give back what was built (`built`: "store", "engine") and the cap.
+
+    Note: [Why a failed slide() releases what it took] host memory registered with
+    cudaHostRegister stays registered until unregistered: left behind, its addresses, once freed
+    and handed out again, make the next registration fail (cudaErrorHostMemoryAlreadyRegistered),
+    and a second slide() in the process dies. So do the engine's threads and files. The store (the
+    registrations, the state file) and the engine (threads, the tier) are closed here, and the cap
+    goes back to what it was, before the error propagates.
+    """
+    built: dict = {}
+    previous = None
+    if config.gpu_memory_limit is not None and config.is_cuda:
+        dev = config.torch_device
+        previous = torch.cuda.get_per_process_memory_fraction(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total), dev)
+    try:
+        yield built
+    except BaseException:
+        try:
+            if "engine" in built:
+                built["engine"].close()
+            elif "store" in built:
+                built["store"].close()
+        except Exception:                # noqa: BLE001 - the failure itself is the error to raise
+            logger.warning("releasing a failed slide()", exc_info=True)
+        if previous is not None:
+            torch.cuda.set_per_process_memory_fraction(previous, config.torch_device)
+            torch.cuda.empty_cache()
+        raise
+
+
+def _fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool) -> None:
+    """Copy the weights into the store, bind the parameters to it, and build the engine."""
+    store = built["store"]
     if _fill and (dp is None or dp.writes):
         # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).
         with torch.no_grad():
@@ -201,17 +252,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         model.config.use_cache = False
     _apply_kernels(model, config)
     tile_mlps(adapter.layers(model), config.mlp_chunk_tokens)     # after the kernels: it wraps their forward
-    engine = SlideEngine(model, adapter, config, store)
-    model.__class__ = _slid_class(type(model))
-    model.slide_engine = engine
-    model.slide_config = config.read_only()
-    _install_proxies(model, adapter, engine)
-    closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
-    closer.atexit = False                             # at exit the process tears everything down anyway
-    if base is not None:
-        engine.adapters.adopt_all()
-        peft_model.__class__ = slid_peft_class(type(peft_model))     # its save_pretrained, crash-safe
-    return peft_model
+    built["engine"] = SlideEngine(model, adapter, config, store)
 
 
 def _apply_kernels(model, config) -> None:

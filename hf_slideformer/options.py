@@ -222,6 +222,16 @@ class Device(Kind):
         return str(dev)
 
 
+def _ancestors(path: str):
+    """`path` and the directories above it, nearest first."""
+    while True:
+        yield path
+        up = os.path.dirname(path)
+        if up == path:
+            return
+        path = up
+
+
 class Directory(Kind):
     """A directory path. It may be created, one level deep: its parent must exist (no `mkdir -p`)."""
 
@@ -236,6 +246,10 @@ class Directory(Kind):
             raise ValueError(f"{path} is a file, not a directory: name a directory")
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
+            blocker = next((p for p in _ancestors(parent) if os.path.exists(p)), None)
+            if blocker is not None and not os.path.isdir(blocker):
+                raise ValueError(f"{path} cannot be a directory: {blocker} is a file, not a directory. Name a "
+                                 "directory elsewhere (on a fast local disk)")
             raise ValueError(f"{parent} does not exist: create it first (mkdir -p {path}) or name an existing "
                              "directory; it is not created for you")
         return os.fspath(value)

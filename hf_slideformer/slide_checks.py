@@ -13,8 +13,12 @@ from typing import Iterable
 import torch
 
 from .errors import NonFiniteWeightError, RankMismatchError
+from .memory import COPY_CHUNK
 
-__all__ = ["check_finite", "check_finite_weights", "rank_fingerprint", "compare_ranks", "MATH_SETTINGS"]
+__all__ = ["check_finite", "check_finite_weights", "rank_fingerprint", "compare_ranks", "MATH_SETTINGS",
+           "gpu_minimum_bytes", "check_gpu_limit", "GpuLimitError"]
+
+GiB = 1024 ** 3
 
 _CHUNK = 1 << 24               # elements judged at once: a bounded temporary, whatever the tensor's size
 
@@ -56,7 +60,7 @@ def rank_fingerprint(config, model, units) -> dict:
     out["model type"] = getattr(model.config, "model_type", None)
     for key in _MODEL_SHAPE:
         out[f"model config {key}"] = getattr(model.config, key, None)
-    out["parameter count"] = sum(u.numel for u in units)
+    out["parameter count"] = sum(_numel(u) for u in units)
     out["units"] = len(units)
     out["unit shapes"] = [[(e.name, tuple(e.shape)) for e in u.entries] for u in units]
     return out
@@ -79,5 +83,39 @@ def compare_ranks(prints: list[dict]) -> None:
                 "with one configuration.")
 
 
+def _numel(unit) -> int:
+    """A unit's parameter count, before the store has laid it out."""
+    return sum(e.numel for e in unit.entries)
+
+
 def _flat(shapes):
     return [x for unit in shapes for x in unit]
+
+
+class GpuLimitError(ValueError):
+    """`SlideConfig.gpu_memory_limit` is below what the engine's GPU buffers need at least."""
+
+
+def gpu_minimum_bytes(config, units, tied: bool) -> int:
+    """The GPU bytes the engine allocates before any activation: `window` slots of the largest
+    layer, the head's slot (with the tied embedding), one layer's gradients, and the fp32 staging
+    buffer of the on-GPU cast (engine.py, slots.py). A lower bound: activations come on top."""
+    b = torch.empty((), dtype=config.dtype).element_size()
+    layers = [_numel(u) for u in units if u.kind == "layer"]
+    max_layer = max(layers, default=0)
+    head = _numel(units[-1]) + (_numel(units[0]) if tied else 0)
+    staging = 4 * min(max(max_layer, head), COPY_CHUNK) if config.dtype != torch.float32 else 0
+    return (config.window + 1) * max_layer * b + head * b + staging
+
+
+def check_gpu_limit(config, units, tied: bool) -> None:
+    """Refuse a `gpu_memory_limit` below `gpu_minimum_bytes`, before anything is allocated."""
+    if config.gpu_memory_limit is None:
+        return
+    need = gpu_minimum_bytes(config, units, tied)
+    if config.gpu_memory_limit * GiB < need:
+        raise GpuLimitError(
+            f"SlideConfig.gpu_memory_limit={config.gpu_memory_limit:g} GiB is below the {need / GiB:.3f} GiB that the "
+            f"engine's GPU buffers need before any activation ({config.window} slots and the gradients of the largest "
+            f"layer, the head, in {config.dtype}). Set gpu_memory_limit to at least {need / GiB:.3f} GiB plus room for "
+            "the activations, or a smaller window.")

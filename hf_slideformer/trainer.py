@@ -176,8 +176,14 @@ class SlideTrainer(Trainer):
             norm = self.slide_optimizer.last_grad_norm      # waits for the queued updates: logging steps only
             logs["grad_norm"] = norm
             if not math.isfinite(norm):
-                logger.warning("step %d: the gradient norm is %s (loss %s): the weights may now hold non-finite "
-                               "values", self.state.global_step, norm, logs["loss"])
+                # The engine never lets a non-finite gradient into a master (it skips the updates):
+                # only weights that were never checked can hold non-finite values.
+                cfg = self.model.slide_engine.config
+                why = ("the model's weights were not checked when it was slid (check_finite_weights=False) and may "
+                       "hold non-finite values" if not cfg.check_finite_weights else
+                       "the engine skipped the step's updates, so no weight took a non-finite value")
+                logger.warning("step %d: the gradient norm is %s (loss %s): %s", self.state.global_step, norm,
+                               logs["loss"], why)
             now, stats = time.perf_counter(), self.model.slide_stats()
             if self._slide_mark is not None:
                 t0, tok0, s0 = self._slide_mark
@@ -194,6 +200,9 @@ class SlideTrainer(Trainer):
             recover_directories(self.args.output_dir)
         self._slide_mark = (time.perf_counter(), self._slide_tokens, self.model.slide_stats()) \
             if self.model is not None and is_slid(self.model) else None
+        if self.model is not None and is_slid(self.model):
+            # The arguments may have changed since the last train() (accumulation, clipping).
+            sync_step_settings(self.model, self.args.gradient_accumulation_steps, self.args.max_grad_norm)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -138,3 +138,42 @@ def test_from_pretrained_peak_host_memory_is_bounded(tmp_path):
     # model (2x masters).
     print(f"from_pretrained: RSS grew {grew / 2 ** 20:.0f} MiB for {masters / 2 ** 20:.0f} MiB of fp32 masters")
     assert 0.9 * masters < grew < 1.3 * masters + 128 * 2 ** 20, (grew / 2 ** 20, masters / 2 ** 20)
+
+
+def test_two_threads_saving_into_one_folder_leave_one_save_and_name_the_cause(tmp_path, monkeypatch):
+    """The second save into a folder another thread is saving into stops at once with an error saying
+    so (it removed the first one's staging folder, which then failed with a bare FileNotFoundError);
+    the first completes and the folder loads."""
+    import threading
+    import time
+
+    import hf_slideformer.checkpoint as checkpoint_mod
+    from hf_slideformer.atomic_save import ConcurrentSaveError
+
+    _, slid = make_pair()
+    real = checkpoint_mod.save_file
+    writing = threading.Event()
+
+    def slow(*args, **kwargs):
+        writing.set()
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_mod, "save_file", slow)
+    errors = []
+
+    def save():
+        try:
+            slid.save_pretrained(tmp_path / "out")
+        except Exception as e:             # noqa: BLE001 - collected for the assertions
+            errors.append(e)
+
+    first = threading.Thread(target=save)
+    first.start()
+    writing.wait(30)
+    save()
+    first.join()
+    assert len(errors) == 1 and isinstance(errors[0], ConcurrentSaveError), errors
+    assert "another save into the same folder" in str(errors[0])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in slid.state_dict().items())

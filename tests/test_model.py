@@ -92,3 +92,70 @@ def test_load_state_dict_reaches_the_next_forward():
         ref.load_state_dict(halved)
         slid.load_state_dict(halved)
         assert abs(slid(**b).loss.item() - ref(**b).loss.item()) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------- a failed slide()
+def _failing_build(monkeypatch):
+    """slide() fails late: after the store, the slots, the worker and the activation tier exist."""
+    import hf_slideformer.engine as engine_mod
+
+    def broken(engine):
+        raise RuntimeError("injected failure")
+    monkeypatch.setattr(engine_mod, "HostUpdates", broken)
+
+
+def test_a_failed_slide_releases_its_threads_and_files_and_a_second_one_works(tmp_path, monkeypatch):
+    import os
+    import threading
+    from helpers import family_config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("llama")).float()
+    cfg = dict(device="cpu", activation_tier="nvme", nvme_path=str(tmp_path))
+    threads = {t.ident for t in threading.enumerate()}
+    with monkeypatch.context() as m:
+        _failing_build(m)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            hs.slide(model, hs.SlideConfig(**cfg))
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= threads      # the worker stopped
+    assert os.listdir(tmp_path) == []
+    assert not hs.is_slid(model)
+    slid = hs.slide(model, hs.SlideConfig(**cfg))
+    opt = slid.create_optimizer(lr=1e-3)
+    b = batches(1)[0]
+    slid(**b).loss.backward()
+    opt.step()
+
+
+@pytest.mark.gpu
+def test_a_gpu_cap_below_one_layer_is_refused_then_a_failed_slide_then_one_that_works():
+    """The cap is refused naming the minimum, before anything is allocated (torch's raw
+    OutOfMemoryError, and a process whose next slide() died on host memory still registered);
+    a slide() that fails after pinning releases its registrations; the next one trains."""
+    from hf_slideformer.slide_checks import GpuLimitError
+    from helpers import family_config
+    before = torch.cuda.get_per_process_memory_fraction()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config("llama", hidden_size=256, intermediate_size=704,
+                                                               vocab_size=32000)).float()
+        with pytest.raises(GpuLimitError, match=r"gpu_memory_limit=0\.001 GiB is below the 0\.0\d+ GiB.*at least"):
+            hs.slide(model, hs.SlideConfig(device="cuda", gpu_memory_limit=0.001))
+        assert torch.cuda.get_per_process_memory_fraction() == before and not hs.is_slid(model)
+        mp = pytest.MonkeyPatch()
+        try:
+            _failing_build(mp)
+            with pytest.raises(RuntimeError, match="injected failure"):
+                hs.slide(model, hs.SlideConfig(device="cuda", gpu_memory_limit=8))
+        finally:
+            mp.undo()
+        assert torch.cuda.get_per_process_memory_fraction() == before
+        slid = hs.slide(model, hs.SlideConfig(device="cuda", gpu_memory_limit=8))
+        opt = slid.create_optimizer(lr=1e-3)
+        ids = torch.randint(0, 32000, (2, 32))
+        for _ in range(2):
+            slid(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in slid.parameters())
+        slid.slide_engine.close()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before)

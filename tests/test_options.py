@@ -72,6 +72,10 @@ def test_a_directory_needs_its_parent_and_is_never_created(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         kind.parse(str(tmp_path / "file"))
+    for below in (tmp_path / "file" / "nvme", tmp_path / "file" / "a" / "b"):    # mkdir -p could not help
+        with pytest.raises(ValueError, match=f"{tmp_path / 'file'} is a file, not a directory") as err:
+            kind.parse(str(below))
+        assert "mkdir" not in str(err.value)
     assert not (tmp_path / "a").exists() and not (tmp_path / "new").exists()
 
 

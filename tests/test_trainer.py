@@ -370,3 +370,20 @@ def test_killed_saves_are_finished_or_removed_by_the_next_save(tmp_path):
     assert_same_params(again_model, full_model, rtol=0, atol=0)
     again.save_model(str(out))                     # the final export removes its own staging leftovers
     assert not [d for d in os.listdir(out) if d.startswith(".")], os.listdir(out)
+
+
+def test_accumulation_changed_between_train_calls_is_followed(tmp_path):
+    """A second train() after `args.gradient_accumulation_steps` (and clipping) changed trains as the
+    plain Trainer does (it raised an error about a forward after a backward, the wrong cause)."""
+    ref, model = tiny_model(), tiny_model()
+    data = tiny_data(n=16)
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=0.0, max_steps=2, lr_scheduler_type="constant",
+              warmup_steps=0)
+    plain = Trainer(model=ref, args=TrainingArguments(**trainer_args(tmp_path, "plain", **kw)), train_dataset=data)
+    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(**trainer_args(tmp_path, "slide", **kw)), train_dataset=data)
+    for t in (plain, slid):
+        t.train()
+        t.args.gradient_accumulation_steps, t.args.max_grad_norm = 3, 0.05
+        t.train()
+    torch.testing.assert_close(torch.tensor(losses(slid)), torch.tensor(losses(plain)), rtol=RTOL, atol=ATOL)
+    assert_same_params(model, ref)

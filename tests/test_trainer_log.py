@@ -47,6 +47,28 @@ def test_a_non_finite_step_is_logged_as_it_is(tmp_path, max_grad_norm, caplog):
     if max_grad_norm:                                                       # the plain Trainer logs its norm then
         assert all(math.isnan(n) for n in logged(plain, "grad_norm"))
     assert "step 1: the gradient norm is nan" in caplog.text
+    assert "not checked when it was slid (check_finite_weights=False)" in caplog.text
+
+
+def test_a_skipped_step_is_not_reported_as_weights_gone_non_finite(tmp_path, caplog):
+    """The engine skips a non-finite step's updates: the warning says the weights stayed finite
+    (it said they "may now hold non-finite values"); only unchecked weights may."""
+    class InfAtFirstStep(hs.SlideTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            return loss * float("inf") if self.state.global_step == 0 else loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    kw = dict(per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+              save_strategy="no", disable_tqdm=True)
+    trainer = InfAtFirstStep(model=model, args=hs.SlideArgs(output_dir=str(tmp_path), **kw), train_dataset=data())
+    with caplog.at_level("WARNING", logger="hf_slideformer"):
+        trainer.train()
+    assert "step 1: the gradient norm is" in caplog.text
+    assert "no weight took a non-finite value" in caplog.text and "may hold non-finite" not in caplog.text
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_tokens_per_second_counts_the_batches_of_hf_collators(tmp_path):
