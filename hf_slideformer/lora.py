@@ -65,6 +65,11 @@ def check_lora(peft_model) -> None:
     unsupported = []
     if getattr(cfg, "use_dora", False):
         unsupported.append("use_dora=True (DoRA)")
+    if getattr(cfg, "target_parameters", None):
+        # PEFT wraps a targeted parameter (a mixture of experts' expert weights) in a
+        # parametrization at call time, which the engine's weight swap into the slots conflicts with.
+        unsupported.append(f"target_parameters={list(cfg.target_parameters)} (LoRA on parameters, as the "
+                           "experts' weights of a mixture of experts)")
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
                          "Supported: LoRA on any linear layers inside the decoder layers, and modules_to_save "

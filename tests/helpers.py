@@ -34,6 +34,13 @@ FAMILY_FEATURES = {
     "qwen3_5_text": dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
                          linear_num_value_heads=4, linear_conv_kernel_dim=3,
                          layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=24, head_dim=8, linear_key_head_dim=8,
+                             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_conv_kernel_dim=3,
+                             layer_types=["linear_attention", "full_attention", "linear_attention"]),
 }
 
 

@@ -1,5 +1,5 @@
 """The families with quirks of their own (models/registry.py): Gemma 3, Phi-3, OLMo 2 / 3, SmolLM3,
-Granite, Qwen3.5, each a tiny model with its quirks switched on (helpers.FAMILY_FEATURES), against
+Granite, Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, Qwen3.5-MoE, each a tiny model with its quirks switched on (helpers.FAMILY_FEATURES), against
 plain HF + torch.optim.AdamW in fp32; the kernels each entry lists, through the CPU references
 held to the kernels' in-place contracts; and the families the engine refuses."""
 import copy
@@ -83,15 +83,18 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, family):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5_text"])
+LORA_TARGETS = {"qwen3_moe": dict(target_modules=["q_proj", "v_proj", "o_proj"])}
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5_text", "qwen3_moe"])
 def test_lora_equals_peft(family):
     """PEFT LoRA on the attention and MLP projections (Qwen3.5: its full-attention layer and
-    every MLP), slid against PEFT alone, accumulation and clipping on."""
+    every MLP; Qwen3-MoE: the attention), slid against PEFT alone, accumulation and clipping on."""
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(family_config(family, tied=True)).float()
     base.config.use_cache = False
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
-                     init_lora_weights=False)
+    targets = LORA_TARGETS.get(family, dict(target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+    cfg = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **targets)
     ref = get_peft_model(base, cfg)
     slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cpu", dtype=torch.float32,
                                                        gradient_accumulation_steps=GA, max_grad_norm=CLIP))
@@ -202,20 +205,34 @@ def test_gemma_geglu_is_not_taken_for_a_swiglu():
 
 
 # ---------------------------------------------------------------- refusals (the counts: test_registry.py)
-@pytest.mark.parametrize("model_type,part", [("qwen3_moe", "mixture-of-experts"), ("mixtral", "mixture-of-experts"),
-                                             ("gemma3", "text model")])
+@pytest.mark.parametrize("model_type,part", [("gpt_oss", "MXFP4"), ("gemma3", "text model")])
 def test_refused_families_name_the_reason(model_type, part):
     from hf_slideformer.demo import tiny_config
-    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if model_type == "qwen3_moe" else {}
     if model_type == "gemma3":
         from transformers import Gemma3Config
         cfg = Gemma3Config(text_config=family_config("gemma3_text").to_dict())
     else:
-        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2, **extra)
+        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_local_experts=4, num_experts_per_tok=2, head_dim=8)
     with torch.device("meta"):                     # refused before any weight is read
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=part):
         hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_router_aux_loss_is_refused_until_carried(family):
+    model = AutoModelForCausalLM.from_config(family_config(family, output_router_logits=True))
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+def test_lora_on_the_experts_weights_is_refused():
+    """PEFT's way to the experts (`target_parameters`) is refused at slide(), not trained wrong."""
+    base = AutoModelForCausalLM.from_config(family_config("qwen3_moe"))
+    pm = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
+    with pytest.raises(ValueError, match="target_parameters"):
+        hs.slide(pm, hs.SlideConfig(device="cpu"))
 
 
 def test_a_layer_the_family_does_not_prove_is_refused():

@@ -92,6 +92,12 @@ class DecoderAdapter:
                     f"different dropout masks. Set config.{key} = 0.0 (the value every supported "
                     "checkpoint ships with)."
                 )
+        if family.router_aux_loss is False and getattr(cfg, "output_router_logits", False):
+            raise NotImplementedError(
+                f"output_router_logits=True (the router's auxiliary load-balancing loss, router_aux_loss_coef="
+                f"{getattr(cfg, 'router_aux_loss_coef', None)}) is not supported for {self.model_type} yet: the "
+                "engine does not carry the layers' router logits. Set config.output_router_logits = False (the "
+                "checkpoints' default) to train on the language-model loss alone")
         layers = self.layers(model)
         foreign = sorted({type(layer).__name__ for layer in layers} - set(family.layer_classes))
         if foreign:

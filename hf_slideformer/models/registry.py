@@ -133,6 +133,9 @@ class Family:
         base_attr: the causal LM's attribute holding the base model (embed_tokens / layers / norm).
         dropouts: config keys of dropout probabilities that must be 0 (recompute would draw
             other masks).
+        router_aux_loss: for a mixture of experts, whether the engine adds the router's
+            auxiliary load-balancing loss (`config.output_router_logits`) as HF does; False:
+            a config that asks for it is refused. None: a dense family.
     """
 
     model_type: str
@@ -146,6 +149,7 @@ class Family:
     norm_offset: bool = False
     base_attr: str = "model"
     dropouts: tuple[str, ...] = ("attention_dropout",)
+    router_aux_loss: bool | None = None
 
     @property
     def modeling(self) -> str:
@@ -196,15 +200,23 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # rotary and the (1 + w) norm: only the MLP takes a kernel.
     Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None, kernels=("swiglu",),
            layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
+    # Mixtures of experts: the router and the experts are part of the layer's unit, and HF's
+    # expert code runs as the layer body (its grouped kernels where transformers has them). The
+    # auxiliary load-balancing loss is not carried yet (`router_aux_loss`: refused when asked).
+    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), None, kernels=(), router_aux_loss=False),
+    Family("mixtral", ("MixtralDecoderLayer",), None, kernels=(), router_aux_loss=False),
+    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=(), router_aux_loss=False,
+           layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
 )}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
-_MOE = ("a mixture-of-experts family: its layers' router logits and auxiliary loss are not carried by the "
-        "engine yet (docs/models.md, part 3 of the family support)")
+_GPT_OSS = ("a mixture of experts whose released checkpoint is MXFP4, with attention sinks and expert biases: "
+            "the engine does not prove these parts yet (docs/models.md)")
 _MULTIMODAL = ("a multimodal model: slide its text model, loaded with AutoModelForCausalLM from the "
                "checkpoint's text config ({text} model_type), or use a text-only checkpoint")
 NOT_SUPPORTED: dict[str, str] = {
-    "qwen3_moe": _MOE, "qwen3_5_moe": _MOE, "qwen3_5_moe_text": _MOE, "mixtral": _MOE, "gpt_oss": _MOE,
+    "gpt_oss": _GPT_OSS,
+    "qwen3_5_moe": _MULTIMODAL.format(text="qwen3_5_moe_text"),
     "gemma3": _MULTIMODAL.format(text="gemma3_text"),
     "qwen3_5": _MULTIMODAL.format(text="qwen3_5_text"),
     "gemma4": _MULTIMODAL.format(text="gemma4_text"),
