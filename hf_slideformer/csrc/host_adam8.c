@@ -6,7 +6,7 @@
  *   q1, q2      uint8 (n,): codes into the signed / unsigned dynamic maps `code1`, `code2` (256 floats)
  *   a1, a2      fp32 (blocks,): each block's absmax, the scale of its codes
  * For each block, with m = code1[q1] * a1, v = code2[q2] * a2 (dequantized) and per element:
- *   g = widen(grad) * gmul * gclip * sign       (gclip: the clip factor, as bitsandbytes' gnorm_scale)
+ *   g = widen(grad) * (gmul * gclip * sign)     (gclip: the clip factor, as bitsandbytes' gnorm_scale)
  *   m = fma(g, 1 - beta1, m * beta1)            (torch's m.mul_(beta1).add_(g, alpha=1 - beta1))
  *   v = v * beta2 + ((1 - beta2) * g) * g       (v.mul_(beta2).addcmul_(g, g, value=1 - beta2))
  *   p = master * wd_mul                          (decoupled weight decay, 1 - lr * wd)
@@ -51,14 +51,12 @@ static inline uint16_t f2b_rne(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* A 32-bit integer hash (two rounds of multiply-xorshift, "lowbias32"), keyed: vectorizes with
- * 32-bit multiplies. Element counters are unit offsets (< 2^32 in every unit). */
+/* A keyed 32-bit integer hash (a Weyl multiply, then one round of "lowbias32" multiply-xorshift):
+ * vectorizes with 32-bit multiplies. Element counters are unit offsets (< 2^32 in every unit). */
 static inline uint32_t hash32(uint32_t x, uint32_t k1, uint32_t k2) {
-    x ^= k1;
+    x = (x ^ k1) * 0x9e3779b1u;
     x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
-    x ^= k2;
-    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
-    return x;
+    return x ^ k2;
 }
 
 static inline uint16_t f2b_stochastic(float f, uint64_t key, uint64_t idx) {
@@ -91,7 +89,8 @@ static inline __attribute__((always_inline)) void adam8_block(
     const int64_t b = lo / Q_BLOCK;
     const float s1 = a1[b], s2 = a2[b];
     float mx1 = 0.0f, mx2 = 0.0f;
-    const float gmul = hp->gmul, gclip = hp->gclip, sign = hp->sign, wd_mul = hp->wd_mul, beta1 = hp->beta1,
+    /* one factor for the gradient: gmul * gclip * sign (each 1 or -1 but for a loss scale or clipping) */
+    const float gscale = hp->gmul * hp->gclip * hp->sign, wd_mul = hp->wd_mul, beta1 = hp->beta1,
                 c1 = hp->c1, beta2 = hp->beta2, c2 = hp->c2, bc2 = hp->bc2, eps = hp->eps, neg_step = hp->neg_step;
     float *restrict m32 = (float *)master_;
     uint16_t *restrict m16 = (uint16_t *)master_;
@@ -100,9 +99,7 @@ static inline __attribute__((always_inline)) void adam8_block(
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
-        float g = (gbf ? b2f(g16[i]) : g32[i]) * gmul;
-        g = g * gclip;
-        g = g * sign;
+        const float g = (gbf ? b2f(g16[i]) : g32[i]) * gscale;
         float mm = code1[q1[i]] * s1;
         float vv = code2[q2[i]] * s2;
         mm = fmaf(g, c1, mm * beta1);
