@@ -144,8 +144,8 @@ class SlideConfig:
         "12 bytes, torch.optim.AdamW bit for bit), 'adamw_8bit' (8-bit block-wise moments as bitsandbytes' "
         "AdamW8bit, about 6 bytes) or 'adamw_8bit_bf16' (those and a bf16 master with stochastic rounding, about 4 "
         "bytes). The embedding keeps 'adamw'. The compact formats update every layer on the CPU: no resident "
-        "layers, no device updates, no state on disk, one process (SlideArgs: also from the Trainer's optim, "
-        "e.g. adamw_8bit).")
+        "layers, no device updates, no state on disk (host_memory_limit must hold it all), one process "
+        "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
     nonfinite_grads: str = option(
         "skip", Choice("skip", "raise"),
         "A step whose gradients are not finite (inf or NaN): 'skip' leaves the weights and AdamW state of every "
@@ -202,8 +202,6 @@ class SlideConfig:
         bad = []
         if self.host_adam == "torch":
             bad.append("host_adam='torch' (the compact update is in the native kernel: use 'auto' or 'native')")
-        if self.host_memory_limit is not None:
-            bad.append("host_memory_limit (state on disk keeps fp32 records: use None)")
         if self.resident_layers not in ("auto", 0):
             bad.append(f"resident_layers={self.resident_layers!r} (use 0)")
         if self.device_update_share not in ("auto", 0, 0.0):

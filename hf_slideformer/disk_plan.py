@@ -120,6 +120,8 @@ def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
     embed = sum(u.numel for u in units if u.kind == "embed")
     accumulators = 4 * (total - embed) if config.deferred else 0
     fixed = 12 * (total - sum(u.numel for u in layers)) + accumulators
+    if config.optimizer_state != "adamw":
+        return _compact_fits(units, config, limit, accumulators)
     numels = [u.numel for u in layers]
     split = split_layers(limit, fixed, numels)
     if split is None:
@@ -143,3 +145,19 @@ def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
             logger.info("host_memory_limit: %s of %s (%.2f GiB) go to disk", what, _span(some),
                         per * sum(u.numel for u in some) / GiB)
     return out
+
+
+def _compact_fits(units: list[Unit], config, limit: int, accumulators: int) -> list:
+    """A compact optimizer state keeps no layer on disk: the limit must hold it all (its bytes per
+    parameter as each unit's format declares them; the embedding's fp32 AdamW)."""
+    from .host_optim import format_of
+
+    need = accumulators + sum(int(u.numel * format_of(u.kind, config.optimizer_state).bytes_per_param)
+                              for u in units)
+    if need > limit:
+        raise HostMemoryError(
+            f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) is below the {_size(need)} "
+            f"the host store takes with optimizer_state={config.optimizer_state!r}, which keeps no state on disk: "
+            "raise host_memory_limit, set it to None, or use optimizer_state='adamw' (its last layers' state can go "
+            "to disk)")
+    return []

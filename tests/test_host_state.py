@@ -118,12 +118,20 @@ def test_a_damaged_block_scale_is_an_error_not_a_nan(tmp_path):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(resident_layers=1), "resident_layers"), (dict(device_update_share=0.5), "device_update_share"),
-    (dict(host_adam="torch"), "host_adam"), (dict(host_memory_limit=8.0, nvme_path="."), "host_memory_limit")])
+    (dict(host_adam="torch"), "host_adam")])
 def test_a_compact_format_refuses_what_would_update_elsewhere(bad, match):
     with pytest.raises(ValueError, match=match):
         hs.SlideConfig(device="cpu", optimizer_state="adamw_8bit", **bad)
     cfg = hs.SlideConfig(device="cpu", optimizer_state="adamw_8bit")
     assert cfg.resident_layers == 0 and cfg.device_update_share == 0.0        # 'auto' resolves to the host
+
+
+def test_a_compact_format_under_host_memory_limit_keeps_everything_in_ram(tmp_path):
+    _, slid = make_pair(optimizer_state="adamw_8bit_bf16", host_memory_limit=1.0, nvme_path=str(tmp_path))
+    assert slid.slide_engine.store.disk is None          # all of it fits: nothing on disk
+    from hf_slideformer.memory import HostMemoryError
+    with pytest.raises(HostMemoryError, match="adamw_8bit.*keeps no state on disk"):
+        make_pair(optimizer_state="adamw_8bit", host_memory_limit=1e-4, nvme_path=str(tmp_path))
 
 
 @pytest.mark.parametrize("optim, want", [("adamw_8bit", "adamw_8bit"), ("adamw_bnb_8bit", "adamw_8bit"),
