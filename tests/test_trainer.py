@@ -145,6 +145,19 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert not [d for d in os.listdir(tmp_path / "full") if d.startswith(".")]   # no temporary leftovers
 
 
+@pytest.mark.parametrize("kw, state", [(dict(optim="adamw_bnb_8bit"), "adamw_8bit"),
+                                       (dict(optim="adamw_8bit", slide_optimizer_state="adamw_8bit_bf16"),
+                                        "adamw_8bit_bf16")])
+def test_resume_equals_uninterrupted_with_a_compact_optimizer_state(tmp_path, kw, state):
+    """The Trainer's 8-bit optim names select the compact state (docs/host_state.md); its checkpoint
+    resumes bit for bit."""
+    full, full_model = run(tmp_path, "full", **kw)
+    assert full_model.slide_engine.config.optimizer_state == state
+    resumed, resumed_model = run(tmp_path, "resumed", resume=str(tmp_path / "full" / "checkpoint-3"), **kw)
+    assert_same_params(resumed_model, full_model, rtol=0, atol=0)
+    assert losses(resumed) == losses(full)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_saved_model_loads_and_equals_the_masters(tmp_path, tied):
     trainer, model = run(tmp_path, "export", tied=tied)
