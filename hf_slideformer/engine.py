@@ -143,6 +143,7 @@ class SlideEngine:
         self.host = HostUpdates(self)
         self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
         self.logit_transform = adapter.logit_transform(model)
+        self.router_aux = adapter.router_aux(model, self.layers)   # a mixture of experts' aux loss, or None
         norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
         self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn,
                              SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter))
@@ -381,7 +382,9 @@ class SlideEngine:
         skip = self.output_projections[i] if self.skip_output_projection else None
         with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip), self.rng.replay(i):
             y = self._call_layer(i, x, args, kwargs)
-        grads = torch.autograd.grad(y, [x] + wrt + extra, gy, allow_unused=True)
+            aux = self.router_aux.surrogate(i) if self.router_aux is not None else None
+        outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
+        grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
         self._span_end(t)
         place.after_recompute(slot)
         self.tier.drop(i)

@@ -19,7 +19,7 @@ import weakref
 
 import torch
 import torch.nn as nn
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from .adapter_save import slid_peft_class
 from .config import SlideConfig, configure_logging
@@ -414,6 +414,8 @@ class SlideModel:
             # (the cache stays on the compute device).
             logits = eng.head.logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
             return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
+        if eng.router_aux is not None:
+            eng.router_aux.begin(attention_mask)
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
         h = out.last_hidden_state
@@ -438,6 +440,12 @@ class SlideModel:
             eng.stats.forward_s += time.perf_counter() - t0
         else:
             loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
+        aux = eng.router_aux.value() if eng.router_aux is not None else None
+        if aux is not None:
+            # HF's loss + router_aux_loss_coef * aux; its gradient reaches the routers in each
+            # layer's recompute (router_aux.py), weighted by this loss's gradient.
+            eng.router_aux.live = True
+            return MoeCausalLMOutputWithPast(loss=loss + eng.router_aux.coef * aux, aux_loss=aux)
         return CausalLMOutputWithPast(loss=loss)
 
     def __setattr__(self, name, value):

@@ -220,11 +220,20 @@ def test_refused_families_name_the_reason(model_type, part):
         hs.slide(model, hs.SlideConfig(device="cpu"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_the_router_aux_loss_is_refused_until_carried(family):
-    model = AutoModelForCausalLM.from_config(family_config(family, output_router_logits=True))
-    with pytest.raises(NotImplementedError, match="output_router_logits"):
-        hs.slide(model, hs.SlideConfig(device="cpu"))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe_text"])
+def test_the_router_aux_loss_is_hf_s(family):
+    """The aux loss is HF's (the padding masked), in the loss and beside it; without it the loss is
+    the cross-entropy alone (the equivalence above trains with it on)."""
+    ref, slid = make_pair(family)
+    b = batches(1, pad=True)[0]
+    with torch.no_grad():
+        r, s = ref(**b), slid(**b)
+    assert r.aux_loss is not None and s.aux_loss is not None
+    torch.testing.assert_close(s.aux_loss, r.aux_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s.loss, r.loss, rtol=1e-5, atol=1e-7)
+    ref, slid = make_pair(family, cfg_kw=dict(output_router_logits=False))
+    with torch.no_grad():
+        torch.testing.assert_close(slid(**b).loss, ref(**b).loss, rtol=1e-5, atol=1e-7)
 
 
 def test_lora_on_the_experts_weights_is_refused():

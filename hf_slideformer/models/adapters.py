@@ -39,6 +39,15 @@ class DecoderAdapter:
         scale = self.family.embedding_scale
         return None if scale is None else scale(model.config)
 
+    def router_aux(self, model: nn.Module, layers):
+        """A mixture of experts' `router_aux.RouterAux` when its config asks for the auxiliary
+        load-balancing loss (`output_router_logits`), else None."""
+        family = self.family
+        if family.router_class is None or not getattr(model.config, "output_router_logits", False):
+            return None
+        from ..router_aux import RouterAux
+        return RouterAux(model, layers, family.router_class)
+
     def logit_transform(self, model: nn.Module) -> LogitTransform:
         """What the family's causal LM does to the logits before its loss (the loss head does the same)."""
         return self.family.final_logits(model.config)
@@ -92,12 +101,6 @@ class DecoderAdapter:
                     f"different dropout masks. Set config.{key} = 0.0 (the value every supported "
                     "checkpoint ships with)."
                 )
-        if family.router_aux_loss is False and getattr(cfg, "output_router_logits", False):
-            raise NotImplementedError(
-                f"output_router_logits=True (the router's auxiliary load-balancing loss, router_aux_loss_coef="
-                f"{getattr(cfg, 'router_aux_loss_coef', None)}) is not supported for {self.model_type} yet: the "
-                "engine does not carry the layers' router logits. Set config.output_router_logits = False (the "
-                "checkpoints' default) to train on the language-model loss alone")
         layers = self.layers(model)
         foreign = sorted({type(layer).__name__ for layer in layers} - set(family.layer_classes))
         if foreign:

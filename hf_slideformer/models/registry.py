@@ -133,9 +133,9 @@ class Family:
         base_attr: the causal LM's attribute holding the base model (embed_tokens / layers / norm).
         dropouts: config keys of dropout probabilities that must be 0 (recompute would draw
             other masks).
-        router_aux_loss: for a mixture of experts, whether the engine adds the router's
-            auxiliary load-balancing loss (`config.output_router_logits`) as HF does; False:
-            a config that asks for it is refused. None: a dense family.
+        router_class: for a mixture of experts, the class name of its router module (it returns
+            the router logits first): the engine adds the auxiliary load-balancing loss from
+            them when the config asks (`output_router_logits`), as HF does (router_aux.py).
     """
 
     model_type: str
@@ -149,7 +149,7 @@ class Family:
     norm_offset: bool = False
     base_attr: str = "model"
     dropouts: tuple[str, ...] = ("attention_dropout",)
-    router_aux_loss: bool | None = None
+    router_class: str | None = None
 
     @property
     def modeling(self) -> str:
@@ -202,11 +202,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
     # Mixtures of experts: the router and the experts are part of the layer's unit, and HF's
     # expert code runs as the layer body (its grouped kernels where transformers has them). The
-    # auxiliary load-balancing loss is not carried yet (`router_aux_loss`: refused when asked).
-    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), None, kernels=(), router_aux_loss=False),
-    Family("mixtral", ("MixtralDecoderLayer",), None, kernels=(), router_aux_loss=False),
-    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=(), router_aux_loss=False,
-           layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
+    # auxiliary load-balancing loss (`output_router_logits`) is added as HF adds it (router_aux.py).
+    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), None, kernels=(),
+           router_class="Qwen3MoeTopKRouter"),
+    Family("mixtral", ("MixtralDecoderLayer",), None, kernels=(),
+           router_class="MixtralTopKRouter"),
+    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=(),
+           router_class="Qwen3_5MoeTopKRouter", layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
 )}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
