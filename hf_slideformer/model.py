@@ -211,6 +211,9 @@ def _released_on_failure(config):
         yield built
     except BaseException:
         try:
+            if "kernels" in built:
+                import triton_ops
+                triton_ops.unpatch(built["kernels"])
             if "engine" in built:
                 built["engine"].close()
             elif "store" in built:
@@ -250,13 +253,14 @@ def _fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool)
             rot.to(config.torch_device)
     if getattr(model.config, "use_cache", False):
         model.config.use_cache = False
-    _apply_kernels(model, config)
+    _apply_kernels(model, config, built)
     tile_mlps(adapter.layers(model), config.mlp_chunk_tokens)     # after the kernels: it wraps their forward
     built["engine"] = SlideEngine(model, adapter, config, store)
 
 
-def _apply_kernels(model, config) -> None:
-    """Swap the Triton RMSNorm / RoPE / SwiGLU kernels into the layers (the head fuses its own loss)."""
+def _apply_kernels(model, config, built: dict) -> None:
+    """Swap the Triton RMSNorm / RoPE / SwiGLU kernels into the layers (the head fuses its own loss),
+    those the family's entry lists; a family that lists none runs HF's own ops."""
     if not (config.use_kernels and config.is_cuda):
         return
     import triton_ops
@@ -264,7 +268,12 @@ def _apply_kernels(model, config) -> None:
     if not triton_ops.is_triton_available():
         logger.warning("SlideConfig.use_kernels: Triton is not available, the layers run HF's own ops")
         return
+    if model.config.model_type not in triton_ops.supported_families():
+        logger.info("SlideConfig.use_kernels: the %s entry lists no kernels, its layers run HF's own ops",
+                    model.config.model_type)
+        return
     triton_ops.patch(model, cross_entropy=False)
+    built["kernels"] = model                # unpatched if slide() fails after this
 
 
 def _install_proxies(model, adapter, engine) -> None:

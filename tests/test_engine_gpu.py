@@ -286,12 +286,12 @@ def test_first_layer_loads_while_its_update_runs(monkeypatch):
     CPU worker still updates it (slowed down here): the copies read only finished pieces, so the
     state is bit-identical to whole-unit updates."""
     import time as _time
-    from hf_slideformer import host_tasks, optim
+    from hf_slideformer import host_optim, host_tasks
     kw = {"resident_layers": 0, "resident_embedding": True}
     ref = _train_state(False, **kw)
     monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 1 << 12)
-    orig_run = optim._run
-    monkeypatch.setattr(optim, "_run", lambda *a: (_time.sleep(0.001), orig_run(*a))[1])
+    orig_run = host_optim.AdamW32.run
+    monkeypatch.setattr(host_optim.AdamW32, "run", lambda *a, **k: (_time.sleep(0.001), orig_run(*a, **k))[1])
     partial = []
     import hf_slideformer.engine as E
     orig_wait = E.SlideEngine._wait_master
