@@ -264,11 +264,12 @@ def _apply_kernels(model, config, built: dict) -> None:
     if not (config.use_kernels and config.is_cuda):
         return
     import triton_ops
+    from triton_ops import patching
 
     if not triton_ops.is_triton_available():
         logger.warning("SlideConfig.use_kernels: Triton is not available, the layers run HF's own ops")
         return
-    if model.config.model_type not in triton_ops.supported_families():
+    if model.config.model_type not in patching.supported_families():
         logger.info("SlideConfig.use_kernels: the %s entry lists no kernels, its layers run HF's own ops",
                     model.config.model_type)
         return
