@@ -60,7 +60,7 @@ def test_fp32_cuda_matches_hf(family):
     losses = _train(ref, slid, 3)
     for s, r in losses:
         assert math.isclose(s, r, rel_tol=1e-4), losses
-    # Note: [Why the CUDA weight bounds are a mean and a cap] AdamW's first steps move each weight by
+    # Why a mean and a cap: AdamW's first steps move each weight by
     # about lr * g / |g|: where g is ~0, a 1e-7 difference of summation order on the GPU (HF's
     # gradients on the device, the engine's summed on the host) flips the step of that one weight.
     # A wrong gradient moves most weights: the mean is held to 5% of a step, the largest to 2 steps.
