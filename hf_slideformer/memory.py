@@ -41,11 +41,12 @@ def estimate_host_bytes(numel: int, *, deferred: bool) -> int:
     return numel * per_param
 
 
-def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = None) -> None:
+def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = None, frozen: bool = False) -> None:
     """Fail before allocating when the store cannot fit, with the estimate and what to change.
 
     `need`: the bytes the store takes in host memory when some layers keep their state on disk
-    (`SlideConfig.host_memory_limit`); default all of it, `estimate_host_bytes`."""
+    (`SlideConfig.host_memory_limit`), a frozen base or a compact optimizer state; default all of
+    it, `estimate_host_bytes`. `frozen`: some units are a frozen base (LoRA)."""
     full = estimate_host_bytes(numel, deferred=deferred)
     need = full if need is None else need
     avail = available_host_bytes()
@@ -53,15 +54,16 @@ def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = 
         return
     hint = ("set gradient_accumulation_steps=1 and max_grad_norm=None to drop the gradient accumulator "
             "(4 bytes/param), " if deferred else "")
-    if need < full and config.host_memory_limit is None:
+    if frozen and config.host_memory_limit is None:
         what = f"of host memory for {numel / 1e9:.2f}B parameters (a frozen base in the compute dtype, no moments)"
-    elif need < full:
+    elif need < full and config.host_memory_limit is not None:
         what = (f"of host memory for the part of the state of {numel / 1e9:.2f}B parameters kept there "
                 f"(host_memory_limit={config.host_memory_limit!r} puts the rest on disk)")
         hint += "lower host_memory_limit (or 'auto'), "
     else:
-        what = (f"of host memory for {numel / 1e9:.2f}B parameters ({12 + (4 if deferred else 0)} bytes each: fp32 "
-                f"master and Adam moments{' and gradient accumulator' if deferred else ''})")
+        what = (f"of host memory for {numel / 1e9:.2f}B parameters (about {round(need / numel)} bytes each: "
+                f"master and optimizer state ({getattr(config, 'optimizer_state', 'adamw')})"
+                f"{' and gradient accumulator' if deferred else ''})")
         hint += "set host_memory_limit (GiB, or 'auto') and nvme_path to keep the last layers' state on disk, "
     raise HostMemoryError(
         f"hf_slideformer needs about {need / GiB:.1f} GiB {what}, but only {avail / GiB:.1f} GiB is available. "

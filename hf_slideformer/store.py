@@ -144,7 +144,7 @@ class HostStore:
                     + sum(u.state_format.state_bytes(u) for u in held)
                     + 2 * frozen_numel + pool
                     + (4 * sum(u.numel for u in units if u.kind != "embed" and u.trainable) if self.deferred else 0))
-            check_host_memory(self.numel, deferred=self.deferred, config=config, need=need)
+            check_host_memory(self.numel, deferred=self.deferred, config=config, need=need, frozen=bool(frozen_numel))
         # Note: [Masters are pinned] the h2d copies read the masters directly, so they must be
         # page-locked (pageable DMA runs at a sixth of the speed). One slab, registered once.
         pin = bool(config.pin_memory and config.is_cuda)

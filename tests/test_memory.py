@@ -28,6 +28,12 @@ def test_check_refuses_with_the_estimate_and_the_fixes(monkeypatch):
     with pytest.raises(HostMemoryError) as info:
         check_host_memory(GiB, deferred=False, config=config)          # 12 GiB, no accumulator to drop
     assert "12 bytes each" in str(info.value) and "gradient_accumulation_steps" not in str(info.value)
+    with pytest.raises(HostMemoryError) as info:                      # no accumulator for the embedding
+        check_host_memory(GiB, deferred=True, config=config, need=15 * GiB)
+    assert "15 bytes each" in str(info.value) and "frozen base" not in str(info.value)
+    with pytest.raises(HostMemoryError) as info:
+        check_host_memory(GiB, deferred=False, config=config, need=11 * GiB, frozen=True)
+    assert "frozen base" in str(info.value)
     monkeypatch.setattr(memory, "available_host_bytes", lambda: None)   # unknown: not refused
     check_host_memory(100 * GiB, deferred=True, config=config)
 
