@@ -11,7 +11,7 @@ import hf_slideformer as hs
 from hf_slideformer.demo import tiny_config
 from helpers import batches, max_param_diff
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 LR = 1e-3
 
 
@@ -41,12 +41,6 @@ def _run(ref, slid, data, clip=None):
     return losses
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 HOST_ONLY = {"resident_layers": 0, "resident_embedding": False}

@@ -11,18 +11,11 @@ import hf_slideformer as hs
 from hf_slideformer.models import FAMILIES as REGISTRY
 from helpers import batches, family_config
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 LR = 1e-3
 VOCAB = 1001
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """fp32 means fp32: TF32 matmuls (10-bit mantissa) would put HF's reference 1e-4..1e-3 off."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _pair(family, dtype, tied, **kw):
