@@ -305,13 +305,20 @@ class Embedding:
     # ----------------------------------------------------------------- host and device state
     def ensure_grad(self) -> None:
         """The host's dense (V, H) fp32 gradient of an embedding on the host, made on first use.
-        Pinned (a tied lm_head's gradient lands there straight from the GPU), unless the embedding
-        is only out for a while (written back for a checkpoint, resident again after this step)."""
+
+        Note: [Why only a tied embedding's dense gradient is pinned] a tied lm_head's gradient
+        lands there straight from the GPU, so its pages must be page-locked, which backs every one
+        of them (4 B/param of the table). An untied embedding's gradient crosses as the batch rows'
+        sums (`host`), and with one backward per step the dense one only ever reads as zeros (the
+        sums are added inside the rows' AdamW, which writes a row back only when it is nonzero):
+        left pageable and lazily mapped, it takes no host memory. Not pinned either while the
+        embedding is only out for a while (written back for a checkpoint, resident again after
+        this step)."""
         if self.grad is not None:
             return
         self.grad = lazy_zeros(self.unit.numel)
         target = self.engine.residents.planned
-        if target is None or not target[0]:
+        if self.engine.tied and (target is None or not target[0]):
             self.engine.pinned.adopt(self.grad)
 
     def make_resident(self) -> None:

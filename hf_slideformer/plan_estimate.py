@@ -189,8 +189,9 @@ class Estimator:
         late = 0 if disk_layers.layers or disk_layers.moments else self.late_layers(deferred)
         if deferred:
             out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
+        if s.tied or deferred:     # an untied one with one backward per step reads as zeros, unbacked
+            out[f"embedding gradient (fp32{', pinned' if s.tied else ''})"] = 4 * s.embed_params  # [Why only a tied embedding's dense gradient is pinned]
         out.update({
-            "embedding gradient (fp32, pinned)": 4 * s.embed_params,
             f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
                 GRAD_BYTES * self.grad_buffers * s.layer_params,
             # an untied head updated in backward keeps its own until the backward ends (engine: [Why an

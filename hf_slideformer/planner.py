@@ -279,7 +279,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         # step]): its moments are never written, its master is given back, its dense gradient and
         # row buffers are never made; no layer is late (late_updates.py: nothing at the worker's front).
         key = est.state_key
-        dropped = ("embedding gradient (fp32, pinned)", "embedding row buffers (B*S*H bf16 + fp32, pinned)",
+        dropped = ("embedding gradient (fp32", "embedding row buffers (B*S*H bf16 + fp32, pinned)",
                    "late layers' gradients")
         p.host = {(k + ", the resident embedding's given back" if k == key else k):
                   (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items()

@@ -293,11 +293,11 @@ class ResidentPlan:
             return
         embed, n = self.target()
         n = min(n, len(e.layer_units))
-        if not embed and emb.grad is not None and e.pinned.enabled and not emb.grad.is_pinned():
-            # The plan no longer keeps the embedding resident: its dense gradient is read by d2h
-            # copies every step again, so it is pinned again (after an eviction for a checkpoint
-            # the embedding comes back at once, and one step's pageable copy costs less than
-            # pinning 2 GB).
+        if not embed and e.tied and emb.grad is not None and e.pinned.enabled and not emb.grad.is_pinned():
+            # The plan no longer keeps the embedding resident: a tied one's dense gradient is
+            # written by d2h copies every step again, so it is pinned again (after an eviction for
+            # a checkpoint the embedding comes back at once, and one step's pageable copy costs
+            # less than pinning 2 GB). embedding.py: [Why only a tied embedding's dense gradient is pinned]
             e.pinned.adopt(emb.grad)
         eu = e.embed_unit
         if not embed and e.tied and e.pinned.enabled and not eu.master.is_pinned():

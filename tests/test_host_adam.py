@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -148,6 +149,44 @@ def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(mode, h, th
     assert torch.equal(got_g, want_g)
     with pytest.raises(ValueError, match="exclude"):
         k.step_rows(hp, got_t, got_g, rows, step, zero_grad=True, exclude=True)
+
+
+def _backed_bytes(t: torch.Tensor) -> int:
+    """Rss of the mapping holding `t` (/proc/self/smaps): the pages backed by memory."""
+    p, cur = t.data_ptr(), False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                cur = lo <= p < hi
+            elif cur and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")
+
+
+@needs_native
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads smaps (Linux)")
+def test_clearing_rows_of_a_gradient_that_is_zero_backs_no_page():
+    """`zero_grad` writes a row back only when it holds a nonzero value: a lazily mapped dense
+    gradient that only ever reads as zeros (an untied embedding's with one backward per step) stays
+    unbacked, and a row that held a value is cleared (embedding.py: [Why only a tied embedding's
+    dense gradient is pinned])."""
+    from hf_slideformer.memory import lazy_zeros
+
+    V, h = 4096, 1024                              # 16 MiB of fp32 gradient
+    tables = [torch.randn(V, h), torch.zeros(V, h), torch.zeros(V, h)]
+    grad = lazy_zeros(V * h).view(V, h)
+    rows = torch.arange(0, V, 3)
+    sums = torch.randn(rows.numel(), h)
+    k = HostAdam("native", threads=2)
+    before = _backed_bytes(grad)          # the mapping may hold the other tensors too (merged), all written
+    k.step_rows(HP, tables, grad, rows, torch.tensor(1.0), sums=sums, zero_grad=True)
+    assert _backed_bytes(grad) - before <= 64 * 1024
+    assert bool((tables[1][rows] != 0).any())       # the rows did step
+    grad[6, 5] = 2.0
+    k.step_rows(HP, tables, grad, rows, torch.tensor(2.0), sums=sums, zero_grad=True)
+    assert not bool(grad.any())
 
 
 @needs_native

@@ -119,6 +119,17 @@ SLIDE_DISPATCH(slide_adamw_bf16, uint16_t)
  * kernel computes it, so a table updated in two sets of rows equals one whole-table update. The
  * rows must be distinct. Rows are handed out about a block (SLIDE_BLOCK elements) at a time, as
  * the flat kernel's ranges are. */
+/* Whether a gradient row holds a nonzero bit: a row that is zero already is not written, so the
+ * pages of a lazily mapped dense gradient that only ever reads as zeros (an untied embedding's,
+ * whose batch rows' sums are added inside the update) stay unbacked. */
+static inline int row_nonzero(const float *restrict gr, int64_t h) {
+    const uint32_t *restrict w = (const uint32_t *)gr;
+    uint32_t any = 0;
+    _Pragma("omp simd reduction(|:any)")
+    for (int64_t i = 0; i < h; i++) any |= w[i];
+    return any != 0;
+}
+
 static void adam_rows(float *restrict tw, float *restrict tm, float *restrict tv, float *restrict grad,
                       const int64_t *restrict rows, int64_t n_rows, int64_t h, const float *restrict sums,
                       int zero_grad, slide_adam_hp hp, int threads, int vo) {
@@ -137,7 +148,7 @@ static void adam_rows(float *restrict tw, float *restrict tm, float *restrict tv
             _Pragma("omp simd")
             for (int64_t i = 0; i < h; i++) SLIDE_ADAM_BODY(gr[i])
         }
-        if (zero_grad) memset(gr, 0, (size_t)h * sizeof(float));
+        if (zero_grad && row_nonzero(gr, h)) memset(gr, 0, (size_t)h * sizeof(float));
     }
 }
 
