@@ -513,6 +513,16 @@ class SlideModel:
         return out
 
     # ------------------------------------------------------------------ state
+    def slide_synchronize(self) -> None:
+        """Wait for every queued update and copy: the parameters are then the current masters.
+
+        The updates of an optimizer step overlap the next forward, so a parameter read directly
+        right after `optimizer.step()` (`model.parameters()`, a view kept from earlier) may be
+        older than the step. `state_dict()`, `save_pretrained()` and the optimizer's
+        `state_dict()` wait by themselves; call this before reading parameters any other way.
+        """
+        self.slide_engine.synchronize()
+
     def state_dict(self, *args, **kwargs):
         """The current weights under HF names: the fp32 masters, once every queued update has run."""
         self.slide_engine.synchronize()

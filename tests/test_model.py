@@ -159,3 +159,28 @@ def test_a_gpu_cap_below_one_layer_is_refused_then_a_failed_slide_then_one_that_
         slid.slide_engine.close()
     finally:
         torch.cuda.set_per_process_memory_fraction(before)
+
+
+def test_slide_synchronize_makes_parameters_read_directly_the_stepped_masters(monkeypatch):
+    """optimizer.step() returns with the late layers' updates still queued (here slowed by 0.1 s
+    each): after `slide_synchronize()`, every parameter read through `named_parameters()` is the
+    reference's after the same step (a read before it would see some layers a step behind)."""
+    from hf_slideformer.placements import HostLayer
+
+    from helpers import slow_down
+    slow_down(monkeypatch, HostLayer, "layer_task", 0.1)
+    ref, slid = make_pair("llama", False, max_grad_norm=1.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=1e-2, weight_decay=0.0)
+    b = batches(1)[0]
+    ref(**b).loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ropt.step()
+    slid(**b).loss.backward()
+    opt.step()
+    theirs = dict(ref.named_parameters())
+    behind = [n for n, p in slid.named_parameters() if not torch.allclose(p, theirs[n], rtol=0, atol=1e-5)]
+    assert behind                                          # read at once: slowed updates still queued
+    slid.slide_synchronize()
+    for name, p in slid.named_parameters():
+        torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-5, msg=name)
