@@ -137,11 +137,43 @@ class SlidePlugin:
         return cls.from_yaml(path) if path else cls()
 
     def to_slide_config(self, device: str | torch.device, mixed_precision: Optional[str] = None) -> SlideConfig:
-        """The `SlideConfig` for `device`; `mixed_precision` ("bf16", "no") picks the dtype when unset."""
+        """The `SlideConfig` for `device`; `mixed_precision` ("bf16", "fp8", "no") picks the dtype when
+        unset, and "fp8" turns on the FP8 projections (`matmuls='fp8'`, with bf16 around them)."""
         values = {name: getattr(self, name) for name, opt in SETTINGS.items() if "plugin" in opt.surfaces}
+        if mixed_precision == "fp8":
+            values["matmuls"] = "fp8"
+            mixed_precision = "bf16"
         if values["dtype"] is None and mixed_precision not in (None, "no"):
             values["dtype"] = mixed_precision
         return SlideConfig(device=str(device), **values)
+
+
+def take_fp8_recipe(handlers, precision: str) -> list:
+    """The kwargs handlers less an FP8 recipe, which the engine carries out itself (docs/fp8.md).
+
+    torchao's (`AORecipeKwargs`) is accepted when it is the row-wise recipe the engine runs: no
+    config, or one whose input, weight and gradient casts are axis-wise and whose scales are
+    rounded to powers of two. Other FP8 backends (Transformer Engine, MS-AMP) and other torchao
+    recipes are refused, naming what differs; an FP8 recipe without mixed_precision='fp8' too.
+    """
+    handlers = list(handlers or [])
+    recipes = [h for h in handlers if type(h).__name__ in ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")]
+    for h in recipes:
+        if precision != "fp8":
+            raise ValueError(f"{type(h).__name__} was given with mixed_precision={precision!r}: an FP8 recipe needs "
+                             "mixed_precision='fp8'")
+        if type(h).__name__ != "AORecipeKwargs":
+            raise ValueError(f"{type(h).__name__} is not supported with sliding: the engine's FP8 is torchao's "
+                             "float8 rowwise recipe; pass AORecipeKwargs() or none")
+        cfg = getattr(h, "config", None)
+        if cfg is not None:
+            casts = [getattr(cfg, f"cast_config_{n}", None) for n in ("input", "weight", "grad_output")]
+            axiswise = all(str(getattr(c, "scaling_granularity", "")).upper().endswith("AXISWISE") for c in casts)
+            if not (axiswise and getattr(cfg, "round_scales_to_power_of_2", False)):
+                raise ValueError("AORecipeKwargs(config=...) asks for a float8 recipe other than the rowwise one (axis-"
+                                 "wise e4m3 casts, power-of-two scales), which is the one the engine runs: pass "
+                                 "AORecipeKwargs() or Float8LinearConfig.from_recipe_name('rowwise')")
+    return [h for h in handlers if h not in recipes]
 
 
 def wrap_optimizer(optimizer) -> AcceleratedOptimizer:
@@ -175,8 +207,9 @@ class SlideAccelerator(Accelerator):
         precision = kwargs.pop("mixed_precision", None) or env.mixed_precision or "no"
         if precision == "fp16":
             raise ValueError(f"mixed_precision 'fp16' is refused with sliding: {FLOAT16_REFUSED}")
-        if precision not in ("no", "bf16"):
-            raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16 or no)")
+        if precision not in ("no", "bf16", "fp8"):
+            raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16, fp8 or no)")
+        kwargs["kwargs_handlers"] = take_fp8_recipe(kwargs.get("kwargs_handlers"), precision)
         ga = kwargs.get("gradient_accumulation_steps")
         if ga not in (None, 1) and plugin.gradient_accumulation_steps not in (1, ga):
             raise ValueError(f"gradient_accumulation_steps={ga} contradicts the slideformer setting "

@@ -146,6 +146,13 @@ class SlideConfig:
         "bytes). The embedding keeps 'adamw'. The compact formats update every layer on the CPU: no resident "
         "layers, no device updates, no state on disk (host_memory_limit must hold it all), one process "
         "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
+    matmuls: str = option(
+        "dtype", Choice("dtype", "fp8"),
+        "How the decoder layers' linear projections (q, k, v, o, gate, up, down) multiply, in their forward, "
+        "recompute and backward: 'dtype' (in the compute dtype) or 'fp8' (e4m3 with row-wise power-of-two scales "
+        "through torch._scaled_mm, torchao's float8 rowwise recipe; docs/fp8.md). The loss head, norms, attention, "
+        "the embedding, the fp32 masters and AdamW are unchanged. 'fp8' needs a CUDA GPU of compute capability 8.9 "
+        "or newer and dtype bfloat16 (SlideArgs: also --slide_matmuls fp8; yaml: also mixed_precision: fp8).")
     nonfinite_grads: str = option(
         "skip", Choice("skip", "raise"),
         "A step whose gradients are not finite (inf or NaN): 'skip' leaves the weights and AdamW state of every "

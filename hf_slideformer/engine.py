@@ -27,9 +27,10 @@ from .disk_placement import DiskLayer
 from .embedding import Embedding
 from .errors import SlideStateError
 from .model_inputs import LabelCheck
-from .functions import RngReplay, grad_only, swapped
+from .functions import RngReplay, swapped
 from .grad_ring import GradientRing
 from .late_updates import LateUpdates
+from .layer_matmuls import layer_matmuls
 from .head import LossHead
 from .lora import AdapterSet
 from .host_adam import HostAdam
@@ -106,6 +107,7 @@ class SlideEngine:
         self.dropouts: list[list[torch.nn.Module]] = []
         self.find_dropouts()
         self.output_projections = [adapter.output_projection(layer) for layer in self.layers]
+        self.matmuls = layer_matmuls(config, self.layers)     # the projections' math (layer_matmuls.py)
         self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
         self.vocab, self.hidden = adapter.embed(model).weight.shape
         self.streams = Streams(self.device)
@@ -356,7 +358,7 @@ class SlideEngine:
             if any(m.training for m in self.dropouts[i]):
                 self.rng.save(i)
         t = self._span_start()
-        with torch.no_grad(), swapped(place.unit, ws):
+        with torch.no_grad(), swapped(place.unit, ws), self.matmuls.forward(i, slot):
             y = self._call_layer(i, x, args, kwargs)
         self._span_end(t)
         place.after_forward(slot)
@@ -380,7 +382,8 @@ class SlideEngine:
         extra = self.adapters.by_layer[i]
         t = self._span_start()
         skip = self.output_projections[i] if self.skip_output_projection else None
-        with torch.enable_grad(), swapped(place.unit, ws), grad_only(skip), self.rng.replay(i):
+        with torch.enable_grad(), swapped(place.unit, ws), self.matmuls.recompute(i, slot, skip), \
+                self.rng.replay(i):
             y = self._call_layer(i, x, args, kwargs)
             aux = self.router_aux.surrogate(i) if self.router_aux is not None else None
         outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])

@@ -32,6 +32,7 @@ from .models import get_adapter
 from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
 from .model_inputs import check_label_dtype, check_token_ids
 from .optim import SlideOptimizer
+from .layer_matmuls import check_matmuls
 from .slide_checks import check_finite_weights, check_gpu_limit, rank_fingerprint
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
@@ -156,6 +157,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         adapters = {id(p) for p in model.parameters() if p.requires_grad and id(p) not in copies}
         originals = original_params(model, adapter)
     adapter.check(model)
+    check_matmuls(config, adapter, model, lora=base is not None)
     if adapters:
         inside = {id(p) for layer in adapter.layers(model) for p in layer.parameters()}
         refuse_outside_layers([n for n, p in model.named_parameters() if id(p) in adapters and id(p) not in inside])

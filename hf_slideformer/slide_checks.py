@@ -27,7 +27,7 @@ _CHUNK = 1 << 24               # elements judged at once: a bounded temporary, w
 # may differ per rank.
 MATH_SETTINGS = ("dtype", "window", "gradient_accumulation_steps", "max_grad_norm", "nonfinite_grads",
                  "head_chunk_tokens", "mlp_chunk_tokens", "use_kernels", "host_adam", "late_layer_updates",
-                 "optimizer_state")
+                 "optimizer_state", "matmuls")
 
 _MODEL_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "tie_word_embeddings")

@@ -30,6 +30,7 @@ class Slot:
         self.ready = None                         # h2d event: weights are in
         self.free = None                          # compute event: last read issued so far
         self.last_use = 0
+        self.fills = 0                            # completed fills (layer_matmuls.py: [Why FP8 weights are cached by the slot's fill])
 
     def views(self, unit: Unit) -> list[torch.Tensor]:
         base = 0
@@ -145,6 +146,7 @@ class SlotQueue:
             else:
                 u.readers = [slot.ready]
         slot.key, slot.units = self.key_of(units), units
+        slot.fills += 1
         self.clock += 1
         slot.last_use = self.clock
 

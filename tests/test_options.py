@@ -22,7 +22,7 @@ def samples(tmp_path) -> dict:
                 late_layer_updates=2, resident_layers=1, resident_embedding=False, device_update_share=0.5,
                 expandable_segments=False,
                 host_adam="torch", nonfinite_grads="raise", check_host_memory=False, check_finite_weights=False,
-                rank_timeout=30.0, debug=True)
+                rank_timeout=30.0, debug=True, matmuls="fp8")
 
 
 # Options whose non-default values exclude others of `samples` (a compact optimizer_state refuses

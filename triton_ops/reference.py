@@ -18,6 +18,11 @@ __all__ = [
     "rms_norm",
     "rope",
     "swiglu",
+    "E4M3_MAX",
+    "FP8_SCALE_EPS",
+    "fp8_scales",
+    "fp8_quantize_rows",
+    "fp8_quantize_cols_t",
 ]
 
 
@@ -246,3 +251,64 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         (..., I) tensor of the inputs' dtype.
     """
     return F.silu(gate) * up
+
+
+E4M3_MAX = 448.0              # torch.finfo(torch.float8_e4m3fn).max
+FP8_SCALE_EPS = 1e-12         # the amax floor of torchao's amax_to_scale (no division by zero)
+
+
+def fp8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-wise e4m3 scales of torchao's float8 "rowwise" recipe, from fp32 row maxima.
+
+    scale = 448 / max(amax, 1e-12), divided in float64 and rounded to float32 (as torchao's
+    `amax_to_scale`), then rounded down to a power of two (`round_scales_to_power_of_2`) by
+    clearing its mantissa bits. torchao writes that rounding `exp2(floor(log2(s)))`; the bit form
+    is the exact floor where the float32 log2 rounds a value just below 2^k up to k (the scale
+    is then 2x larger and the row's amax saturates at 448: the only difference).
+
+    Args:
+        amax: (..., 1) float32 maxima of |x| along the reduction dimension.
+
+    Returns:
+        (scale, inverse): float32, powers of two; q = x * scale, and x ~ q * inverse exactly as
+        `torch._scaled_mm` reads its `scale_a` / `scale_b`.
+    """
+    scale = (E4M3_MAX / amax.double().clamp(min=FP8_SCALE_EPS)).float()
+    scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return scale, scale.reciprocal()
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x (M, K) to e4m3 with one scale per row (amax along K, the reduction dimension).
+
+    Returns:
+        (q, inverse): q (M, K) float8_e4m3fn, row-major; inverse (M, 1) float32, so that
+        x ~ q.float() * inverse. Values beyond +-448 after scaling saturate (torchao's
+        `to_fp8_saturated`); the cast rounds to nearest even.
+    """
+    xf = x.float()
+    scale, inverse = fp8_scales(xf.abs().amax(dim=-1, keepdim=True))
+    q = (xf * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), inverse
+
+
+def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x (R, C) along R (one scale per column) and write it transposed: (C, R) row-major.
+
+    This is the column-major operand `torch._scaled_mm` takes as its second argument
+    (`out.t()` is (R, C) with the layout it wants), for the GEMMs that reduce over R: the
+    weight in dgrad (R = out features), the gradient and the input in wgrad (R = tokens).
+
+    Args:
+        x: (R, C) tensor.
+        pad_to: R is padded with zero columns of the output to a multiple of this (16 for
+            `torch._scaled_mm`); zeros change neither a maximum nor a product.
+
+    Returns:
+        (q, inverse): q (C, R_padded) float8_e4m3fn; inverse (C, 1) float32.
+    """
+    q, inverse = fp8_quantize_rows(x.t())
+    pad = -q.shape[1] % pad_to
+    if pad:
+        q = torch.cat([q, q.new_zeros(q.shape[0], pad)], dim=1)
+    return q, inverse

@@ -1,0 +1,160 @@
+"""FP8 linear layers: torchao's float8 "rowwise" recipe as one autograd Function.
+
+Every GEMM of a linear layer (forward y = x W^T, dgrad dx = dy W, wgrad dW = dy^T x) quantizes
+both of its operands to e4m3 with one power-of-two scale per row of its reduction dimension
+(`triton_ops.reference.fp8_scales`) and multiplies them with `torch._scaled_mm`, accumulating in
+float32 and writing the compute dtype. As torchao's recipe: every operand is quantized from the
+high-precision tensor, along the GEMM's own reduction dimension (so the weight has one form for
+the forward, scaled per output feature, and one for dgrad, scaled per input feature; the
+gradient and the input one for wgrad, scaled per feature over the tokens); the forward GEMM uses
+fast accumulation, the two gradient GEMMs do not.
+
+Two implementations of the three primitives (quantize rows, quantize columns transposed, scaled
+GEMM), chosen once: `CudaFp8` (the Triton kernels of `triton_ops.kernels.fp8_quant` and
+`torch._scaled_mm`) and `EmulatedFp8` (the pure-torch reference, and a scaled GEMM emulated as
+dequantize + float32 matmul), which runs anywhere and is how the CPU tests exercise the logic.
+"""
+from __future__ import annotations
+
+import torch
+
+from triton_ops import reference
+
+__all__ = ["Fp8Ops", "CudaFp8", "EmulatedFp8", "QuantizedWeight", "Fp8Linear", "fp8_linear", "fp8_unsupported",
+           "GEMM_ALIGN"]
+
+GEMM_ALIGN = 16          # torch._scaled_mm needs every dimension of its operands a multiple of 16 bytes
+
+
+class Fp8Ops:
+    """The three primitives of the recipe (see the module docstring)."""
+
+    def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (M, K) -> (q (M, K) e4m3, inverse scales (M, 1) float32)."""
+        raise NotImplementedError
+
+    def quantize_cols_t(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (R, C) -> (q (C, R padded to GEMM_ALIGN) e4m3, inverse scales (C, 1) float32)."""
+        raise NotImplementedError
+
+    def mm(self, a: tuple, b_t: tuple, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+        """a = (q (M, K), inv (M, 1)), b_t = (q (N, K), inv (N, 1)): (M, N) = a @ b_t^T, dequantized."""
+        raise NotImplementedError
+
+
+class EmulatedFp8(Fp8Ops):
+    """The reference: quantization in torch ops, the scaled GEMM as dequantize + float32 matmul."""
+
+    def quantize_rows(self, x):
+        return reference.fp8_quantize_rows(x)
+
+    def quantize_cols_t(self, x):
+        return reference.fp8_quantize_cols_t(x, GEMM_ALIGN)
+
+    def mm(self, a, b_t, out_dtype, fast_accum):
+        (qa, sa), (qb, sb) = a, b_t
+        return ((qa.float() * sa) @ (qb.float() * sb).t()).to(out_dtype)
+
+
+class CudaFp8(Fp8Ops):
+    """The Triton quantization kernels and `torch._scaled_mm` (CUDA capability 8.9 or newer)."""
+
+    def quantize_rows(self, x):
+        from triton_ops.kernels.fp8_quant import fp8_quantize_rows
+        return fp8_quantize_rows(x)
+
+    def quantize_cols_t(self, x):
+        from triton_ops.kernels.fp8_quant import fp8_quantize_cols_t
+        return fp8_quantize_cols_t(x, GEMM_ALIGN)
+
+    def mm(self, a, b_t, out_dtype, fast_accum):
+        (qa, sa), (qb, sb) = a, b_t
+        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+
+
+class QuantizedWeight:
+    """A weight W (N, K) in its two FP8 forms: `rows` for the forward (scaled per output feature),
+    made at once, and `cols_t` for dgrad (W^T (K, N), scaled per input feature), made on first use
+    (a forward whose slot is refilled before its backward never needs it)."""
+
+    def __init__(self, weight: torch.Tensor, ops: Fp8Ops):
+        self.weight, self.ops = weight.detach(), ops
+        self.rows = ops.quantize_rows(self.weight)
+        self._cols_t = None
+
+    @property
+    def cols_t(self) -> tuple:
+        if self._cols_t is None:
+            self._cols_t = self.ops.quantize_cols_t(self.weight)
+        return self._cols_t
+
+
+class Fp8Linear(torch.autograd.Function):
+    """y = x W^T + b with every GEMM in FP8 (the recipe above).
+
+    Args of `apply`: x (..., K), weight (N, K), bias (N,) or None, `QuantizedWeight` of the weight
+    or None (quantized here), the `Fp8Ops`, and `output`: False returns zeros of the output's
+    shape without the forward GEMM (the engine's recompute of a layer's last projection, whose
+    product nothing reads: docs/engine.md) while the backward is the same.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, qweight, ops, output):
+        ctx.save_for_backward(x, weight)
+        ctx.ops, ctx.qweight, ctx.has_bias = ops, qweight, bias is not None
+        lead, n = x.shape[:-1], weight.shape[0]
+        if not output:
+            return x.new_zeros(*lead, n)
+        w_rows = qweight.rows if qweight is not None else ops.quantize_rows(weight.detach())
+        y = ops.mm(ops.quantize_rows(x.reshape(-1, x.shape[-1])), w_rows, x.dtype, fast_accum=True)
+        if bias is not None:
+            y = y + bias
+        return y.view(*lead, n)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        ops = ctx.ops
+        g2 = gy.reshape(-1, gy.shape[-1])                        # (M, N)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(w.detach())
+            gx = ops.mm(ops.quantize_rows(g2), w_cols, gy.dtype, fast_accum=False)     # (M, K)
+            gx = gx.view(*gy.shape[:-1], w.shape[1])
+        if ctx.needs_input_grad[1]:
+            # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            gw = ops.mm(ops.quantize_cols_t(g2), ops.quantize_cols_t(x2), w.dtype, fast_accum=False)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        ctx.qweight = None
+        return gx, gw, gb, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               ops: Fp8Ops | None = None, qweight: QuantizedWeight | None = None) -> torch.Tensor:
+    """`F.linear` in FP8 (`Fp8Linear`); `ops` defaults to `CudaFp8` on CUDA, `EmulatedFp8` elsewhere."""
+    if ops is None:
+        ops = CudaFp8() if x.is_cuda else EmulatedFp8()
+    return Fp8Linear.apply(x, weight, bias, qweight, ops, True)
+
+
+def fp8_unsupported(device: torch.device) -> str | None:
+    """Why FP8 GEMMs cannot run on `device` (a sentence naming the requirement), or None when they can."""
+    device = torch.device(device)
+    if not (hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")):
+        return (f"torch {torch.__version__} lacks torch._scaled_mm or torch.float8_e4m3fn: FP8 needs torch 2.4 or "
+                "newer (2.5+ for row-wise scales)")
+    if device.type != "cuda":
+        return (f"FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); the "
+                f"device is {device}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name(device)
+        return (f"FP8 GEMMs need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); {name} "
+                f"is {major}.{minor}")
+    from triton_ops import is_triton_available
+    if not is_triton_available():
+        return "FP8 mode quantizes with Triton kernels: install triton"
+    return None

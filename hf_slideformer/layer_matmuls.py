@@ -1,0 +1,141 @@
+"""How a decoder layer's linear projections compute: in the compute dtype, or in FP8.
+
+The engine asks one object, chosen once at slide() (`SlideConfig.matmuls`), for a context around
+each layer's forward and around its recompute in backward:
+
+    with engine.matmuls.forward(i, slot):              y = layer(x)
+    with engine.matmuls.recompute(i, slot, skip):      y = layer(x); autograd.grad(y, ...)
+
+`DtypeMatmuls` ('dtype') leaves the projections as they are, and makes the recompute's last
+projection output-free (`functions.grad_only`, docs/engine.md). `Fp8Matmuls` ('fp8') runs every
+plain `nn.Linear` of the layer (q, k, v, o, gate, up, down in the Llama layout) through
+`fp8.Fp8Linear`, the output-free one too, so its backward is the same FP8 math. Norms,
+attention, the embedding, the loss head and the gradients sent to the host are unchanged.
+
+Note: [Why FP8 weights are cached by the slot's fill] a layer's weights are quantized once per
+visit of a slot and reused by its forward and, when the slot was not refilled in between (the
+last layers of the forward, which serve the start of the backward), by its recompute. The cache
+is keyed by the slot object and its fill count (`Slot.fills`, bumped by every completed fill),
+never by a tensor's id or data pointer: a refilled slot has the same storage and other values.
+A layer without a slot (resident on the GPU, updated in place there) is quantized at each use.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .fp8 import GEMM_ALIGN, CudaFp8, EmulatedFp8, Fp8Linear, Fp8Ops, QuantizedWeight, fp8_unsupported
+from .functions import grad_only
+
+__all__ = ["DtypeMatmuls", "Fp8Matmuls", "layer_matmuls", "check_matmuls", "fp8_refusals", "install_emulation", "projections"]
+
+
+class DtypeMatmuls:
+    """The projections in the compute dtype (the default)."""
+
+    def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def recompute(self, i: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
+        return grad_only(skip)
+
+
+def projections(layer: nn.Module) -> list[nn.Linear]:
+    """The plain `nn.Linear` modules of a decoder layer, in module order."""
+    return [m for m in layer.modules() if type(m) is nn.Linear]
+
+
+class Fp8Matmuls:
+    """Every projection of the decoder layers through `Fp8Linear`, weights cached per slot fill.
+
+    Args:
+        layers: the decoder layer modules.
+        ops: the FP8 primitives (`CudaFp8`, or `EmulatedFp8` for the CPU tests).
+    """
+
+    def __init__(self, layers: list[nn.Module], ops: Fp8Ops):
+        self.ops = ops
+        self.projections = [projections(layer) for layer in layers]
+        self.cache: dict = {}          # Slot -> (fills, {id(projection module): QuantizedWeight})
+
+    def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
+        return self._patched(i, slot, None)
+
+    def recompute(self, i: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
+        return self._patched(i, slot, skip)
+
+    def quantized(self, slot, proj: nn.Linear) -> QuantizedWeight | None:
+        """`proj`'s weight in FP8, from the cache of `slot`'s current fill (None without a slot)."""
+        if slot is None:
+            return None
+        fills, weights = self.cache.get(slot, (None, None))
+        if fills != slot.fills:                # [Why FP8 weights are cached by the slot's fill]
+            weights = {}
+            self.cache[slot] = (slot.fills, weights)
+        q = weights.get(id(proj))
+        if q is None:
+            q = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops)
+        return q
+
+    @contextlib.contextmanager
+    def _patched(self, i: int, slot, skip):
+        mods = self.projections[i]
+        for proj in mods:
+            proj.forward = self._runner(proj, slot, proj is not skip)
+        try:
+            yield
+        finally:
+            for proj in mods:
+                proj.__dict__.pop("forward", None)
+
+    def _runner(self, proj: nn.Linear, slot, output: bool):
+        def run(x):
+            return Fp8Linear.apply(x, proj.weight, proj.bias, self.quantized(slot, proj), self.ops, output)
+        return run
+
+
+def fp8_refusals(config, adapter, model, layers: list[nn.Module], lora: bool = False) -> list[str]:
+    """What keeps this model and config from the FP8 mode (empty when nothing does)."""
+    out = []
+    why = fp8_unsupported(config.torch_device)
+    if why:
+        out.append(why)
+    if config.dtype != torch.bfloat16:
+        out.append(f"dtype={str(config.dtype).removeprefix('torch.')} (FP8 GEMMs write bfloat16: use dtype='bfloat16')")
+    if lora:
+        out.append("a LoRA model (its base's projections are frozen wrappers; train the adapters in bf16)")
+    if adapter.family.router_class is not None:
+        out.append(f"the mixture of experts {adapter.family.model_type!r} (its experts are not nn.Linear modules)")
+    if config.mlp_chunk_tokens is not None:
+        out.append("mlp_chunk_tokens (the chunked MLP recomputes outside the FP8 projections: unset it)")
+    bad = sorted({f"{type(m).__name__}({m.in_features}, {m.out_features})" for layer in layers[:1]
+                  for m in projections(layer) if m.in_features % GEMM_ALIGN or m.out_features % GEMM_ALIGN})
+    if bad:
+        out.append(f"projections whose sizes are not multiples of {GEMM_ALIGN} ({', '.join(bad)}), which "
+                   "torch._scaled_mm needs")
+    return out
+
+
+def check_matmuls(config, adapter, model, lora: bool = False) -> None:
+    """At slide(), before anything is allocated: refuse `matmuls='fp8'` where it cannot run
+    (ValueError naming each reason)."""
+    if config.matmuls == "dtype":
+        return
+    bad = fp8_refusals(config, adapter, model, list(adapter.layers(model)), lora)
+    if bad:
+        raise ValueError("SlideConfig.matmuls='fp8' cannot run here: " + "; ".join(bad) + ". Use matmuls='dtype'.")
+
+
+def layer_matmuls(config, layers: list[nn.Module]):
+    """The engine's `matmuls` object for `config.matmuls` (checked by `check_matmuls`)."""
+    return Fp8Matmuls(layers, CudaFp8()) if config.matmuls == "fp8" else DtypeMatmuls()
+
+
+def install_emulation(model) -> Fp8Matmuls:
+    """Test hook: run a slid model's projections through the FP8 recipe's CPU emulation
+    (`EmulatedFp8`), on any device. The public switch (`matmuls='fp8'`) refuses the CPU."""
+    engine = model.slide_engine
+    engine.matmuls = Fp8Matmuls(engine.layers, EmulatedFp8())
+    return engine.matmuls

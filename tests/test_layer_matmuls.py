@@ -1,0 +1,135 @@
+"""The projections' math in the engine (layer_matmuls.py): a tiny Llama slid with the FP8 recipe's
+CPU emulation trains close to the bf16 run, weights are quantized once per slot fill, and the
+switch (`SlideConfig.matmuls`, SlideArgs, Accelerate's mixed_precision='fp8') and its refusals."""
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_slideformer as hs
+from hf_slideformer import layer_matmuls
+from hf_slideformer.fp8 import Fp8Linear
+from hf_slideformer.layer_matmuls import Fp8Matmuls, fp8_refusals, install_emulation
+from hf_slideformer.models import get_adapter
+from helpers import batches, family_config
+
+# The FP8 run's loss beside the bf16 run's, over 3 AdamW steps of a 4-layer model: e4m3's
+# ~3% error per GEMM output moves a loss of ~4.6 by far less than 1%; 2% is the bound.
+LOSS_RTOL = 0.02
+
+
+def tiny_llama(seed=0, **kw):
+    torch.manual_seed(seed)
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=4)
+    cfg = family_config("llama", **{**shape, **kw})
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    model.config.use_cache = False
+    return model
+
+
+def train(model, data, steps=3):
+    opt = model.create_optimizer(lr=1e-3)
+    losses = []
+    for b in data[:steps]:
+        loss = model(**b).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fp8_emulation_trains_close_to_bf16(monkeypatch):
+    base = tiny_llama()
+    data = batches(3, bsz=2, seq=16)
+    bf16 = hs.slide(copy.deepcopy(base), hs.SlideConfig(device="cpu", dtype=torch.bfloat16))
+    fp8 = hs.slide(copy.deepcopy(base), hs.SlideConfig(device="cpu", dtype=torch.bfloat16))
+    mm = install_emulation(fp8)
+    calls = {"n": 0}
+    real = Fp8Linear.forward
+
+    def counted(ctx, *a):
+        calls["n"] += 1
+        return real(ctx, *a)
+    monkeypatch.setattr(Fp8Linear, "forward", staticmethod(counted))
+    a, b = train(bf16, data), train(fp8, data)
+    # 7 projections x 4 layers, in the forward and the recompute, per step
+    assert calls["n"] == 3 * 2 * 7 * 4
+    assert a != b                                      # the FP8 math ran
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=LOSS_RTOL), (a, b)
+    assert len(mm.projections[0]) == 7
+
+
+class FakeSlot:
+    def __init__(self):
+        self.fills = 0
+
+
+def test_weights_are_quantized_once_per_slot_fill():
+    layer = tiny_llama().model.layers[0]
+    mm = Fp8Matmuls([layer], layer_matmuls.EmulatedFp8())
+    slot, proj = FakeSlot(), layer.self_attn.q_proj
+    first = mm.quantized(slot, proj)
+    assert mm.quantized(slot, proj) is first                 # forward, then recompute: one quantization
+    with torch.no_grad():
+        proj.weight.mul_(2)                                  # a refill writes other values into the same storage
+    slot.fills += 1
+    second = mm.quantized(slot, proj)
+    assert second is not first and not torch.equal(second.rows[1], first.rows[1])
+    assert mm.quantized(None, proj) is None                  # no slot (resident): quantized at each use
+
+
+def test_the_switch_refuses_the_cpu_at_slide():
+    with pytest.raises(ValueError, match=r"matmuls='fp8' cannot run here: .*capability 8\.9.*device is cpu"):
+        hs.slide(tiny_llama(), hs.SlideConfig(device="cpu", dtype=torch.bfloat16, matmuls="fp8"))
+    with pytest.raises(ValueError, match="matmuls"):
+        hs.SlideConfig(device="cpu", matmuls="int8")
+
+
+def test_each_refusal_names_its_reason(monkeypatch):
+    monkeypatch.setattr(layer_matmuls, "fp8_unsupported", lambda device: None)
+    model = tiny_llama()
+    adapter = get_adapter("llama")
+    layers = list(adapter.layers(model))
+    ok = hs.SlideConfig(device="cpu", dtype=torch.bfloat16, matmuls="fp8")
+    assert fp8_refusals(ok, adapter, model, layers) == []
+    fp32 = hs.SlideConfig(device="cpu", dtype=torch.float32, matmuls="fp8")
+    assert "dtype='bfloat16'" in fp8_refusals(fp32, adapter, model, layers)[0]
+    assert "LoRA" in fp8_refusals(ok, adapter, model, layers, lora=True)[0]
+    tiled = hs.SlideConfig(device="cpu", dtype=torch.bfloat16, matmuls="fp8", mlp_chunk_tokens=8)
+    assert "mlp_chunk_tokens" in fp8_refusals(tiled, adapter, model, layers)[0]
+    odd = tiny_llama(intermediate_size=120)
+    assert "multiples of 16" in fp8_refusals(ok, adapter, odd, list(adapter.layers(odd)))[0]
+    moe = get_adapter("qwen3_moe")
+    assert "mixture of experts" in fp8_refusals(ok, moe, model, layers)[0]
+
+
+def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
+    args = hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, slide_matmuls="fp8", report_to=[])
+    assert args.to_slide_config().matmuls == "fp8"
+    with pytest.raises(Exception, match="slide_matmuls"):
+        hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, slide_matmuls="fp4", report_to=[])
+    from hf_slideformer.accelerate_plugin import SlidePlugin, take_fp8_recipe
+    cfg = SlidePlugin().to_slide_config("cpu", "fp8")
+    assert cfg.matmuls == "fp8" and cfg.dtype == torch.bfloat16
+    assert SlidePlugin().to_slide_config("cpu", "bf16").matmuls == "dtype"
+    assert SlidePlugin.from_dict({"matmuls": "fp8"}).matmuls == "fp8"
+
+    class AORecipeKwargs:                        # accelerate's, without torchao installed
+        config = None
+
+    class TERecipeKwargs:
+        pass
+    assert take_fp8_recipe([AORecipeKwargs()], "fp8") == []
+    with pytest.raises(ValueError, match="rowwise"):
+        take_fp8_recipe([TERecipeKwargs()], "fp8")
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        take_fp8_recipe([AORecipeKwargs()], "bf16")
+    tensorwise = AORecipeKwargs()
+    tensorwise.config = type("Cfg", (), {"round_scales_to_power_of_2": False})()
+    with pytest.raises(ValueError, match="rowwise"):
+        take_fp8_recipe([tensorwise], "fp8")

@@ -1,0 +1,113 @@
+"""Row-wise e4m3 quantization for FP8 GEMMs: one pass over a bf16 (or fp32) tensor writes its
+float8_e4m3fn values and one float32 scale per row of the GEMM's reduction.
+
+The math is `triton_ops.reference.fp8_quantize_rows` / `fp8_quantize_cols_t` (torchao's float8
+"rowwise" recipe), bit for bit:
+
+    amax_r  = max_k |x[r, k]|                               (float32)
+    scale_r = pow2_floor(fp32(448 / max(amax_r, 1e-12)))    (correctly rounded division)
+    q[r, k] = e4m3(clamp(x[r, k] * scale_r, -448, 448))     (round to nearest even)
+    inv_r   = 1 / scale_r                                   (exact: a power of two)
+
+`fp8_quantize_rows` reduces along the last dimension and keeps the layout (the first operand of
+`torch._scaled_mm`, and a weight's forward operand). `fp8_quantize_cols_t` reduces along the
+first dimension and writes the result transposed, (C, R) row-major, which is the column-major
+second operand the dgrad / wgrad GEMMs take; its R may be padded with zeros to a multiple of 16.
+The autograd tier of these kernels is `hf_slideformer.fp8.Fp8Linear`, which calls them through
+`hf_slideformer.fp8.CudaFp8`.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fp8_quantize_rows", "fp8_quantize_cols_t"]
+
+_E4M3_MAX = 448.0
+_EPS = 1e-12
+_ROW_BLOCK = 2048
+_COL_BLOCK_R, _COL_BLOCK_C = 64, 32
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """scale = 448 / max(amax, eps) rounded down to a power of two, and its exact inverse."""
+    s = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), tl.maximum(amax, 1e-12))
+    bits = s.to(tl.int32, bitcast=True) & 0x7F800000
+    scale = bits.to(tl.float32, bitcast=True)
+    # 2^(e - 127) -> 2^(127 - e): the exponent field mirrored around the bias.
+    inv = ((254 - (bits >> 23)) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, inv_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    """One program per row r of x (M, K): amax over the row, then q[r, :] and inv[r]."""
+    r = tl.program_id(0).to(tl.int64)
+    x_row, q_row = x_ptr + r * stride_x, q_ptr + r * stride_q
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale, inv = _pow2_scale(tl.max(amax, axis=0))
+    for k in range(0, K, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.clamp(x * scale, -448.0, 448.0)
+        tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < K)
+    tl.store(inv_ptr + r, inv)
+
+
+@triton.jit
+def _quant_cols_t_kernel(x_ptr, q_ptr, inv_ptr, R, C, R_out, stride_x, stride_q,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per BLOCK_C columns of x (R, C): amax down each column, then q (C, R_out) = the
+    scaled columns as rows; rows r in [R, R_out) of the transposed output are written as zeros."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    amax = tl.zeros((BLOCK_C,), tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        m = (r[:, None] < R) & cmask[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+    scale, inv = _pow2_scale(amax)
+    for r0 in range(0, R_out, BLOCK_R):
+        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        m = (r[:, None] < R) & cmask[None, :]
+        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+        q = tl.clamp(x * scale[None, :], -448.0, 448.0).to(tl.float8e4nv)       # (BLOCK_R, BLOCK_C)
+        out = q_ptr + c[None, :].to(tl.int64) * stride_q + r[:, None]
+        tl.store(out, q, mask=(r[:, None] < R_out) & cmask[None, :])
+    tl.store(inv_ptr + c, inv, mask=cmask)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the row kernel on x (M, K) with unit stride along K. Returns (q (M, K), inv (M, 1))."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        block = min(_ROW_BLOCK, triton.next_power_of_2(max(K, 16)))
+        _quant_rows_kernel[(M,)](x, q, inv, K, x.stride(0), q.stride(0), BLOCK=block,
+                                 num_warps=4 if block >= 1024 else 2)
+    return q, inv
+
+
+def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the column kernel on x (R, C). Returns (q (C, R padded to `pad_to`), inv (C, 1))."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, C = x.shape
+    r_out = R + (-R % pad_to)
+    q = torch.empty((C, r_out), dtype=torch.float8_e4m3fn, device=x.device)
+    inv = torch.empty((C, 1), dtype=torch.float32, device=x.device)
+    if C:
+        grid = (triton.cdiv(C, _COL_BLOCK_C),)
+        _quant_cols_t_kernel[grid](x, q, inv, R, C, r_out, x.stride(0), q.stride(0),
+                                   BLOCK_R=_COL_BLOCK_R, BLOCK_C=_COL_BLOCK_C, num_warps=4)
+    return q, inv
