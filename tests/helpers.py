@@ -46,6 +46,12 @@ FAMILY_FEATURES = {
                              linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
                              linear_conv_kernel_dim=3,
                              layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    # Sinks, alternating sliding (window shorter than the sequences) and full layers, biased router
+    # and experts, the SwiGLU clamp low enough to bind.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=5, swiglu_limit=0.05,
+                    output_router_logits=True, router_aux_loss_coef=0.5, max_position_embeddings=256,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64, rope_theta=150000.0)),
 }
 
 

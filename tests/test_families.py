@@ -1,5 +1,5 @@
 """The families with quirks of their own (models/registry.py): Gemma 3, Phi-3, OLMo 2 / 3, SmolLM3,
-Granite, Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, Qwen3.5-MoE, each a tiny model with its quirks switched on (helpers.FAMILY_FEATURES), against
+Granite, Qwen3.5, and the mixtures of experts Qwen3-MoE, Mixtral, Qwen3.5-MoE, gpt-oss, each a tiny model with its quirks switched on (helpers.FAMILY_FEATURES), against
 plain HF + torch.optim.AdamW in fp32; the kernels each entry lists, through the CPU references
 held to the kernels' in-place contracts; and the families the engine refuses."""
 import copy
@@ -205,22 +205,21 @@ def test_gemma_geglu_is_not_taken_for_a_swiglu():
 
 
 # ---------------------------------------------------------------- refusals (the counts: test_registry.py)
-@pytest.mark.parametrize("model_type,part", [("gpt_oss", "MXFP4"), ("gemma3", "text model")])
+@pytest.mark.parametrize("model_type,part", [("gemma4_text", "per-layer embeddings"), ("gemma3", "text model")])
 def test_refused_families_name_the_reason(model_type, part):
     from hf_slideformer.demo import tiny_config
     if model_type == "gemma3":
         from transformers import Gemma3Config
         cfg = Gemma3Config(text_config=family_config("gemma3_text").to_dict())
     else:
-        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_local_experts=4, num_experts_per_tok=2, head_dim=8)
+        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8)
     with torch.device("meta"):                     # refused before any weight is read
         model = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ValueError, match=part):
         hs.slide(model, hs.SlideConfig(device="cpu"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen3_5_moe_text", "gpt_oss"])
 def test_the_router_aux_loss_is_hf_s(family):
     """The aux loss is HF's (the padding masked), in the loss and beside it; without it the loss is
     the cross-entropy alone (the equivalence above trains with it on)."""

@@ -209,15 +209,16 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            router_class="MixtralTopKRouter"),
     Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=(),
            router_class="Qwen3_5MoeTopKRouter", layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
+    # Attention sinks (a logit per head beside the keys), sliding and full layers alternating, a
+    # router with a bias, experts with a fused, interleaved gate_up and a clamped SwiGLU (with
+    # biases): HF's modules. Its released checkpoint is MXFP4: loaded dequantized (checkpoint.py).
+    Family("gpt_oss", ("GptOssDecoderLayer",), None, kernels=(), router_class="GptOssTopKRouter"),
 )}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
-_GPT_OSS = ("a mixture of experts whose released checkpoint is MXFP4, with attention sinks and expert biases: "
-            "the engine does not prove these parts yet (docs/models.md)")
 _MULTIMODAL = ("a multimodal model: slide its text model, loaded with AutoModelForCausalLM from the "
                "checkpoint's text config ({text} model_type), or use a text-only checkpoint")
 NOT_SUPPORTED: dict[str, str] = {
-    "gpt_oss": _GPT_OSS,
     "qwen3_5_moe": _MULTIMODAL.format(text="qwen3_5_moe_text"),
     "gemma3": _MULTIMODAL.format(text="gemma3_text"),
     "qwen3_5": _MULTIMODAL.format(text="qwen3_5_text"),
