@@ -1,6 +1,12 @@
 """Checkpoints in HF's format: reading safetensors straight into the host store, and writing
 the masters back out as sharded safetensors, unit by unit (fp32 by default, as HF saves).
 
+An MXFP4 checkpoint (gpt-oss's release: `quantization_config.quant_method == "mxfp4"`, each
+expert weight `W` stored as `W_blocks` and `W_scales`) is read dequantized: the masters start
+from the exact values the 4-bit codes and their power-of-two scales stand for (HF's own
+`convert_moe_packed_tensors`, in fp32, where they are exact), the model is built and saved
+without the quantization config, so a save is a plain checkpoint HF loads as it loads any other.
+
 Note: [How save_model replaces an earlier save] a directory can hold other things (a tokenizer,
 the Trainer's `checkpoint-N` folders), so the save is committed file by file, in place, in an
 order where every intermediate state loads as the old save or the new one:
@@ -43,6 +49,8 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 STAGING = "slide-save"
+MXFP4 = "mxfp4"
+_PACKED = ("_blocks", "_scales")
 _SHARD = re.compile(r"^model(-b)?-\d{5}-of-\d{5}\.safetensors$")
 
 
@@ -57,6 +65,14 @@ def load_model_meta(path, **config_overrides):
                               "(hub names cannot be downloaded here: pass a local directory)")
     config = AutoConfig.from_pretrained(path, **config_overrides)
     get_adapter(getattr(config, "model_type", None))
+    quant = getattr(config, "quantization_config", None)
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if str(method).lower() != MXFP4:
+            raise CheckpointError(
+                f"checkpoint {path} is quantized ({method}); hf_slideformer trains full-precision weights and "
+                f"reads {MXFP4} checkpoints dequantized only: save a dequantized copy with HF first")
+        del config.quantization_config        # the masters are full precision, and so is every save
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return model
@@ -87,6 +103,8 @@ def load_weights(model, path) -> None:
     aliases = {}
     tied = model.slide_engine.tied
     missing = [n for n in expected if n not in weight_map]
+    packed = {n for n in missing if all(n + end in weight_map for end in _PACKED)}     # MXFP4 weights
+    missing = [n for n in missing if n not in packed]
     if tied:
         for n in list(missing):
             alt = "lm_head.weight"
@@ -105,7 +123,7 @@ def load_weights(model, path) -> None:
                               f"{' ...' if len(missing) > 20 else ''}")
     by_file: dict[str, list[str]] = {}
     for n in expected:
-        src = aliases.get(n, n)
+        src = n + _PACKED[0] if n in packed else aliases.get(n, n)
         by_file.setdefault(weight_map[src], []).append(n)
     mismatched = []
     # HF's own bar: silenced as HF's loading bar is (`transformers.utils.logging.disable_progress_bar()`).
@@ -124,7 +142,8 @@ def load_weights(model, path) -> None:
                     with store.unit_state(u, write=True):
                         for n in group:
                             e = expected[n][1]
-                            t = f.get_tensor(aliases.get(n, n))
+                            t = (_dequantized(f, fname, path, weight_map, n) if n in packed
+                                 else f.get_tensor(aliases.get(n, n)))
                             if check:
                                 check_finite(n, t, f"in {fpath}")
                             if tuple(t.shape) != tuple(e.shape):
@@ -135,10 +154,25 @@ def load_weights(model, path) -> None:
     bar.close()
     if mismatched:
         raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {'; '.join(mismatched[:20])}")
-    unexpected = set(weight_map) - {aliases.get(n, n) for n in expected}
+    unexpected = set(weight_map) - {aliases.get(n, n) for n in expected} - {n + end for n in packed for end in _PACKED}
     unexpected = {n for n in unexpected if not (tied and n == "lm_head.weight")}
     if unexpected:
         logger.warning("checkpoint tensors not used by the model: %s", sorted(unexpected)[:20])
+
+
+def _dequantized(f, fname: str, path: str, weight_map: dict[str, str], name: str) -> torch.Tensor:
+    """The fp32 weight `name` of an MXFP4 checkpoint from its blocks (read from the open file `f`)
+    and its scales (their file may be another shard)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks = f.get_tensor(name + _PACKED[0])
+    scales_file = weight_map[name + _PACKED[1]]
+    if scales_file == fname:
+        scales = f.get_tensor(name + _PACKED[1])
+    else:
+        with safe_open(os.path.join(path, scales_file), "pt") as g:
+            scales = g.get_tensor(name + _PACKED[1])
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
 
 
 def _parse_size(s) -> int:

@@ -23,7 +23,8 @@ from benchmarks.providers.base import build_model, call_with_known_fields, load_
 
 
 @pytest.mark.parametrize("name, n_params", [("tiny", 90_432), ("llama3-3b", 3_212_749_824),
-                                            ("llama3-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512)])
+                                            ("llama3-8b", 8_030_261_248), ("qwen2.5-7b", 7_615_616_512),
+                                            ("gpt-oss-20b", 20_914_757_184)])
 def test_shape_configs_have_the_real_parameter_counts(name, n_params):
     from transformers import AutoModelForCausalLM
 

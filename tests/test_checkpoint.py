@@ -177,3 +177,83 @@ def test_two_threads_saving_into_one_folder_leave_one_save_and_name_the_cause(tm
     assert "another save into the same folder" in str(errors[0])
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in slid.state_dict().items())
+
+
+# ---------------------------------------------------------------- MXFP4 (gpt-oss's released format)
+def _mxfp4(w):
+    """An expert weight (E, K, N) in HF's MXFP4 layout: blocks (E, N, K/32, 16) of two 4-bit codes
+    a byte, the even element in the low nibble, and scales (E, N, K/32) of biased exponents."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+    x = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)
+    exp = torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 6.0))
+    codes = ((x / torch.exp2(exp))[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp[..., 0] + 127).to(torch.uint8)
+
+
+def _mxfp4_checkpoint(path):
+    """A tiny gpt-oss checkpoint with MXFP4 experts, as released: the scales in a second shard."""
+    from helpers import family_config
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("gpt_oss", hidden_size=64, intermediate_size=64))
+    shards = ({}, {})
+    for k, v in model.state_dict().items():
+        if ".experts." in k and k.endswith("proj"):
+            shards[0][k + "_blocks"], shards[1][k + "_scales"] = _mxfp4(v.float())
+        else:
+            shards[0][k] = v.float().contiguous()
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    os.makedirs(path)
+    for name, tensors in zip(names, shards):
+        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: n for n, t in zip(names, shards) for k in t}}, f)
+    cfg = model.config.to_dict()
+    cfg.update(architectures=["GptOssForCausalLM"], quantization_config={
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def test_an_mxfp4_checkpoint_trains_from_its_dequantized_weights_and_saves_plain(tmp_path):
+    """The masters are exactly HF's dequantized copy (`Mxfp4Config(dequantize=True)`); the model
+    trains; its save has no quantization config and loads in HF to the same logits."""
+    from transformers import Mxfp4Config
+    src = _mxfp4_checkpoint(str(tmp_path / "mxfp4"))
+    hf = AutoModelForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(dequantize=True),
+                                              dtype=torch.float32)
+    slid = hs.SlideModel.from_pretrained(src, slide_config=hs.SlideConfig(device="cpu"))
+    masters = {k: v.clone() for k, v in slid.state_dict().items()}
+    assert set(masters) == set(hf.state_dict())
+    for k, v in hf.state_dict().items():
+        assert torch.equal(masters[k], v), k
+    b = batches(1, pad=True)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(slid(**b).loss, hf(**b).loss, rtol=1e-6, atol=0)
+    opt = slid.create_optimizer(lr=1e-2)
+    for batch in batches(2, pad=True):
+        slid(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(slid.state_dict()["model.layers.0.mlp.experts.down_proj"],
+                           masters["model.layers.0.mlp.experts.down_proj"])
+    slid.save_pretrained(tmp_path / "saved")
+    with open(tmp_path / "saved" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    with torch.no_grad():
+        expected = slid(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        torch.testing.assert_close(again(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                   expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checkpoint_quantized_otherwise_is_refused(tmp_path):
+    _trained(False).save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(hs.CheckpointError, match="bitsandbytes.*dequantized copy"):
+        hs.SlideModel.from_pretrained(tmp_path, slide_config=hs.SlideConfig(device="cpu"))
