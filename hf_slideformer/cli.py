@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "moments, about 6), adamw_8bit_bf16 (and a bf16 master, about 4), or the Trainer's "
                         "adamw_torch / adamw_8bit / adamw_bnb_8bit / adamw_torch_8bit / paged_adamw_8bit "
                         "(default: adamw; docs/host_state.md)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the decoder layers' projections in FP8 (SlideConfig.matmuls='fp8'): their GEMMs at 1.70x the "
+                        "bf16 rate measured on the H200 (docs/fp8.md)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     return parser
 
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                       lora_modules_to_save=tuple(m.strip() for m in args.lora_modules_to_save.split(",") if m.strip()),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
                       gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus,
-                      optim=args.optim)
+                      optim=args.optim, fp8=args.fp8)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from .host_optim import state_format
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 
-__all__ = ["ModelShape", "Estimator", "load_model_config", "model_shape", "gpu_binds", "batch_limit"]
+__all__ = ["FP8_GEMM_SPEEDUP", "ModelShape", "Estimator", "load_model_config", "model_shape", "gpu_binds", "batch_limit"]
 
 # Calibration (docs/planner.md, "Calibration"). Change them together with the table there.
 PEAK_TFLOPS = 989.4          # dense bf16 peak of an H100 / H200 SXM, as benchmarks' MFU column
@@ -36,6 +36,9 @@ GPU_CONTEXT_BYTES = GiB // 2  # CUDA context and library workspaces, outside the
 DUPLEX = 0.79                # both directions at once: 43.2 of 54.6 GB/s each way (docs/benchmarks.md, "The machine")
 ADD_VS_ADAM = 28 / 12        # an fp32 accumulate streams <= 12 B/param, a fused AdamW step 28 B/param
 ADAM_GPS = 3.5               # the H200 machine's host AdamW, G params/s, the CPU term was fitted with (torch's fused)
+# FP8 (e4m3, row-wise scales, torch._scaled_mm) over bf16 GEMM time at the Llama-3.1-8B layer shapes
+# of a 16 x 2048 micro-batch on the H200 (docs/fp8.md, "Planner").
+FP8_GEMM_SPEEDUP = 1.70
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way
@@ -125,6 +128,7 @@ class Estimator:
     mlp_chunk: int | None = None      # SlideConfig.mlp_chunk_tokens
     gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
     optimizer_state: str = "adamw"    # SlideConfig.optimizer_state: the host bytes per parameter (host_optim.py)
+    fp8: bool = False                 # SlideConfig.matmuls='fp8': the layers' projection GEMMs at FP8_GEMM_SPEEDUP
 
     @property
     def state_key(self) -> str:
@@ -263,6 +267,8 @@ class Estimator:
             "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
             "head slot (bf16)": 2 * head,
         }
+        if self.fp8:      # each slot's weights in their two FP8 forms (layer_matmuls.py)
+            fixed[f"FP8 weights ({self.window} x largest layer, 2 x e4m3)"] = 2 * self.window * s.layer_params
         if tier == "device":
             fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
         if self.gpus > 1:
@@ -317,8 +323,12 @@ class Estimator:
         layer, backward 2.5 x the forward)."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
-        lin = 6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
-        return s.layers * lin + 6 * s.vocab * s.hidden + attn
+        return self.projection_flops(recompute) + 6 * s.vocab * s.hidden + attn
+
+    def projection_flops(self, recompute: bool = True) -> float:
+        """The decoder layers' projection FLOPs per token (the GEMMs the FP8 mode runs in FP8)."""
+        s = self.s
+        return s.layers * (6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0))
 
     def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
@@ -326,6 +336,8 @@ class Estimator:
         r = self.rates
         T = B * self.seq
         flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)
+        if self.fp8:      # bf16-equivalent FLOPs: the projections' GEMMs run FP8_GEMM_SPEEDUP times faster
+            flops -= self.projection_flops(recompute) * (1 - 1 / FP8_GEMM_SPEEDUP)
         return N * T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"])
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:

@@ -65,6 +65,7 @@ class Plan:
     lora_trained_params: int = 0      # their parameters
     adapter_s: float = 0.0            # the adapters' part of the gpu term
     optimizer_state: str = "adamw"    # SlideConfig.optimizer_state (host_optim.py)
+    fp8: bool = False                 # SlideConfig.matmuls='fp8' (docs/fp8.md)
     bound_s: float = 0.0
     bound_by: str = ""
     paced_by: str = ""                # the term that sets the expected step (each at its measured efficiency)
@@ -111,6 +112,8 @@ class Plan:
             del d["gpus"]           # one GPU: the dict as it was before data parallelism
         if self.optimizer_state == "adamw":
             del d["optimizer_state"]    # the default: the dict as it was before the state formats
+        if not self.fp8:
+            del d["fp8"]
         d["shape"]["n_params"] = self.shape.n_params
         d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
                  disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
@@ -270,7 +273,8 @@ def _format_report(p: Plan) -> str:
         f"{f' x {p.gpus} GPUs' if p.gpus > 1 else ''}"
         f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
         f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}"
-        f"{f', optimizer state {p.optimizer_state}' if p.optimizer_state != 'adamw' else ''}",
+        f"{f', optimizer state {p.optimizer_state}' if p.optimizer_state != 'adamw' else ''}"
+        f"{', projections in FP8' if p.fp8 else ''}",
     ]
     G = p.gpus
     if G > 1:
@@ -340,7 +344,8 @@ def _format_report(p: Plan) -> str:
     detail = {
         "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
                 f"+ {p.adapter_s:.3f} s of the adapters' fp32 work" if p.lora_r else
-                f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS "
+                f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
+                + (" (the layers' projections in FP8 at 1.70x)" if p.fp8 else "") + " "
                 f"(resident, no recompute: {p.gpu_resident_s:.3f} s)" + (", each GPU" if G > 1 else "")),
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s"
                 + (f" per GPU, each on its own link (d2h: 1/{G} of each gradient)" if G > 1 else ""),

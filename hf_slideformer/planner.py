@@ -97,7 +97,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
          lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = None,
          gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1,
-         optim: str = "adamw") -> Plan:
+         optim: str = "adamw", fp8: bool = False) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     Args:
@@ -149,6 +149,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             parameter follow the format's declaration (host_optim.py); a compact format keeps no
             resident layers and no state on disk (the engine refuses them), and its AdamW rate is
             `adam_gps` too unless measured ("host" measures that format's update).
+        fp8: SlideConfig.matmuls='fp8': the decoder layers' projection GEMMs at 1.70x the bf16 rate
+            (`plan_estimate.FP8_GEMM_SPEEDUP`), each slot's FP8 weights on the GPU; not with LoRA.
 
     Returns:
         A Plan; `Plan.report()` formats it, `Plan.to_dict()` serialises it.
@@ -184,6 +186,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
                          "plan it without nvme_gb, or with optim='adamw'")
     if optim != "adamw" and lora_r is not None:
         raise ValueError(f"optim={optim!r} is a setting of full fine-tuning: plan a LoRA run with optim='adamw'")
+    if fp8 and lora_r is not None:
+        raise ValueError("fp8=True is refused with LoRA (the engine refuses matmuls='fp8' for a LoRA model)")
     adam_gps, adam_source = _adam_rate(adam_gps, optim)
     rates = dict(pcie_gbs=pcie_gbs, adam_gps=adam_gps, gpu_tflops=gpu_tflops, gpu_efficiency=gpu_efficiency,
                  nvme_write_gbs=nvme_write_gbs, nvme_read_gbs=nvme_read_gbs, nvme_bw=nvme_bw,
@@ -220,7 +224,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
                "an int >= 1")
     est = (LoraEstimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, r=lora_r,
                          base_bytes=lora_base_bytes, trained=tuple(dict.fromkeys(lora_modules_to_save))) if lora
-           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, gpus=gpus, optimizer_state=optim))
+           else Estimator(shape, seq, window, grad_buffers, rates, mlp_chunk_tokens, gpus=gpus, optimizer_state=optim,
+                          fp8=fp8))
     gpu_limit = int(gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
     extras = est.gpu_extras(N, clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
@@ -240,6 +245,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
              host_source, gpu_source, rates, adam_source=adam_source, batch_chosen=chosen, gpu_limit=gpu_limit, max_batch_gpu=max_gpu,
              max_batch_host=max_host, gpus=gpus)
     p.optimizer_state = optim
+    p.fp8 = fp8
     if lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = lora_r, lora_base_bytes, est.adapter_params
         p.lora_trained, p.lora_trained_params = est.trained, est.trained_params

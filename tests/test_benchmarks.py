@@ -134,7 +134,7 @@ def test_small_helpers():
     assert is_cuda_oom(torch.cuda.OutOfMemoryError("CUDA out of memory."))
     assert not is_cuda_oom(RuntimeError("shape mismatch"))
     assert set(PROVIDERS) == {"slide", "hf", "ds2", "ds3", "resident", "slide_lora", "hf_lora", "hf_lora_offload",
-                              "slide_trainer", "slide_sft", "slide_8bit", "slide_8bit_bf16"}
+                              "slide_trainer", "slide_sft", "slide_8bit", "slide_8bit_bf16", "slide_fp8"}
     assert get_provider("hf").name == "hf"
 
 

@@ -22,6 +22,7 @@ PROVIDERS = {
                    "adamw_8bit)"),
     "slide_8bit_bf16": ("slide", "Slide8bitBf16Provider", True, "hf_slideformer, 8-bit moments and a bf16 master "
                         "(optimizer_state=adamw_8bit_bf16)"),
+    "slide_fp8": ("slide", "SlideFp8Provider", True, "hf_slideformer, the layers' projections in FP8 (matmuls=fp8)"),
     "slide_trainer": ("trainers", "SlideTrainerProvider", True, "hf_slideformer, the step taken by SlideTrainer"),
     "slide_sft": ("trainers", "SlideSFTProvider", True, "hf_slideformer, the step taken by TRL's SFTTrainer"),
     "slide_lora": ("lora", "SlideLoraProvider", True, "hf_slideformer, PEFT LoRA on every linear layer"),

@@ -23,7 +23,7 @@ import torch
 
 from .base import Provider, build_model, call_with_known_fields
 
-__all__ = ["SlideProvider", "Slide8bitProvider", "Slide8bitBf16Provider"]
+__all__ = ["SlideProvider", "Slide8bitProvider", "Slide8bitBf16Provider", "SlideFp8Provider"]
 
 
 class SlideProvider(Provider):
@@ -31,6 +31,7 @@ class SlideProvider(Provider):
     capped = True
     multi_process = True
     optimizer_state: str | None = None     # SlideConfig.optimizer_state of the row (None: the default)
+    matmuls: str | None = None             # SlideConfig.matmuls of the row (None: the default)
 
     def setup(self) -> None:
         import hf_slideformer as hs
@@ -40,6 +41,8 @@ class SlideProvider(Provider):
             options["gpu_memory_limit"] = self.spec.cap_gib
         if self.optimizer_state is not None:
             options["optimizer_state"] = self.optimizer_state
+        if self.matmuls is not None:
+            options["matmuls"] = self.matmuls
         options.update(self.spec.slide_options)
         self.slide_config = call_with_known_fields(hs.SlideConfig, options, self.notes)
         self.model = self.build_slid()
@@ -138,3 +141,10 @@ class Slide8bitBf16Provider(SlideProvider):
     name = "slide_8bit_bf16"
     multi_process = False
     optimizer_state = "adamw_8bit_bf16"
+
+
+class SlideFp8Provider(SlideProvider):
+    """`slide` with the decoder layers' projections in FP8 (docs/fp8.md)."""
+
+    name = "slide_fp8"
+    matmuls = "fp8"

@@ -1,0 +1,91 @@
+"""FP8 on CUDA (capability 8.9+): the Triton quantization kernels bit for bit against the reference,
+the FP8 linear through torch._scaled_mm against the emulation and the exact linear, a slid model
+in FP8 against bf16, and the slowed-stream test with the mode on."""
+import copy
+import math
+
+import pytest
+import torch
+
+import hf_slideformer as hs
+from hf_slideformer.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
+from triton_ops import reference
+from test_engine_gpu import HOST_ONLY, _pair, _train_state
+from test_fp8 import LINEAR_RTOL, _exact, _rel
+from helpers import batches
+
+pytestmark = [pytest.mark.gpu]
+
+
+def _need_fp8():
+    if not torch.cuda.is_available() or fp8_unsupported(torch.device("cuda")):
+        pytest.skip("needs a CUDA GPU of compute capability 8.9+")
+
+
+@pytest.mark.parametrize("shape", [(5, 123), (37, 4099), (2048, 4096), (111, 704)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernels_bit_equal_to_the_reference(shape, dtype):
+    _need_fp8()
+    from triton_ops.kernels import fp8_quant as k
+    torch.manual_seed(0)
+    x = (torch.randn(*shape, device="cuda") * torch.logspace(-5, 3, shape[0], device="cuda")[:, None]).to(dtype)
+    x[0, :7] = 0
+    for kernel, ref in ((k.fp8_quantize_rows, reference.fp8_quantize_rows),
+                        (lambda t: k.fp8_quantize_cols_t(t, 16), lambda t: reference.fp8_quantize_cols_t(t, 16))):
+        (q, inv), (rq, rinv) = kernel(x), ref(x)
+        assert q.shape == rq.shape and q.is_contiguous()
+        assert torch.equal(inv, rinv)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+
+
+@pytest.mark.parametrize("lead, k, n", [((3, 37), 256, 704), ((2, 2048), 4096, 1024)])
+def test_fp8_linear_on_cuda(lead, k, n):
+    _need_fp8()
+    torch.manual_seed(1)
+    x = torch.randn(*lead, k, device="cuda")
+    w, b = torch.randn(n, k, device="cuda") * 0.02, torch.randn(n, device="cuda") * 0.02
+    gy = torch.randn(*lead, n, device="cuda") * 1e-4
+    exact = _exact(x, w, b, gy)
+    runs = []
+    for ops in (CudaFp8(), EmulatedFp8()):
+        xs, ws, bs = (t.detach().bfloat16().requires_grad_() for t in (x, w, b))
+        y = fp8_linear(xs, ws, bs, ops=ops)
+        y.backward(gy.bfloat16())
+        runs.append([y.detach(), xs.grad, ws.grad, bs.grad])
+    for name, e, c, m in zip(("y", "dx", "dw", "db"), exact, *runs):
+        assert _rel(c, e) < LINEAR_RTOL, (name, _rel(c, e))
+        # the same quantized operands; only the GEMM's accumulation order and the bf16 rounding differ
+        assert _rel(c, m) < 1e-2, (name, _rel(c, m))
+
+
+def test_slid_model_in_fp8_trains_close_to_bf16():
+    _need_fp8()
+    data = batches(4, bsz=4, seq=128, vocab=1001)
+    losses = {}
+    for mode in ("dtype", "fp8"):
+        _, slid = _pair(torch.bfloat16, matmuls=mode)
+        opt = slid.create_optimizer(lr=1e-3)
+        out = []
+        for b in data:
+            loss = slid(**{key: v.cuda() for key, v in b.items()}).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        losses[mode] = out
+        if mode == "fp8":
+            assert slid.slide_config.matmuls == "fp8" and slid.slide_engine.matmuls.cache
+    assert losses["dtype"] != losses["fp8"]
+    for a, b in zip(losses["dtype"], losses["fp8"]):
+        assert math.isclose(a, b, rel_tol=0.02), losses
+
+
+@pytest.mark.parametrize("kw", [HOST_ONLY, {"resident_layers": 2}, {"window": 3}])
+def test_slow_streams_bit_identical_in_fp8(kw):
+    # [Why FP8 weights are cached by the slot's fill]: a stale cache entry read after a refill, or a
+    # quantization racing the slot's copy, changes the result under slowed streams.
+    _need_fp8()
+    fast = _train_state(False, matmuls="fp8", **kw)
+    slow = _train_state(True, matmuls="fp8", **kw)
+    for key in fast:
+        assert torch.equal(fast[key], slow[key]), key
