@@ -111,6 +111,18 @@ class StateFormat:
         its counter (advanced). `scale`: divide the gradient by it (the clip factor's reciprocal)."""
         raise NotImplementedError
 
+    def run_rows(self, kernel, hp: dict, u, grad: torch.Tensor, rows: torch.Tensor, step, *,
+                 sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
+        """One AdamW step of some rows of the one-entry (V, H) unit `u` (the embedding), in place:
+        `HostAdam.step_rows`'s contract (`grad` the dense (V, H) fp32 gradient, `rows` distinct,
+        `sums` added to their gradient, the rows cleared after with `zero_grad`, every row but
+        `rows` with `exclude`), `step` the counter (already advanced)."""
+        raise NotImplementedError(f"optimizer_state={self.name!r} has no row-wise update")
+
+    def rows_fit(self, hidden: int) -> bool:
+        """Can a (V, hidden) table keep this format and take row-wise updates?"""
+        return True
+
 
 class AdamW32(StateFormat):
     """fp32 master and moments: torch.optim.AdamW's step bit for bit (host_adam.py)."""
@@ -126,6 +138,11 @@ class AdamW32(StateFormat):
             torch_fused_adamw(hp, ps, grads, ms, vs, steps, scale, found_inf)
         else:
             kernel.step(hp, ps, grads, ms, vs, steps, grad_scale=scale, grad_mul=grad_mul)
+
+    def run_rows(self, kernel, hp, u, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
+        shape = grad.shape
+        kernel.step_rows(hp, [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)], grad, rows, step,
+                         sums=sums, zero_grad=zero_grad, exclude=exclude)
 
 
 class _HP8(ctypes.Structure):
@@ -144,6 +161,9 @@ def _bind(lib):
     lib.slide_round_bf16_stochastic.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64,
                                                 ctypes.c_uint64, ctypes.c_int]
     lib.slide_round_bf16_stochastic.restype = None
+    lib.slide_adamw8_rows.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+                                      + [ctypes.c_void_p] * 4 + [ctypes.POINTER(_HP8), ctypes.c_int, ctypes.c_int])
+    lib.slide_adamw8_rows.restype = None
     fn._bound = True
     return fn
 
@@ -214,12 +234,7 @@ class AdamW8bit(StateFormat):
             raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
         fn = _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
-        beta1, beta2 = (float(b) for b in hp["betas"])
-        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
-        f = lambda x: ctypes.c_float(x).value                             # noqa: E731 - fp32 as torch casts
-        s = _HP8(gmul=grad_mul, gclip=1.0 if scale is None else 1.0 / float(scale),
-                 sign=-1.0 if hp.get("maximize", False) else 1.0, wd_mul=f(1.0 - lr * wd) if wd > 0.0 else 1.0,
-                 beta1=beta1, c1=f(1.0 - beta1), beta2=beta2, c2=f(1.0 - beta2), eps=float(hp["eps"]))
+        s = _hp8(hp, scale, grad_mul)
         starts, b0 = [], 0
         for e in u.entries:
             starts.append(b0)
@@ -229,16 +244,62 @@ class AdamW8bit(StateFormat):
             e = u.entries[k]
             if (a - e.offset) % BLOCK:
                 raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {u.name} [{a}, {b})")
-            t = float(st)
-            s.bc2 = math.sqrt(1.0 - beta2 ** t)
-            s.neg_step = -lr / (1.0 - beta1 ** t)
-            s.seed = rounding_key(self.seed, u.index, int(t))
+            _set_step8(s, hp, float(st), rounding_key(self.seed, u.index, int(float(st))))
             blk = starts[k] + (a - e.offset) // BLOCK
             assert g.is_contiguous() and g.numel() == b - a and g.dtype in (torch.float32, torch.bfloat16)
             fn(state.master[a:b].data_ptr(), state.exp_avg[a:b].data_ptr(), state.exp_avg_sq[a:b].data_ptr(),
                state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
                b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
                int(g.dtype == torch.bfloat16), mbf, kernel.threads)
+
+
+    def rows_fit(self, hidden: int) -> bool:
+        return hidden % BLOCK == 0             # a block never spans two rows
+
+    def run_rows(self, kernel, hp, u, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
+        if kernel is None or not kernel.native:
+            raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
+        if exclude and (sums is not None or zero_grad):
+            raise ValueError("run_rows(exclude=True) takes no sums and zero_grad")
+        V, h = grad.shape
+        if not self.rows_fit(h) or len(u.entries) != 1:
+            raise ValueError(f"a row-wise 8-bit update needs one (V, H) table with H a multiple of {BLOCK}: {u.name}")
+        if exclude:
+            keep = torch.ones(V, dtype=torch.bool)
+            keep[rows] = False
+            rows = keep.nonzero().view(-1)
+        if rows.numel() == 0:
+            return
+        assert grad.dtype == torch.float32 and grad.is_contiguous()
+        if sums is not None:
+            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (rows.numel(), h)
+        rows = rows.to(torch.int64).contiguous()
+        _bind(kernel.lib)
+        code1, code2, lut1, lut2 = self.tables()
+        s = _hp8(hp, None, 1.0)
+        _set_step8(s, hp, float(step), rounding_key(self.seed, u.index, int(float(step))))
+        kernel.lib.slide_adamw8_rows(
+            u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.exp_avg_absmax.data_ptr(),
+            u.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), h,
+            None if sums is None else sums.data_ptr(), int(zero_grad), code1.data_ptr(), code2.data_ptr(),
+            lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), int(u.master.dtype == torch.bfloat16), kernel.threads)
+
+
+def _hp8(hp: dict, scale, grad_mul: float) -> _HP8:
+    """The 8-bit kernel's constants of param group `hp` (the step's are set by `_set_step8`)."""
+    beta1, beta2 = (float(b) for b in hp["betas"])
+    lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+    f = lambda x: ctypes.c_float(x).value                                 # noqa: E731 - fp32 as torch casts
+    return _HP8(gmul=grad_mul, gclip=1.0 if scale is None else 1.0 / float(scale),
+                sign=-1.0 if hp.get("maximize", False) else 1.0, wd_mul=f(1.0 - lr * wd) if wd > 0.0 else 1.0,
+                beta1=beta1, c1=f(1.0 - beta1), beta2=beta2, c2=f(1.0 - beta2), eps=float(hp["eps"]))
+
+
+def _set_step8(s: _HP8, hp: dict, t: float, key: int) -> None:
+    beta1, beta2 = (float(b) for b in hp["betas"])
+    s.bc2 = math.sqrt(1.0 - beta2 ** t)
+    s.neg_step = -float(hp["lr"]) / (1.0 - beta1 ** t)
+    s.seed = key
 
 
 class AdamW8bitBf16(AdamW8bit):

@@ -193,8 +193,8 @@ class HostUpdates:
             u.steps[0].add_(1)
         shape = grad.shape
         t0 = time.perf_counter()
-        self.engine.host_adam.step_rows(groups[gi], [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)],
-                                        grad, rows, u.steps[0], sums=sums, zero_grad=zero_grad, exclude=exclude)
+        u.state_format.run_rows(self.engine.host_adam, groups[gi], u, grad, rows, u.steps[0], sums=sums,
+                                zero_grad=zero_grad, exclude=exclude)    # the unit's format (host_optim.py)
         self._count(u, t0, ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1])
         return True
 

@@ -167,3 +167,43 @@ def test_a_damaged_block_scale_is_named():
         with pytest.raises(Exception, match="invalid block scale") as e:
             fmt.check("exp_avg_sq_absmax", torch.tensor([1.0, bad]), "unit 3")
         assert type(e.value).__name__ == "CorruptOptimizerStateError" and "unit 3" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+@pytest.mark.parametrize("with_sums,zero_grad", [(False, False), (True, True)])
+def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(name, with_sums, zero_grad):
+    """The 8-bit row-wise update (`run_rows`, the embedding's): every row but a batch's, then the
+    batch's rows with their sums added, equals one update of the whole table with the sums added
+    first, bit for bit (codes, scales, master and its stochastic rounding); the gradient's batch
+    rows are cleared when asked, the rest kept; a row that is not whole blocks is refused."""
+    fmt = FORMATS[name]
+    V, h, n = 40, 2 * BLOCK, 11
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(V, h, generator=gen)
+    rows = torch.randperm(V, generator=gen)[:n].sort().values
+    kernel = HostAdam("native", 2)
+    hp = dict(GROUPS[0])
+    got, want = make_unit(fmt, [table]), make_unit(fmt, [table])
+    got.kind = want.kind = "embed"
+    for t in range(3):
+        grad = torch.randn(V, h, generator=gen) * 10 ** -t
+        grad[5] = 0.0
+        sums = torch.randn(n, h, generator=gen) if with_sums else None
+        got.steps[0].add_(1)
+        g = grad.clone()
+        fmt.run_rows(kernel, hp, got, g, rows, got.steps[0], exclude=True)
+        fmt.run_rows(kernel, hp, got, g, rows, got.steps[0], sums=sums, zero_grad=zero_grad)
+        full = grad.clone()
+        if sums is not None:
+            full.index_add_(0, rows, sums)
+        want.steps[0].add_(1)
+        fmt.run(kernel, hp, want, want, [(0, 0, V * h)], [full.view(-1)], [want.steps[0]], None)
+        for a in ("master", "exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert torch.equal(getattr(got, a), getattr(want, a)), (t, a)
+        kept = grad.clone()
+        if zero_grad:
+            kept[rows] = 0.0
+        assert torch.equal(g, kept)
+    odd = make_unit(fmt, [torch.randn(4, BLOCK + 8)])
+    with pytest.raises(ValueError, match="multiple of"):
+        fmt.run_rows(kernel, hp, odd, torch.zeros(4, BLOCK + 8), torch.tensor([1]), odd.steps[0].add_(1))

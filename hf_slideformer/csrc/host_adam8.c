@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void adam8_block(
         void *restrict master_, unsigned char *restrict q1, unsigned char *restrict q2, float *restrict a1,
         float *restrict a2, const void *restrict grad_, uint16_t *restrict out16, int64_t lo, int64_t hi,
         const float *restrict code1, const float *restrict code2, const uint32_t *restrict lut1,
-        const uint32_t *restrict lut2, const slide_adam8_hp *hp, uint64_t ctr, const int gbf, const int mbf, const int o16) {
+        const uint32_t *restrict lut2, const slide_adam8_hp *hp, uint64_t ctr, const int64_t goff, const int gbf, const int mbf, const int o16) {
     float m[Q_BLOCK], v[Q_BLOCK];
     const int64_t len = hi - lo;
     const int64_t b = lo / Q_BLOCK;
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void adam8_block(
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
-        const float g = (gbf ? b2f(g16[i]) : g32[i]) * gscale;
+        const float g = (gbf ? b2f(g16[i - goff]) : g32[i - goff]) * gscale;
         float mm = code1[q1[i]] * s1;
         float vv = code2[q2[i]] * s2;
         mm = fmaf(g, c1, mm * beta1);
@@ -150,9 +150,9 @@ static inline __attribute__((always_inline)) void adam8_block(
         for (int64_t b = 0; b < nb; b++) {                                                        \
             int64_t lo = b * Q_BLOCK, hi = lo + Q_BLOCK < n ? lo + Q_BLOCK : n;                   \
             if (out16) adam8_block(master, q1, q2, a1, a2, grad, out16, lo, hi, code1, code2, lut1, lut2, \
-                                   hp, ctr, GBF, MBF, 1);                                        \
+                                   hp, ctr, 0, GBF, MBF, 1);                                        \
             else adam8_block(master, q1, q2, a1, a2, grad, out16, lo, hi, code1, code2, lut1, lut2, hp, \
-                             ctr, GBF, MBF, 0);                                                  \
+                             ctr, 0, GBF, MBF, 0);                                                  \
         }                                                                                        \
     }
 ADAM8_IMPL(adam8_g32_m32, 0, 0)
@@ -173,6 +173,48 @@ void slide_adamw8(void *master, unsigned char *q1, unsigned char *q2, float *a1,
     else if (grad_bf16) adam8_g16_m32(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
     else if (master_bf16) adam8_g32_m16(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
     else adam8_g32_m32(master, q1, q2, a1, a2, grad, out16, n, code1, code2, lut1, lut2, hp, ctr, threads);
+}
+
+/* The 8-bit update of some rows of a (V, h) table whose rows are whole blocks (h % Q_BLOCK == 0):
+ * for row k of [0, n_rows), r = rows[k], each block of row r takes the flat kernel's update with
+ * the gradient grad[r] (fp32), plus sums[k] when given, and grad[r] is cleared after when
+ * zero_grad and it holds a value. master, q1, q2, grad point at the table's first element, a1, a2
+ * at its first block; the stochastic rounding counts from the table's first element (ctr 0), so
+ * a table updated in two sets of rows equals one update of the whole table. Rows distinct. */
+void slide_adamw8_rows(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2, float *grad,
+                       const int64_t *rows, int64_t n_rows, int64_t h, const float *sums, int zero_grad,
+                       const float *code1, const float *code2, const uint32_t *lut1, const uint32_t *lut2,
+                       const slide_adam8_hp *hp, int master_bf16, int threads) {
+    if (n_rows <= 0 || h <= 0 || h % Q_BLOCK) return;
+    if (threads < 1) threads = 1;
+    _Pragma("omp parallel for num_threads(threads) schedule(dynamic, 1)")
+    for (int64_t k = 0; k < n_rows; k++) {
+        const int64_t r = rows[k];
+        float *restrict gr = grad + r * h;
+        float tmp[Q_BLOCK];
+        for (int64_t c = 0; c < h; c += Q_BLOCK) {
+            const int64_t lo = r * h + c;
+            const float *g = gr + c;
+            int64_t goff = lo;
+            if (sums) {
+                const float *restrict s0 = sums + k * h + c;
+                _Pragma("omp simd")
+                for (int j = 0; j < Q_BLOCK; j++) tmp[j] = gr[c + j] + s0[j];
+                g = tmp;
+            }
+            if (master_bf16) adam8_block(master, q1, q2, a1, a2, g, 0, lo, lo + Q_BLOCK, code1, code2, lut1, lut2,
+                                         hp, 0, goff, 0, 1, 0);
+            else adam8_block(master, q1, q2, a1, a2, g, 0, lo, lo + Q_BLOCK, code1, code2, lut1, lut2, hp, 0, goff,
+                             0, 0, 0);
+        }
+        if (zero_grad) {
+            const uint32_t *restrict w = (const uint32_t *)gr;
+            uint32_t any = 0;
+            _Pragma("omp simd reduction(|:any)")
+            for (int64_t i = 0; i < h; i++) any |= w[i];
+            if (any) memset(gr, 0, (size_t)h * sizeof(float));
+        }
+    }
 }
 
 /* out[i] = bf16(x[i]) rounded stochastically with the kernel's hash (key, ctr + i): the rounding a
