@@ -28,23 +28,40 @@ def _pair(family, dtype, tied, **kw):
     return ref.cuda(), slid
 
 
-def _train(ref, slid, steps, clip=0.5):
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
-    opt = slid.create_optimizer(lr=LR, weight_decay=0.01)
+def _data(steps):
+    return [{k: v.cuda() for k, v in b.items()} for b in batches(steps, bsz=4, seq=96, vocab=VOCAB, pad=True)]
+
+
+def _train_hf(ref, steps, clip=0.5, autocast=False):
+    """HF + torch AdamW (fp32 weights; with `autocast`, bf16 compute): the losses."""
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     losses = []
-    for b in batches(steps, bsz=4, seq=96, vocab=VOCAB, pad=True):
-        b = {k: v.cuda() for k, v in b.items()}
-        r = ref(**b).loss
+    for b in _data(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            r = ref(**b).loss
         r.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-        ropt.step()
-        ropt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        losses.append(r.item())
+    return losses
+
+
+def _train(ref, slid, steps, clip=0.5):
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.01)
+    losses = []
+    for b in _data(steps):
         s = slid(**b).loss
         s.backward()
         opt.step()
         opt.zero_grad()
-        losses.append((s.item(), r.item()))
-    return losses
+        losses.append(s.item())
+    return list(zip(losses, _train_hf(ref, steps, clip)))
+
+
+def _mean_diff(model, ref_sd):
+    sd = model.state_dict()
+    return torch.cat([(sd[k].float().cpu() - ref_sd[k]).abs().flatten() for k in ref_sd]).mean().item()
 
 
 @pytest.mark.parametrize("family", list(REGISTRY))
@@ -66,8 +83,14 @@ def test_fp32_cuda_matches_hf(family):
 def test_bf16_with_the_family_kernels_tracks_fp32_hf(family):
     """bf16 compute, the kernels the entry lists: losses within 2% per step, the mean parameter
     difference under 10% of one lr step (bf16 gradients against fp32 ones), the largest under 2 lr
-    steps per step."""
+    steps per step.
+
+    A mixture of experts: a token whose top-k scores tie within bf16 rounding picks another expert
+    in bf16 than in fp32, a real divergence that Adam turns into whole lr steps on the experts'
+    weights. Its mean bound is HF's own: the same HF model with bf16 autocast against fp32 HF,
+    times 1.5 (a wrong gradient moves most weights by a full step: far above either)."""
     ref, slid = _pair(family, torch.bfloat16, tied=True, max_grad_norm=0.5, use_kernels=True)
+    hf_bf16 = copy.deepcopy(ref) if REGISTRY[family].router_class else None
     handle = getattr(slid, "_triton_ops_patch", None)
     if REGISTRY[family].kernels:
         assert handle is not None and (handle.forwards or handle.rope_module), family
@@ -77,4 +100,8 @@ def test_bf16_with_the_family_kernels_tracks_fp32_hf(family):
         assert abs(s - r) / r < 2e-2, losses
     sd, rsd = slid.state_dict(), ref.cpu().state_dict()
     diffs = torch.cat([(sd[k] - rsd[k]).abs().flatten() for k in rsd])
-    assert diffs.mean().item() < 0.1 * LR and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max())
+    bound = 0.1 * LR
+    if hf_bf16 is not None:
+        _train_hf(hf_bf16, steps, autocast=True)
+        bound = max(bound, 1.5 * _mean_diff(hf_bf16, rsd))
+    assert diffs.mean().item() < bound and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max(), bound)
