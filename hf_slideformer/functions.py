@@ -154,8 +154,6 @@ class HeadFunction(torch.autograd.Function):
     def backward(ctx, gloss):
         eng = ctx.engine
         eng.check_generation(ctx.gen)
-        if eng.router_aux is not None:        # the aux loss's term in each layer's recompute (router_aux.py)
-            eng.router_aux.loss_grad = gloss.detach()
         eng.begin_backward()
         eng.head.backward(gloss)
         gh, ctx.gh = ctx.gh, None

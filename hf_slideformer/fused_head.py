@@ -34,7 +34,9 @@ class FusedLMHeadOutput(ModelOutput):
         mean_logits: the mean of each position's logits over the vocabulary.
         log_sum_sq_probs: log(sum_v p_v**2) of each next-token distribution.
         label_mask: whether each label is not -100.
-        aux_loss: not computed (None).
+        aux_loss: a mixture of experts' load-balancing loss when the forward or the config asks
+            (`output_router_logits`), differentiable: the caller adds it to its loss, as TRL adds
+            `router_aux_loss_coef * aux_loss` (router_aux.py); else None.
     """
 
     loss: torch.Tensor | None = None

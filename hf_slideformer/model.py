@@ -426,17 +426,20 @@ class SlideModel:
             # (the cache stays on the compute device).
             logits = eng.head.logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
             return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
-        if eng.router_aux is not None:
-            eng.router_aux.begin(attention_mask)
+        if eng.router_aux is not None:          # HF's rule: the forward's output_router_logits, else the config's
+            ask = kwargs.pop("output_router_logits", None)
+            eng.router_aux.begin(attention_mask, bool(self.config.output_router_logits if ask is None else ask))
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
         h = out.last_hidden_state
         if torch.is_grad_enabled():
             eng.stats.tokens += input_ids.numel()
+        aux = eng.router_aux.value(h) if eng.router_aux is not None else None
         if fused_lm_head:
             if labels is None and shift_labels is None:
                 raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores each next-token label")
             out = fused_head(eng, h, labels, shift_labels, num_items_in_batch)
+            out.aux_loss = aux                   # the caller adds it (TRL: coef * aux_loss): router_aux.py
             if torch.is_grad_enabled():
                 eng.stats.forward_s += time.perf_counter() - t0
             return out
@@ -452,11 +455,9 @@ class SlideModel:
             eng.stats.forward_s += time.perf_counter() - t0
         else:
             loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
-        aux = eng.router_aux.value() if eng.router_aux is not None else None
         if aux is not None:
             # HF's loss + router_aux_loss_coef * aux; its gradient reaches the routers in each
-            # layer's recompute (router_aux.py), weighted by this loss's gradient.
-            eng.router_aux.live = True
+            # layer's recompute (router_aux.py).
             return MoeCausalLMOutputWithPast(loss=loss + eng.router_aux.coef * aux, aux_loss=aux)
         return CausalLMOutputWithPast(loss=loss)
 

@@ -62,10 +62,23 @@ class ModelShape:
     embed_params: int        # the token embedding (V * H)
     head_params: int         # final norm + lm_head (the norm alone when tied)
     max_positions: int | None = None     # the config's max_position_embeddings
+    active_layer_params: int | None = None   # one token's share of a layer (a mixture of experts: top-k); None: all
+    moe: bool = False                    # routed experts: the MLP has no down_proj product to skip
 
     @property
     def n_params(self) -> int:
         return self.embed_params + self.layers * self.layer_params + self.head_params
+
+    @property
+    def compute_layer_params(self) -> int:
+        """A layer's parameters one token computes with (the GPU's FLOPs): top-k of a mixture of
+        experts' routed experts, every parameter of a dense layer."""
+        return self.active_layer_params or self.layer_params
+
+    @property
+    def skipped_product_params(self) -> int:
+        """The weights of the product the recompute skips (down_proj, I x H; none with routed experts)."""
+        return 0 if self.moe else self.intermediate * self.hidden
 
     @property
     def head_slot_params(self) -> int:
@@ -112,8 +125,12 @@ def model_shape(cfg: dict) -> ModelShape:
     layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
     tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
     maxpos = cfg.get("max_position_embeddings")
+    moe = family.router_class is not None
+    active = family.active_layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd,
+                                                       head_dim=hd)) if moe else None
     return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
-                      head_params=H + (0 if tied else V * H), max_positions=int(maxpos) if maxpos else None)
+                      head_params=H + (0 if tied else V * H), max_positions=int(maxpos) if maxpos else None,
+                      active_layer_params=active, moe=moe)
 
 
 @dataclass(frozen=True)
@@ -320,7 +337,9 @@ class Estimator:
     def flops_per_token(self, recompute: bool = True) -> float:
         """Matmul FLOPs per token: layers 6 N (fwd, bwd) plus the recompute's 2 N less down_proj's
         2 I H (its product is not recomputed), head 6 V H, causal attention (forward 2 S d per
-        layer, backward 2.5 x the forward)."""
+        layer, backward 2.5 x the forward). N counts the parameters a token computes with: a
+        mixture of experts' top-k experts (`active_layer_params`), whose recompute skips nothing;
+        the host and PCIe terms count every parameter."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
         return self.projection_flops(recompute) + 6 * s.vocab * s.hidden + attn
@@ -328,7 +347,8 @@ class Estimator:
     def projection_flops(self, recompute: bool = True) -> float:
         """The decoder layers' projection FLOPs per token (the GEMMs the FP8 mode runs in FP8)."""
         s = self.s
-        return s.layers * (6 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0))
+        n = s.compute_layer_params
+        return s.layers * (6 * n + (2 * (n - s.skipped_product_params) if recompute else 0))
 
     def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The GPU's compute per optimizer step of N micro-batches (without the recompute: the

@@ -154,10 +154,11 @@ class LoraEstimator(Estimator):
         2 P less down_proj's 2 I H, head 4 V H (its forward and its input's gradient), attention
         as for full fine-tuning (its backward has no weights); a trained lm_head (modules_to_save) adds
         its weight gradient's 2 V H. The adapters' products are timed by
-        `adapter_seconds`."""
+        `adapter_seconds`. P: the parameters a token computes with (`ModelShape.compute_layer_params`)."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
-        lin = 4 * s.layer_params + (2 * (s.layer_params - s.intermediate * s.hidden) if recompute else 0)
+        n = s.compute_layer_params                  # a mixture of experts: its top-k experts' share
+        lin = 4 * n + (2 * (n - s.skipped_product_params) if recompute else 0)
         head = (6 if self.trained_head_params else 4) * s.vocab * s.hidden     # a trained head: its weight gradient
         return s.layers * lin + head + attn
 

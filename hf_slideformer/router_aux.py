@@ -11,14 +11,37 @@ without a graph in the forward, so the loss cannot be a function of their logits
 forward sums T and P from each router's output (hooks on the routers) and adds the value; `T`
 has no gradient, so d aux / d p_l[t, e] = E * T_e * m_t / N, and each layer's recompute in
 backward adds that term (`surrogate`, whose gradient is exactly this) to its own backward,
-weighted by the loss gradient.
+weighted by the gradient the loss gives aux.
+
+That gradient is aux's own: the forward returns aux as the output of `AuxLossFunction`, a node
+of the graph that takes the decoder's output as an input (its gradient there is zero). Whatever
+loss is built from it (HF's `loss + coef * aux`, TRL's `loss + coef * aux / steps`) sends it its
+gradient, and the node runs before the last layer's backward (autograd runs a node only after
+every node its output feeds): the recomputes read it there. A loss without aux sends nothing,
+and no layer adds a term.
+
+`logged()` is the mean aux of the training forwards since it was last read (the Trainer's log).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-__all__ = ["RouterAux"]
+__all__ = ["RouterAux", "AuxLossFunction"]
+
+
+class AuxLossFunction(torch.autograd.Function):
+    """(h, aux value) -> aux, a node whose backward hands aux's gradient to the `RouterAux`."""
+
+    @staticmethod
+    def forward(ctx, h, value, router_aux):
+        ctx.router_aux = router_aux
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.router_aux.aux_grad = grad.detach()
+        return None, None, None
 
 
 class RouterAux:
@@ -35,9 +58,10 @@ class RouterAux:
         self.coef = float(cfg.router_aux_loss_coef)
         self.experts = int(getattr(cfg, "num_experts", None) or cfg.num_local_experts)
         self.top_k = int(cfg.num_experts_per_tok)
-        self.live = False                   # the current graph's loss holds the aux term
+        self.enabled = False
         self.captured: dict[int, torch.Tensor] = {}
-        self.loss_grad = None
+        self.aux_grad = None                # d loss / d aux of the current backward (AuxLossFunction)
+        self._logged = (0.0, 0)
         self._mask = None
         self._sums = None
         for i, layer in enumerate(layers):
@@ -45,14 +69,18 @@ class RouterAux:
                 if type(m).__name__ == router_class:
                     m.register_forward_hook(lambda mod, args, out, _i=i: self._seen(_i, out[0]))
 
-    def begin(self, attention_mask: torch.Tensor | None) -> None:
-        """A forward starts: reset the sums."""
+    def begin(self, attention_mask: torch.Tensor | None, enabled: bool) -> None:
+        """A forward starts: reset the sums; with `enabled` False (the forward's or the config's
+        `output_router_logits`), the routers' outputs are not read and there is no aux."""
+        self.enabled = enabled
         self._mask = None if attention_mask is None else attention_mask.reshape(-1).float()
         self._sums = None
-        self.live = False
+        self.aux_grad = None
         self.captured = {}
 
     def _seen(self, i: int, logits: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         if torch.is_grad_enabled():         # the recompute: its term joins the layer's backward
             self.captured[i] = logits
             return
@@ -66,21 +94,33 @@ class RouterAux:
             t, pr, n = self._sums if self._sums is not None else (0.0, 0.0, 0.0)
             self._sums = (t + tokens, pr + probs, n + m.sum())
 
-    def value(self) -> torch.Tensor | None:
-        """aux of the forward that just ran (None when no router ran)."""
+    def value(self, h: torch.Tensor) -> torch.Tensor | None:
+        """aux of the forward that just ran, as a node of the graph of the decoder's output `h`
+        when it has one (None when no router ran)."""
         if self._sums is None:
             return None
         tokens, probs, n = self._sums
-        return self.experts * torch.sum((tokens / n) * (probs / n))
+        aux = self.experts * torch.sum((tokens / n) * (probs / n))
+        if not (torch.is_grad_enabled() and h.requires_grad):
+            return aux
+        total, count = self._logged
+        self._logged = (total + aux.item(), count + 1)
+        return AuxLossFunction.apply(h, aux, self)
+
+    def logged(self) -> float | None:
+        """The mean aux of the training forwards since the last call (None when none ran)."""
+        total, count = self._logged
+        self._logged = (0.0, 0)
+        return total / count if count else None
 
     def surrogate(self, i: int) -> torch.Tensor | None:
         """A scalar of layer i's recomputed router logits whose gradient is aux's, times the
-        coefficient and the loss gradient (None when layer i has no term)."""
+        gradient the loss gives aux (None when layer i has no term)."""
         logits = self.captured.pop(i, None)
-        if not self.live or logits is None or self.loss_grad is None:
+        if logits is None or self.aux_grad is None:
             return None
         tokens, _, n = self._sums
         p = torch.softmax(logits.float(), dim=-1)
         m = torch.ones(p.shape[0], device=p.device) if self._mask is None else self._mask.to(p.device)
-        weight = self.coef * self.loss_grad.float() * self.experts * (tokens / n) / n            # (E,)
+        weight = self.aux_grad.float() * self.experts * (tokens / n) / n                         # (E,)
         return ((p * m[:, None]).sum(0) * weight).sum()

@@ -166,7 +166,9 @@ class SlideTrainer(Trainer):
         return grad_norm
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the engine's pre-clip grad norm, tokens/s and per-step breakdown to training logs.
+        """Add the engine's pre-clip grad norm, tokens/s and per-step breakdown to training logs,
+        and for a mixture of experts computing it, the mean `aux_loss` of the forwards since the
+        last log (the load-balancing loss before its coefficient, as HF returns it).
 
         The grad norm is logged as it is, NaN or inf included (as the plain Trainer logs it), with a
         warning naming the step; the loss is the Trainer's (its `logging_nan_inf_filter`, on by
@@ -192,6 +194,10 @@ class SlideTrainer(Trainer):
                 for key, name, scale in _STATS:
                     logs[name] = (stats[key] - s0[key]) * scale / steps
             self._slide_mark = (now, self._slide_tokens, stats)
+            router_aux = self.model.slide_engine.router_aux
+            aux = router_aux.logged() if router_aux is not None else None
+            if aux is not None:             # a mixture of experts: the mean aux loss since the last log, HF's name
+                logs.setdefault("aux_loss", aux)
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):

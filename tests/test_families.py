@@ -235,6 +235,30 @@ def test_the_router_aux_loss_is_hf_s(family):
         torch.testing.assert_close(slid(**b).loss, ref(**b).loss, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_the_fused_head_path_returns_a_differentiable_aux_loss(family):
+    """TRL's SFT loss: -sum(log_probs) / tokens + coef * aux_loss, the aux asked for by the forward
+    (`output_router_logits=True`, the config's off), trains as HF's loss with the aux: three
+    steps, every weight within 5% of one lr step; a loss without the aux trains without it."""
+    ref, slid = make_pair(family, cfg_kw=dict(output_router_logits=False))
+    coef = ref.config.router_aux_loss_coef
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=LR, weight_decay=0.0)
+    for b in batches(3, pad=True):
+        ref(**b, output_router_logits=True).loss.backward()
+        out = slid(**b, fused_lm_head=True, output_router_logits=True)
+        assert out.aux_loss is not None and out.aux_loss.requires_grad
+        (-out.log_probs.sum() / out.label_mask.sum() + coef * out.aux_loss).backward()
+        for o in (ropt, opt):
+            o.step()
+            o.zero_grad()
+    slid.slide_engine.synchronize()
+    from helpers import max_param_diff
+    assert max_param_diff(ref, slid) < PARAM_TOL
+    b = batches(1, seed=5, pad=True)[0]
+    assert slid(**b, fused_lm_head=True).aux_loss is None            # neither the config nor the forward asks
+
+
 def test_lora_on_the_experts_weights_is_refused():
     """PEFT's way to the experts (`target_parameters`) is refused at slide(), not trained wrong."""
     base = AutoModelForCausalLM.from_config(family_config("qwen3_moe"))

@@ -719,3 +719,27 @@ def test_fp8_speeds_up_the_projection_gemms_only():
     assert fp8.to_dict()["fp8"] is True and "fp8" not in bf16.to_dict()
     with pytest.raises(ValueError, match="LoRA"):
         plan(cfg, batch=16, gpu_mem=24, host_mem=120, adam_gps=3.5, fp8=True, lora_r=8)
+
+
+def test_a_mixture_of_experts_computes_with_its_top_k_and_moves_every_parameter():
+    """The compute term counts a token's parameters (the top-k experts' share of the routed ones,
+    plus the dense rest), the host and PCIe terms every parameter; a dense shape is unchanged."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from hf_slideformer.plan_estimate import Estimator
+
+    raw = load_model_config(CONFIGS / "qwen3-30b-a3b.json")
+    s = model_shape(raw)
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(AutoConfig.for_model(**raw)).model.layers[0]
+    routed = sum(p.numel() for p in layer.mlp.experts.parameters())
+    assert s.layer_params == sum(p.numel() for p in layer.parameters())
+    assert s.active_layer_params == s.layer_params - routed + routed * 8 // 128
+    assert 3.0e9 < s.layers * s.active_layer_params + s.embed_params < 3.6e9      # "A3B"
+    p = plan(CONFIGS / "qwen3-30b-a3b.json", batch=8, gpu_mem=24, resident=False, **H200)
+    est = Estimator(s, 2048, 2, 4, p.rates)
+    n = s.active_layer_params
+    attn = 9 * 2048 * s.heads * s.head_dim * s.layers
+    assert est.flops_per_token() == s.layers * (6 * n + 2 * n) + 6 * s.vocab * s.hidden + attn
+    assert p.h2d_bytes > 2 * (s.layers - 4) * s.layer_params                     # every parameter crosses
+    dense = model_shape(load_model_config(CONFIGS / "llama3-8b.json"))
+    assert dense.active_layer_params is None and dense.compute_layer_params == dense.layer_params

@@ -88,3 +88,26 @@ def test_tokens_per_second_counts_the_batches_of_hf_collators(tmp_path):
     trainer.train()
     rates = logged(trainer, "tokens_per_s")
     assert len(rates) == 2 and all(r > 0 for r in rates)
+
+
+def test_a_mixture_of_experts_logs_its_aux_loss_beside_the_loss(tmp_path):
+    """Each log line carries `aux_loss` (HF's name), the mean of the logged steps' forwards: with
+    the whole data set one batch (a step of one micro-batch), the first step's is HF's aux of it."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from helpers import family_config
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("qwen3_moe", vocab_size=128))
+    batch = data(2)
+    with torch.no_grad():
+        ids = torch.stack([b["input_ids"] for b in batch])
+        expected = model(input_ids=ids, labels=ids).aux_loss.item()
+    kw = dict(per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[], use_cpu=True,
+              save_strategy="no", disable_tqdm=True)
+    slid = hs.SlideTrainer(model=model, args=hs.SlideArgs(output_dir=str(tmp_path / "s"), **kw),
+                           train_dataset=batch)
+    slid.train()
+    aux = logged(slid, "aux_loss")
+    assert len(aux) == 2 and all(math.isfinite(a) and a > 0 for a in aux)
+    assert math.isclose(aux[0], expected, rel_tol=1e-5), (aux, expected)

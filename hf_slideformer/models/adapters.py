@@ -40,10 +40,10 @@ class DecoderAdapter:
         return None if scale is None else scale(model.config)
 
     def router_aux(self, model: nn.Module, layers):
-        """A mixture of experts' `router_aux.RouterAux` when its config asks for the auxiliary
-        load-balancing loss (`output_router_logits`), else None."""
+        """A mixture of experts' `router_aux.RouterAux` (each forward says whether it computes the
+        auxiliary load-balancing loss: `output_router_logits`), else None."""
         family = self.family
-        if family.router_class is None or not getattr(model.config, "output_router_logits", False):
+        if family.router_class is None:
             return None
         from ..router_aux import RouterAux
         return RouterAux(model, layers, family.router_class)

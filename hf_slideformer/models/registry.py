@@ -18,7 +18,8 @@ the family departs from the Llama decoder:
   modules;
 - the parameters a decoder layer holds, which the planner counts from a config.json: beyond the
   Llama core by formula (`extra_layer_params`), or, with None, from the family's own modules
-  built on the meta device (`layer_params_of`).
+  built on the meta device (`layer_params_of`); for a mixture of experts also those one token
+  computes with (`active_layer_params_of`: top-k of the routed experts), the planner's compute.
 
 `NOT_SUPPORTED` names families that transformers ships but the engine refuses, with the reason.
 `docs/models.md` is the table of the families; `docs/engine.md` ("How to add a model family")
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["LayerDims", "LogitTransform", "Family", "FAMILIES", "NOT_SUPPORTED", "SUPPORTED_MODEL_TYPES",
-           "get_family", "llama_core_params", "layer_params_of"]
+           "get_family", "llama_core_params", "layer_params_of", "active_layer_params_of"]
 
 ATTENTION = ("full_attention", "sliding_attention")
 ALL_KERNELS = ("rms_norm", "rope", "swiglu")
@@ -157,6 +158,13 @@ class Family:
         name = self.model_type.removesuffix("_text")
         return f"transformers.models.{name}.modeling_{name}"
 
+    def active_layer_params(self, cfg: dict, d: LayerDims) -> int:
+        """Parameters of the largest decoder layer one token computes with: all of them in a
+        dense family, the top-k experts' share of the routed experts in a mixture of experts."""
+        if self.router_class is None:
+            return self.layer_params(cfg, d)
+        return active_layer_params_of(cfg)
+
     def layer_params(self, cfg: dict, d: LayerDims) -> int:
         """Parameters of the largest decoder layer of a model with config `cfg`."""
         if self.extra_layer_params is None:
@@ -176,6 +184,27 @@ def layer_params_of(cfg: dict) -> int:
         model = AutoModelForCausalLM.from_config(config)
     layers = getattr(model, "model", model).layers
     return max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+
+
+def active_layer_params_of(cfg: dict) -> int:
+    """Parameters of the largest decoder layer that one token computes with, for a mixture of
+    experts: the layer's dense parameters and `num_experts_per_tok` of its routed experts'
+    (the modules named `*Experts`; a shared expert is dense). Built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = {k: v for k, v in cfg.items() if k != "model_type"}
+    config = AutoConfig.for_model(cfg["model_type"], **kw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = int(getattr(config, "num_experts", None) or config.num_local_experts)
+    top_k = int(config.num_experts_per_tok)
+
+    def active(layer) -> int:
+        routed = sum(p.numel() for m in layer.modules() if type(m).__name__.endswith("Experts")
+                     for p in m.parameters(recurse=False))
+        return sum(p.numel() for p in layer.parameters()) - routed + routed * top_k // experts
+    return max(active(layer) for layer in getattr(model, "model", model).layers)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
