@@ -65,8 +65,11 @@ def test_8bit_adamw_follows_bitsandbytes_step_by_step(grad_dtype):
     """Odd sizes, two groups (one with weight decay), the lr changed every step, bf16 or fp32 gradients.
 
     Tolerance: the codes and block scales are bitsandbytes' exactly (the same rounding table and
-    the same operation order); the master within 2 ulp of fp32, because torch's vectorized
-    addcdiv_ may contract differently from the kernel. Plain fp32 AdamW (the quantization switched
+    the same operation order); each step's master within 4 ulp of the larger term of its last sum
+    (the decayed weight or the step): torch's vectorized addcdiv_ rounds the step in another order
+    than the kernel (value * m / d against value * (m / d), up to 2 ulp of the step apart), and the
+    decay and the sum round once each; where the step cancels most of the weight, those are many
+    ulps of the result, so the bound is on the terms, not on the result. Plain fp32 AdamW (the quantization switched
     off) is checked to miss the same master tolerance by far, so that the comparison can fail."""
     torch.manual_seed(0)
     params = [torch.randn(s) for s in SHAPES]
@@ -87,6 +90,7 @@ def test_8bit_adamw_follows_bitsandbytes_step_by_step(grad_dtype):
         grads = [torch.randn(s).to(grad_dtype) for s in SHAPES]
         for r, f, g in zip(ref, fp32, grads):
             r.grad, f.grad = g.float(), g.float()
+        before = [r.detach().clone() for r in ref]
         ref_opt.step()
         fp32_opt.step()
         step(fmt, kernel, u, torch.cat([g.reshape(-1) for g in grads]), groups)
@@ -97,9 +101,11 @@ def test_8bit_adamw_follows_bitsandbytes_step_by_step(grad_dtype):
             assert torch.equal(ours["exp_avg_absmax"], s["absmax1"]), (t, k)
             assert torch.equal(ours["exp_avg_sq_absmax"], s["absmax2"]), (t, k)
             w = u.entries[k].view(u.master)
-            tol = 2 * torch.finfo(torch.float32).eps * r.detach().abs() + 1e-12
+            terms = torch.maximum(before[k].abs(), (r.detach() - before[k]).abs())
+            tol = 4 * torch.finfo(torch.float32).eps * terms + 1e-12
             assert ((w - r.detach()).abs() <= tol).all(), (t, k, (w - r.detach()).abs().max())
             worst_fp32 = max(worst_fp32, float(((f.detach() - r.detach()).abs() / tol).max()))
+            r.data.copy_(w.view_as(r))          # each step is held to its own rounding, not the sum of all
     assert worst_fp32 > 100          # fp32 moments are far outside the tolerance: the test sees quantization
 
 
