@@ -20,7 +20,7 @@ import torch
 
 from triton_ops import reference
 
-__all__ = ["Fp8Ops", "CudaFp8", "EmulatedFp8", "QuantizedWeight", "Fp8Linear", "fp8_linear", "fp8_unsupported",
+__all__ = ["Fp8Ops", "CudaFp8", "EmulatedFp8", "QuantizedWeight", "SharedInputs", "Fp8Linear", "fp8_linear", "fp8_unsupported",
            "GEMM_ALIGN"]
 
 GEMM_ALIGN = 16          # torch._scaled_mm needs every dimension of its operands a multiple of 16 bytes
@@ -90,31 +90,67 @@ class QuantizedWeight:
         return self._cols_t
 
 
+class SharedInputs:
+    """The FP8 forms of the inputs that several projections of one layer call read (q, k and v the
+    same normed hidden states, gate and up the same): each is quantized once per form.
+
+    An entry holds its tensor, so that the tensor's id is not reused while the entry lives, and
+    its version: a tensor written in place since is quantized again.
+    """
+
+    def __init__(self, ops: Fp8Ops):
+        self.ops = ops
+        self.entries: dict[int, list] = {}
+
+    def _entry(self, x: torch.Tensor) -> list:
+        e = self.entries.get(id(x))
+        if e is None or e[0] is not x or e[1] != x._version:
+            e = self.entries[id(x)] = [x, x._version, None, None]
+        return e
+
+    def rows(self, x: torch.Tensor) -> tuple:
+        """x (..., K) quantized per token (the forward's first operand)."""
+        e = self._entry(x)
+        if e[2] is None:
+            e[2] = self.ops.quantize_rows(x.detach().reshape(-1, x.shape[-1]))
+        return e[2]
+
+    def cols_t(self, x: torch.Tensor) -> tuple:
+        """x (..., K) quantized per feature over the tokens, transposed (wgrad's second operand)."""
+        e = self._entry(x)
+        if e[3] is None:
+            e[3] = self.ops.quantize_cols_t(x.detach().reshape(-1, x.shape[-1]))
+        return e[3]
+
+
 class Fp8Linear(torch.autograd.Function):
     """y = x W^T + b with every GEMM in FP8 (the recipe above).
 
     Args of `apply`: x (..., K), weight (N, K), bias (N,) or None, `QuantizedWeight` of the weight
-    or None (quantized here), the `Fp8Ops`, and `output`: False returns zeros of the output's
-    shape without the forward GEMM (the engine's recompute of a layer's last projection, whose
-    product nothing reads: docs/engine.md) while the backward is the same.
+    or None (quantized here), the `Fp8Ops`, `output`: False returns zeros of the output's shape
+    without the forward GEMM (the engine's recompute of a layer's last projection, whose product
+    nothing reads: docs/engine.md) while the backward is the same, and a `SharedInputs` (or
+    None) that the projections reading the same input share.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, ops, output):
-        ctx.save_for_backward(x, weight)
+    def forward(ctx, x, weight, bias, qweight, ops, output, shared=None):
+        shared = shared if shared is not None else SharedInputs(ops)
+        ctx.save_for_backward(weight)
+        ctx.x, ctx.shared = x, shared       # x is an input, never this node's output: no reference cycle
         ctx.ops, ctx.qweight, ctx.has_bias = ops, qweight, bias is not None
         lead, n = x.shape[:-1], weight.shape[0]
         if not output:
             return x.new_zeros(*lead, n)
         w_rows = qweight.rows if qweight is not None else ops.quantize_rows(weight.detach())
-        y = ops.mm(ops.quantize_rows(x.reshape(-1, x.shape[-1])), w_rows, x.dtype, fast_accum=True)
+        y = ops.mm(shared.rows(x), w_rows, x.dtype, fast_accum=True)
         if bias is not None:
             y = y + bias
         return y.view(*lead, n)
 
     @staticmethod
     def backward(ctx, gy):
-        x, w = ctx.saved_tensors
+        (w,), x = ctx.saved_tensors, ctx.x
         ops = ctx.ops
         g2 = gy.reshape(-1, gy.shape[-1])                        # (M, N)
         gx = gw = gb = None
@@ -124,12 +160,11 @@ class Fp8Linear(torch.autograd.Function):
             gx = gx.view(*gy.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
             # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
-            x2 = x.detach().reshape(-1, x.shape[-1])
-            gw = ops.mm(ops.quantize_cols_t(g2), ops.quantize_cols_t(x2), w.dtype, fast_accum=False)
+            gw = ops.mm(ops.quantize_cols_t(g2), ctx.shared.cols_t(x), w.dtype, fast_accum=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
-        ctx.qweight = None
-        return gx, gw, gb, None, None, None
+        ctx.qweight = ctx.x = ctx.shared = None
+        return gx, gw, gb, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -9,7 +9,8 @@ each layer's forward and around its recompute in backward:
 `DtypeMatmuls` ('dtype') leaves the projections as they are, and makes the recompute's last
 projection output-free (`functions.grad_only`, docs/engine.md). `Fp8Matmuls` ('fp8') runs every
 plain `nn.Linear` of the layer (q, k, v, o, gate, up, down in the Llama layout) through
-`fp8.Fp8Linear`, the output-free one too, so its backward is the same FP8 math. Norms,
+`fp8.Fp8Linear`, the output-free one too, so its backward is the same FP8 math; an input that
+several projections read (q, k, v; gate, up) is quantized once per form (`fp8.SharedInputs`). Norms,
 attention, the embedding, the loss head and the gradients sent to the host are unchanged.
 
 Note: [Why FP8 weights are cached by the slot's fill] a layer's weights are quantized once per
@@ -26,7 +27,7 @@ import contextlib
 import torch
 from torch import nn
 
-from .fp8 import GEMM_ALIGN, CudaFp8, EmulatedFp8, Fp8Linear, Fp8Ops, QuantizedWeight, fp8_unsupported
+from .fp8 import GEMM_ALIGN, CudaFp8, EmulatedFp8, Fp8Linear, Fp8Ops, QuantizedWeight, SharedInputs, fp8_unsupported
 from .functions import grad_only
 
 __all__ = ["DtypeMatmuls", "Fp8Matmuls", "layer_matmuls", "check_matmuls", "fp8_refusals", "install_emulation", "projections"]
@@ -82,17 +83,18 @@ class Fp8Matmuls:
     @contextlib.contextmanager
     def _patched(self, i: int, slot, skip):
         mods = self.projections[i]
+        shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
         for proj in mods:
-            proj.forward = self._runner(proj, slot, proj is not skip)
+            proj.forward = self._runner(proj, slot, proj is not skip, shared)
         try:
             yield
         finally:
             for proj in mods:
                 proj.__dict__.pop("forward", None)
 
-    def _runner(self, proj: nn.Linear, slot, output: bool):
+    def _runner(self, proj: nn.Linear, slot, output: bool, shared: SharedInputs):
         def run(x):
-            return Fp8Linear.apply(x, proj.weight, proj.bias, self.quantized(slot, proj), self.ops, output)
+            return Fp8Linear.apply(x, proj.weight, proj.bias, self.quantized(slot, proj), self.ops, output, shared)
         return run
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_slideformer import fp8
-from hf_slideformer.fp8 import EmulatedFp8, Fp8Linear, QuantizedWeight, fp8_linear, fp8_unsupported
+from hf_slideformer.fp8 import EmulatedFp8, Fp8Linear, QuantizedWeight, SharedInputs, fp8_linear, fp8_unsupported
 from triton_ops import reference
 
 SHAPES = [(5, 123), (37, 4099), (1, 16), (64, 48)]
@@ -124,6 +124,31 @@ def test_cached_weight_gives_the_same_result_and_output_free_forward():
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
 
 
+def test_shared_inputs_quantize_once_and_follow_in_place_writes():
+    calls = []
+
+    class Counting(EmulatedFp8):
+        def quantize_rows(self, x):
+            calls.append("rows")
+            return super().quantize_rows(x)
+
+    ops = Counting()
+    shared = SharedInputs(ops)
+    x = torch.randn(2, 3, 32).bfloat16().requires_grad_()
+    ws = [(torch.randn(16, 32) * 0.1).bfloat16().requires_grad_() for _ in range(3)]
+    ys = [Fp8Linear.apply(x, w, None, QuantizedWeight(w, ops), ops, True, shared) for w in ws]
+    assert calls.count("rows") == 3 + 1                      # one per weight, one for the shared input
+    alone = [Fp8Linear.apply(x, w, None, None, EmulatedFp8(), True) for w in ws]
+    assert all(torch.equal(a, b) for a, b in zip(ys, alone))
+    ga = torch.autograd.grad(sum(y.float().sum() for y in ys), [x, *ws])
+    gb = torch.autograd.grad(sum(y.float().sum() for y in alone), [x, *ws])
+    assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+    first = shared.rows(x)
+    with torch.no_grad():
+        x.mul_(2)                                             # written in place: quantized again
+    assert shared.rows(x) is not first
+
+
 def test_unsupported_names_the_requirement(monkeypatch):
     assert "capability 8.9" in fp8_unsupported(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
@@ -141,8 +166,10 @@ def test_kernel_scales_under_the_interpreter():
     # Triton 3.9's interpreter casts to e4m3 by another rounding than the GPU; the scales and the
     # layout are held here, the values bit for bit on the GPU (tests/test_fp8_gpu.py).
     from triton_ops.kernels import fp8_quant as k
+    for shape in ((37, 409), (3, 20000)):          # one pass; two passes over a row longer than 16384
+        x = torch.randn(*shape).bfloat16()
+        assert torch.equal(k.fp8_quantize_rows(x)[1], reference.fp8_quantize_rows(x)[1])
     x = torch.randn(37, 409).bfloat16()
-    assert torch.equal(k.fp8_quantize_rows(x)[1], reference.fp8_quantize_rows(x)[1])
     q, inv = k.fp8_quantize_cols_t(x, 16)
     assert q.shape == (409, 48) and torch.equal(inv, reference.fp8_quantize_cols_t(x, 16)[1])
 

@@ -10,9 +10,12 @@ The math is `triton_ops.reference.fp8_quantize_rows` / `fp8_quantize_cols_t` (to
     inv_r   = 1 / scale_r                                   (exact: a power of two)
 
 `fp8_quantize_rows` reduces along the last dimension and keeps the layout (the first operand of
-`torch._scaled_mm`, and a weight's forward operand). `fp8_quantize_cols_t` reduces along the
-first dimension and writes the result transposed, (C, R) row-major, which is the column-major
-second operand the dgrad / wgrad GEMMs take; its R may be padded with zeros to a multiple of 16.
+`torch._scaled_mm`, and a weight's forward operand): one program per row, which reads it once.
+`fp8_quantize_cols_t` reduces along the first dimension and writes the result transposed, (C, R)
+row-major, which is the column-major second operand the dgrad / wgrad GEMMs take; its R may be
+padded with zeros to a multiple of 16. It runs over tiles in two launches (the column maxima,
+folded with an atomic max, then the scaled, transposed tiles), so that a tall operand (the
+tokens of a micro-batch) spreads over every SM.
 The autograd tier of these kernels is `hf_slideformer.fp8.Fp8Linear`, which calls them through
 `hf_slideformer.fp8.CudaFp8`.
 """
@@ -26,8 +29,10 @@ __all__ = ["fp8_quantize_rows", "fp8_quantize_cols_t"]
 
 _E4M3_MAX = 448.0
 _EPS = 1e-12
-_ROW_BLOCK = 2048
-_COL_BLOCK_R, _COL_BLOCK_C = 64, 32
+_ROW_BLOCK = 2048              # the two-pass row kernel's chunk, for rows longer than _ONE_PASS_MAX
+_ONE_PASS_MAX = 16384         # rows up to this length are read once, kept in registers
+_AMAX_BLOCK_R = 256           # rows per tile of the column-maxima pass
+_COL_BLOCK = 64               # tile side of the transposed quantization
 
 
 @triton.jit
@@ -42,46 +47,63 @@ def _pow2_scale(amax):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, inv_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
-    """One program per row r of x (M, K): amax over the row, then q[r, :] and inv[r]."""
+def _quant_rows_kernel(x_ptr, q_ptr, inv_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row r of x (M, K): amax over the row, then q[r, :] and inv[r]. With
+    ONE_PASS (K <= BLOCK) the row is read once and kept in registers."""
     r = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + r * stride_x, q_ptr + r * stride_q
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for k in range(0, K, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale, inv = _pow2_scale(tl.max(amax, axis=0))
-    for k in range(0, K, BLOCK):
-        offs = k + tl.arange(0, BLOCK)
-        x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x * scale, -448.0, 448.0)
-        tl.store(q_row + offs, q.to(tl.float8e4nv), mask=offs < K)
+        scale, inv = _pow2_scale(tl.max(tl.abs(x), axis=0))
+        tl.store(q_row + offs, tl.clamp(x * scale, -448.0, 448.0).to(tl.float8e4nv), mask=offs < K)
+    else:
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for k in range(0, K, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale, inv = _pow2_scale(tl.max(amax, axis=0))
+        for k in range(0, K, BLOCK):
+            offs = k + tl.arange(0, BLOCK)
+            x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
+            tl.store(q_row + offs, tl.clamp(x * scale, -448.0, 448.0).to(tl.float8e4nv), mask=offs < K)
     tl.store(inv_ptr + r, inv)
 
 
 @triton.jit
-def _quant_cols_t_kernel(x_ptr, q_ptr, inv_ptr, R, C, R_out, stride_x, stride_q,
+def _col_amax_kernel(x_ptr, amax_ptr, R, C, stride_x, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program per (BLOCK_R, BLOCK_C) tile of x (R, C): its column maxima of |x|, folded into
+    amax (C,) (float32, zero-initialised) with an atomic max."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr + c, tl.max(tl.abs(x), axis=0), mask=c < C)
+
+
+@triton.jit
+def _quant_cols_t_kernel(x_ptr, amax_ptr, q_ptr, R, C, R_out, stride_x, stride_q,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """One program per BLOCK_C columns of x (R, C): amax down each column, then q (C, R_out) = the
-    scaled columns as rows; rows r in [R, R_out) of the transposed output are written as zeros."""
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    """One program per (BLOCK_R, BLOCK_C) tile of x (R, C): q[c, r] = the tile scaled by its columns'
+    scales, written transposed into q (C, R_out); rows r in [R, R_out) are written as zeros."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
-    amax = tl.zeros((BLOCK_C,), tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-        m = (r[:, None] < R) & cmask[None, :]
-        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-    scale, inv = _pow2_scale(amax)
-    for r0 in range(0, R_out, BLOCK_R):
-        r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
-        m = (r[:, None] < R) & cmask[None, :]
-        x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-        q = tl.clamp(x * scale[None, :], -448.0, 448.0).to(tl.float8e4nv)       # (BLOCK_R, BLOCK_C)
-        out = q_ptr + c[None, :].to(tl.int64) * stride_q + r[:, None]
-        tl.store(out, q, mask=(r[:, None] < R_out) & cmask[None, :])
-    tl.store(inv_ptr + c, inv, mask=cmask)
+    scale, inv = _pow2_scale(tl.load(amax_ptr + c, mask=cmask, other=1.0))
+    m = (r[:, None] < R) & cmask[None, :]
+    x = tl.load(x_ptr + r[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+    q = tl.trans(tl.clamp(x * scale[None, :], -448.0, 448.0).to(tl.float8e4nv))       # (BLOCK_C, BLOCK_R)
+    out = q_ptr + c[:, None].to(tl.int64) * stride_q + r[None, :]
+    tl.store(out, q, mask=cmask[:, None] & (r[None, :] < R_out))
+
+
+@triton.jit
+def _inverse_kernel(amax_ptr, inv_ptr, C, BLOCK: tl.constexpr):
+    """inv (C,) = the inverse scales of the column maxima amax (C,)."""
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    scale, inv = _pow2_scale(tl.load(amax_ptr + c, mask=c < C, other=1.0))
+    tl.store(inv_ptr + c, inv, mask=c < C)
 
 
 def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +114,17 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
     if M:
-        block = min(_ROW_BLOCK, triton.next_power_of_2(max(K, 16)))
-        _quant_rows_kernel[(M,)](x, q, inv, K, x.stride(0), q.stride(0), BLOCK=block,
-                                 num_warps=4 if block >= 1024 else 2)
+        one_pass = K <= _ONE_PASS_MAX
+        block = triton.next_power_of_2(max(K, 16)) if one_pass else _ROW_BLOCK
+        warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+        _quant_rows_kernel[(M,)](x, q, inv, K, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+                                 num_warps=warps)
     return q, inv
 
 
 def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the column kernel on x (R, C). Returns (q (C, R padded to `pad_to`), inv (C, 1))."""
+    """Launch the column kernels on x (R, C): the column maxima, then the transposed quantization.
+    Returns (q (C, R padded to `pad_to`), inv (C, 1))."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, C = x.shape
@@ -107,7 +132,13 @@ def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor,
     q = torch.empty((C, r_out), dtype=torch.float8_e4m3fn, device=x.device)
     inv = torch.empty((C, 1), dtype=torch.float32, device=x.device)
     if C:
-        grid = (triton.cdiv(C, _COL_BLOCK_C),)
-        _quant_cols_t_kernel[grid](x, q, inv, R, C, r_out, x.stride(0), q.stride(0),
-                                   BLOCK_R=_COL_BLOCK_R, BLOCK_C=_COL_BLOCK_C, num_warps=4)
+        amax = torch.zeros(C, dtype=torch.float32, device=x.device)
+        if R:
+            _col_amax_kernel[(triton.cdiv(R, _AMAX_BLOCK_R), triton.cdiv(C, _COL_BLOCK))](
+                x, amax, R, C, x.stride(0), BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_COL_BLOCK, num_warps=4)
+        if r_out:
+            _quant_cols_t_kernel[(triton.cdiv(r_out, _COL_BLOCK), triton.cdiv(C, _COL_BLOCK))](
+                x, amax, q, R, C, r_out, x.stride(0), q.stride(0), BLOCK_R=_COL_BLOCK, BLOCK_C=_COL_BLOCK,
+                num_warps=4)
+        _inverse_kernel[(triton.cdiv(C, 1024),)](amax, inv, C, BLOCK=1024, num_warps=4)
     return q, inv
