@@ -115,6 +115,11 @@ class SharedInputs:
             e[2] = self.ops.quantize_rows(x.detach().reshape(-1, x.shape[-1]))
         return e[2]
 
+    def drop_rows(self) -> None:
+        """Free the per-token forms once the layer's forward has run (only wgrad's are read later)."""
+        for e in self.entries.values():
+            e[2] = None
+
     def cols_t(self, x: torch.Tensor) -> tuple:
         """x (..., K) quantized per feature over the tokens, transposed (wgrad's second operand)."""
         e = self._entry(x)

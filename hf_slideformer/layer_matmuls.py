@@ -89,6 +89,7 @@ class Fp8Matmuls:
         try:
             yield
         finally:
+            shared.drop_rows()
             for proj in mods:
                 proj.__dict__.pop("forward", None)
 
