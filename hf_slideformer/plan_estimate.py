@@ -310,6 +310,11 @@ class Estimator:
             "head: gradient (bf16), logits chunk, hidden states":
                 2 * (head - (s.embed_params if self.gpus > 1 and s.tied else 0)) + 2 * rows * s.vocab + T * (8 * H + 4),
         }
+        if self.fp8:
+            # fp8.SharedInputs: each projection input's transposed e4m3 form (the attention's and
+            # the MLP's input, the attention output, the activation) is held through the backward
+            key = next(k for k in phases if k.startswith("layer recompute"))
+            phases[key + "; FP8 inputs (3 H + I, e4m3)"] = phases.pop(key) + T * (3 * H + s.intermediate)
         if self.gpus > 1:
             # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
             # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered
