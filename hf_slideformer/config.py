@@ -143,7 +143,9 @@ class SlideConfig:
         "What the host AdamW keeps per trainable parameter (docs/host_state.md): 'adamw' (fp32 master and moments, "
         "12 bytes, torch.optim.AdamW bit for bit), 'adamw_8bit' (8-bit block-wise moments as bitsandbytes' "
         "AdamW8bit, about 6 bytes) or 'adamw_8bit_bf16' (those and a bf16 master with stochastic rounding, about 4 "
-        "bytes). The embedding keeps 'adamw'. The compact formats update every layer on the CPU: no resident "
+        "bytes). The embedding keeps the format where its hidden size is a multiple of 256 (else 'adamw'), and "
+        "'adamw' when resident_embedding=True (its state then lives on the GPU; 'auto' keeps it on the host). "
+        "The compact formats update every layer on the CPU: no resident "
         "layers, no device updates, no state on disk (host_memory_limit must hold it all), one process "
         "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
     matmuls: str = option(
@@ -203,7 +205,7 @@ class SlideConfig:
 
     def _check_optimizer_state(self) -> None:
         """A compact optimizer state runs its update in the host kernel only: refuse what would run it
-        elsewhere, and resolve the 'auto' placements to the host."""
+        elsewhere, and resolve the 'auto' placements (the embedding's included) to the host."""
         if self.optimizer_state == "adamw":
             return
         bad = []
@@ -217,6 +219,10 @@ class SlideConfig:
             raise ValueError(f"SlideConfig.optimizer_state={self.optimizer_state!r} updates every layer on the host "
                              f"and does not support {'; '.join(bad)}")
         self.resident_layers, self.device_update_share = 0, 0.0
+        if self.resident_embedding == "auto":
+            # the embedding's state is in the compact format on the host: a resident one keeps fp32
+            # AdamW on the GPU, which only resident_embedding=True asks for (host_optim.embed_format)
+            self.resident_embedding = False
 
     @property
     def torch_device(self) -> torch.device:

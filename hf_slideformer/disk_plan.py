@@ -149,10 +149,10 @@ def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
 
 def _compact_fits(units: list[Unit], config, limit: int, accumulators: int) -> list:
     """A compact optimizer state keeps no layer on disk: the limit must hold it all (its bytes per
-    parameter as each unit's format declares them; the embedding's fp32 AdamW)."""
-    from .host_optim import format_of
+    parameter as each unit's format declares them, `host_optim.unit_format`)."""
+    from .host_optim import unit_format
 
-    need = accumulators + sum(int(u.numel * format_of(u.kind, config.optimizer_state).bytes_per_param)
+    need = accumulators + sum(int(u.numel * unit_format(u, config).bytes_per_param)
                               for u in units)
     if need > limit:
         raise HostMemoryError(

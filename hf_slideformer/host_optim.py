@@ -12,9 +12,8 @@ else assumes two fp32 moments.
 | `adamw_8bit` | fp32 | 8-bit block-wise, fp32 absmax per 256 | 6.03 | bitsandbytes' blockwise 8-bit AdamW |
 | `adamw_8bit_bf16` | bf16, rounded stochastically | as `adamw_8bit` | 4.03 | the same, master rounded to bf16 |
 
-The embedding keeps `adamw` under every format (`format_of`): its update is row-sparse
-(`HostAdam.step_rows`) and it may live on the GPU (`resident_embedding`); it is one unit of
-vocab x hidden parameters (6% of Llama-3.1-8B), and fp32 there keeps the rare rows' moments exact.
+The embedding keeps the units' format where its rows are whole blocks (`embed_format`: its update
+is row-wise, `run_rows`), else fp32 AdamW; a resident embedding (on the GPU) keeps fp32 AdamW.
 docs/host_state.md compares the formats and says how to add one.
 """
 from __future__ import annotations
@@ -29,7 +28,7 @@ from .host_adam import torch_fused_adamw
 from .quant_maps import BLOCK, dynamic_map, num_blocks, quantize_lut
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
-           "format_of", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES", "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
+           "format_of", "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES", "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
 
 
 class StateFormatMismatchError(ValueError):
@@ -391,7 +390,31 @@ def formats_holding(arrays: dict[str, torch.dtype]) -> list[str]:
     return [f.name for f in FORMATS.values() if {a.name: a.dtype for a in f.arrays} == arrays]
 
 
-def format_of(unit_kind: str, name: str) -> StateFormat:
-    """The format a unit of `unit_kind` keeps under `SlideConfig.optimizer_state` = `name`: the
-    embedding keeps fp32 AdamW (see the module)."""
-    return ADAMW if unit_kind == "embed" else state_format(name)
+def embed_format(name: str, hidden: int, resident: bool = False) -> StateFormat:
+    """The format the (V, `hidden`) token embedding keeps under `optimizer_state` = `name`.
+
+    The embedding's update is row-wise (`HostAdam.step_rows`): it keeps the units' format where
+    the format can update whole rows (`rows_fit`: an 8-bit block never spans two rows, so
+    `hidden` is a multiple of its block), else fp32 AdamW. A resident embedding
+    (`resident_embedding=True`) keeps fp32 AdamW: its state moves to the GPU, whose update is
+    fp32 AdamW's.
+    """
+    fmt = state_format(name)
+    return ADAMW if resident or not fmt.rows_fit(hidden) else fmt
+
+
+def format_of(unit_kind: str, name: str, hidden: int | None = None, resident: bool = False) -> StateFormat:
+    """The format a unit of `unit_kind` keeps under `SlideConfig.optimizer_state` = `name`; the
+    embedding's (`hidden` its row size) is `embed_format`'s."""
+    if unit_kind == "embed":
+        if hidden is None:
+            raise ValueError("format_of('embed', ...) needs the embedding's hidden size")
+        return embed_format(name, hidden, resident)
+    return state_format(name)
+
+
+def unit_format(u, config) -> StateFormat:
+    """The format unit `u` keeps under `config` (a SlideConfig): `format_of` of its kind."""
+    if u.kind != "embed":
+        return state_format(config.optimizer_state)
+    return embed_format(config.optimizer_state, int(u.entries[0].shape[-1]), config.resident_embedding is True)

@@ -17,7 +17,7 @@ from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
 from .disk_plan import DiskSplit
 from .disk_store import MOMENTS, WHOLE, StateRecord, pool_buffers, record_bytes
-from .host_optim import state_format
+from .host_optim import embed_format, state_format
 from .memory import COPY_CHUNK, GiB
 from .models import LayerDims, get_family
 
@@ -153,15 +153,18 @@ class Estimator:
         if self.optimizer_state == "adamw":
             return "fp32 masters + Adam m, v (12 B/param)"
         bpp = state_format(self.optimizer_state).bytes_per_param
-        return f"masters + AdamW state ({self.optimizer_state}: {bpp:.2f} B/param, the embedding's 12)"
+        ebpp = embed_format(self.optimizer_state, self.s.hidden).bytes_per_param
+        embed = "" if ebpp == bpp else f", the embedding's {ebpp:.0f}"
+        return f"masters + AdamW state ({self.optimizer_state}: {bpp:.2f} B/param{embed})"
 
     def state_bytes(self, layers_on_disk: int = 0) -> int:
-        """Host bytes of the masters and AdamW state of the units in host memory (the embedding
-        keeps fp32 AdamW under every format)."""
+        """Host bytes of the masters and AdamW state of the units in host memory (the embedding's
+        in its own format, `host_optim.embed_format`: the units' where its rows are whole blocks)."""
         s = self.s
         bpp = state_format(self.optimizer_state).bytes_per_param
         held = s.n_params - layers_on_disk * s.layer_params
-        return int(bpp * (held - s.embed_params)) + 12 * s.embed_params
+        ebpp = embed_format(self.optimizer_state, s.hidden).bytes_per_param
+        return int(bpp * (held - s.embed_params)) + int(ebpp * s.embed_params)
 
     def inter_tokens(self, T: int) -> int:
         """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""

@@ -145,10 +145,10 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
-        compact = {"adamw": ("adamw_8bit", 6), "adamw_8bit": ("adamw_8bit_bf16", 2)}.get(p.optimizer_state)
+        compact = {"adamw": "adamw_8bit", "adamw_8bit": "adamw_8bit_bf16"}.get(p.optimizer_state)
         if compact and not p.lora_r and G == 1:
-            fixes.append(f"optimizer_state='{compact[0]}' (--optim {compact[0]}) saves "
-                         f"{gib(compact[1] * (s.n_params - s.embed_params))} (docs/host_state.md)")
+            fixes.append(f"optimizer_state='{compact}' (--optim {compact}) saves "
+                         f"{gib(_state_saving(s, p.optimizer_state, compact))} (docs/host_state.md)")
         if p.disk_mem_bytes is None and G == 1 and p.optimizer_state == "adamw":
             fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
                          "last layers' masters and moments there")
@@ -238,6 +238,15 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             out.append(f"grad_buffers=3 saves {gib(G * GRAD_BYTES * (p.grad_buffers - 3) * s.layer_params)} of host memory at "
                        "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
+
+
+def _state_saving(s: ModelShape, have: str, other: str) -> float:
+    """Host bytes of masters and state that optimizer_state `other` saves against `have`."""
+    from .host_optim import embed_format, state_format
+
+    layers = state_format(have).bytes_per_param - state_format(other).bytes_per_param
+    embed = embed_format(have, s.hidden).bytes_per_param - embed_format(other, s.hidden).bytes_per_param
+    return layers * (s.n_params - s.embed_params) + embed * s.embed_params
 
 
 def _disk_parts(p: Plan) -> str:

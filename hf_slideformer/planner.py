@@ -267,11 +267,13 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
     if resident and N == 1 and gpus == 1 and est.host_updates:     # several GPUs: the engine keeps none
-        # a compact state format keeps no resident layers (its update is the host kernel's); the embedding's is fp32
+        # a compact state format keeps no resident units (its update is the host kernel's; the engine's
+        # resident_embedding='auto' keeps the embedding on the host in the format: host_optim.embed_format)
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
                             layer_numel=shape.layer_params,
                             n_layers=shape.layers - k_disk.layers if optim == "adamw" else 0,
-                            embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None)
+                            embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None,
+                            embed=None if optim == "adamw" else False)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
         per = resident_bytes_per_param(torch.bfloat16)

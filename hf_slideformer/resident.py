@@ -23,6 +23,7 @@ import torch
 
 from . import optim as _optim
 from .budget import plan_resident
+from .errors import SlideStateError
 from .memory import GiB, release_pages
 from .optim import sq_norm as _sq_norm
 from .placements import DeferredStep, LayerPlacement
@@ -272,6 +273,9 @@ class ResidentPlan:
     def make_state(self, u: Unit, with_grad: bool = False) -> ResidentState:
         """`u`'s state copied to the device once its last update has landed; its host moments given back."""
         e = self.engine
+        if u.state_format is not None and u.state_format.name != "adamw":
+            raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: only fp32 "
+                                  "AdamW state moves to the GPU (use resident_embedding=False or 'auto')")
         e._wait(u.updated, "update")                 # its last CPU update has landed in the host store
         e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
         e.streams.wait(u.host_write)

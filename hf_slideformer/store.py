@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .disk_plan import plan_disk_units
 from .disk_store import WHOLE, DiskStates, pool_buffers, record_bytes
-from .host_optim import format_of
+from .host_optim import state_format, unit_format
 from .memory import PinnedBuffers, PrivateHostMemory, check_host_memory, lazy_zeros
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class HostStore:
         self.numel = off
         self.deferred = config.deferred
         for u in units:                       # what each unit's optimizer keeps (host_optim.py)
-            u.state_format = format_of(u.kind, config.optimizer_state)
+            u.state_format = unit_format(u, config)
         # The last layers' moments, or whole state, on disk when host_memory_limit says so (disk_store.py).
         on_disk = plan_disk_units(units, config)                 # [(unit, part)]
         self._on_disk = {id(u) for u, _ in on_disk}
@@ -161,12 +161,12 @@ class HostStore:
         # back (unpinned, then released), and a registration can only be undone whole.
         own = [u for u in units if u.kind == "embed"]
         # One dtype per slab: the decoder layers' and head's format decides it (the embedding's is its own).
-        master_dtype = format_of("layer", config.optimizer_state).master_dtype
+        master_dtype = state_format(config.optimizer_state).master_dtype
         self.master_slab = self.memory.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel,
                                              dtype=master_dtype)
         self._carve(self.master_slab, "master", [u for u in units if not self.master_on_disk(u)], skip=own + frozen)
-        for u in own:
-            u.master = self.memory.empty(u.numel)
+        for u in own:                 # in its format's dtype (bf16 under adamw_8bit_bf16, host_optim.embed_format)
+            u.master = self.memory.empty(u.numel, dtype=u.state_format.master_dtype)
         if frozen:
             self.frozen_slab = self.pinned.empty(frozen_numel, dtype=low)
             off = 0

@@ -33,23 +33,70 @@ def state(model, opt):
     return out
 
 
+# A model whose embedding rows are whole 8-bit blocks (hidden 256): the embedding keeps the format.
+WIDE = dict(hidden_size=256, intermediate_size=128, num_hidden_layers=2)
+
+
 @pytest.mark.parametrize("name", COMPACT)
-def test_the_store_keeps_what_the_format_declares(name):
-    _, slid = make_pair(optimizer_state=name)
+@pytest.mark.parametrize("cfg_kw, embed_compact", [({}, False), (WIDE, True)])
+def test_the_store_keeps_what_the_format_declares(name, cfg_kw, embed_compact):
+    """Every unit keeps the format; the embedding too where its rows are whole blocks (hidden 64
+    is not: it keeps fp32 AdamW)."""
+    _, slid = make_pair(optimizer_state=name, cfg_kw=cfg_kw)
     slid.create_optimizer(lr=1e-3)
     store = slid.slide_engine.store
     for u in store.units:
-        want = torch.float32 if u.kind == "embed" else torch.bfloat16 if name.endswith("bf16") else torch.float32
+        compact = u.kind != "embed" or embed_compact
+        want = torch.bfloat16 if compact and name.endswith("bf16") else torch.float32
         assert u.master.dtype == want, u.name
-        assert u.state_format.name == ("adamw" if u.kind == "embed" else name)
-        assert u.exp_avg.dtype == (torch.float32 if u.kind == "embed" else torch.uint8)
+        assert u.state_format.name == (name if compact else "adamw")
+        assert u.exp_avg.dtype == (torch.uint8 if compact else torch.float32)
         for e in u.entries:                                   # the parameters are views of the master
             assert e.param.dtype == want and e.param.data_ptr() == e.view(u.master).data_ptr()
 
 
+def test_a_resident_embedding_keeps_fp32_adamw():
+    """resident_embedding=True keeps the embedding's state fp32 (it moves to the GPU's fp32 AdamW);
+    'auto' resolves to the host under a compact format."""
+    assert hs.SlideConfig(device="cpu", optimizer_state="adamw_8bit").resident_embedding is False
+    assert hs.SlideConfig(device="cpu").resident_embedding == "auto"
+    _, slid = make_pair(optimizer_state="adamw_8bit_bf16", cfg_kw=WIDE, resident_embedding=True)
+    (u,) = [u for u in slid.slide_engine.store.units if u.kind == "embed"]
+    assert u.state_format.name == "adamw" and u.master.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", COMPACT)
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_embeddings_row_updates_are_the_formats_whole_update(name, tied):
+    """With updates in backward the embedding takes two row-wise updates per step (every row but
+    the batch's, then the batch's with their sums, `run_rows`); with clipping (a bound it never
+    reaches) one update of the whole table from the dense gradient (`run`, the format's update held
+    to bitsandbytes in test_host_optim.py). Both are the format's math: every weight and every
+    code and scale of the state are the same, bit for bit, tied and untied."""
+    data = batches(4, pad=True)
+    out = []
+    for kw in ({}, dict(max_grad_norm=1e9)):
+        _, slid = make_pair(optimizer_state=name, tied=tied, cfg_kw=WIDE, **kw)
+        (u,) = [u for u in slid.slide_engine.store.units if u.kind == "embed"]
+        assert u.state_format.name == name
+        before = u.master.clone()
+        opt = slid.create_optimizer(lr=1e-2, weight_decay=0.1)
+        train(slid, opt, data)
+        assert u.exp_avg.dtype == torch.uint8 and bool((u.exp_avg_sq_absmax > 0).any())
+        assert not torch.equal(u.master, before)
+        out.append(state(slid, opt))
+    a, b = out
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize("name", ["adamw"] + COMPACT)
-@pytest.mark.parametrize("kw", [{}, dict(gradient_accumulation_steps=2, max_grad_norm=0.3)])
+@pytest.mark.parametrize("kw", [{}, dict(gradient_accumulation_steps=2, max_grad_norm=0.3),
+                                dict(cfg_kw=WIDE), dict(cfg_kw=WIDE, tied=True)])
 def test_resume_from_a_checkpoint_is_bit_identical(tmp_path, name, kw):
+    """Each format, with accumulation and clipping, and with the embedding in the format (WIDE;
+    untied and tied)."""
     ga = kw.get("gradient_accumulation_steps", 1)
     data = batches(4 * ga, pad=True)
     _, full = make_pair(optimizer_state=name, **kw)
@@ -59,6 +106,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(tmp_path, name, kw):
     opt1 = first.create_optimizer(lr=1e-2, weight_decay=0.1)
     train(first, opt1, data[:2 * ga], ga)
     save_training_state(str(tmp_path / "ck"), first, opt1)
+    kw = {k: v for k, v in kw.items() if k != "seed"}
     _, second = make_pair(optimizer_state=name, seed=7, **kw)
     opt2 = second.create_optimizer(lr=1e-2, weight_decay=0.1)
     load_training_state(str(tmp_path / "ck"), second, opt2)
@@ -259,7 +307,8 @@ def test_host_memory_per_parameter_stays_within_its_declaration(name, fp32_host_
     in an untied 32k x 512 embedding and lm_head, three steps; each in a process of its own (a
     clean RSS)."""
     r = _host_bytes(name)
-    declared = sum(numel * hs.host_optim.format_of(kind, name).bytes_per_param for kind, numel in r["units"])
+    declared = sum(numel * hs.host_optim.format_of(kind, name, hidden=512).bytes_per_param
+                   for kind, numel in r["units"])                    # the embedding's in the format too
     assert abs(r["state"] - declared) <= 4 * 4 * len(r["units"])    # the last partial block's scales
     others, others32 = r["rss"] - r["state"], fp32_host_bytes["rss"] - fp32_host_bytes["state"]
     assert others <= others32 + 24 * 2 ** 20, (others / 2 ** 20, others32 / 2 ** 20)
