@@ -115,8 +115,9 @@ class Embedding:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
         # Note: [Why the rows are gathered in bf16, in chunks] the gather is on the path from the
         # backward's end to the first layer's compute. Rounded to bf16 on the host (the native
-        # kernel, the rounding the GPU's cast applies), it writes and copies half the bytes; in
-        # chunks, each chunk's copy runs while the next is gathered. It shares the host's memory
+        # kernel, the rounding the GPU's cast applies), it writes and copies half the bytes; from a
+        # bf16 master (optimizer_state='adamw_8bit_bf16') it is a plain row copy. In chunks, each
+        # chunk's copy runs while the next is gathered. It shares the host's memory
         # with layer 0's update, hence half the worker's threads.
         adam = e.host_adam
         dt = torch.bfloat16 if adam.native and e.dtype == torch.bfloat16 and table.dtype == torch.float32 else table.dtype

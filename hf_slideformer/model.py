@@ -502,7 +502,7 @@ class SlideModel:
         disk_buffers, disk_read_bytes, disk_write_bytes and wait_disk_s (time the main thread and
         the worker waited for a buffer, a read or a write). optimizer_state (SlideConfig's) and
         host_state_bytes: the masters and optimizer state the host store holds, as each unit's
-        format declares them (host_optim.py; the embedding keeps fp32 AdamW).
+        format declares them (host_optim.py; the embedding's own: `host_optim.embed_format`).
         """
         eng = self.slide_engine
         out = eng.stats.snapshot(eng.worker.busy_s)
