@@ -233,10 +233,13 @@ def verify_training_state(directory: str, model) -> dict:
         fmt = u.state_format or ADAMW
         theirs_fmt = rec.get("state_format", ADAMW.name)
         if theirs_fmt != fmt.name:
+            fix = f"slide the model with optimizer_state={theirs_fmt!r}"
+            if u.kind == "embed" and theirs_fmt == ADAMW.name:    # saved when it kept fp32 under every format
+                fix += (f", or, if its layers are in {fmt.name!r}, with resident_embedding=True (the embedding "
+                        "then keeps 'adamw', host_optim.embed_format)")
             raise StateFormatMismatchError(
                 f"{path} holds unit {rec['name']} in optimizer state format {theirs_fmt!r}; this model keeps "
-                f"{fmt.name!r} (SlideConfig.optimizer_state): slide the model with optimizer_state={theirs_fmt!r} "
-                "to resume this checkpoint")
+                f"{fmt.name!r} (SlideConfig.optimizer_state): {fix} to resume this checkpoint")
         want = {"master": (u.numel,), **{n: (k,) for n, k in fmt.sizes(u).items()}, "step": (len(u.entries),)}
         if shapes != want:
             raise CheckpointError(f"{path} holds tensors {shapes}, expected {want}")

@@ -134,6 +134,31 @@ def test_a_checkpoint_loads_only_into_its_own_format(tmp_path):
         o.load_state_dict(opt.state_dict())
 
 
+def test_an_embedding_saved_in_fp32_beside_compact_layers_resumes_as_resident(tmp_path):
+    """A checkpoint whose embedding keeps fp32 AdamW beside 8-bit layers (resident_embedding=True,
+    as every compact checkpoint did before the embedding took the format) is refused by a model
+    whose embedding is compact, naming the fix, and resumes bit-identically with it."""
+    data = batches(4)
+    kw = dict(optimizer_state="adamw_8bit", cfg_kw=WIDE, resident_embedding=True)
+    _, full = make_pair(**kw)
+    opt = full.create_optimizer(lr=1e-2)
+    train(full, opt, data)
+    _, first = make_pair(**kw)
+    opt1 = first.create_optimizer(lr=1e-2)
+    train(first, opt1, data[:2])
+    save_training_state(str(tmp_path / "ck"), first, opt1)
+    _, m = make_pair(optimizer_state="adamw_8bit", cfg_kw=WIDE)
+    with pytest.raises(StateFormatMismatchError, match="'adamw'.*'adamw_8bit'.*resident_embedding=True"):
+        load_training_state(str(tmp_path / "ck"), m, m.create_optimizer(lr=1e-2))
+    _, second = make_pair(seed=7, **kw)
+    opt2 = second.create_optimizer(lr=1e-2)
+    load_training_state(str(tmp_path / "ck"), second, opt2)
+    train(second, opt2, data[2:])
+    a, b = state(full, opt), state(second, opt2)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_a_damaged_block_scale_is_an_error_not_a_nan(tmp_path):
     _, slid = make_pair(optimizer_state="adamw_8bit")
     opt = slid.create_optimizer(lr=1e-2)
