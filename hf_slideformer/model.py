@@ -33,7 +33,7 @@ from .modules_to_save import check_active, check_modules_to_save, copy_params, f
 from .model_inputs import check_label_dtype, check_token_ids
 from .optim import SlideOptimizer
 from .layer_matmuls import check_matmuls
-from .slide_checks import check_finite_weights, check_gpu_limit, rank_fingerprint
+from .slide_checks import align_grouped_experts, check_finite_weights, check_gpu_limit, rank_fingerprint
 from .store import HostStore, ParamEntry, Unit
 from .tiled_mlp import tile_mlps
 
@@ -177,6 +177,8 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         check_gpu_limit(config, units, tied=adapter.lm_head(model).weight is adapter.embed(model).weight)
     with _released_on_failure(config) as built:
         built["store"] = HostStore(units, config, dp)
+        if config.is_cuda:                  # the slot offsets are set: HF's grouped GEMM needs them aligned
+            align_grouped_experts(model, units, config.dtype)
         _fill_and_build(model, adapter, config, built, units, dp, _fill)
     engine = built["engine"]
     model.__class__ = _slid_class(type(model))

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import logging
+
 import torch
 
 from .errors import NonFiniteWeightError, RankMismatchError
 from .memory import COPY_CHUNK
 
 __all__ = ["check_finite", "check_finite_weights", "rank_fingerprint", "compare_ranks", "MATH_SETTINGS",
-           "gpu_minimum_bytes", "check_gpu_limit", "GpuLimitError"]
+           "gpu_minimum_bytes", "check_gpu_limit", "GpuLimitError", "align_grouped_experts"]
 
 GiB = 1024 ** 3
+logger = logging.getLogger(__name__)
 
 _CHUNK = 1 << 24               # elements judged at once: a bounded temporary, whatever the tensor's size
 
@@ -120,3 +123,26 @@ def check_gpu_limit(config, units, tied: bool) -> None:
             f"engine's GPU buffers need before any activation ({config.window} slots and the gradients of the largest "
             f"layer, the head, in {config.dtype}). Set gpu_memory_limit to at least {need / GiB:.3f} GiB plus room for "
             "the activations, or a smaller window.")
+
+
+def align_grouped_experts(model, units, dtype: torch.dtype) -> bool:
+    """Keep HF's grouped expert GEMM only where its operands are aligned as it requires.
+
+    `torch._grouped_mm` (HF's `experts_implementation="grouped_mm"`, the default of its mixtures of
+    experts on CUDA) needs each operand's data 16-byte aligned. A unit's parameters sit back to
+    back in its slot, so an expert weight after a parameter whose bytes are not a multiple of 16
+    (a tiny shape's 4 attention sinks, say) is not. Such a model switches to HF's `batched_mm`
+    (the same mathematics, one batched GEMM) with a warning; real shapes, whose sizes are
+    multiples of 8, keep `grouped_mm`. Returns whether the implementation was switched.
+    """
+    if getattr(model.config, "_experts_implementation", None) != "grouped_mm":
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    off = [e.name for u in units for e in u.entries if ".experts." in e.name and (e.offset * itemsize) % 16]
+    if not off:
+        return False
+    logger.warning("%s sits at a slot offset that is not 16-byte aligned, which torch's grouped GEMM needs: "
+                   "the experts run HF's batched_mm instead (the same mathematics); sizes that are multiples "
+                   "of 8 elements keep grouped_mm", off[0])
+    model.set_experts_implementation("batched_mm")
+    return True

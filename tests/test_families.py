@@ -313,3 +313,22 @@ def test_trl_fused_head_asking_for_the_family_transform_is_the_engine_head(famil
     _, slid = make_pair(family)
     utils.add_fused_lm_head(slid, outputs=("log_probs", "entropy"))
     assert "forward" not in slid.__dict__
+
+
+def test_misaligned_expert_weights_leave_grouped_mm_for_batched_mm(caplog):
+    """torch's grouped GEMM needs 16-byte aligned operands: with 8 experts the 4 attention sinks
+    and the 8-element router bias leave the tiny gpt_oss's expert weights at an offset of 4 bf16
+    elements in the slot, so the experts switch to HF's batched_mm (the same loss); with 4 the
+    router bias realigns them and grouped_mm stays."""
+    from hf_slideformer.slide_checks import align_grouped_experts
+
+    _, aligned = make_pair("gpt_oss", False)
+    assert not align_grouped_experts(aligned, aligned.slide_engine.store.units, torch.bfloat16)
+    assert aligned.config._experts_implementation == "grouped_mm"
+    ref, slid = make_pair("gpt_oss", False, cfg_kw=dict(num_local_experts=8))
+    with caplog.at_level("WARNING", logger="hf_slideformer.slide_checks"):
+        assert align_grouped_experts(slid, slid.slide_engine.store.units, torch.bfloat16)
+    assert slid.config._experts_implementation == "batched_mm" and "batched_mm" in caplog.text
+    b = batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(slid(**b).loss, ref(**b).loss, rtol=1e-5, atol=1e-6)
