@@ -28,7 +28,9 @@ from .host_adam import torch_fused_adamw
 from .quant_maps import BLOCK, dynamic_map, num_blocks, quantize_lut
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
-           "format_of", "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES", "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
+           "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES",
+           "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError",
+           "round_bf16_stochastic"]
 
 
 class StateFormatMismatchError(ValueError):
@@ -251,7 +253,6 @@ class AdamW8bit(StateFormat):
                b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
                int(g.dtype == torch.bfloat16), mbf, kernel.threads)
 
-
     def rows_fit(self, hidden: int) -> bool:
         return hidden % BLOCK == 0             # a block never spans two rows
 
@@ -391,30 +392,15 @@ def formats_holding(arrays: dict[str, torch.dtype]) -> list[str]:
 
 
 def embed_format(name: str, hidden: int, resident: bool = False) -> StateFormat:
-    """The format the (V, `hidden`) token embedding keeps under `optimizer_state` = `name`.
-
-    The embedding's update is row-wise (`HostAdam.step_rows`): it keeps the units' format where
-    the format can update whole rows (`rows_fit`: an 8-bit block never spans two rows, so
-    `hidden` is a multiple of its block), else fp32 AdamW. A resident embedding
-    (`resident_embedding=True`) keeps fp32 AdamW: its state moves to the GPU, whose update is
-    fp32 AdamW's.
-    """
+    """The format the (V, `hidden`) token embedding keeps under `optimizer_state` = `name`: the
+    units' where it updates whole rows (`rows_fit`: an 8-bit block never spans two rows), else fp32
+    AdamW; fp32 AdamW when `resident` too (its state moves to the GPU, whose update is fp32 AdamW)."""
     fmt = state_format(name)
     return ADAMW if resident or not fmt.rows_fit(hidden) else fmt
 
 
-def format_of(unit_kind: str, name: str, hidden: int | None = None, resident: bool = False) -> StateFormat:
-    """The format a unit of `unit_kind` keeps under `SlideConfig.optimizer_state` = `name`; the
-    embedding's (`hidden` its row size) is `embed_format`'s."""
-    if unit_kind == "embed":
-        if hidden is None:
-            raise ValueError("format_of('embed', ...) needs the embedding's hidden size")
-        return embed_format(name, hidden, resident)
-    return state_format(name)
-
-
 def unit_format(u, config) -> StateFormat:
-    """The format unit `u` keeps under `config` (a SlideConfig): `format_of` of its kind."""
+    """The format unit `u` keeps under `config` (a SlideConfig); the embedding's is `embed_format`'s."""
     if u.kind != "embed":
         return state_format(config.optimizer_state)
     return embed_format(config.optimizer_state, int(u.entries[0].shape[-1]), config.resident_embedding is True)
