@@ -91,7 +91,7 @@ class DeviceAccumulator:
         if not u.grad_valid:
             if norm is not None:
                 e.norm.dev += _sq_norm([g for g in grads if g is not None])
-            done = e.grads.d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
+            done = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
         else:
             self.prefetch(place)                   # a no-op when the recompute already started it
             st.wait(self.ready)
@@ -101,7 +101,7 @@ class DeviceAccumulator:
                     x.view(acc).add_(g)
             if norm is not None:
                 e.norm.dev += _sq_norm([acc])
-            done = e.grads.d2h([acc], [u.grad], norm_dst=norm)
+            done = e.grad_ring.d2h([acc], [u.grad], norm_dst=norm)
             self.free = done
             self.unit = None
         u.grad_valid = True

@@ -75,7 +75,7 @@ class DeviceUpdateLayer(HostLayer):
         u = self.unit
         if u.device_pending is not None:        # never the case in a well-formed step: a guard
             e.device_updates.flush(u)
-        self.grad_ev = e.grads.d2h(grads, [x.view(u.grad) for x in u.entries])
+        self.grad_ev = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries])
         u.grad_valid = True
 
     def step(self, deferred: DeferredStep) -> None:
@@ -214,8 +214,8 @@ class DeviceUpdater:
         if p.batches is not None or p.known is None:
             return False
         e = self.engine
-        e._wait(p.known, "update")
-        if not e.host.poisoned:
+        e.clock.wait(p.known, "update")
+        if not e.host_updates.poisoned:
             return False
         u.device_pending = None
         u.grad_valid = False
@@ -237,9 +237,9 @@ class DeviceUpdater:
         if p.batches is None:
             if p.clip_done is not None:
                 # The worker has folded every micro-batch in and taken the norm: the factor is known.
-                e._wait(p.clip_done, "update")
+                e.clock.wait(p.clip_done, "update")
                 with st.on(st.h2d):
-                    p.scale = _optim._grad_scale(e.host.clip_coef, e.device)
+                    p.scale = _optim._grad_scale(e.host_updates.clip_coef, e.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             u.grad_valid = False

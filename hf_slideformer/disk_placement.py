@@ -184,7 +184,7 @@ class DiskLayer(HostLayer):
         s.read_ahead([u] + s.ahead(u, 1, s.read_ahead_count))
         s.pin(u)
         with self._updating():
-            self.engine.host.deferred_task(u, hp, grads_ev)
+            self.engine.host_updates.deferred_task(u, hp, grads_ev)
 
     # ------------------------------------------------------------- the module's state_dict
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
@@ -193,7 +193,7 @@ class DiskLayer(HostLayer):
         if not keys:
             return
         u = self.unit
-        self.engine._wait(u.updated, "update")
+        self.engine.clock.wait(u.updated, "update")
         with self.engine.store.unit_state(u):
             for key, e in keys:
                 state_dict[key] = e.view(u.master).clone()
@@ -207,7 +207,7 @@ class DiskLayer(HostLayer):
         if not keys:
             return
         u = self.unit
-        self.engine._wait(u.updated, "update")
+        self.engine.clock.wait(u.updated, "update")
         with torch.no_grad(), self.engine.store.unit_state(u, write=True):
             for key, e in keys:
                 e.view(u.master).copy_(state_dict[key])

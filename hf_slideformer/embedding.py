@@ -47,7 +47,7 @@ class Embedding:
         self.engine, self.unit = engine, unit
         self.vocab, self.hidden = module.weight.shape
         self.padding_idx = module.padding_idx
-        self.host: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None
         self.host_free = threading.Event()
         self.host_free.set()
         self.fwd_buf: torch.Tensor | None = None
@@ -70,7 +70,7 @@ class Embedding:
         e.stats.event("forward_begin", time.perf_counter())
         e.head.drop_prefetch()                       # a forward that stopped half way left it
         self._out = None
-        e._wait(u.updated, "update")
+        e.clock.wait(u.updated, "update")
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
@@ -165,7 +165,7 @@ class Embedding:
         # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
         # per distinct token (far fewer in real text), and the worker's gather / scatter are
         # parallel copies instead of an index_add_ over every token.
-        t = e._span_start()
+        t = e.clock.span_start()
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), g, accumulate=True)
@@ -179,20 +179,20 @@ class Embedding:
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
             if e.mode.updates:                   # else optimizer.step() clips and updates it
                 e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.norm.found_inf())
-            e._span_end(t)
+            e.clock.span_end(t)
             e.end_backward()
             return
-        e._span_end(t)
-        e._wait(self.host_free, "other")          # the worker is done with the previous gradient
-        if self.host is None or self.host.shape[0] < n:
-            if self.host is not None:
-                e.pinned.release(self.host)
-            self.host = e.pinned.empty(max(n, 1), self.hidden)
-        host = self.host[:n]
+        e.clock.span_end(t)
+        e.clock.wait(self.host_free, "other")          # the worker is done with the previous gradient
+        if self.host_grad is None or self.host_grad.shape[0] < n:
+            if self.host_grad is not None:
+                e.pinned.release(self.host_grad)
+            self.host_grad = e.pinned.empty(max(n, 1), self.hidden)
+        host = self.host_grad[:n]
         self.host_free.clear()
         u = self.unit
         norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grads.d2h([S], [host], norm_dst=norm)
+        done = e.grad_ring.d2h([S], [host], norm_dst=norm)
         update = e.mode.updates                   # begun with the head's (see head.backward) ...
         if update and not e.head.trainable:
             e.begin_update(u)                     # ... unless the head is frozen and sent nothing
@@ -221,7 +221,7 @@ class Embedding:
         if not u.trainable:
             return
         e.begin_update(u)
-        e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
+        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
                         done=(u.updated,))
 
     # ----------------------------------------------------------------- worker side
@@ -240,7 +240,7 @@ class Embedding:
 
     def _embed_task(self, sums, rows, done, update, ends_step, hp, norm=None):
         """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
-        e, host = self.engine, self.engine.host
+        e, host = self.engine, self.engine.host_updates
         host.sync(done, "wait_d2h:embed")
         if norm is not None:
             host.check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
@@ -279,7 +279,7 @@ class Embedding:
     def bulk_update(self, rows: torch.Tensor, hp) -> None:
         """Worker: AdamW of every row but `rows` (the batch's, distinct), in place."""
         g = self.grad.view(self.vocab, self.hidden)
-        if self.engine.host.update_rows(self.unit, g, rows, hp, advance=True, exclude=True):
+        if self.engine.host_updates.update_rows(self.unit, g, rows, hp, advance=True, exclude=True):
             self._bulk = rows
 
     def _rows_update(self, hp, sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
@@ -287,7 +287,7 @@ class Embedding:
         `sums`, those rows of it zeroed after when `zero_grad`). Returns whether it ran (a
         non-finite step skips it)."""
         rows, self._bulk = self._bulk, None
-        return self.engine.host.update_rows(self.unit, self.grad.view(self.vocab, self.hidden), rows, hp,
+        return self.engine.host_updates.update_rows(self.unit, self.grad.view(self.vocab, self.hidden), rows, hp,
                                             advance=False, sums=sums, zero_grad=zero_grad)
 
     def reset_grad(self) -> None:
@@ -343,8 +343,8 @@ class Embedding:
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()              # the last forward's rows have left the buffer
             self.fwd_ev = None
-        e._wait(self.host_free, "other")          # the worker is done with the last gradient rows
-        for name in ("fwd_buf", "host"):
+        e.clock.wait(self.host_free, "other")          # the worker is done with the last gradient rows
+        for name in ("fwd_buf", "host_grad"):
             buf = getattr(self, name)
             if buf is not None:
                 e.pinned.release(buf)

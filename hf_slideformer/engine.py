@@ -43,7 +43,7 @@ from .resident import ResidentPlan
 from .step_norm import StepNorm
 from .slots import SlotQueue
 from .store import HostStore, Unit
-from .telemetry import StepStats
+from .telemetry import MainClock, StepStats
 from .transfer import Streams
 from .worker import CpuWorker
 
@@ -112,6 +112,9 @@ class SlideEngine:
         self.vocab, self.hidden = adapter.embed(model).weight.shape
         self.streams = Streams(self.device)
         self.stats = StepStats(self.streams.cuda)
+        self.worker = CpuWorker(config.cpu_threads)
+        self.worker.on_task = self.stats.event
+        self.clock = MainClock(self.stats, self.streams, self.worker)   # timed waits and GPU spans
         self.pinned = store.pinned
         cast = config.is_cuda and self.dtype != torch.float32
         max_layer = max(u.numel for u in self.layer_units)
@@ -126,23 +129,21 @@ class SlideEngine:
             host_layer, embedding, head = HostLayer, Embedding, LossHead
         self.places = [host_layer(self, u) if u.trainable else FrozenLayer(self, u) for u in self.layer_units]
         self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
-        count, waiter = self.stats.add_h2d, self._wait_master
+        count, waiter = self.stats.add_h2d, self.clock.wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
                                filler=lambda u, dst: self.place_of(u).fill(dst))
         self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
-        self.grads = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
+        self.grad_ring = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
         self.late = LateUpdates(self, max_layer)
         self.norm = StepNorm(self)
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
-        self.worker = CpuWorker(config.cpu_threads)
-        self.worker.on_task = self.stats.event
         for i, u in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
             if store.on_disk(u):
                 self.places[i] = DiskLayer(self, u, store.disk, self.layers[i])
         # The parts that own their state: the worker's host updates, the embedding, the head, the
         # resident plan, the device updates and the device accumulation.
-        self.host = HostUpdates(self)
+        self.host_updates = HostUpdates(self)
         self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
         self.logit_transform = adapter.logit_transform(model)
         self.router_aux = adapter.router_aux(model, self.layers)   # a mixture of experts' aux loss, or None
@@ -215,43 +216,6 @@ class SlideEngine:
         """Is a backward running (the schedule walks the layers from the last to the first)?"""
         return self.guard.open
 
-    def _wait(self, event: threading.Event, reason: str) -> None:
-        """Main thread blocks on the CPU worker; timed by reason, worker failures re-raised."""
-        if event.is_set():
-            self.worker.raise_if_failed()
-            return
-        t0 = time.perf_counter()
-        self.worker.wait(event)
-        t1 = time.perf_counter()
-        self.stats.wait_s[reason] += t1 - t0
-        self.stats.event(f"main_wait:{reason}", t0, t1)
-
-    def _wait_master(self, u: Unit, start: int) -> int:
-        """Main thread: block until element `start` of `u.master` holds the update in progress
-        (the worker reports finished prefixes, see `Unit.set_progress`); returns how many leading
-        elements are final (`u.numel` once the update is complete). Worker failures re-raised."""
-        if u.updated.is_set():
-            self.worker.raise_if_failed()
-            return u.numel
-        t0 = time.perf_counter()
-        with u.progress_cv:
-            while not u.updated.is_set() and u.progress <= start:
-                u.progress_cv.wait(0.05)
-                self.worker.check_alive()
-            ready = u.numel if u.updated.is_set() else u.progress
-        t1 = time.perf_counter()
-        self.stats.wait_s["update"] += t1 - t0
-        self.stats.event("main_wait:update", t0, t1)
-        self.worker.raise_if_failed()
-        return ready
-
-    def _span_start(self):
-        return self.streams.record(timing=True) if self.streams.cuda else None
-
-    def _span_end(self, start) -> None:
-        if start is not None:
-            self.stats.gpu_span(start, self.streams.record(timing=True))
-
     def check_generation(self, gen: int) -> None:
         if gen != self.live_generation:
             raise SlideStateError(
@@ -309,13 +273,13 @@ class SlideEngine:
                 f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
         self.worker.raise_if_failed()
         if self.micro == 0:
-            self.worker.submit(self.host.begin_step_task, self._step_no + 1)
+            self.worker.submit(self.host_updates.begin_step_task, self._step_no + 1)
         self.guard.open = True
         self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
         self.hp = self.optimizer.snapshot()
         self.late.begin()
         if self.mode.ends_step:
-            self.host.norm_sq = []
+            self.host_updates.norm_sq = []
             self.norm.dev_valid = not self.single_micro
         if self.single_micro or self.mode.ends_step:
             self.norm.dev.zero_()
@@ -357,10 +321,10 @@ class SlideEngine:
             self.tier.save(i, x, self.embedding.remake_input(i, x))
             if any(m.training for m in self.dropouts[i]):
                 self.rng.save(i)
-        t = self._span_start()
+        t = self.clock.span_start()
         with torch.no_grad(), swapped(place.unit, ws), self.matmuls.forward(i, slot):
             y = self._call_layer(i, x, args, kwargs)
-        self._span_end(t)
+        self.clock.span_end(t)
         place.after_forward(slot)
         return y
 
@@ -380,7 +344,7 @@ class SlideEngine:
         x = self.tier.load(i).detach().requires_grad_()
         ws, wrt = place.leaves(ws)
         extra = self.adapters.by_layer[i]
-        t = self._span_start()
+        t = self.clock.span_start()
         skip = self.output_projections[i] if self.skip_output_projection else None
         with torch.enable_grad(), swapped(place.unit, ws), self.matmuls.recompute(i, slot, skip), \
                 self.rng.replay(i):
@@ -388,7 +352,7 @@ class SlideEngine:
             aux = self.router_aux.surrogate(i) if self.router_aux is not None else None
         outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
         grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
-        self._span_end(t)
+        self.clock.span_end(t)
         place.after_recompute(slot)
         self.tier.drop(i)
         place.take_gradient(list(grads[1:1 + len(wrt)]))
@@ -445,7 +409,7 @@ class SlideEngine:
                         self.norm.dev += self.adapters.sq_norm()
                     self.norm.dev_valid = True
             if self.single_micro or self.norm.dev_valid:
-                norm_ev = self.norm.copy(self.norm.host)
+                norm_ev = self.norm.copy(self.norm.host_sq)
             device_updates = self.device_updates.on
             clip_done = (threading.Event() if (device_updates or resident or adapters) and not self.single_micro
                          else None)
@@ -455,17 +419,17 @@ class SlideEngine:
             on_device = {id(r.unit) for r in resident.values()}
             host_grads = [g for u in self.store.units if id(u) not in on_device and u.trainable
                           and (g := self._step_sum(u)) is not None] if early and not self.single_micro else ()
-            self.worker.submit(self.host.clip_task, early, norm_ev, grads_ev, host_grads,
+            self.worker.submit(self.host_updates.clip_task, early, norm_ev, grads_ev, host_grads,
                                done=tuple(e for e in (clip_done, known) if e is not None))
             deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
                                     device_clip=lambda: self.residents.clip(clip_done))
-            t = self._span_start()
+            t = self.clock.span_start()
             on_device = self.residents.step(deferred)
             if adapters:
                 self.adapters.step(hp, *deferred.resident_clip())
             if device_updates and self.single_micro:
                 deferred.scale, deferred.ready = self.norm.grad_scale()
-            self._span_end(t)
+            self.clock.span_end(t)
             for u in self.store.units:
                 if id(u) in on_device:
                     continue
@@ -479,7 +443,7 @@ class SlideEngine:
             # The updates ran in backward; the worker judges the whole step's norm (resident units
             # included) after them, to report a non-finite step once.
             slot = self.norm.step_slot(self._step_no)
-            self.worker.submit(self.host.step_check_task, self.norm.copy(slot), slot)
+            self.worker.submit(self.host_updates.step_check_task, self.norm.copy(slot), slot)
         if self.updated_in_backward and self.adapters.params:
             self.adapters.step(self.hp, found_inf=self.norm.found_inf())
         if self.dp is not None:

@@ -59,7 +59,7 @@ class GradientRing:
 
     def claim(self, k: int) -> None:
         """Main thread: wait until buffer k is free, then hold it (its task's `done` frees it)."""
-        self.engine._wait(self.free[k], "grad_buffer")
+        self.engine.clock.wait(self.free[k], "grad_buffer")
         self.free[k].clear()
 
     def claim_next(self) -> int:

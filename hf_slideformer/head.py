@@ -46,7 +46,7 @@ class LossHead:
         self.softcap = transform.softcap
         self.norm_fn = norm_fn if transform.divisor == 1.0 else (lambda h: norm_fn(h) / transform.divisor)
         self.units = (unit, engine.embed_unit) if engine.tied else (unit,)
-        self.host: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None
         self.own_buffer: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
         self.ring: tuple[int, ...] = ()
         self.host_free = threading.Event()
@@ -72,7 +72,7 @@ class LossHead:
         if not u.trainable:
             return
         e.begin_update(u)
-        e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, done=(u.updated,))
+        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, done=(u.updated,))
 
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None, token_weights=None):
@@ -101,7 +101,7 @@ class LossHead:
             return loss, None
         if e.dp is not None:
             e.dp.meet(e.meeting())                  # before this micro-batch's first collective (data_parallel.py)
-        t = e._span_start()
+        t = e.clock.span_start()
         hx = h.detach().requires_grad_()
         if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
             with torch.enable_grad(), swapped(hu, hv):
@@ -111,7 +111,7 @@ class LossHead:
                                             token_weights=token_weights)
                 loss = loss if poison is None else loss * poison
             (gh,) = torch.autograd.grad(loss, [hx])
-            e._span_end(t)
+            e.clock.span_end(t)
             self.slots.release(slot)
             self.pending, self.done = True, None
             return loss.detach(), gh
@@ -139,7 +139,7 @@ class LossHead:
                 dw = pgrads[-1]
                 emb.dw_sq = _sq_norm([dw])
                 emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
-        e._span_end(t)
+        e.clock.span_end(t)
         self.slots.release(slot)
         self._send(pgrads)
         self.pending = True
@@ -155,13 +155,13 @@ class LossHead:
             self.pending = False
             self.host_free.set()
             self._return_ring()
-        e._wait(self.host_free, "other")
+        e.clock.wait(self.host_free, "other")
         self.host_free.clear()
         try:
             # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
             extra = e.tied and emb.resident is None and not e.single_micro
-            self.host = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0), own=self.updates_last)
-            dsts = [x.view(self.host) for x in hu.entries]
+            self.host_grad = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0), own=self.updates_last)
+            dsts = [x.view(self.host_grad) for x in hu.entries]
             if e.tied and emb.resident is not None:
                 # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
                 # the loss gradient in backward, the batch rows added in the embedding's backward).
@@ -170,8 +170,8 @@ class LossHead:
             elif e.tied:
                 # With one backward per step the tied gradient goes straight into the embedding's
                 # pinned gradient buffer (which the previous step's update has released).
-                dsts.append(emb.grad if e.single_micro else self.host[hu.numel:])
-            self.done = e.grads.d2h(pgrads, dsts)
+                dsts.append(emb.grad if e.single_micro else self.host_grad[hu.numel:])
+            self.done = e.grad_ring.d2h(pgrads, dsts)
         except BaseException:
             # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
             # free again, so the next forward does not wait for them forever.
@@ -244,29 +244,29 @@ class LossHead:
         lm_head's own buffer was 2.1 GB of pinned host memory.
         """
         e = self.engine
-        if not own and numel <= e.grads.size * len(e.grads.buffers):
-            n = -(-numel // e.grads.size)
+        if not own and numel <= e.grad_ring.size * len(e.grad_ring.buffers):
+            n = -(-numel // e.grad_ring.size)
             for k in range(n):
-                e.grads.claim(k)
+                e.grad_ring.claim(k)
             self.ring = tuple(range(n))
-            e.grads.next = n % len(e.grads.buffers)
-            return e.grads.slab[:numel]
+            e.grad_ring.next = n % len(e.grad_ring.buffers)
+            return e.grad_ring.slab[:numel]
         if self.own_buffer is None or self.own_buffer.numel() < numel:
             if self.own_buffer is not None:
                 e.pinned.release(self.own_buffer)   # idle: host_free was waited for
-            self.own_buffer = e.pinned.empty(numel, dtype=e.grads.dtype)
+            self.own_buffer = e.pinned.empty(numel, dtype=e.grad_ring.dtype)
         return self.own_buffer[:numel]
 
     def _ring_passed(self, held: list, passed: int | None):
         """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
         a front-to-back reader has passed: up to element `passed` of the gradient, or all (None)."""
-        size = self.engine.grads.size
+        size = self.engine.grad_ring.size
         while held and (passed is None or (held[0] + 1) * size <= passed):
             yield held.pop(0)
 
     def _return_ring(self) -> None:
         for k in self.ring:
-            self.engine.grads.free[k].set()
+            self.engine.grad_ring.free[k].set()
         self.ring = ()
 
     def _find_lm_index(self) -> int:
@@ -358,13 +358,13 @@ class LossHead:
                         done=(self.host_free, hu.updated))
         e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
                         emb.touch if bulk else None, embed_on_host, ring, norm, last,
-                        done=(() if last else (self.host_free,)) + tuple(e.grads.free[k] for k in ring)
+                        done=(() if last else (self.host_free,)) + tuple(e.grad_ring.free[k] for k in ring)
                         + ((hu.updated,) if update and not last else ()))
 
     # ----------------------------------------------------------------- worker side
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None,
                    last=False):
-        e, host, emb = self.engine, self.engine.host, self.engine.embedding
+        e, host, emb = self.engine, self.engine.host_updates, self.engine.embedding
         host.sync(done, "wait_d2h:head")
         host.sync(scale_ev, "wait_d2h:scale")
         if norm is not None:
@@ -378,14 +378,14 @@ class LossHead:
         hu = self.unit
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
         # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
-        src = self.host[:hu.numel]
+        src = self.host_grad[:hu.numel]
         if e.tied and embed_on_host:
             eu = e.embed_unit
             if e.single_micro:            # already in place (see forward)
                 if scale != 1.0:
                     emb.grad.mul_(scale)
             else:
-                host.fold(emb.grad, self.host[hu.numel:], scale, first=not eu.grad_valid)
+                host.fold(emb.grad, self.host_grad[hu.numel:], scale, first=not eu.grad_valid)
                 eu.grad_valid = True
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = self._ring_returner(ring) if ring and hu.grad is None else None
@@ -396,12 +396,12 @@ class LossHead:
     def _update_task(self, ends_step, hp):
         """Worker, after the embedding's update: the head's AdamW from its gradient times the loss gradient."""
         hu = self.unit
-        self.engine.host.consume(hu, self.host[:hu.numel], True, ends_step, hp, grad_mul=self._scale)
+        self.engine.host_updates.consume(hu, self.host_grad[:hu.numel], True, ends_step, hp, grad_mul=self._scale)
 
     def _ring_returner(self, ring: tuple):
         """on_progress callback: give ring buffer k back once an update has passed its end."""
         pending = list(ring)
-        free = self.engine.grads.free
+        free = self.engine.grad_ring.free
 
         def returned(n: int) -> None:
             for k in self._ring_passed(pending, n):

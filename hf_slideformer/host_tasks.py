@@ -205,7 +205,7 @@ class HostUpdates:
         e = self.engine
         if e.single_micro:
             self.sync(norm_ev, "wait_d2h:norm")
-            norm = float(e.norm.host[0]) ** 0.5
+            norm = float(e.norm.host_sq[0]) ** 0.5
         else:
             if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
                 if grads_ev is not None:
@@ -216,7 +216,7 @@ class HostUpdates:
             dev = 0.0   # the layers' part taken on the device (accumulate.py), or the resident sums
             if norm_ev is not None:
                 self.sync(norm_ev, "wait_d2h:norm")
-                dev = float(e.norm.host[0])
+                dev = float(e.norm.host_sq[0])
             norm = (sum(self.norm_sq) + dev) ** 0.5
         self.check_norm(norm, "the gradient norm")
         mx = e.config.max_grad_norm

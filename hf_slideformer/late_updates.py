@@ -79,10 +79,10 @@ class LateUpdates:
             return None
         if k == len(self.buffers):
             e = self.engine
-            self.buffers.append(e.pinned.empty(self.size, dtype=e.grads.dtype))
+            self.buffers.append(e.pinned.empty(self.size, dtype=e.grad_ring.dtype))
             self.free.append(threading.Event())
             self.free[-1].set()
-        self.engine._wait(self.free[k], "grad_buffer")
+        self.engine.clock.wait(self.free[k], "grad_buffer")
         self.free[k].clear()
         self.claimed += 1
         return k

@@ -153,15 +153,15 @@ class HostLayer(LayerPlacement):
             return
         late = e.late.claim() if mode.updates else None     # late_updates.py: [Why the top layers are updated late]
         if late is None:
-            k = e.grads.claim_next()
-            buf, free = e.grads.buffers[k], e.grads.free[k]
+            k = e.grad_ring.claim_next()
+            buf, free = e.grad_ring.buffers[k], e.grad_ring.free[k]
         else:
             buf, free = e.late.buffers[late], e.late.free[late]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if e.streams.cuda else None
         norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grads.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
+        done = e.grad_ring.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
                       norm_dst=norm)
         if mode.updates:
             e.begin_update(u)
@@ -176,7 +176,7 @@ class HostLayer(LayerPlacement):
     def step(self, deferred: DeferredStep) -> None:
         e = self.engine
         e.begin_update(self.unit)
-        e.worker.submit(e.host.deferred_task, self.unit, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
+        e.worker.submit(e.host_updates.deferred_task, self.unit, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
 
     # ------------------------------------------------------------- worker side
     def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
@@ -184,8 +184,8 @@ class HostLayer(LayerPlacement):
         e, u = self.engine, self.unit
         if norm is not None:
             # the running norm is copied before the gradient (GradientRing.d2h)
-            e.host.sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
-            e.host.check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
+            e.host_updates.sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
+            e.host_updates.check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
         if marks and update and u.grad is None and (e.single_micro or not ends_step):
             # The gradient is used as it lands (no accumulator, no norm to take first): each piece
             # of the update waits only for the copies that cover it.
@@ -193,22 +193,22 @@ class HostLayer(LayerPlacement):
 
             def arrived(end: int) -> None:
                 while pending and pending[0][0] < end:
-                    e.host.sync(pending.pop(0)[1], f"wait_d2h:{u.name}")
+                    e.host_updates.sync(pending.pop(0)[1], f"wait_d2h:{u.name}")
                 if pending:
-                    e.host.sync(pending[0][1], f"wait_d2h:{u.name}")
-            e.host.update(u, src, hp, arrived)
-            e.host.sync(done, f"wait_d2h:{u.name}")
+                    e.host_updates.sync(pending[0][1], f"wait_d2h:{u.name}")
+            e.host_updates.update(u, src, hp, arrived)
+            e.host_updates.sync(done, f"wait_d2h:{u.name}")
             return
-        e.host.sync(done, f"wait_d2h:{u.name}")
-        e.host.consume(u, src, update, ends_step, hp)
+        e.host_updates.sync(done, f"wait_d2h:{u.name}")
+        e.host_updates.consume(u, src, update, ends_step, hp)
 
     def _accumulated_update_task(self, done, hp, norm=None) -> None:
         """The last micro-batch's update in backward of a layer whose sum the device accumulated."""
         e, u = self.engine, self.unit
-        e.host.sync(done, f"wait_d2h:{u.name}")
+        e.host_updates.sync(done, f"wait_d2h:{u.name}")
         if norm is not None:
-            e.host.check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
-        e.host.update(u, u.grad, hp)
+            e.host_updates.check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
+        e.host_updates.update(u, u.grad, hp)
         u.grad_valid = False
 
 

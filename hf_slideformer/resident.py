@@ -78,14 +78,14 @@ class ResidentLayer(LayerPlacement):
     Args:
         engine, unit: as LayerPlacement.
         state: its device copies.
-        host: the placement it had on the host, which it takes again when evicted.
+        replaced: the placement it had on the host, which it takes again when evicted.
     """
 
     resident = True
 
-    def __init__(self, engine, unit: Unit, state: ResidentState, host: LayerPlacement):
+    def __init__(self, engine, unit: Unit, state: ResidentState, replaced: LayerPlacement):
         super().__init__(engine, unit)
-        self.state, self.host = state, host
+        self.state, self.replaced = state, replaced
 
     def weights(self, busy: tuple = ()):
         return self.state.views(), None
@@ -276,7 +276,7 @@ class ResidentPlan:
         if u.state_format is not None and u.state_format.name != "adamw":
             raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: only fp32 "
                                   "AdamW state moves to the GPU (use resident_embedding=False or 'auto')")
-        e._wait(u.updated, "update")                 # its last CPU update has landed in the host store
+        e.clock.wait(u.updated, "update")           # its last CPU update has landed in the host store
         e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
         e.streams.wait(u.host_write)
         r = ResidentState(u, e.dtype, e.device, with_grad=with_grad)
@@ -347,7 +347,7 @@ class ResidentPlan:
                 r.grad_valid = False
         for i, p in enumerate(e.places):
             if p.resident:
-                e.places[i] = p.host
+                e.places[i] = p.replaced
         emb.resident = None
 
     def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
@@ -395,9 +395,9 @@ class ResidentPlan:
         elif e.single_micro:
             coef = e.norm.clip_coef()
         else:
-            e._wait(clip_done, "update")
-            coef = e.host.clip_coef
-            found_inf = torch.tensor(float(e.host.poisoned), device=e.device)
+            e.clock.wait(clip_done, "update")
+            coef = e.host_updates.clip_coef
+            found_inf = torch.tensor(float(e.host_updates.poisoned), device=e.device)
         return coef, found_inf
 
     def step(self, deferred: DeferredStep) -> set[int]:

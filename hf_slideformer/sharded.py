@@ -42,7 +42,7 @@ class _Shard:
         if e.single_micro:
             e.norm.dev += e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device))
         norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grads.d2h([shard], [dst], norm_dst=norm)
+        done = e.grad_ring.d2h([shard], [dst], norm_dst=norm)
         update = e.mode.updates
         if update:
             e.begin_update(u)
@@ -52,16 +52,16 @@ class _Shard:
     def task(self, src, done, update: bool, ends_step: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
         e, u = self.engine, self.unit
-        e.host.sync(done, f"wait_d2h:{u.name}")
+        e.host_updates.sync(done, f"wait_d2h:{u.name}")
         if norm is not None:
-            e.host.check_norm(float(norm[0]), f"a gradient of the units from the head down to {u.name}")
-        e.host.consume(u, src, update, ends_step, hp, span=self.span)
+            e.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {u.name}")
+        e.host_updates.consume(u, src, update, ends_step, hp, span=self.span)
 
     def deferred(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the range."""
         e, u = self.engine, self.unit
         e.begin_update(u)
-        e.worker.submit(e.host.deferred_task, u, deferred.hp, deferred.grads_ev, None, None, self.span,
+        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, None, None, self.span,
                         done=(u.updated,))
 
 
@@ -80,8 +80,8 @@ class ShardedHostLayer(HostLayer):
         e, u = self.engine, self.unit
         dtype = next((g.dtype for g in grads if g is not None), e.dtype)
         shard = e.dp.reduce_grads(u.numel, grads, [x.offset for x in u.entries], dtype, e.device)
-        k = e.grads.claim_next()
-        self.shard.send(shard, e.grads.buffers[k][:shard.numel()], e.grads.free[k])
+        k = e.grad_ring.claim_next()
+        self.shard.send(shard, e.grad_ring.buffers[k][:shard.numel()], e.grad_ring.free[k])
 
     def step(self, deferred: DeferredStep) -> None:
         self.shard.deferred(deferred)
@@ -99,7 +99,7 @@ class _HostShard:
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         e = self.engine
-        e._wait(self.free, "other")               # the worker is done with the previous one
+        e.clock.wait(self.free, "other")               # the worker is done with the previous one
         if self.buf is None or self.buf.numel() < n or self.buf.dtype != dtype:
             if self.buf is not None:
                 e.pinned.release(self.buf)
@@ -129,7 +129,7 @@ class ShardedEmbedding(Embedding):
             return
         T = gx.numel() // self.hidden
         uniq, inv, keep = self.rows_dev
-        t = e._span_start()
+        t = e.clock.span_start()
         # Summed per distinct row first, as one process does ([Why the embedding gradient is summed
         # on the GPU]), then scattered into the dense layout the shards cut.
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
@@ -143,7 +143,7 @@ class ShardedEmbedding(Embedding):
             self.dw = self.dw_scale = None
         shard = dp.reduce_flat(flat, u.numel)
         del flat, G, S, g
-        e._span_end(t)
+        e.clock.span_end(t)
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
         e.end_backward()
 

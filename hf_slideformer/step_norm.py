@@ -27,7 +27,7 @@ class StepNorm:
     Attributes:
         dev: () fp32 on the device: the squared norm of this backward's gradients so far (one
             backward per step), or of the layers' summed gradients (accumulation, `dev_valid`).
-        host: (1,) pinned: `dev` copied for the worker's clip task.
+        host_sq: (1,) pinned: `dev` copied for the worker's clip task.
         dev_valid: with accumulation, `dev` holds the layers' part of this step's norm.
     """
 
@@ -36,7 +36,7 @@ class StepNorm:
         e = engine
         pin = e.config.pin_memory and e.config.is_cuda
         self.dev = torch.zeros((), dtype=torch.float32, device=e.device)
-        self.host = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
+        self.host_sq = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
         self.dev_valid = False
         self._snap = torch.zeros(len(e.store.units), dtype=torch.float32, pin_memory=pin)
         self._snap_of = {id(u): k for k, u in enumerate(e.store.units)}
@@ -87,7 +87,7 @@ class StepNorm:
             e.worker.raise_if_failed()
             return float(self.dev) ** 0.5
         e.worker.join()
-        norm_sq = e.host.norm_sq
+        norm_sq = e.host_updates.norm_sq
         if not norm_sq and not self.dev_valid:
             return float("nan")
         return (sum(norm_sq) + (float(self.dev) if self.dev_valid else 0.0)) ** 0.5

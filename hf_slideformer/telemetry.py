@@ -1,6 +1,7 @@
 """Step telemetry: where the time of a step goes, and how many bytes moved.
 
-Host-side waits are timed directly. GPU compute time is measured with CUDA events recorded
+Host-side waits are timed directly (`MainClock`, the service through which the schedule's parts
+block on the CPU worker and time their GPU work). GPU compute time is measured with CUDA events recorded
 around each unit's kernels (after the stream has waited for its inputs, so copy stalls are not
 counted as compute) and folded in lazily, once the events have completed: no synchronization is
 added to the schedule.
@@ -13,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["StepStats"]
+__all__ = ["StepStats", "MainClock"]
 
 
 class StepStats:
@@ -136,3 +137,56 @@ class StepStats:
         except OSError:
             pass
         return out
+
+
+class MainClock:
+    """The main thread's waits on the CPU worker and its GPU compute spans, timed into `StepStats`:
+    the one service every part of the schedule blocks and times through.
+
+    Args:
+        stats: the counters the waits and spans go to.
+        streams: the engine's `Streams` (spans are recorded on the compute stream).
+        worker: the `CpuWorker` waited on (its failures are re-raised by every wait).
+    """
+
+    def __init__(self, stats: StepStats, streams, worker):
+        self.stats, self.streams, self.worker = stats, streams, worker
+
+    def wait(self, event: threading.Event, reason: str) -> None:
+        """Block until `event` is set by the worker; timed under `reason`, worker failures re-raised."""
+        if event.is_set():
+            self.worker.raise_if_failed()
+            return
+        t0 = time.perf_counter()
+        self.worker.wait(event)
+        t1 = time.perf_counter()
+        self.stats.wait_s[reason] += t1 - t0
+        self.stats.event(f"main_wait:{reason}", t0, t1)
+
+    def wait_master(self, unit, start: int) -> int:
+        """Block until element `start` of `unit.master` holds the update in progress (the worker
+        reports finished prefixes, see `Unit.set_progress`); returns how many leading elements are
+        final (`unit.numel` once the update is complete). Worker failures re-raised."""
+        if unit.updated.is_set():
+            self.worker.raise_if_failed()
+            return unit.numel
+        t0 = time.perf_counter()
+        with unit.progress_cv:
+            while not unit.updated.is_set() and unit.progress <= start:
+                unit.progress_cv.wait(0.05)
+                self.worker.check_alive()
+            ready = unit.numel if unit.updated.is_set() else unit.progress
+        t1 = time.perf_counter()
+        self.stats.wait_s["update"] += t1 - t0
+        self.stats.event("main_wait:update", t0, t1)
+        self.worker.raise_if_failed()
+        return ready
+
+    def span_start(self):
+        """Mark the start of GPU compute to be timed (None without CUDA); pass it to `span_end`."""
+        return self.streams.record(timing=True) if self.streams.cuda else None
+
+    def span_end(self, start) -> None:
+        """Close the span opened by `span_start`: its elapsed time joins `gpu_compute_s` once done."""
+        if start is not None:
+            self.stats.gpu_span(start, self.streams.record(timing=True))

@@ -287,14 +287,14 @@ def test_first_layer_loads_while_its_update_runs(monkeypatch):
     orig_run = host_optim.AdamW32.run
     monkeypatch.setattr(host_optim.AdamW32, "run", lambda *a, **k: (_time.sleep(0.001), orig_run(*a, **k))[1])
     partial = []
-    import hf_slideformer.engine as E
-    orig_wait = E.SlideEngine._wait_master
+    from hf_slideformer.telemetry import MainClock
+    orig_wait = MainClock.wait_master
 
     def wait_master(self, u, start):
         ready = orig_wait(self, u, start)
         partial.append(ready < u.numel)
         return ready
-    monkeypatch.setattr(E.SlideEngine, "_wait_master", wait_master)
+    monkeypatch.setattr(MainClock, "wait_master", wait_master)
     got = _train_state(False, **kw)
     assert any(partial), "no copy overlapped an update"
     for k in ref:

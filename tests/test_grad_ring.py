@@ -6,7 +6,7 @@ from helpers import make_pair
 
 
 def _ring(**kw):
-    return make_pair("llama", False, grad_buffers=3, **kw)[1].slide_engine.grads
+    return make_pair("llama", False, grad_buffers=3, **kw)[1].slide_engine.grad_ring
 
 
 def test_buffers_are_taken_in_turn_and_held_until_freed():

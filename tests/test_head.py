@@ -33,12 +33,12 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
     eng = slid.slide_engine
     n = eng.head_unit.numel
-    assert -(-n // eng.grads.size) == 3            # the head spans three ring buffers
+    assert -(-n // eng.grad_ring.size) == 3            # the head spans three ring buffers
     data = batches(4, pad=True, vocab=301)
     assert train_both(ref, slid, data, clip=0.5) < PARAM_TOL
-    assert (eng.head.host.data_ptr() == eng.grads.slab.data_ptr()) is in_ring
+    assert (eng.head.host_grad.data_ptr() == eng.grad_ring.slab.data_ptr()) is in_ring
     assert (eng.head.own_buffer is None) is in_ring
-    assert all(ev.is_set() for ev in eng.grads.free) and eng.head.ring == ()
+    assert all(ev.is_set() for ev in eng.grad_ring.free) and eng.head.ring == ()
 
 
 @pytest.mark.parametrize("slow", ["none", "head_task", "update_task"])
@@ -57,8 +57,8 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
     data = batches(3, pad=True, vocab=301)
     assert train_both(ref, slid, data) < PARAM_TOL
     eng.synchronize()
-    assert eng.head.own_buffer is not None and eng.head.host.data_ptr() != eng.grads.slab.data_ptr()
-    assert all(ev.is_set() for ev in eng.grads.free) and eng.head.host_free.is_set()
+    assert eng.head.own_buffer is not None and eng.head.host_grad.data_ptr() != eng.grad_ring.slab.data_ptr()
+    assert all(ev.is_set() for ev in eng.grad_ring.free) and eng.head.host_free.is_set()
     head, embed = eng.head_unit.name, eng.embed_unit.name
     steps, cur = [], []
     for name in order:
@@ -83,7 +83,7 @@ def test_head_ring_buffers_come_back_after_a_forward_without_backward():
     loss.backward()
     opt.step()
     slid.slide_engine.synchronize()                # every queued update has run
-    assert all(ev.is_set() for ev in slid.slide_engine.grads.free)
+    assert all(ev.is_set() for ev in slid.slide_engine.grad_ring.free)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -94,15 +94,15 @@ def test_head_interrupted_before_its_copies_leaves_no_buffer_claimed(monkeypatch
     opt = slid.create_optimizer(lr=LR)
     eng = slid.slide_engine
     data = batches(2, vocab=301)
-    real = type(eng.grads).d2h
+    real = type(eng.grad_ring).d2h
 
     def broken(self, grads, dsts, *a, **k):
         raise KeyboardInterrupt
-    monkeypatch.setattr(type(eng.grads), "d2h", broken)
+    monkeypatch.setattr(type(eng.grad_ring), "d2h", broken)
     with pytest.raises(KeyboardInterrupt):
         slid(**data[0])
-    monkeypatch.setattr(type(eng.grads), "d2h", real)
-    assert eng.head.ring == () and all(ev.is_set() for ev in eng.grads.free) and eng.head.host_free.is_set()
+    monkeypatch.setattr(type(eng.grad_ring), "d2h", real)
+    assert eng.head.ring == () and all(ev.is_set() for ev in eng.grad_ring.free) and eng.head.host_free.is_set()
     slid(**data[1]).loss.backward()
     opt.step()
     eng.synchronize()
@@ -116,7 +116,7 @@ def test_tied_head_gradient_with_accumulation_in_the_ring_or_its_own_buffer(buff
     assert train_both(ref, slid, batches(4, pad=True, vocab=301), ga=2, clip=0.5) < PARAM_TOL
     eng = slid.slide_engine
     assert (eng.head.own_buffer is None) is in_ring
-    assert eng.head.host.numel() == eng.head_unit.numel + eng.embed_unit.numel
+    assert eng.head.host_grad.numel() == eng.head_unit.numel + eng.embed_unit.numel
 
 
 def test_removed_options_are_refused():

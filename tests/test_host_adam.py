@@ -270,7 +270,7 @@ def test_engine_with_bf16_gradients_native_equals_torch_route(kw):
     torch's fused AdamW on the widened gradient, every master is bit-identical after three steps
     (scaled losses included: the head's gradient is widened, then scaled)."""
     models = [_slid_bf16(mode, **dict(kw)) for mode in ("native", "torch")]
-    assert models[0].slide_engine.grads.dtype == torch.bfloat16
+    assert models[0].slide_engine.grad_ring.dtype == torch.bfloat16
     assert models[0].slide_engine.host_adam.name == "native"
     assert models[1].slide_engine.host_adam.name == "torch"
     ga = kw.get("gradient_accumulation_steps", 1)

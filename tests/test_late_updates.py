@@ -27,7 +27,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
     assert train_both(ref, slid, data) < PARAM_TOL
     eng.synchronize()
     assert eng.late.count == 2 and len(eng.late.buffers) == 2
-    assert all(ev.is_set() for ev in eng.late.free) and all(ev.is_set() for ev in eng.grads.free)
+    assert all(ev.is_set() for ev in eng.late.free) and all(ev.is_set() for ev in eng.grad_ring.free)
     names = [u.name for u in eng.layer_units]
     emb = eng.embed_unit.name
     step = [emb, emb + ":rows", names[0], names[1], names[2]]

@@ -29,7 +29,7 @@ def test_layers_start_on_the_host_and_move_whole():
     assert [type(p) for p in eng.places[:2]] == [ResidentLayer, ResidentLayer]
     assert all(type(p) is HostLayer for p in eng.places[2:])
     assert sorted(eng.residents.layers) == [0, 1] and eng.residents.layers[0] is eng.places[0].state
-    host = eng.places[0].host
+    host = eng.places[0].replaced
     slid.state_dict()                                 # writes the resident state back
     assert eng.places[0] is host and not eng.residents.layers
 

@@ -302,13 +302,13 @@ def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
     _train(host, data[:1])
     eng = host.slide_engine
     eng.worker.join()                       # the worker's embedding task has run
-    assert eng.embedding.host is not None           # what the resident one drops (its row scratch too, made with accumulation)
+    assert eng.embedding.host_grad is not None           # what the resident one drops (its row scratch too, made with accumulation)
     _, slid = make_pair("llama", tied, resident_layers=0, resident_embedding=True)
     opt = _train(slid, data[:1])          # resident from the first step (the option says so)
     eng, u = slid.slide_engine, slid.slide_engine.embed_unit
     assert eng.embedding.resident is not None
     assert {u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr()} <= set(released)
-    assert eng.embedding.host is None and eng.embedding.fwd_buf is None and all(b is None for b in eng.embedding.row_buffers)
+    assert eng.embedding.host_grad is None and eng.embedding.fwd_buf is None and all(b is None for b in eng.embedding.row_buffers)
     assert int((u.master == 0).sum()) >= 1024     # its whole pages read as zeros: nothing holds them
     _train(slid, data[1:2], opt, sync_every=1)      # evicts: the master is written back
     assert u.master.any()
@@ -350,7 +350,7 @@ def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
     assert eng.embedding.resident is not None            # before the first update
     opt.step()
     opt.zero_grad()
-    assert eng.embedding.grad is None and eng.embedding.host is None and all(b is None for b in eng.embedding.row_buffers)
+    assert eng.embedding.grad is None and eng.embedding.host_grad is None and all(b is None for b in eng.embedding.row_buffers)
 
 
 def _resident_pages(t: torch.Tensor) -> int:
