@@ -87,7 +87,7 @@ class DeviceAccumulator:
         st = e.streams
         # The last micro-batch's running norm lands with the sum (host_tasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = e.norm.slot(u) if e.mode.ends_step else None
+        norm = e.norm.slot(u) if e.backward_plan.ends_step else None
         if not u.grad_valid:
             if norm is not None:
                 e.norm.dev += _sq_norm([g for g in grads if g is not None])

@@ -67,7 +67,7 @@ class DeviceUpdateLayer(HostLayer):
 
     def take_gradient(self, grads: list) -> None:
         e = self.engine
-        if not e.single_micro or e.mode.updates:
+        if not e.single_micro or e.backward_plan.updates:
             super().take_gradient(grads)
             return
         e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])

@@ -110,7 +110,7 @@ class DiskLayer(HostLayer):
         if not self.record.master:
             e.slots.load((u,), busy)                 # the master is in the host store: a host layer's copy
             return
-        s.pin(u, whole=e.in_backward and e.mode.updates)    # [Why a copy reads the master alone]
+        s.pin(u, whole=e.in_backward and e.backward_plan.updates)    # [Why a copy reads the master alone]
         try:
             s.ready(u)
             e.slots.load((u,), busy)                 # waits for the update's finished prefix, as a host layer
@@ -122,7 +122,7 @@ class DiskLayer(HostLayer):
         whether whole (for updates) or their masters alone (for copies)."""
         e, u, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
         if e.in_backward:                            # this layer (when it updates here), then down
-            updates = e.mode.updates
+            updates = e.backward_plan.updates
             return ([u] if updates else []) + s.ahead(u, -1, n, masters=not updates), updates
         if not s.ahead(u, 1, 1) and e.live_generation is not None and not e.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
@@ -131,7 +131,7 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
-        if not self.engine.mode.updates:
+        if not self.engine.backward_plan.updates:
             super().take_gradient(grads)             # only moved into the host accumulator
             return
         self.states.pin(self.unit)                   # the read starts beside the gradient's copy

@@ -169,7 +169,7 @@ class Embedding:
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), g, accumulate=True)
-        if e.single_micro:
+        if e.backward_plan.running_norm:
             self._add_norm(S)
         r = self.resident
         if r is not None:
@@ -177,7 +177,7 @@ class Embedding:
             if not e.tied:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head.backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            if e.mode.updates:                   # else optimizer.step() clips and updates it
+            if e.backward_plan.updates:                   # else optimizer.step() clips and updates it
                 e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.norm.found_inf())
             e.clock.span_end(t)
             e.end_backward()
@@ -191,12 +191,12 @@ class Embedding:
         host = self.host_grad[:n]
         self.host_free.clear()
         u = self.unit
-        norm = e.norm.slot(u) if e.single_micro else None
+        norm = e.norm.slot(u) if e.backward_plan.running_norm else None
         done = e.grad_ring.d2h([S], [host], norm_dst=norm)
-        update = e.mode.updates                   # begun with the head's (see head.backward) ...
+        update = e.backward_plan.updates                   # begun with the head's (see head.backward) ...
         if update and not e.head.trainable:
             e.begin_update(u)                     # ... unless the head is frozen and sent nothing
-        e.worker.submit(self._embed_task, host, rows, done, update, e.mode.ends_step, e.hp, norm,
+        e.worker.submit(self._embed_task, host, rows, done, update, e.backward_plan.ends_step, e.hp, norm,
                         done=(self.host_free,) + ((u.updated,) if update else ()))
         e.end_backward()
 

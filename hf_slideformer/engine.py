@@ -14,8 +14,6 @@ gradients are computed in its forward: the loss ends the graph).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 import weakref
 
 import torch
@@ -27,7 +25,7 @@ from .disk_placement import DiskLayer
 from .embedding import Embedding
 from .errors import SlideStateError
 from .model_inputs import LabelCheck
-from .functions import RngReplay, swapped
+from .functions import RngReplay
 from .grad_ring import GradientRing
 from .late_updates import LateUpdates
 from .layer_matmuls import layer_matmuls
@@ -36,10 +34,10 @@ from .lora import AdapterSet
 from .host_adam import HostAdam
 from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
-from .mode import BackwardGuard, BackwardMode
-from .optim import sq_norm as _sq_norm
-from .placements import DeferredStep, FrozenLayer, HostLayer
+from .mode import BackwardGuard
+from .placements import FrozenLayer, HostLayer
 from .resident import ResidentPlan
+from .schedule import BackwardPlan, Schedule
 from .step_norm import StepNorm
 from .slots import SlotQueue
 from .store import HostStore, Unit
@@ -155,7 +153,7 @@ class SlideEngine:
         self.device_updates = DeviceUpdater(self)
         self.accumulator = DeviceAccumulator(self)
         self.adapters = AdapterSet(self)
-        self._step_no = 0              # optimizer steps taken
+        self.step_no = 0              # optimizer steps taken
         self.guard = BackwardGuard(self._release_interrupted)
         self.anchor = torch.zeros((), requires_grad=True)
         self.optimizer = None
@@ -164,7 +162,8 @@ class SlideEngine:
         self.generation = 0            # bumped by each forward that records a graph
         self.live_generation = None    # the forward whose backward may still run
         self.updated_in_backward = False
-        self.mode = BackwardMode()      # the current (or last) backward's; see mode.py
+        self.backward_plan = BackwardPlan()   # the current (or last) backward's (schedule.py)
+        self.schedule = Schedule(self)
 
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:
@@ -172,7 +171,7 @@ class SlideEngine:
 
     def meeting(self) -> dict:
         """What every rank must agree on before a training forward (`DataParallel.meet`)."""
-        out = {"optimizer step": self._step_no, "micro-batch": self.micro,
+        out = {"optimizer step": self.step_no, "micro-batch": self.micro,
                "gradient_accumulation_steps": self.config.gradient_accumulation_steps,
                "max_grad_norm": self.config.max_grad_norm}
         for gi, g in enumerate(getattr(self.optimizer, "param_groups", ())):
@@ -263,38 +262,12 @@ class SlideEngine:
         self.tier.clear()
 
     def begin_backward(self) -> None:
-        if self.optimizer is None:
-            raise SlideStateError("call model.create_optimizer(...) (or build a SlideOptimizer) before backward(): "
-                                  "the engine updates the weights during backward")
-        ga = self.config.gradient_accumulation_steps
-        if self.micro >= ga:
-            raise SlideStateError(
-                f"backward() number {self.micro + 1} since the last optimizer step, but "
-                f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
-        self.worker.raise_if_failed()
-        if self.micro == 0:
-            self.worker.submit(self.host_updates.begin_step_task, self._step_no + 1)
-        self.guard.open = True
-        self.mode = BackwardMode.of(self.micro, ga, clipping=self.config.max_grad_norm is not None)
-        self.hp = self.optimizer.snapshot()
-        self.late.begin()
-        if self.mode.ends_step:
-            self.host_updates.norm_sq = []
-            self.norm.dev_valid = not self.single_micro
-        if self.single_micro or self.mode.ends_step:
-            self.norm.dev.zero_()
-        self._bwd_t0 = time.perf_counter()
-        self.stats.event("backward_begin", self._bwd_t0)
+        """The loss's backward starts (`Schedule.begin_backward`)."""
+        self.schedule.begin_backward()
 
     def end_backward(self) -> None:
-        self.late.finish()
-        self.streams.settle()          # the last gradients' memory serves the next forward (transfer.py)
-        self.guard.open = False
-        self.micro += 1
-        self.live_generation = None
-        self.updated_in_backward = self.mode.updates
-        self.stats.backward_s += time.perf_counter() - self._bwd_t0
-        self.stats.event("backward_end", time.perf_counter())
+        """The backward reached the embedding (`Schedule.end_backward`)."""
+        self.schedule.end_backward()
 
     def synchronize(self) -> None:
         """Wait for every queued host task (updates included) and device copy; the host store is
@@ -311,53 +284,18 @@ class SlideEngine:
 
     # ----------------------------------------------------------------- layers
     def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
-        place = self.places[i]
-        ws, slot = place.weights()
-        busy = (slot,) if slot is not None else ()
-        for j in range(i + 1, min(i + self.config.window, len(self.layer_units))):
-            self.places[j].prefetch(busy)
-        self.head.prefetch()
-        if save:
-            self.tier.save(i, x, self.embedding.remake_input(i, x))
-            if any(m.training for m in self.dropouts[i]):
-                self.rng.save(i)
-        t = self.clock.span_start()
-        with torch.no_grad(), swapped(place.unit, ws), self.matmuls.forward(i, slot):
-            y = self._call_layer(i, x, args, kwargs)
-        self.clock.span_end(t)
-        place.after_forward(slot)
-        return y
+        """Layer i's forward (`Schedule.layer_forward`)."""
+        return self.schedule.layer_forward(i, x, args, kwargs, save)
 
-    def _call_layer(self, i, x, args, kwargs):
+    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Layer i's backward (`Schedule.layer_backward`); the input's gradient."""
+        return self.schedule.layer_backward(i, gy, args, kwargs)
+
+    def call_layer(self, i: int, x: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Run HF's own forward of decoder layer i on `x`; its hidden states."""
         layer = self.layers[i]
         out = type(layer).forward(layer, x, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
-
-    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
-        place = self.places[i]
-        ws, slot = place.weights()
-        place.before_recompute()
-        if i > 0:
-            if self.config.window > 1:
-                self.places[i - 1].prefetch((slot,) if slot is not None else ())
-            self.tier.prefetch(i - 1)
-        x = self.tier.load(i).detach().requires_grad_()
-        ws, wrt = place.leaves(ws)
-        extra = self.adapters.by_layer[i]
-        t = self.clock.span_start()
-        skip = self.output_projections[i] if self.skip_output_projection else None
-        with torch.enable_grad(), swapped(place.unit, ws), self.matmuls.recompute(i, slot, skip), \
-                self.rng.replay(i):
-            y = self._call_layer(i, x, args, kwargs)
-            aux = self.router_aux.surrogate(i) if self.router_aux is not None else None
-        outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
-        grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
-        self.clock.span_end(t)
-        place.after_recompute(slot)
-        self.tier.drop(i)
-        place.take_gradient(list(grads[1:1 + len(wrt)]))
-        self.adapters.take_gradient(i, grads[1 + len(wrt):])
-        return grads[0]
 
     def find_dropouts(self) -> None:
         """Note each layer's dropout modules with p > 0 (their random state is replayed in the recompute)."""
@@ -372,6 +310,12 @@ class SlideEngine:
         """The placement of layer unit `u`."""
         return self.places[self._layer_no[id(u)]]
 
+    def updater_of(self, u: Unit):
+        """What runs unit `u`'s deferred update: its placement, the embedding or the head."""
+        if u.kind == "layer":
+            return self.place_of(u)
+        return self.embedding if u is self.embed_unit else self.head
+
     def set_place(self, u: Unit, place) -> None:
         """Give layer unit `u` another placement (between optimizer steps)."""
         self.places[self._layer_no[id(u)]] = place
@@ -385,73 +329,12 @@ class SlideEngine:
 
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
-        self.worker.raise_if_failed()
-        self.guard.check()
-        if self.micro == 0:
-            raise SlideStateError("optimizer.step() without a backward pass since the last step")
-        if not self.updated_in_backward:
-            hp = self.optimizer.snapshot()
-            self.device_updates.prepare()           # the first clipping step picks the device-updated layers
-            norm_ev = None
-            early = self.micro < self.config.gradient_accumulation_steps
-            grads_ev = self.streams.record(self.streams.d2h)   # every gradient copy into the host accumulators
-            resident = self.residents.layers
-            adapters = bool(self.adapters.params)
-            if early:
-                self.norm.dev_valid = False
-                if (resident or adapters) and self.config.max_grad_norm is not None:
-                    # The norm is taken from every unit's sum now; the resident layers' and the
-                    # adapters' sums are on the device (the host accumulators of resident layers
-                    # read as zeros).
-                    self.norm.dev.zero_()
-                    self.norm.dev += _sq_norm([r.grad for r in resident.values() if r.grad_valid])
-                    if adapters and self.adapters.sq_norm() is not None:
-                        self.norm.dev += self.adapters.sq_norm()
-                    self.norm.dev_valid = True
-            if self.single_micro or self.norm.dev_valid:
-                norm_ev = self.norm.copy(self.norm.host_sq)
-            device_updates = self.device_updates.on
-            clip_done = (threading.Event() if (device_updates or resident or adapters) and not self.single_micro
-                         else None)
-            # `known`: the worker has judged the step's norm (a device update is skipped when it is
-            # not finite, see HostUpdates.clip_task)
-            known = threading.Event() if device_updates else None
-            on_device = {id(r.unit) for r in resident.values()}
-            host_grads = [g for u in self.store.units if id(u) not in on_device and u.trainable
-                          and (g := self._step_sum(u)) is not None] if early and not self.single_micro else ()
-            self.worker.submit(self.host_updates.clip_task, early, norm_ev, grads_ev, host_grads,
-                               done=tuple(e for e in (clip_done, known) if e is not None))
-            deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
-                                    device_clip=lambda: self.residents.clip(clip_done))
-            t = self.clock.span_start()
-            on_device = self.residents.step(deferred)
-            if adapters:
-                self.adapters.step(hp, *deferred.resident_clip())
-            if device_updates and self.single_micro:
-                deferred.scale, deferred.ready = self.norm.grad_scale()
-            self.clock.span_end(t)
-            for u in self.store.units:
-                if id(u) in on_device:
-                    continue
-                if u.kind == "layer":
-                    self.place_of(u).step(deferred)
-                elif u is self.embed_unit:
-                    self.embedding.step(deferred)
-                else:
-                    self.head.step(deferred)
-        elif self.single_micro:
-            # The updates ran in backward; the worker judges the whole step's norm (resident units
-            # included) after them, to report a non-finite step once.
-            slot = self.norm.step_slot(self._step_no)
-            self.worker.submit(self.host_updates.step_check_task, self.norm.copy(slot), slot)
-        if self.updated_in_backward and self.adapters.params:
-            self.adapters.step(self.hp, found_inf=self.norm.found_inf())
-        if self.dp is not None:
-            # The next forward copies whole units: every rank's shard of every update must be in.
-            self.worker.join()
-            self.worker.raise_if_failed()
-            self.dp.barrier()
-        self._step_no += 1
+        """`optimizer.step()` (`Schedule.optimizer_step`)."""
+        self.schedule.optimizer_step()
+
+    def finish_step(self) -> None:
+        """The optimizer step's updates are queued: count it and plan the next one."""
+        self.step_no += 1
         self.micro = 0
         self.updated_in_backward = False
         self.stats.mark_step()
@@ -460,7 +343,7 @@ class SlideEngine:
         # After the step (skipped: its gradients were NaN), so that the engine stays consistent.
         self.labels.raise_pending(wait=True)
 
-    def _step_sum(self, u: Unit):
+    def step_sum(self, u: Unit):
         """The host's sum of `u`'s gradients so far this step (this rank's shard of it with several
         ranks), or None."""
         if self.dp is not None:

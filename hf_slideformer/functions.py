@@ -3,7 +3,7 @@ through the slid model (`EmbedFunction` -> `LayerFunction` x L -> `HeadFunction`
 `TokenHeadFunction` where the caller makes the loss from per-token log-probabilities), the swap of
 a unit's parameters for device tensors, and the recompute's output-free projection.
 
-Each Function hands its work to the engine (`engine.py`), which owns the schedule.
+Each Function hands its work to the engine (`engine.py`), whose schedule (`schedule.py`) orders the step.
 """
 from __future__ import annotations
 

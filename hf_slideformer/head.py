@@ -329,10 +329,11 @@ class LossHead:
         self.scale_dev = g.reshape(())
         if self.done is None:                      # a frozen head sent nothing
             return
-        if e.single_micro:
+        plan = e.backward_plan
+        if plan.running_norm:
             e.norm.dev += self._sq * self.scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
-        norm = e.norm.slot(hu) if e.single_micro else None
+        norm = e.norm.slot(hu) if plan.running_norm else None
         if e.streams.cuda:
             self.scale_host.copy_(g, non_blocking=True)
             if norm is not None:
@@ -342,7 +343,7 @@ class LossHead:
             if norm is not None:
                 norm.copy_(e.norm.dev.reshape(1))
         scale_ev = e.streams.record()
-        update = e.mode.updates
+        update = plan.updates
         embed_on_host = emb.resident is None
         if e.tied and not embed_on_host:
             emb.rgrad.mul_(self.scale_dev)
@@ -354,9 +355,9 @@ class LossHead:
         ring, self.ring = self.ring, ()
         last = update and not ring and self.updates_last
         if last:                                  # [Why an untied head is updated when the backward ends]
-            e.late.hold(len(e.layer_units), self._update_task, (e.mode.ends_step, e.hp),
+            e.late.hold(len(e.layer_units), self._update_task, (plan.ends_step, e.hp),
                         done=(self.host_free, hu.updated))
-        e.worker.submit(self._head_task, self.done, scale_ev, update, e.mode.ends_step, e.hp,
+        e.worker.submit(self._head_task, self.done, scale_ev, update, plan.ends_step, e.hp,
                         emb.touch if bulk else None, embed_on_host, ring, norm, last,
                         done=(() if last else (self.host_free,)) + tuple(e.grad_ring.free[k] for k in ring)
                         + ((hu.updated,) if update and not last else ()))

@@ -23,7 +23,6 @@ then the rows, and the forward's gather would start only after both. Held like a
 its ring buffer), layer 0 is updated after the rows, while the main thread gathers the batch and
 copies it in: the gather and copy leave the path to the first layer's compute.
 """
-import math
 import threading
 
 import torch
@@ -47,29 +46,12 @@ class LateUpdates:
         self.claimed = 0               # ... of which so far
         self.pending: list[tuple] = []
 
-    def plan(self) -> int:
-        """How many layers the backward starting now updates late (`SlideConfig.late_layer_updates`):
-        "auto", enough to cover the embedding's whole-table update at the worker's front, when there is one."""
-        e = self.engine
-        emb = e.embedding
-        want = e.config.late_layer_updates
-        if (want == 0 or not e.mode.updates or not e.single_micro or e.config.max_grad_norm is not None or e.dp is not None
-                or emb.resident is not None or not e.embed_unit.trainable
-                or any(e.store.on_disk(u) for u in e.layer_units)):   # disk-bound steps: no gain to pay memory for
-            return 0
-        return math.ceil(e.embed_unit.numel / self.size) if want == "auto" else int(want)
-
-    def begin(self) -> None:
-        """Main thread, at the start of a backward."""
+    def begin(self, count: int) -> None:
+        """Main thread, at the start of a backward that updates `count` layers late
+        (`BackwardPlan.late_layers`)."""
         self.pending = []
         self.claimed = 0
-        self.count = self.plan()
-
-    def after_embedding(self, i: int) -> bool:
-        """Whether layer i's update (from the ring) is held too, to run right after the embedding's
-        rows: layer 0, when this backward holds updates ([Why layer 0 is updated after the
-        embedding's rows])."""
-        return i == 0 and self.count > 0
+        self.count = count
 
     def claim(self) -> int | None:
         """Main thread: the index of a buffer (`buffers`, freed by `free[k]`) for the next layer's

@@ -269,7 +269,7 @@ class AdapterSet:
                 p.grad = g.to(torch.float32)
             else:
                 p.grad.add_(g)
-        if e.single_micro or e.mode.ends_step:
+        if e.single_micro or e.backward_plan.ends_step:
             e.norm.dev += _sq_norm([p.grad for p in ps if p.grad is not None])
 
     def sq_norm(self) -> torch.Tensor | None:

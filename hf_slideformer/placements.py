@@ -11,7 +11,7 @@ steps and swapped whole when the plan moves the layer:
 | `DiskLayer` (disk_placement.py) | a file on disk, in a pinned buffer around each use | a slot, filled from the buffer | as `HostLayer`, the state read in beside the copy and written back after | CPU worker |
 | `ShardedHostLayer` (sharded.py) | host store shared by the ranks | a slot, filled from the master | summed over the ranks on the devices; d2h of this rank's shard | CPU worker, this rank's shard |
 
-The schedule (`engine.py`) asks the placement and never which case a layer is in:
+The schedule (`schedule.py`) asks the placement and never which case a layer is in:
 
     forward:   ws, slot = place.weights(busy); window.prefetch(busy); y = layer(x, ws); place.after_forward(slot)
     backward:  place.before_recompute(); ws, slot = place.weights(busy); ...; place.after_recompute(slot);
@@ -118,7 +118,7 @@ class LayerPlacement:
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
         """This micro-batch's parameter gradients (entry order, None where unused), just computed
-        on the compute stream, in the backward's mode (`engine.mode`)."""
+        on the compute stream, in the backward's mode (`engine.backward_plan`)."""
         raise NotImplementedError
 
     def step(self, deferred: DeferredStep) -> None:
@@ -142,16 +142,16 @@ class HostLayer(LayerPlacement):
         self.engine.accumulator.prefetch(self)     # accumulation: the running sum comes in meanwhile
 
     def take_gradient(self, grads: list) -> None:
-        e, u, mode = self.engine, self.unit, self.engine.mode
-        if e.single_micro:
+        e, u, plan = self.engine, self.unit, self.engine.backward_plan
+        if plan.running_norm:
             e.norm.dev += _sq_norm([g for g in grads if g is not None])
         if e.accumulator.active(u):                 # accumulation: the GPU adds (accumulate.py)
             done = e.accumulator.fold(self, grads)
-            if mode.updates:
+            if plan.updates:
                 e.begin_update(u)
                 e.worker.submit(self._accumulated_update_task, done, e.hp, e.norm.slot(u), done=(u.updated,))
             return
-        late = e.late.claim() if mode.updates else None     # late_updates.py: [Why the top layers are updated late]
+        late = e.late.claim() if plan.updates else None     # late_updates.py: [Why the top layers are updated late]
         if late is None:
             k = e.grad_ring.claim_next()
             buf, free = e.grad_ring.buffers[k], e.grad_ring.free[k]
@@ -160,15 +160,15 @@ class HostLayer(LayerPlacement):
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if e.streams.cuda else None
-        norm = e.norm.slot(u) if e.single_micro else None
-        done = e.grad_ring.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries], marks,
-                      norm_dst=norm)
-        if mode.updates:
+        norm = e.norm.slot(u) if plan.running_norm else None
+        done = e.grad_ring.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries],
+                               marks, norm_dst=norm)
+        if plan.updates:
             e.begin_update(u)
-        args = (buf[:u.numel], done, mode.updates, mode.ends_step, e.hp, marks, norm)
-        done = (free,) + ((u.updated,) if mode.updates else ())
+        args = (buf[:u.numel], done, plan.updates, plan.ends_step, e.hp, marks, norm)
+        done = (free,) + ((u.updated,) if plan.updates else ())
         i = e.layer_no(u)
-        if late is not None or e.late.after_embedding(i):     # held only in a backward that updates
+        if late is not None or (i == 0 and plan.holds_layer0):
             e.late.hold(i, self.layer_task, args, done=done)
         else:
             e.worker.submit(self.layer_task, *args, done=done)

@@ -104,10 +104,10 @@ class ResidentLayer(LayerPlacement):
         on the device for optimizer.step(). With accumulation it is summed on the device over the
         micro-batches, and the last one updates (or, with clipping, leaves the sum for
         optimizer.step()); the squared norm is the sum's."""
-        e, u, r, mode = self.engine, self.unit, self.state, self.engine.mode
-        if e.single_micro:
+        e, u, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
+        if plan.running_norm:
             e.norm.dev += _sq_norm([g for g in grads if g is not None])
-            g32 = e.residents.shared_grad[:u.numel] if mode.updates else r.grad
+            g32 = e.residents.shared_grad[:u.numel] if plan.updates else r.grad
             first = True
         else:
             g32, first = r.grad, not r.grad_valid
@@ -120,11 +120,11 @@ class ResidentLayer(LayerPlacement):
                 d.copy_(g.reshape(d.shape))
             else:
                 d.add_(g.reshape(d.shape))
-        if not e.single_micro:
+        if not plan.running_norm:
             r.grad_valid = True
-            if mode.ends_step:
+            if plan.ends_step:
                 e.norm.dev += _sq_norm([g32])
-        if mode.updates:
+        if plan.updates:
             e.residents.resident_step(u, r, g32, found_inf=e.norm.found_inf())
             r.grad_valid = False
         e.residents.pace()

@@ -38,15 +38,15 @@ class _Shard:
         `dst`, and the worker's task on it; `free` is set once the worker is done with `dst`. With
         one backward per step the shard's squares, summed over the ranks, join the running norm
         first (the worker judges it before the update)."""
-        e, u = self.engine, self.unit
-        if e.single_micro:
+        e, u, plan = self.engine, self.unit, self.engine.backward_plan
+        if plan.running_norm:
             e.norm.dev += e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device))
-        norm = e.norm.slot(u) if e.single_micro else None
+        norm = e.norm.slot(u) if plan.running_norm else None
         done = e.grad_ring.d2h([shard], [dst], norm_dst=norm)
-        update = e.mode.updates
+        update = plan.updates
         if update:
             e.begin_update(u)
-        e.worker.submit(self.task, dst, done, update, e.mode.ends_step, e.hp, norm,
+        e.worker.submit(self.task, dst, done, update, plan.ends_step, e.hp, norm,
                         done=(free,) + ((u.updated,) if update else ()))
 
     def task(self, src, done, update: bool, ends_step: bool, hp, norm=None) -> None:

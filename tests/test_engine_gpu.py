@@ -85,7 +85,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
         from hf_slideformer.device_update import DeviceUpdater
         from hf_slideformer.grad_ring import GradientRing
         from hf_slideformer.resident import ResidentLayer
-        call, load_steps, d2h = E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h
+        call, load_steps, d2h = E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h
         res = ResidentLayer.take_gradient
 
         def slow_call(self, *a, **k):
@@ -127,7 +127,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                     torch.cuda._sleep(1_000_000)
             return dev_piece(self, *a, **k)
 
-        E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = slow_call, slow_load_steps, slow_d2h
+        E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h = slow_call, slow_load_steps, slow_d2h
         ResidentLayer.take_gradient = slow_res
         DeviceUpdater.run, DeviceUpdater._update_piece = slow_dev_run, slow_dev_piece
     try:
@@ -137,7 +137,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 opt.step(); opt.zero_grad()
     finally:
         if slow:
-            E.SlideEngine._call_layer, S.SlotQueue.load_steps, GradientRing.d2h = call, load_steps, d2h
+            E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h = call, load_steps, d2h
             ResidentLayer.take_gradient = res
             DeviceUpdater.run, DeviceUpdater._update_piece = dev_run, dev_piece
     return {k: v.clone() for k, v in slid.state_dict().items()}

@@ -1,0 +1,298 @@
+"""The training step, in the order it runs: one layer's forward, its backward, and the updates.
+
+`Schedule` is the loop a reader follows, from the first layer's forward to the last update
+(docs/engine.md, "How a step flows", walks it line for line):
+
+    forward     layer_forward(i) for i = 0 .. L-1       weights from the placement, prefetch the
+                                                        window and a head-slot chunk, save x_i
+    backward    begin_backward()                        the BackwardPlan: does it update, which
+                                                        updates are held for the end
+                layer_backward(i) for i = L-1 .. 0      recompute from x_i, differentiate, hand the
+                                                        gradient to the layer's placement
+                end_backward()                          queue the held updates in forward order
+    step        optimizer_step()                        the StepPlan: the clip task, then each
+                                                        unit's deferred update in forward order
+
+The two plans are made once, where the modes are read (accumulation, clipping, the LoRA
+adapters, the resident and device-updated units, several ranks); the parts do what the plan
+says. What a placement does with a gradient is its own (placements.py); where an update is held
+is `LateUpdates` (late_updates.py), filled as this plan says.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SlideStateError
+from .functions import swapped
+from .mode import BackwardMode
+from .optim import sq_norm
+from .placements import DeferredStep
+
+__all__ = ["BackwardPlan", "StepPlan", "Schedule"]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """What one backward does, decided when it begins (`BackwardPlan.make`).
+
+    Attributes:
+        ends_step: this backward is the optimizer step's last micro-batch.
+        updates: the units are updated during this backward, as their gradients land (it ends the
+            step and no clipping norm is needed first); else the gradients wait for `optimizer.step()`.
+        running_norm: the step has one backward: each gradient's squared norm joins a running
+            norm on the device, copied out beside the gradient and judged by the worker before the
+            unit's update (with accumulation the norm is taken from the step's sums).
+        late_layers: how many of the first host layers of the backward land in buffers of their
+            own and are updated when it ends (late_updates.py: [Why the top layers are updated late]).
+    """
+
+    ends_step: bool = False
+    updates: bool = False
+    running_norm: bool = False
+    late_layers: int = 0
+
+    @property
+    def holds_layer0(self) -> bool:
+        """Layer 0's update (from the ring) is held to run after the embedding's rows, when this
+        backward holds updates (late_updates.py: [Why layer 0 is updated after the embedding's rows])."""
+        return self.late_layers > 0
+
+    @classmethod
+    def make(cls, engine) -> "BackwardPlan":
+        """The plan of the backward starting now (backward number `engine.micro` of its step)."""
+        cfg = engine.config
+        mode = BackwardMode.of(engine.micro, cfg.gradient_accumulation_steps, clipping=cfg.max_grad_norm is not None)
+        single = engine.single_micro
+        return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
+                   late_layers=_late_layers(engine, mode.updates and single))
+
+
+def _late_layers(engine, updates_alone: bool) -> int:
+    """How many layers a backward updates late (`SlideConfig.late_layer_updates`): "auto", enough
+    to cover the embedding's whole-table update at the worker's front, when there is one."""
+    e = engine
+    want = e.config.late_layer_updates
+    if (want == 0 or not updates_alone or e.config.max_grad_norm is not None or e.dp is not None
+            or e.embedding.resident is not None or not e.embed_unit.trainable
+            or any(e.store.on_disk(u) for u in e.layer_units)):   # disk-bound steps: no gain to pay memory for
+        return 0
+    return math.ceil(e.embed_unit.numel / e.late.size) if want == "auto" else int(want)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What `optimizer.step()` does, decided when it is called (`StepPlan.make`).
+
+    Attributes:
+        deferred: the updates did not run in backward: the clip task, then every unit's update, run now.
+        early: the step ends before its last micro-batch (a shorter window, the end of an epoch).
+        sums_on_device: with `early` and clipping, the norm is retaken now from every unit's sum,
+            the resident layers' and the adapters' being on the device.
+        clip_event: the device-side updates (device-updated layers, resident units, adapters)
+            wait for the worker's clip task (accumulation only).
+        device_updates: some layers are updated by the GPU as they are copied in: they wait for
+            the worker's verdict on the norm (`DeferredStep.known`).
+        device_scale: with one backward per step, the device updates take the clip factor from
+            the device norm (`StepNorm.grad_scale`).
+        host_sums: the worker takes the norm from the host's sums of the step so far (`early` with
+            accumulation).
+        check_after: the updates ran in backward with one backward per step: the worker judges
+            the whole step's norm after them, to report a non-finite step once.
+        adapters_after: the updates ran in backward and the LoRA adapters (on the device) update now.
+    """
+
+    deferred: bool
+    early: bool = False
+    sums_on_device: bool = False
+    clip_event: bool = False
+    device_updates: bool = False
+    device_scale: bool = False
+    host_sums: bool = False
+    check_after: bool = False
+    adapters_after: bool = False
+
+    @classmethod
+    def make(cls, engine) -> "StepPlan":
+        """The plan of the optimizer step called now (after `DeviceUpdater.prepare` with a deferred step)."""
+        e = engine
+        single = e.single_micro
+        adapters = bool(e.adapters.params)
+        if e.updated_in_backward:
+            return cls(deferred=False, check_after=single, adapters_after=adapters)
+        early = e.micro < e.config.gradient_accumulation_steps
+        resident = bool(e.residents.layers)
+        device = e.device_updates.on
+        return cls(deferred=True, early=early,
+                   sums_on_device=early and (resident or adapters) and e.config.max_grad_norm is not None,
+                   clip_event=(device or resident or adapters) and not single, device_updates=device,
+                   device_scale=device and single, host_sums=early and not single)
+
+
+class Schedule:
+    """The step's order over the engine's parts.
+
+    Args:
+        engine: the SlideEngine whose parts the schedule drives.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._backward_t0 = 0.0
+
+    # ----------------------------------------------------------------- forward
+    def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
+        """Layer i's forward without a graph, on its placement's weights; saves x_i when training."""
+        e = self.engine
+        place = e.places[i]
+        ws, slot = place.weights()
+        busy = (slot,) if slot is not None else ()
+        for j in range(i + 1, min(i + e.config.window, len(e.layer_units))):
+            e.places[j].prefetch(busy)
+        e.head.prefetch()                  # head.py: [Why the head slot is loaded in chunks during the forward]
+        if save:
+            e.tier.save(i, x, e.embedding.remake_input(i, x))
+            if any(m.training for m in e.dropouts[i]):
+                e.rng.save(i)
+        t = e.clock.span_start()
+        with torch.no_grad(), swapped(place.unit, ws), e.matmuls.forward(i, slot):
+            y = e.call_layer(i, x, args, kwargs)
+        e.clock.span_end(t)
+        place.after_forward(slot)
+        return y
+
+    # ----------------------------------------------------------------- backward
+    def begin_backward(self) -> None:
+        """The loss's backward starts (at the head): plan it and open the step's norm."""
+        e = self.engine
+        if e.optimizer is None:
+            raise SlideStateError("call model.create_optimizer(...) (or build a SlideOptimizer) before backward(): "
+                                  "the engine updates the weights during backward")
+        ga = e.config.gradient_accumulation_steps
+        if e.micro >= ga:
+            raise SlideStateError(
+                f"backward() number {e.micro + 1} since the last optimizer step, but "
+                f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
+        e.worker.raise_if_failed()
+        if e.micro == 0:
+            e.worker.submit(e.host_updates.begin_step_task, e.step_no + 1)
+        e.guard.open = True
+        e.backward_plan = plan = BackwardPlan.make(e)
+        e.hp = e.optimizer.snapshot()
+        e.late.begin(plan.late_layers)
+        if plan.ends_step:
+            e.host_updates.norm_sq = []
+            e.norm.dev_valid = not plan.running_norm
+        if plan.running_norm or plan.ends_step:
+            e.norm.dev.zero_()
+        self._backward_t0 = time.perf_counter()
+        e.stats.event("backward_begin", self._backward_t0)
+
+    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Layer i's backward: recompute from x_i with gradients, prefetch layer i-1, and hand the
+        parameter gradients to the placement and the adapters; the input's gradient."""
+        e = self.engine
+        place = e.places[i]
+        ws, slot = place.weights()
+        place.before_recompute()
+        if i > 0:
+            if e.config.window > 1:
+                e.places[i - 1].prefetch((slot,) if slot is not None else ())
+            e.tier.prefetch(i - 1)
+        x = e.tier.load(i).detach().requires_grad_()
+        ws, wrt = place.leaves(ws)
+        extra = e.adapters.by_layer[i]
+        t = e.clock.span_start()
+        skip = e.output_projections[i] if e.skip_output_projection else None
+        with torch.enable_grad(), swapped(place.unit, ws), e.matmuls.recompute(i, slot, skip), e.rng.replay(i):
+            y = e.call_layer(i, x, args, kwargs)
+            aux = e.router_aux.surrogate(i) if e.router_aux is not None else None
+        outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
+        grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
+        e.clock.span_end(t)
+        place.after_recompute(slot)
+        e.tier.drop(i)
+        place.take_gradient(list(grads[1:1 + len(wrt)]))
+        e.adapters.take_gradient(i, grads[1 + len(wrt):])
+        return grads[0]
+
+    def end_backward(self) -> None:
+        """The embedding's backward is done: queue the held updates, close the backward."""
+        e = self.engine
+        e.late.finish()
+        e.streams.settle()          # the last gradients' memory serves the next forward (transfer.py)
+        e.guard.open = False
+        e.micro += 1
+        e.live_generation = None
+        e.updated_in_backward = e.backward_plan.updates
+        e.stats.backward_s += time.perf_counter() - self._backward_t0
+        e.stats.event("backward_end", time.perf_counter())
+
+    # ----------------------------------------------------------------- optimizer step
+    def optimizer_step(self) -> None:
+        """`optimizer.step()`: the deferred updates, or the checks after updates in backward."""
+        e = self.engine
+        e.worker.raise_if_failed()
+        e.guard.check()
+        if e.micro == 0:
+            raise SlideStateError("optimizer.step() without a backward pass since the last step")
+        if not e.updated_in_backward:
+            e.device_updates.prepare()           # the first clipping step picks the device-updated layers
+        plan = StepPlan.make(e)
+        if plan.deferred:
+            self._deferred_updates(plan)
+        elif plan.check_after:
+            slot = e.norm.step_slot(e.step_no)
+            e.worker.submit(e.host_updates.step_check_task, e.norm.copy(slot), slot)
+        if plan.adapters_after:
+            e.adapters.step(e.hp, found_inf=e.norm.found_inf())
+        if e.dp is not None:
+            # The next forward copies whole units: every rank's shard of every update must be in.
+            e.worker.join()
+            e.worker.raise_if_failed()
+            e.dp.barrier()
+        e.finish_step()
+
+    def _deferred_updates(self, plan: StepPlan) -> None:
+        """The clip task, then the device updates (resident units, adapters), then each unit's
+        update where its placement runs it, in forward order (embedding, layers, head)."""
+        e = self.engine
+        hp = e.optimizer.snapshot()
+        grads_ev = e.streams.record(e.streams.d2h)   # every gradient copy into the host accumulators
+        resident = e.residents.layers
+        if plan.early:
+            e.norm.dev_valid = False
+            if plan.sums_on_device:
+                # The host accumulators of resident layers read as zeros: their sums and the
+                # adapters' are on the device.
+                e.norm.dev.zero_()
+                e.norm.dev += sq_norm([r.grad for r in resident.values() if r.grad_valid])
+                if e.adapters.params and e.adapters.sq_norm() is not None:
+                    e.norm.dev += e.adapters.sq_norm()
+                e.norm.dev_valid = True
+        norm_ev = e.norm.copy(e.norm.host_sq) if e.single_micro or e.norm.dev_valid else None
+        clip_done = threading.Event() if plan.clip_event else None
+        # `known`: the worker has judged the step's norm (a device update is skipped when it is
+        # not finite, see HostUpdates.clip_task)
+        known = threading.Event() if plan.device_updates else None
+        on_device = {id(r.unit) for r in resident.values()}
+        host_grads = [g for u in e.store.units if id(u) not in on_device and u.trainable
+                      and (g := e.step_sum(u)) is not None] if plan.host_sums else ()
+        e.worker.submit(e.host_updates.clip_task, plan.early, norm_ev, grads_ev, host_grads,
+                        done=tuple(ev for ev in (clip_done, known) if ev is not None))
+        deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
+                                device_clip=lambda: e.residents.clip(clip_done))
+        t = e.clock.span_start()
+        on_device = e.residents.step(deferred)
+        if e.adapters.params:
+            e.adapters.step(hp, *deferred.resident_clip())
+        if plan.device_scale:
+            deferred.scale, deferred.ready = e.norm.grad_scale()
+        e.clock.span_end(t)
+        for unit in e.store.units:
+            if id(unit) not in on_device:
+                e.updater_of(unit).step(deferred)
