@@ -201,7 +201,7 @@ class DeviceUpdater:
             torch.cuda.synchronize(e.device)
         for i, p in enumerate(e.places):
             if isinstance(p, DeviceUpdateLayer):
-                e.places[i] = HostLayer(e, p.unit)
+                e.set_place(p.unit, HostLayer(e, p.unit))
         self._chosen = False
         self._sets = None
         self._free = [None, None]

@@ -138,7 +138,7 @@ class SlideEngine:
         self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
         for i, u in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
             if store.on_disk(u):
-                self.places[i] = DiskLayer(self, u, store.disk, self.layers[i])
+                self.set_place(u, DiskLayer(self, u, store.disk, self.layers[i]))
         # The parts that own their state: the worker's host updates, the embedding, the head, the
         # resident plan, the device updates and the device accumulation.
         self.host_updates = HostUpdates(self)
@@ -317,7 +317,7 @@ class SlideEngine:
         return self.embedding if u is self.embed_unit else self.head
 
     def set_place(self, u: Unit, place) -> None:
-        """Give layer unit `u` another placement (between optimizer steps)."""
+        """Give layer unit `u` another placement (between optimizer steps): the one writer of `places`."""
         self.places[self._layer_no[id(u)]] = place
 
     # ----------------------------------------------------------------- gradients -> host -> update

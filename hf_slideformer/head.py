@@ -82,7 +82,6 @@ class LossHead:
         mean (`triton_ops.linear_cross_entropy`): the gradients are then those of a loss made from
         the per-token log-probabilities (`token_statistics`), `w_t = -d loss / d log p_t`.
         """
-        from triton_ops import linear_cross_entropy
         e, hu = self.engine, self.unit
         slot, hv, W = self._weights()
         if shift_labels is None:
@@ -93,10 +92,7 @@ class LossHead:
             num_items_in_batch = num_items_in_batch.to(e.device)
         if not with_grad:
             with torch.no_grad(), swapped(hu, hv):
-                hn = self.norm_fn(h)
-                loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap)
-                loss = loss if poison is None else loss * poison
+                loss = self._loss(h, W, sl, num_items_in_batch, poison)
             self.slots.release(slot)
             return loss, None
         if e.dp is not None:
@@ -105,11 +101,7 @@ class LossHead:
         hx = h.detach().requires_grad_()
         if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
             with torch.enable_grad(), swapped(hu, hv):
-                hn = self.norm_fn(hx)
-                loss = linear_cross_entropy(hn.reshape(-1, e.hidden), W, sl, num_items_in_batch=num_items_in_batch,
-                                            chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap,
-                                            token_weights=token_weights)
-                loss = loss if poison is None else loss * poison
+                loss = self._loss(hx, W, sl, num_items_in_batch, poison, token_weights)
             (gh,) = torch.autograd.grad(loss, [hx])
             e.clock.span_end(t)
             self.slots.release(slot)
@@ -122,11 +114,7 @@ class LossHead:
         leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
         wl = leaves[self._lm_index] if not e.tied else W.detach().requires_grad_()
         with torch.enable_grad(), swapped(hu, leaves):
-            hn = self.norm_fn(hx)
-            loss = linear_cross_entropy(hn.reshape(-1, e.hidden), wl, sl, num_items_in_batch=num_items_in_batch,
-                                        chunk_tokens=e.config.head_chunk_tokens, softcap=self.softcap,
-                                        token_weights=token_weights)
-            loss = loss if poison is None else loss * poison
+            loss = self._loss(hx, wl, sl, num_items_in_batch, poison, token_weights)
         trained = [t for t in leaves if t.requires_grad]
         wrt = [hx] + trained + ([wl] if e.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -144,6 +132,16 @@ class LossHead:
         self._send(pgrads)
         self.pending = True
         return loss.detach(), grads[0]
+
+    def _loss(self, h, W, labels, num_items_in_batch, poison, token_weights=None) -> torch.Tensor:
+        """The final norm and the fused linear cross-entropy of h against `labels` (B*S,), NaN
+        where `poison` marks a bad batch."""
+        from triton_ops import linear_cross_entropy
+        hn = self.norm_fn(h)
+        loss = linear_cross_entropy(hn.reshape(-1, self.engine.hidden), W, labels, num_items_in_batch=num_items_in_batch,
+                                    chunk_tokens=self.engine.config.head_chunk_tokens, softcap=self.softcap,
+                                    token_weights=token_weights)
+        return loss if poison is None else loss * poison
 
     def _send(self, pgrads: list) -> None:
         """The head's gradients (entry order, then a tied lm_head's) to the host now: they are final

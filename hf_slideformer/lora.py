@@ -197,7 +197,7 @@ class AdapterSet:
         e.residents.evict()
         for i, p in enumerate(e.places):
             if p.trainable and not p.unit.trainable:
-                e.places[i] = FrozenLayer(e, p.unit)
+                e.set_place(p.unit, FrozenLayer(e, p.unit))
 
     def _adopt(self) -> list[str]:
         """Take the layers' trainable parameters that the engine does not hold onto the device in

@@ -319,7 +319,7 @@ class ResidentPlan:
         for i in range(n):
             p = e.places[i]
             if not p.resident and p.trainable and p.host_state:
-                e.places[i] = ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p)
+                e.set_place(p.unit, ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p))
 
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
@@ -347,7 +347,7 @@ class ResidentPlan:
                 r.grad_valid = False
         for i, p in enumerate(e.places):
             if p.resident:
-                e.places[i] = p.replaced
+                e.set_place(p.unit, p.replaced)
         emb.resident = None
 
     def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
