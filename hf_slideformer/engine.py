@@ -152,7 +152,7 @@ class SlideEngine:
         self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
         self.device_updates = DeviceUpdater(self)
         self.accumulator = DeviceAccumulator(self)
-        self.adapters = AdapterSet(self)
+        self.lora = AdapterSet(self)                 # the LoRA adapters (lora.py), on the device
         self.step_no = 0              # optimizer steps taken
         self.guard = BackwardGuard(self._release_interrupted)
         self.anchor = torch.zeros((), requires_grad=True)
@@ -366,7 +366,7 @@ class SlideEngine:
             r.grad_valid = False
         self.accumulator.reset()
         self.embedding.reset_grad()
-        self.adapters.zero_grad()
+        self.lora.zero_grad()
         self.micro = 0
 
     def last_grad_norm(self) -> float:

@@ -122,12 +122,12 @@ def merge_and_unload(peft_model) -> nn.Module:
     engine.synchronize()
     if engine.micro:
         raise ValueError("merge_and_unload in the middle of an optimizer step: call optimizer.step() first")
-    for p in engine.adapters.params:
+    for p in engine.lora.params:
         p.data = p.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
     merged = peft_model.merge_and_unload()
     for u in engine.store.units:        # the entries carry the plain HF names already (model.build_units)
         u.version += 1                                     # device copies of the old weights are stale
-    engine.adapters.clear()
+    engine.lora.clear()
     return merged
 
 

@@ -188,7 +188,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
     closer.atexit = False                             # at exit the process tears everything down anyway
     if base is not None:
-        engine.adapters.adopt_all()
+        engine.lora.adopt_all()
         peft_model.__class__ = slid_peft_class(type(peft_model))     # its save_pretrained, crash-safe
     return peft_model
 
@@ -300,8 +300,8 @@ def _install_proxies(model, adapter, engine) -> None:
             # one that neither the store nor the adapters hold would get no gradient: LoRA
             # adapters (get_peft_model on a slid model) are taken onto the device, anything
             # else is refused, before any step trains without it.
-            if engine.adapters.foreign():
-                engine.adapters.adopt_all()
+            if engine.lora.foreign():
+                engine.lora.adopt_all()
             engine.begin_graph()
             return EmbedFunction.apply(engine.anchor, engine, input_ids)
         return engine.embedding.forward(input_ids)
@@ -390,7 +390,7 @@ class SlideModel:
         own head (`functions.TokenHeadFunction`).
         """
         eng = self.slide_engine
-        check_active(eng.adapters.saved)
+        check_active(eng.lora.saved)
         if inputs_embeds is not None:
             raise NotImplementedError("inputs_embeds is not supported by the sliding engine; pass input_ids")
         if input_ids is None:

@@ -198,8 +198,8 @@ class SlideOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self.engine = engine
-        engine.adapters.adopt_all()              # LoRA adapters a PEFT model added (lora.py)
-        owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.adapters.params}
+        engine.lora.adopt_all()              # LoRA adapters a PEFT model added (lora.py)
+        owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.lora.params}
         for g in self.param_groups:
             for p in g["params"]:
                 # A frozen parameter outside the store (the original beside a PEFT modules_to_save
@@ -218,7 +218,7 @@ class SlideOptimizer(torch.optim.Optimizer):
                 # the arrays the unit's format declares (host_optim.py), views of the host store
                 self.state[e.param] = {"step": u.steps[k]} if store.on_disk(u) else {
                     "step": u.steps[k], **u.state_format.entry_state(u, k)}
-        engine.adapters.allocate(self.state)
+        engine.lora.allocate(self.state)
         engine.attach_optimizer(self)
 
     def snapshot(self) -> tuple[list[dict], dict[int, int]]:

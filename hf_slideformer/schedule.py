@@ -75,13 +75,12 @@ class BackwardPlan:
 def _late_layers(engine, updates_alone: bool) -> int:
     """How many layers a backward updates late (`SlideConfig.late_layer_updates`): "auto", enough
     to cover the embedding's whole-table update at the worker's front, when there is one."""
-    e = engine
-    want = e.config.late_layer_updates
-    if (want == 0 or not updates_alone or e.config.max_grad_norm is not None or e.dp is not None
-            or e.embedding.resident is not None or not e.embed_unit.trainable
-            or any(e.store.on_disk(u) for u in e.layer_units)):   # disk-bound steps: no gain to pay memory for
+    want = engine.config.late_layer_updates
+    if (want == 0 or not updates_alone or engine.config.max_grad_norm is not None or engine.dp is not None
+            or engine.embedding.resident is not None or not engine.embed_unit.trainable
+            or any(engine.store.on_disk(u) for u in engine.layer_units)):   # disk-bound: no gain to pay memory for
         return 0
-    return math.ceil(e.embed_unit.numel / e.late.size) if want == "auto" else int(want)
+    return math.ceil(engine.embed_unit.numel / engine.late.size) if want == "auto" else int(want)
 
 
 @dataclass(frozen=True)
@@ -119,16 +118,15 @@ class StepPlan:
     @classmethod
     def make(cls, engine) -> "StepPlan":
         """The plan of the optimizer step called now (after `DeviceUpdater.prepare` with a deferred step)."""
-        e = engine
-        single = e.single_micro
-        adapters = bool(e.adapters.params)
-        if e.updated_in_backward:
+        single = engine.single_micro
+        adapters = bool(engine.lora.params)
+        if engine.updated_in_backward:
             return cls(deferred=False, check_after=single, adapters_after=adapters)
-        early = e.micro < e.config.gradient_accumulation_steps
-        resident = bool(e.residents.layers)
-        device = e.device_updates.on
+        early = engine.micro < engine.config.gradient_accumulation_steps
+        resident = bool(engine.residents.layers)
+        device = engine.device_updates.on
         return cls(deferred=True, early=early,
-                   sums_on_device=early and (resident or adapters) and e.config.max_grad_norm is not None,
+                   sums_on_device=early and (resident or adapters) and engine.config.max_grad_norm is not None,
                    clip_event=(device or resident or adapters) and not single, device_updates=device,
                    device_scale=device and single, host_sums=early and not single)
 
@@ -147,152 +145,153 @@ class Schedule:
     # ----------------------------------------------------------------- forward
     def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
         """Layer i's forward without a graph, on its placement's weights; saves x_i when training."""
-        e = self.engine
-        place = e.places[i]
+        engine = self.engine
+        place = engine.places[i]
         ws, slot = place.weights()
         busy = (slot,) if slot is not None else ()
-        for j in range(i + 1, min(i + e.config.window, len(e.layer_units))):
-            e.places[j].prefetch(busy)
-        e.head.prefetch()                  # head.py: [Why the head slot is loaded in chunks during the forward]
+        for j in range(i + 1, min(i + engine.config.window, len(engine.layer_units))):
+            engine.places[j].prefetch(busy)
+        engine.head.prefetch()                  # head.py: [Why the head slot is loaded in chunks during the forward]
         if save:
-            e.tier.save(i, x, e.embedding.remake_input(i, x))
-            if any(m.training for m in e.dropouts[i]):
-                e.rng.save(i)
-        t = e.clock.span_start()
-        with torch.no_grad(), swapped(place.unit, ws), e.matmuls.forward(i, slot):
-            y = e.call_layer(i, x, args, kwargs)
-        e.clock.span_end(t)
+            engine.tier.save(i, x, engine.embedding.remake_input(i, x))
+            if any(m.training for m in engine.dropouts[i]):
+                engine.rng.save(i)
+        t = engine.clock.span_start()
+        with torch.no_grad(), swapped(place.unit, ws), engine.matmuls.forward(i, slot):
+            y = engine.call_layer(i, x, args, kwargs)
+        engine.clock.span_end(t)
         place.after_forward(slot)
         return y
 
     # ----------------------------------------------------------------- backward
     def begin_backward(self) -> None:
         """The loss's backward starts (at the head): plan it and open the step's norm."""
-        e = self.engine
-        if e.optimizer is None:
+        engine = self.engine
+        if engine.optimizer is None:
             raise SlideStateError("call model.create_optimizer(...) (or build a SlideOptimizer) before backward(): "
                                   "the engine updates the weights during backward")
-        ga = e.config.gradient_accumulation_steps
-        if e.micro >= ga:
+        ga = engine.config.gradient_accumulation_steps
+        if engine.micro >= ga:
             raise SlideStateError(
-                f"backward() number {e.micro + 1} since the last optimizer step, but "
+                f"backward() number {engine.micro + 1} since the last optimizer step, but "
                 f"SlideConfig.gradient_accumulation_steps={ga}: call optimizer.step() after every {ga} backward passes")
-        e.worker.raise_if_failed()
-        if e.micro == 0:
-            e.worker.submit(e.host_updates.begin_step_task, e.step_no + 1)
-        e.guard.open = True
-        e.backward_plan = plan = BackwardPlan.make(e)
-        e.hp = e.optimizer.snapshot()
-        e.late.begin(plan.late_layers)
+        engine.worker.raise_if_failed()
+        if engine.micro == 0:
+            engine.worker.submit(engine.host_updates.begin_step_task, engine.step_no + 1)
+        engine.guard.open = True
+        engine.backward_plan = plan = BackwardPlan.make(engine)
+        engine.hp = engine.optimizer.snapshot()
+        engine.late.begin(plan.late_layers)
         if plan.ends_step:
-            e.host_updates.norm_sq = []
-            e.norm.dev_valid = not plan.running_norm
+            engine.host_updates.norm_sq = []
+            engine.norm.dev_valid = not plan.running_norm
         if plan.running_norm or plan.ends_step:
-            e.norm.dev.zero_()
+            engine.norm.dev.zero_()
         self._backward_t0 = time.perf_counter()
-        e.stats.event("backward_begin", self._backward_t0)
+        engine.stats.event("backward_begin", self._backward_t0)
 
     def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
         """Layer i's backward: recompute from x_i with gradients, prefetch layer i-1, and hand the
         parameter gradients to the placement and the adapters; the input's gradient."""
-        e = self.engine
-        place = e.places[i]
+        engine = self.engine
+        place = engine.places[i]
         ws, slot = place.weights()
         place.before_recompute()
         if i > 0:
-            if e.config.window > 1:
-                e.places[i - 1].prefetch((slot,) if slot is not None else ())
-            e.tier.prefetch(i - 1)
-        x = e.tier.load(i).detach().requires_grad_()
+            if engine.config.window > 1:
+                engine.places[i - 1].prefetch((slot,) if slot is not None else ())
+            engine.tier.prefetch(i - 1)
+        x = engine.tier.load(i).detach().requires_grad_()
         ws, wrt = place.leaves(ws)
-        extra = e.adapters.by_layer[i]
-        t = e.clock.span_start()
-        skip = e.output_projections[i] if e.skip_output_projection else None
-        with torch.enable_grad(), swapped(place.unit, ws), e.matmuls.recompute(i, slot, skip), e.rng.replay(i):
-            y = e.call_layer(i, x, args, kwargs)
-            aux = e.router_aux.surrogate(i) if e.router_aux is not None else None
+        extra = engine.lora.by_layer[i]
+        t = engine.clock.span_start()
+        skip = engine.output_projections[i] if engine.skip_output_projection else None
+        with torch.enable_grad(), swapped(place.unit, ws), engine.matmuls.recompute(i, slot, skip), \
+                engine.rng.replay(i):
+            y = engine.call_layer(i, x, args, kwargs)
+            aux = engine.router_aux.surrogate(i) if engine.router_aux is not None else None
         outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
         grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
-        e.clock.span_end(t)
+        engine.clock.span_end(t)
         place.after_recompute(slot)
-        e.tier.drop(i)
+        engine.tier.drop(i)
         place.take_gradient(list(grads[1:1 + len(wrt)]))
-        e.adapters.take_gradient(i, grads[1 + len(wrt):])
+        engine.lora.take_gradient(i, grads[1 + len(wrt):])
         return grads[0]
 
     def end_backward(self) -> None:
         """The embedding's backward is done: queue the held updates, close the backward."""
-        e = self.engine
-        e.late.finish()
-        e.streams.settle()          # the last gradients' memory serves the next forward (transfer.py)
-        e.guard.open = False
-        e.micro += 1
-        e.live_generation = None
-        e.updated_in_backward = e.backward_plan.updates
-        e.stats.backward_s += time.perf_counter() - self._backward_t0
-        e.stats.event("backward_end", time.perf_counter())
+        engine = self.engine
+        engine.late.finish()
+        engine.streams.settle()          # the last gradients' memory serves the next forward (transfer.py)
+        engine.guard.open = False
+        engine.micro += 1
+        engine.live_generation = None
+        engine.updated_in_backward = engine.backward_plan.updates
+        engine.stats.backward_s += time.perf_counter() - self._backward_t0
+        engine.stats.event("backward_end", time.perf_counter())
 
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
         """`optimizer.step()`: the deferred updates, or the checks after updates in backward."""
-        e = self.engine
-        e.worker.raise_if_failed()
-        e.guard.check()
-        if e.micro == 0:
+        engine = self.engine
+        engine.worker.raise_if_failed()
+        engine.guard.check()
+        if engine.micro == 0:
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
-        if not e.updated_in_backward:
-            e.device_updates.prepare()           # the first clipping step picks the device-updated layers
-        plan = StepPlan.make(e)
+        if not engine.updated_in_backward:
+            engine.device_updates.prepare()           # the first clipping step picks the device-updated layers
+        plan = StepPlan.make(engine)
         if plan.deferred:
             self._deferred_updates(plan)
         elif plan.check_after:
-            slot = e.norm.step_slot(e.step_no)
-            e.worker.submit(e.host_updates.step_check_task, e.norm.copy(slot), slot)
+            slot = engine.norm.step_slot(engine.step_no)
+            engine.worker.submit(engine.host_updates.step_check_task, engine.norm.copy(slot), slot)
         if plan.adapters_after:
-            e.adapters.step(e.hp, found_inf=e.norm.found_inf())
-        if e.dp is not None:
+            engine.lora.step(engine.hp, found_inf=engine.norm.found_inf())
+        if engine.dp is not None:
             # The next forward copies whole units: every rank's shard of every update must be in.
-            e.worker.join()
-            e.worker.raise_if_failed()
-            e.dp.barrier()
-        e.finish_step()
+            engine.worker.join()
+            engine.worker.raise_if_failed()
+            engine.dp.barrier()
+        engine.finish_step()
 
     def _deferred_updates(self, plan: StepPlan) -> None:
         """The clip task, then the device updates (resident units, adapters), then each unit's
         update where its placement runs it, in forward order (embedding, layers, head)."""
-        e = self.engine
-        hp = e.optimizer.snapshot()
-        grads_ev = e.streams.record(e.streams.d2h)   # every gradient copy into the host accumulators
-        resident = e.residents.layers
+        engine = self.engine
+        hp = engine.optimizer.snapshot()
+        grads_ev = engine.streams.record(engine.streams.d2h)   # every gradient copy into the host accumulators
+        resident = engine.residents.layers
         if plan.early:
-            e.norm.dev_valid = False
+            engine.norm.dev_valid = False
             if plan.sums_on_device:
                 # The host accumulators of resident layers read as zeros: their sums and the
                 # adapters' are on the device.
-                e.norm.dev.zero_()
-                e.norm.dev += sq_norm([r.grad for r in resident.values() if r.grad_valid])
-                if e.adapters.params and e.adapters.sq_norm() is not None:
-                    e.norm.dev += e.adapters.sq_norm()
-                e.norm.dev_valid = True
-        norm_ev = e.norm.copy(e.norm.host_sq) if e.single_micro or e.norm.dev_valid else None
+                engine.norm.dev.zero_()
+                engine.norm.dev += sq_norm([r.grad for r in resident.values() if r.grad_valid])
+                if engine.lora.params and engine.lora.sq_norm() is not None:
+                    engine.norm.dev += engine.lora.sq_norm()
+                engine.norm.dev_valid = True
+        norm_ev = engine.norm.copy(engine.norm.host_sq) if engine.single_micro or engine.norm.dev_valid else None
         clip_done = threading.Event() if plan.clip_event else None
         # `known`: the worker has judged the step's norm (a device update is skipped when it is
         # not finite, see HostUpdates.clip_task)
         known = threading.Event() if plan.device_updates else None
         on_device = {id(r.unit) for r in resident.values()}
-        host_grads = [g for u in e.store.units if id(u) not in on_device and u.trainable
-                      and (g := e.step_sum(u)) is not None] if plan.host_sums else ()
-        e.worker.submit(e.host_updates.clip_task, plan.early, norm_ev, grads_ev, host_grads,
+        host_grads = [g for u in engine.store.units if id(u) not in on_device and u.trainable
+                      and (g := engine.step_sum(u)) is not None] if plan.host_sums else ()
+        engine.worker.submit(engine.host_updates.clip_task, plan.early, norm_ev, grads_ev, host_grads,
                         done=tuple(ev for ev in (clip_done, known) if ev is not None))
         deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
-                                device_clip=lambda: e.residents.clip(clip_done))
-        t = e.clock.span_start()
-        on_device = e.residents.step(deferred)
-        if e.adapters.params:
-            e.adapters.step(hp, *deferred.resident_clip())
+                                device_clip=lambda: engine.residents.clip(clip_done))
+        t = engine.clock.span_start()
+        on_device = engine.residents.step(deferred)
+        if engine.lora.params:
+            engine.lora.step(hp, *deferred.resident_clip())
         if plan.device_scale:
-            deferred.scale, deferred.ready = e.norm.grad_scale()
-        e.clock.span_end(t)
-        for unit in e.store.units:
+            deferred.scale, deferred.ready = engine.norm.grad_scale()
+        engine.clock.span_end(t)
+        for unit in engine.store.units:
             if id(unit) not in on_device:
-                e.updater_of(unit).step(deferred)
+                engine.updater_of(unit).step(deferred)

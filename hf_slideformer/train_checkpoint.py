@@ -153,11 +153,11 @@ def save_training_state(directory: str, model, optimizer) -> None:
                           "params": [[e.name, list(e.shape)] for e in u.entries], "crc32": crcs})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
-    if engine.adapters.params:         # LoRA adapters (lora.py): on the device, in a file of their own
-        tensors = engine.adapters.state()
+    if engine.lora.params:         # LoRA adapters (lora.py): on the device, in a file of their own
+        tensors = engine.lora.state()
         path = os.path.join(out, ADAPTERS)
         save_file(tensors, path, metadata={"format": FORMAT, "unit": "adapters"})
-        index["adapters"] = {"file": ADAPTERS, "bytes": os.path.getsize(path), "names": engine.adapters.names,
+        index["adapters"] = {"file": ADAPTERS, "bytes": os.path.getsize(path), "names": engine.lora.names,
                              "crc32": {n: tensor_crc32(t) for n, t in tensors.items()}}
         fsync_file(path)
     for rec in units:                     # the index, written last, must never name a file not yet durable
@@ -191,7 +191,7 @@ def verify_training_state(directory: str, model) -> dict:
     units = model.slide_engine.store.units
     if len(index["units"]) != len(units):
         raise CheckpointError(f"{ipath} describes {len(index['units'])} units, the model has {len(units)}")
-    adapters = model.slide_engine.adapters
+    adapters = model.slide_engine.lora
     saved = index.get("adapters", {}).get("names", [])
     if saved != adapters.names:
         raise CheckpointError(f"{ipath} holds the LoRA adapters {saved[:3]}..., the model has {adapters.names[:3]}...: "
@@ -309,7 +309,7 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
                     raise CheckpointError(f"{path}: tensor {name!r} does not match its checksum (damaged on disk "
                                           "or in transfer): load a good checkpoint before training")
                 return t
-            engine.adapters.load_state(read_adapter, weights=weights, optimizer=opt is not None)
+            engine.lora.load_state(read_adapter, weights=weights, optimizer=opt is not None)
     if opt is not None:
         for saved, group in zip(index["param_groups"], opt.param_groups):
             for k, v in saved.items():
