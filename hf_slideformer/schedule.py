@@ -106,14 +106,14 @@ class StepPlan:
     """
 
     deferred: bool
-    early: bool = False
-    sums_on_device: bool = False
-    clip_event: bool = False
-    device_updates: bool = False
-    device_scale: bool = False
-    host_sums: bool = False
-    check_after: bool = False
-    adapters_after: bool = False
+    early: bool
+    sums_on_device: bool
+    clip_event: bool
+    device_updates: bool
+    device_scale: bool
+    host_sums: bool
+    check_after: bool
+    adapters_after: bool
 
     @classmethod
     def make(cls, engine) -> "StepPlan":
@@ -121,14 +121,16 @@ class StepPlan:
         single = engine.single_micro
         adapters = bool(engine.lora.params)
         if engine.updated_in_backward:
-            return cls(deferred=False, check_after=single, adapters_after=adapters)
+            return cls(deferred=False, early=False, sums_on_device=False, clip_event=False, device_updates=False,
+                       device_scale=False, host_sums=False, check_after=single, adapters_after=adapters)
         early = engine.micro < engine.config.gradient_accumulation_steps
         resident = bool(engine.residents.layers)
         device = engine.device_updates.on
         return cls(deferred=True, early=early,
                    sums_on_device=early and (resident or adapters) and engine.config.max_grad_norm is not None,
                    clip_event=(device or resident or adapters) and not single, device_updates=device,
-                   device_scale=device and single, host_sums=early and not single)
+                   device_scale=device and single, host_sums=early and not single, check_after=False,
+                   adapters_after=False)
 
 
 class Schedule:
