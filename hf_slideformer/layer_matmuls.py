@@ -84,14 +84,18 @@ class Fp8Matmuls:
     def _patched(self, i: int, slot, skip):
         mods = self.projections[i]
         shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
+        before = [proj.__dict__.get("forward") for proj in mods]     # an instance forward of its own stays
         for proj in mods:
             proj.forward = self._runner(proj, slot, proj is not skip, shared)
         try:
             yield
         finally:
             shared.drop_rows()
-            for proj in mods:
-                proj.__dict__.pop("forward", None)
+            for proj, prev in zip(mods, before):
+                if prev is None:
+                    del proj.forward
+                else:
+                    proj.forward = prev
 
     def _runner(self, proj: nn.Linear, slot, output: bool, shared: SharedInputs):
         def run(x):

@@ -62,6 +62,7 @@ def test_fp8_emulation_trains_close_to_bf16(monkeypatch):
     for x, y in zip(a, b):
         assert math.isclose(x, y, rel_tol=LOSS_RTOL), (a, b)
     assert len(mm.projections[0]) == 7
+    assert not any("forward" in proj.__dict__ for mods in mm.projections for proj in mods)   # patches undone
 
 
 class FakeSlot:
