@@ -129,7 +129,7 @@ class Embedding:
         x = torch.empty(T, self.hidden, dtype=dt, device=e.device)
         for a in range(0, T, GATHER_CHUNK):
             b = min(a + GATHER_CHUNK, T)
-            if dt == torch.bfloat16:
+            if dt != table.dtype:                 # an fp32 master's rows rounded on the way
                 adam.gather_bf16(table, ids[a:b], buf[a:b], threads=max(1, adam.threads // 2))
             else:
                 torch.index_select(table, 0, ids[a:b], out=buf[a:b])
