@@ -33,6 +33,7 @@ __all__ = ["HostAdam", "HostRate", "NativeKernelError", "measure_rate", "native_
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
 _SOURCE8 = "host_adam8.c"          # the 8-bit moments' update (host_optim.py binds it), in the same library
+_HEADERS = ("bf16.h",)             # included by both sources: part of the build key, not compiled alone
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 # The contraction torch's fused CPU AdamW build applies to v * beta2 + (1 - beta2) * g * g (its
 # Vectorized operators are plain vector arithmetic the compiler may fuse): 0 none, 1 fma(v, beta2,
@@ -88,7 +89,7 @@ def native_library():
             raise NativeKernelError("no C compiler found (cc, gcc or clang; or set CC)")
         sources = (_SOURCE, _SOURCE.with_name(_SOURCE8))
         try:
-            src = b"\0".join(p.read_bytes() for p in sources)
+            src = b"\0".join(p.read_bytes() for p in (*sources, *(_SOURCE.with_name(h) for h in _HEADERS)))
         except OSError as e:
             raise NativeKernelError(f"a source of the kernel is missing ({e}); reinstall hf_slideformer") from e
         try:

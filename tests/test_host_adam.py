@@ -297,10 +297,12 @@ def test_a_missing_source_falls_back_with_a_notice(monkeypatch, tmp_path, caplog
 
 
 def test_the_source_ships_with_the_package():
-    """setup.py's package_data carries csrc/*.c, so a wheel install can build the kernel."""
+    """setup.py's package_data carries csrc/*.c and the header they share, so a wheel install can
+    build the kernel."""
     from pathlib import Path
     setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
-    assert '"csrc/*.c"' in setup and host_adam._SOURCE.exists()
+    assert '"csrc/*.c"' in setup and '"csrc/*.h"' in setup and host_adam._SOURCE.exists()
+    assert all(host_adam._SOURCE.with_name(h).exists() for h in host_adam._HEADERS)
 
 
 @pytest.mark.parametrize("mode", ["auto", "torch"])

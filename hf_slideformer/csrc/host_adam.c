@@ -20,26 +20,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef struct {
     float gmul, gdiv, sign, wd_mul, coeff, beta2, c2, bc2_sqrt, eps, neg_step;
     int32_t lerp_base_is_m;   /* 1: base = m (|1 - beta1| < 0.5), 0: base = g, coeff = -beta1 */
     int32_t v_order;          /* 0: (v*b2) + (c2*g)*g; 1: fma(v, b2, (c2*g)*g); 2: fma(c2*g, g, v*b2) */
 } slide_adam_hp;
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;   /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 #define SLIDE_ADAM_BODY(LOAD_G)                                                              \
     {                                                                                        \

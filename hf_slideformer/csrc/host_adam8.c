@@ -24,6 +24,7 @@
  *
  * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
  */
+#include "bf16.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -36,20 +37,6 @@ typedef struct {
     uint64_t seed;    /* stochastic rounding: the hash's key (seed and step mixed by the caller) */
 } slide_adam8_hp;
 
-static inline float b2f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2b_rne(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* A keyed 32-bit integer hash (a Weyl multiply, then one round of "lowbias32" multiply-xorshift):
  * vectorizes with 32-bit multiplies. Element counters are unit offsets (< 2^32 in every unit). */
@@ -99,7 +86,7 @@ static inline __attribute__((always_inline)) void adam8_block(
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
-        const float g = (gbf ? b2f(g16[i - goff]) : g32[i - goff]) * gscale;
+        const float g = (gbf ? bf16_to_f32(g16[i - goff]) : g32[i - goff]) * gscale;
         float mm = code1[q1[i]] * s1;
         float vv = code2[q2[i]] * s2;
         mm = fmaf(g, c1, mm * beta1);
@@ -109,7 +96,7 @@ static inline __attribute__((always_inline)) void adam8_block(
         const float am = fabsf(mm), av = fabsf(vv);
         mx1 = mx1 < am ? am : mx1;                 /* std::max's order, as the reference */
         mx2 = mx2 < av ? av : mx2;
-        float p = (mbf ? b2f(m16[i]) : m32[i]) * wd_mul;
+        float p = (mbf ? bf16_to_f32(m16[i]) : m32[i]) * wd_mul;
         p = p + (neg_step * mm) / (sqrtf(vv) / bc2 + eps);
         if (mbf) {
             uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);
@@ -117,7 +104,7 @@ static inline __attribute__((always_inline)) void adam8_block(
             if (o16) out16[i] = w;
         } else {
             m32[i] = p;
-            if (o16) out16[i] = f2b_rne(p);
+            if (o16) out16[i] = f32_to_bf16(p);
         }
     }
     a1[b] = mx1;
