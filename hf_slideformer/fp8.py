@@ -94,6 +94,10 @@ class SharedInputs:
     """The FP8 forms of the inputs that several projections of one layer call read (q, k and v the
     same normed hidden states, gate and up the same): each is quantized once per form.
 
+    It is also the hand-off of an activation that arrives already quantized: the kernel that
+    produced it (the fused RMSNorm / SwiGLU, `triton_ops.rms_norm_rows` / `swiglu_rows`) `provide`s
+    its per-token form, and the projections that read it skip their own quantization pass.
+
     An entry holds its tensor, so that the tensor's id is not reused while the entry lives, and
     its version: a tensor written in place since is quantized again.
     """
@@ -107,6 +111,11 @@ class SharedInputs:
         if e is None or e[0] is not x or e[1] != x._version:
             e = self.entries[id(x)] = [x, x._version, None, None]
         return e
+
+    def provide(self, x: torch.Tensor, rows: tuple) -> None:
+        """Take x's per-token form (q (M, K) e4m3, inverse scales (M, 1) float32, M = x.numel() // K)
+        from the kernel that wrote x; it must equal `ops.quantize_rows` of x bit for bit."""
+        self._entry(x)[2] = rows
 
     def rows(self, x: torch.Tensor) -> tuple:
         """x (..., K) quantized per token (the forward's first operand)."""

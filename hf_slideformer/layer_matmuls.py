@@ -10,8 +10,12 @@ each layer's forward and around its recompute in backward:
 projection output-free (`functions.grad_only`, docs/engine.md). `Fp8Matmuls` ('fp8') runs every
 plain `nn.Linear` of the layer (q, k, v, o, gate, up, down in the Llama layout) through
 `fp8.Fp8Linear`, the output-free one too, so its backward is the same FP8 math; an input that
-several projections read (q, k, v; gate, up) is quantized once per form (`fp8.SharedInputs`). Norms,
-attention, the embedding, the loss head and the gradients sent to the host are unchanged.
+several projections read (q, k, v; gate, up) is quantized once per form (`fp8.SharedInputs`). Where
+the layer runs the project's kernels (`triton_ops.patch`), the RMSNorms before the attention and the
+MLP and the SwiGLU activation write their output's per-token e4m3 form in the same kernel and hand
+it to the projections through `SharedInputs.provide` (`triton_ops.patching.rows_forward`), in the
+forward and in the recompute. Norms, attention, the embedding, the loss head and the gradients
+sent to the host are unchanged.
 
 Note: [Why FP8 weights are cached by the slot's fill] a layer's weights are quantized once per
 visit of a slot and reused by its forward and, when the slot was not refilled in between (the
@@ -29,8 +33,10 @@ from torch import nn
 
 from .fp8 import GEMM_ALIGN, CudaFp8, EmulatedFp8, Fp8Linear, Fp8Ops, QuantizedWeight, SharedInputs, fp8_unsupported
 from .functions import grad_only
+from triton_ops.patching import patched_op, rows_forward
 
-__all__ = ["DtypeMatmuls", "Fp8Matmuls", "layer_matmuls", "check_matmuls", "fp8_refusals", "install_emulation", "projections"]
+__all__ = ["DtypeMatmuls", "Fp8Matmuls", "layer_matmuls", "check_matmuls", "fp8_refusals", "install_emulation", "projections",
+           "producers"]
 
 
 class DtypeMatmuls:
@@ -48,17 +54,28 @@ def projections(layer: nn.Module) -> list[nn.Linear]:
     return [m for m in layer.modules() if type(m) is nn.Linear]
 
 
+def producers(layer: nn.Module) -> list[nn.Module]:
+    """The modules of a decoder layer whose outputs FP8 projections read and whose kernels can
+    write them quantized (`rows_forward`): the layer's own RMSNorms (input_layernorm,
+    post_attention_layernorm; not a per-head q/k norm inside the attention) and its SwiGLU MLP."""
+    own_norms = [m for m in layer.children() if patched_op(m) == "rms_norm"]
+    return own_norms + [m for m in layer.modules() if patched_op(m) == "swiglu"]
+
+
 class Fp8Matmuls:
     """Every projection of the decoder layers through `Fp8Linear`, weights cached per slot fill.
 
     Args:
         layers: the decoder layer modules.
         ops: the FP8 primitives (`CudaFp8`, or `EmulatedFp8` for the CPU tests).
+        fused: the norms and the SwiGLU hand their outputs over quantized (`producers`); False
+            quantizes them in the projections (the reference the fused path is tested against).
     """
 
-    def __init__(self, layers: list[nn.Module], ops: Fp8Ops):
+    def __init__(self, layers: list[nn.Module], ops: Fp8Ops, fused: bool = True):
         self.ops = ops
         self.projections = [projections(layer) for layer in layers]
+        self.producers = [producers(layer) if fused else [] for layer in layers]
         self.cache: dict = {}          # Slot -> (fills, {id(projection module): QuantizedWeight})
 
     def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
@@ -82,20 +99,23 @@ class Fp8Matmuls:
 
     @contextlib.contextmanager
     def _patched(self, i: int, slot, skip):
-        mods = self.projections[i]
+        projs, makers = self.projections[i], self.producers[i]
+        mods = projs + makers
         shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
-        before = [proj.__dict__.get("forward") for proj in mods]     # an instance forward of its own stays
-        for proj in mods:
+        before = [m.__dict__.get("forward") for m in mods]     # an instance forward of its own stays
+        for proj in projs:
             proj.forward = self._runner(proj, slot, proj is not skip, shared)
+        for m in makers:
+            m.forward = rows_forward(m, shared.provide)
         try:
             yield
         finally:
             shared.drop_rows()
-            for proj, prev in zip(mods, before):
+            for m, prev in zip(mods, before):
                 if prev is None:
-                    del proj.forward
+                    del m.forward
                 else:
-                    proj.forward = prev
+                    m.forward = prev
 
     def _runner(self, proj: nn.Linear, slot, output: bool, shared: SharedInputs):
         def run(x):

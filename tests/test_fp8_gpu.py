@@ -1,6 +1,8 @@
 """FP8 on CUDA (capability 8.9+): the Triton quantization kernels bit for bit against the reference,
-the FP8 linear through torch._scaled_mm against the emulation and the exact linear, a slid model
-in FP8 against bf16, and the slowed-stream test with the mode on."""
+the RMSNorm / SwiGLU kernels that write FP8 rows bit for bit against the unfused path and the
+reference, the FP8 linear through torch._scaled_mm against the emulation and the exact linear, a
+slid model in FP8 against bf16 and against itself without the fused producers, and the
+slowed-stream test with the mode on."""
 import copy
 import math
 
@@ -12,6 +14,7 @@ from hf_slideformer.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
 from triton_ops import reference
 from test_engine_gpu import HOST_ONLY, _pair, _train_state
 from test_fp8 import LINEAR_RTOL, _exact, _rel
+from test_triton_ops import FUSED_NORM_SHAPES, FUSED_SWIGLU_SHAPES, check_fused_rms_norm_rows, check_fused_swiglu_rows
 from helpers import batches
 
 pytestmark = [pytest.mark.gpu]
@@ -36,6 +39,43 @@ def test_kernels_bit_equal_to_the_reference(shape, dtype):
         assert q.shape == rq.shape and q.is_contiguous()
         assert torch.equal(inv, rinv)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+
+
+@pytest.mark.parametrize("shape", FUSED_NORM_SHAPES + [(2, 2048, 4096)])
+def test_rms_norm_rows_bit_equal_on_cuda(shape):
+    _need_fp8()
+    check_fused_rms_norm_rows("cuda", shape, torch.bfloat16, exact_reference=True)
+
+
+@pytest.mark.parametrize("shape", FUSED_SWIGLU_SHAPES + [(2, 1024, 14336), (3, 8192)])
+def test_swiglu_rows_bit_equal_on_cuda(shape):
+    _need_fp8()
+    check_fused_swiglu_rows("cuda", shape, torch.bfloat16, exact_reference=True)
+
+
+def test_fused_producers_train_bit_identical_to_the_unfused_path():
+    _need_fp8()
+    from hf_slideformer.layer_matmuls import Fp8Matmuls
+    data = batches(3, bsz=2, seq=96, vocab=1001)
+    states = []
+    for fused in (True, False):
+        _, slid = _pair(torch.bfloat16, matmuls="fp8", **HOST_ONLY)
+        engine = slid.slide_engine
+        engine.matmuls = Fp8Matmuls(engine.layers, CudaFp8(), fused=fused)
+        assert bool(engine.matmuls.producers[0]) == fused      # the layers run the project's kernels
+        opt = slid.create_optimizer(lr=1e-3)
+        losses = []
+        for b in data:
+            loss = slid(**{key: v.cuda() for key, v in b.items()}).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        states.append((losses, {k: v.detach().float().cpu() for k, v in slid.state_dict().items()}))
+    (la, sa), (lb, sb) = states
+    assert la == lb
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
 
 
 @pytest.mark.parametrize("lead, k, n", [((3, 37), 256, 704), ((2, 2048), 4096, 1024)])

@@ -134,3 +134,60 @@ def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
     tensorwise.config = type("Cfg", (), {"round_scales_to_power_of_2": False})()
     with pytest.raises(ValueError, match="rowwise"):
         take_fp8_recipe([tensorwise], "fp8")
+
+
+def _fp8_layers_run(model, ids, fused, recompute=True):
+    """The model's hidden states and every parameter's gradient with each layer's projections in
+    FP8 (the CPU emulation), the norms and the SwiGLU handing their outputs over quantized or not."""
+    import contextlib
+    mm = Fp8Matmuls(list(model.model.layers), layer_matmuls.EmulatedFp8(), fused=fused)
+    model.zero_grad(set_to_none=True)
+    with contextlib.ExitStack() as stack:
+        for i in range(len(model.model.layers)):
+            stack.enter_context(mm.recompute(i, None, None) if recompute else mm.forward(i, None))
+        h = model.model(input_ids=ids).last_hidden_state
+    h.float().pow(2).mean().backward()
+    return mm, h.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_fused_producers_leave_the_fp8_layers_unchanged(monkeypatch):
+    import triton_ops
+    model = tiny_llama(intermediate_size=176).bfloat16()             # I not a power of two
+    handle = triton_ops.patch(model, cross_entropy=False)
+    ids = torch.randint(0, model.config.vocab_size, (3, 7))           # 21 tokens
+    calls = []
+    real = layer_matmuls.EmulatedFp8.quantize_rows
+
+    def counted(self, x):
+        calls.append(tuple(x.shape))
+        return real(self, x)
+    monkeypatch.setattr(layer_matmuls.EmulatedFp8, "quantize_rows", counted)
+    mm, h_ref, g_ref = _fp8_layers_run(model, ids, fused=False)
+    plain = len(calls)
+    calls.clear()
+    mm, h, g = _fp8_layers_run(model, ids, fused=True)
+    assert [type(m).__name__ for m in mm.producers[0]] == ["LlamaRMSNorm", "LlamaRMSNorm", "LlamaMLP"]
+    # the two norms' outputs and the activation arrive quantized: 3 row passes fewer per layer
+    assert plain - len(calls) == 3 * len(model.model.layers), (plain, len(calls))
+    assert torch.equal(h, h_ref)
+    assert g_ref["model.layers.0.mlp.down_proj.weight"] is not None
+    for name in g_ref:                                 # the head is not run: no gradient there
+        assert (g[name] is None and g_ref[name] is None) or torch.equal(g[name], g_ref[name]), name
+    assert not any("forward" in m.__dict__ for mods in mm.projections for m in mods)   # patches undone
+    from triton_ops.patching import patched_op
+    assert all(patched_op(m) for mods in mm.producers for m in mods)                  # the kernels' forwards back
+
+    # The projections read the handed-over form, not a quantization of their own: a scale off by
+    # a power of two in it moves the output.
+    def doubled(fn):
+        def run(*a, **kw):
+            y, (q, inv) = fn(*a, **kw)
+            return y, (q, inv * 2)
+        return run
+    for name in ("rms_norm_rows", "swiglu_rows"):
+        monkeypatch.setattr(triton_ops, name, doubled(getattr(triton_ops, name)))
+        _, h_bad, _ = _fp8_layers_run(model, ids, fused=True, recompute=False)
+        assert not torch.equal(h_bad, h_ref), name
+        monkeypatch.undo()
+        monkeypatch.setattr(layer_matmuls.EmulatedFp8, "quantize_rows", counted)
+    handle.revert()

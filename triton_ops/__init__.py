@@ -1,6 +1,7 @@
 """Fused ops for the sliding engine and for plain HF models.
 
-`linear_cross_entropy`, `rms_norm`, `rope` and `swiglu` dispatch to their Triton kernels
+`linear_cross_entropy`, `rms_norm`, `rope` and `swiglu` (and `rms_norm_rows` / `swiglu_rows`, which
+also return their output's e4m3 rows for an FP8 GEMM) dispatch to their Triton kernels
 (`triton_ops.kernels`) for CUDA tensors when Triton is importable, and to the pure-torch
 `triton_ops.reference` otherwise. Under Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own
 switch) the kernels also run on CPU tensors, which is how the CPU tests exercise them.
@@ -26,8 +27,10 @@ __all__ = [
     "PatchHandle",
     "reference",
     "rms_norm",
+    "rms_norm_rows",
     "rope",
     "swiglu",
+    "swiglu_rows",
     "token_statistics",
     "unpatch",
     "LinearCrossEntropyLoss",
@@ -78,6 +81,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     return reference.rms_norm(x, weight, eps)
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                  in_place_backward: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`rms_norm`, and its output's rows quantized for an FP8 GEMM (`reference.fp8_quantize_rows`).
+
+    Returns:
+        y (..., H) as `rms_norm`'s, and (q (N, H) float8_e4m3fn, inverse scales (N, 1) float32),
+        N = y.numel() // H: one kernel where the kernels apply, the two reference ops elsewhere.
+    """
+    if kernels_apply(x):
+        from .kernels.rms_norm import rms_norm_rows as fused
+        return fused(x, weight, eps, in_place_backward)
+    y = reference.rms_norm(x, weight, eps)
+    return y, reference.fp8_quantize_rows(y.detach().reshape(-1, y.shape[-1]))
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q (B, Hq, S, D) and k (B, Hk, S, D), as HF's `apply_rotary_pos_emb`.
@@ -101,6 +119,21 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False
         from .kernels.swiglu import swiglu as fused
         return fused(gate, up, in_place_backward)
     return reference.swiglu(gate, up)
+
+
+def swiglu_rows(gate: torch.Tensor, up: torch.Tensor,
+                in_place_backward: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`swiglu`, and its output's rows quantized for an FP8 GEMM (`reference.fp8_quantize_rows`).
+
+    Returns:
+        c (..., I) as `swiglu`'s, and (q (M, I) float8_e4m3fn, inverse scales (M, 1) float32),
+        M = c.numel() // I: one kernel where the kernels apply, the two reference ops elsewhere.
+    """
+    if kernels_apply(gate):
+        from .kernels.swiglu import swiglu_rows as fused
+        return fused(gate, up, in_place_backward)
+    c = reference.swiglu(gate, up)
+    return c, reference.fp8_quantize_rows(c.detach().reshape(-1, c.shape[-1]))
 
 
 from .modules import LinearCrossEntropyLoss, RMSNorm, SwiGLU  # noqa: E402  (they call the dispatchers above)

@@ -32,7 +32,7 @@ from torch import nn
 
 import triton_ops
 
-__all__ = ["PatchHandle", "patch", "unpatch", "supported_families"]
+__all__ = ["PatchHandle", "patch", "unpatch", "supported_families", "patched_op", "rows_forward"]
 
 _ATTR = "_triton_ops_patch"
 _rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (original function, count)
@@ -46,6 +46,34 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(triton_ops.swiglu(self.gate_proj(x), self.up_proj(x), in_place_backward=True))
+
+
+def patched_op(module: nn.Module) -> str | None:
+    """The op `patch` put into `module`'s forward ("rms_norm" or "swiglu"), or None."""
+    fn = getattr(module.__dict__.get("forward"), "__func__", None)
+    return {_rms_norm_forward: "rms_norm", _mlp_forward: "swiglu"}.get(fn)
+
+
+def rows_forward(module: nn.Module, give):
+    """For a module whose forward `patch` replaced (`patched_op`): a forward of the same output
+    that also hands that output's e4m3 rows, made by the same kernel, to `give(output, (q, inv))`
+    (`triton_ops.rms_norm_rows` / `swiglu_rows`); the SwiGLU MLP's is its activation's output, the
+    down projection's input. None for any other module."""
+    op = patched_op(module)
+    if op == "rms_norm":
+        def norm(hidden_states):
+            y, rows = triton_ops.rms_norm_rows(hidden_states, module.weight, module.variance_epsilon,
+                                               in_place_backward=True)      # as _rms_norm_forward
+            give(y, rows)
+            return y
+        return norm
+    if op == "swiglu":
+        def mlp(x):
+            c, rows = triton_ops.swiglu_rows(module.gate_proj(x), module.up_proj(x), in_place_backward=True)
+            give(c, rows)
+            return module.down_proj(c)
+        return mlp
+    return None
 
 
 def _rope(q, k, cos, sin, unsqueeze_dim=1):

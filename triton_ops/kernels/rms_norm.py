@@ -10,6 +10,11 @@ Backward, with x_hat = x_f32 * rstd (fp32 throughout):
     dw = sum over rows of dy * n
 Rows are processed in tiles of R rows (R > 1 when H is small, e.g. Qwen3's per-head q/k norm).
 The weight gradient is reduced in two stages: one fp32 partial per program, then a sum.
+
+`RMSNormRowsFunction` is the same norm for an output that FP8 GEMMs read next: the forward
+kernel also writes y's e4m3 form with one power-of-two scale per row, bit for bit
+`triton_ops.reference.fp8_quantize_rows(y)` (`kernels.fp8_quant`'s recipe), from the rows it
+already holds; its backward is the plain norm's.
 """
 from __future__ import annotations
 
@@ -19,17 +24,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["RMSNormFunction", "rms_norm"]
+from .fp8_quant import _pow2_scale
+
+__all__ = ["RMSNormFunction", "RMSNormRowsFunction", "rms_norm", "rms_norm_rows"]
 
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    x_ptr, y_ptr, w_ptr, rstd_ptr,
+    x_ptr, y_ptr, w_ptr, rstd_ptr, q_ptr, inv_ptr,
     n_rows, H, eps,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
-    """y = w * (x * rstd).to(x.dtype) for a tile of BLOCK_R rows; stores rstd (n_rows,) fp32."""
+    """y = w * (x * rstd).to(x.dtype) for a tile of BLOCK_R rows; stores rstd (n_rows,) fp32. With
+    QUANT also q (n_rows, H) e4m3 and inv (n_rows,) fp32: y's rows quantized (the fp8 recipe)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]   # (R, 1)
     cols = tl.arange(0, BLOCK_H)[None, :]                                              # (1, BH)
     mask = (rows < n_rows) & (cols < H)
@@ -37,8 +46,14 @@ def _rms_norm_fwd_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)                                  # (R,)
     n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows * H + cols, (w * n).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (w * n).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows * H + cols, y, mask=mask)
     tl.store(rstd_ptr + rows, rstd[:, None], mask=rows < n_rows)
+    if QUANT:
+        yf = y.to(tl.float32)                          # the rounded output, as a separate pass reads it
+        scale, inv = _pow2_scale(tl.max(tl.abs(yf), axis=1))           # masked columns are 0
+        tl.store(q_ptr + rows * H + cols, tl.clamp(yf * scale[:, None], -448.0, 448.0).to(tl.float8e4nv), mask=mask)
+        tl.store(inv_ptr + rows, inv[:, None], mask=rows < n_rows)
 
 
 @triton.jit
@@ -94,8 +109,10 @@ def _num_programs(x: torch.Tensor, n_rows: int) -> int:
     return max(1, min(n_rows, sms))
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on x (..., H). Returns y (..., H) and rstd (N,) fp32."""
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     quant: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """Launch the forward on x (..., H). Returns y (..., H), rstd (N,) fp32, and with `quant` y's
+    rows in e4m3 (q (N, H) float8_e4m3fn, inv (N, 1) fp32), else None."""
     shape = x.shape
     H = shape[-1]
     x2 = x.reshape(-1, H).contiguous()                                                # (N, H)
@@ -103,11 +120,17 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(shape, dtype=out_dtype, device=x.device)    # not a view: callers may transpose it
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    rows = None
+    if quant:
+        rows = (torch.empty((n_rows, H), dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty((n_rows, 1), dtype=torch.float32, device=x.device))
+    q, inv = rows if quant else (rstd, rstd)            # unused pointers without QUANT
     block_r, block_h, num_warps = _tile(H)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, y, weight, rstd, n_rows, H, eps, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        x2, y, weight, rstd, q, inv, n_rows, H, eps, BLOCK_R=block_r, BLOCK_H=block_h, QUANT=quant,
+        num_warps=num_warps,
     )
-    return y, rstd
+    return y, rstd, rows
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
@@ -144,7 +167,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, in_place_backward):
         x = x.contiguous()
-        y, rstd = rms_norm_forward(x, weight, eps)
+        y, rstd, _ = rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         ctx.in_place_backward = in_place_backward
         return y
@@ -155,6 +178,35 @@ class RMSNormFunction(torch.autograd.Function):
         # A non-contiguous (or expanded) dy is copied first, so only a dense dy is overwritten.
         dx, dw = rms_norm_backward(dy, x, weight, rstd, in_place=ctx.in_place_backward)
         return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+
+
+class RMSNormRowsFunction(torch.autograd.Function):
+    """`RMSNormFunction` whose forward also returns y's rows in e4m3: (y, q, inv), q and inv
+    without gradient. The backward is the plain norm's."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, in_place_backward):
+        x = x.contiguous()
+        y, rstd, (q, inv) = rms_norm_forward(x, weight, eps, quant=True)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.in_place_backward = in_place_backward
+        ctx.mark_non_differentiable(q, inv)
+        return y, q, inv
+
+    @staticmethod
+    def backward(ctx, dy, _dq, _dinv):
+        return RMSNormFunction.backward(ctx, dy)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                  in_place_backward: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """`rms_norm` that also returns its output's rows in e4m3, as the fp8 recipe quantizes them.
+
+    Returns:
+        y (..., H), and (q (N, H) float8_e4m3fn, inv (N, 1) float32) with N = y.numel() // H.
+    """
+    y, q, inv = RMSNormRowsFunction.apply(x, weight, eps, in_place_backward)
+    return y, (q, inv)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
