@@ -74,20 +74,33 @@ class CudaFp8(Fp8Ops):
 
 
 class QuantizedWeight:
-    """A weight W (N, K) in its two FP8 forms: `rows` for the forward (scaled per output feature),
-    made at once, and `cols_t` for dgrad (W^T (K, N), scaled per input feature), made on first use
-    (a forward whose slot is refilled before its backward never needs it)."""
+    """A weight W (N, K) in its two FP8 forms: `rows` for the forward (scaled per output feature)
+    and `cols_t` for dgrad (W^T (K, N), scaled per input feature). Each is made on first use and
+    can be dropped once its last reader ran (`drop_rows` after the recompute, `drop_cols_t` after
+    the backward): a dropped form is made again if it is read again, so dropping is never wrong,
+    and the forms of a slot's weights hold GPU memory only while they serve."""
 
     def __init__(self, weight: torch.Tensor, ops: Fp8Ops):
         self.weight, self.ops = weight.detach(), ops
-        self.rows = ops.quantize_rows(self.weight)
-        self._cols_t = None
+        self._rows = self._cols_t = None
+
+    @property
+    def rows(self) -> tuple:
+        if self._rows is None:
+            self._rows = self.ops.quantize_rows(self.weight)
+        return self._rows
 
     @property
     def cols_t(self) -> tuple:
         if self._cols_t is None:
             self._cols_t = self.ops.quantize_cols_t(self.weight)
         return self._cols_t
+
+    def drop_rows(self) -> None:
+        self._rows = None
+
+    def drop_cols_t(self) -> None:
+        self._cols_t = None
 
 
 class SharedInputs:
@@ -99,7 +112,10 @@ class SharedInputs:
     its per-token form, and the projections that read it skip their own quantization pass.
 
     An entry holds its tensor, so that the tensor's id is not reused while the entry lives, and
-    its version: a tensor written in place since is quantized again.
+    its version: a tensor written in place since is quantized again. It counts its readers (each
+    projection call that reads the tensor, `hold`) and is dropped when the last of them has run
+    its backward (`release`): the tensor and its wgrad form then live no longer than autograd
+    keeps the tensor itself.
     """
 
     def __init__(self, ops: Fp8Ops):
@@ -109,13 +125,25 @@ class SharedInputs:
     def _entry(self, x: torch.Tensor) -> list:
         e = self.entries.get(id(x))
         if e is None or e[0] is not x or e[1] != x._version:
-            e = self.entries[id(x)] = [x, x._version, None, None]
+            e = self.entries[id(x)] = [x, x._version, None, None, e[4] if e is not None and e[0] is x else 0]
         return e
 
     def provide(self, x: torch.Tensor, rows: tuple) -> None:
         """Take x's per-token form (q (M, K) e4m3, inverse scales (M, 1) float32, M = x.numel() // K)
         from the kernel that wrote x; it must equal `ops.quantize_rows` of x bit for bit."""
         self._entry(x)[2] = rows
+
+    def hold(self, x: torch.Tensor) -> None:
+        """A projection call that reads x (and will `release` it after its backward)."""
+        self._entry(x)[4] += 1
+
+    def release(self, x: torch.Tensor) -> None:
+        """That call's backward has run: with its last reader, x's entry goes."""
+        e = self.entries.get(id(x))
+        if e is not None and e[0] is x:
+            e[4] -= 1
+            if e[4] <= 0:
+                del self.entries[id(x)]
 
     def rows(self, x: torch.Tensor) -> tuple:
         """x (..., K) quantized per token (the forward's first operand)."""
@@ -153,6 +181,7 @@ class Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(weight)
         ctx.x, ctx.shared = x, shared       # x is an input, never this node's output: no reference cycle
         ctx.ops, ctx.qweight, ctx.has_bias = ops, qweight, bias is not None
+        shared.hold(x)
         lead, n = x.shape[:-1], weight.shape[0]
         if not output:
             return x.new_zeros(*lead, n)
@@ -172,11 +201,15 @@ class Fp8Linear(torch.autograd.Function):
             w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(w.detach())
             gx = ops.mm(ops.quantize_rows(g2), w_cols, gy.dtype, fast_accum=False)     # (M, K)
             gx = gx.view(*gy.shape[:-1], w.shape[1])
+            del w_cols
+            if ctx.qweight is not None:
+                ctx.qweight.drop_cols_t()          # one backward per fill reads it (made again if not)
         if ctx.needs_input_grad[1]:
             # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
             gw = ops.mm(ops.quantize_cols_t(g2), ctx.shared.cols_t(x), w.dtype, fast_accum=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
+        ctx.shared.release(x)
         ctx.qweight = ctx.x = ctx.shared = None
         return gx, gw, gb, None, None, None, None
 

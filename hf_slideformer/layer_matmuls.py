@@ -23,6 +23,9 @@ last layers of the forward, which serve the start of the backward), by its recom
 is keyed by the slot object and its fill count (`Slot.fills`, bumped by every completed fill),
 never by a tensor's id or data pointer: a refilled slot has the same storage and other values.
 A layer without a slot (resident on the GPU, updated in place there) is quantized at each use.
+The cache holds GPU memory only while it serves: the entries of a slot refilled since are dropped
+when the next layer call begins, a weight's forward form after the recompute (the last forward
+of that fill), its dgrad form after its backward (`fp8.QuantizedWeight`).
 """
 from __future__ import annotations
 
@@ -79,10 +82,10 @@ class Fp8Matmuls:
         self.cache: dict = {}          # Slot -> (fills, {id(projection module): QuantizedWeight})
 
     def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
-        return self._patched(i, slot, None)
+        return self._patched(i, slot, None, False)
 
     def recompute(self, i: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
-        return self._patched(i, slot, skip)
+        return self._patched(i, slot, skip, True)
 
     def quantized(self, slot, proj: nn.Linear) -> QuantizedWeight | None:
         """`proj`'s weight in FP8, from the cache of `slot`'s current fill (None without a slot)."""
@@ -97,8 +100,14 @@ class Fp8Matmuls:
             q = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops)
         return q
 
+    def _prune(self) -> None:
+        """Drop the cached forms of the slots refilled since they were made."""
+        for s in [s for s, (fills, _) in self.cache.items() if s.fills != fills]:
+            del self.cache[s]
+
     @contextlib.contextmanager
-    def _patched(self, i: int, slot, skip):
+    def _patched(self, i: int, slot, skip, last_forward: bool):
+        self._prune()
         projs, makers = self.projections[i], self.producers[i]
         mods = projs + makers
         shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
@@ -111,6 +120,9 @@ class Fp8Matmuls:
             yield
         finally:
             shared.drop_rows()
+            if last_forward and slot in self.cache:        # the recompute: no forward of this fill follows
+                for q in self.cache[slot][1].values():
+                    q.drop_rows()
             for m, prev in zip(mods, before):
                 if prev is None:
                     del m.forward

@@ -287,8 +287,8 @@ class Estimator:
             "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
             "head slot (bf16)": 2 * head,
         }
-        if self.fp8:      # each slot's weights in their two FP8 forms (layer_matmuls.py)
-            fixed[f"FP8 weights ({self.window} x largest layer, 2 x e4m3)"] = 2 * self.window * s.layer_params
+        if self.fp8:      # the recomputed layer's forward forms, one at a time its dgrad forms (layer_matmuls.py)
+            fixed["FP8 weights (largest layer, e4m3)"] = s.layer_params
         if tier == "device":
             fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
         if self.gpus > 1:
@@ -314,10 +314,12 @@ class Estimator:
                 2 * (head - (s.embed_params if self.gpus > 1 and s.tied else 0)) + 2 * rows * s.vocab + T * (8 * H + 4),
         }
         if self.fp8:
-            # fp8.SharedInputs: each projection input's transposed e4m3 form (the attention's and
-            # the MLP's input, the attention output, the activation) is held through the backward
+            # fp8.SharedInputs: a projection input's transposed e4m3 form lives until its last
+            # reader's backward, beside one output gradient's form: at most the activation's and
+            # the MLP input's, or a gate / up gradient's and the MLP input's
             key = next(k for k in phases if k.startswith("layer recompute"))
-            phases[key + "; FP8 inputs (3 H + I, e4m3)"] = phases.pop(key) + T * (3 * H + s.intermediate)
+            phases[key + "; FP8 forms of a gradient and an input (I + H, e4m3)"] = \
+                phases.pop(key) + T * (H + s.intermediate)
         if self.gpus > 1:
             # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
             # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered

@@ -140,9 +140,24 @@ def test_shared_inputs_quantize_once_and_follow_in_place_writes():
     assert calls.count("rows") == 3 + 1                      # one per weight, one for the shared input
     alone = [Fp8Linear.apply(x, w, None, None, EmulatedFp8(), True) for w in ws]
     assert all(torch.equal(a, b) for a, b in zip(ys, alone))
+    assert len(shared.entries) == 1
     ga = torch.autograd.grad(sum(y.float().sum() for y in ys), [x, *ws])
     gb = torch.autograd.grad(sum(y.float().sum() for y in alone), [x, *ws])
     assert all(torch.equal(a, b) for a, b in zip(ga, gb))
+    assert not shared.entries                                 # the last reader's backward dropped x's forms
+
+
+def test_a_shared_entry_lives_until_its_last_reader_ran_backward():
+    ops = EmulatedFp8()
+    shared = SharedInputs(ops)
+    x = torch.randn(6, 32).bfloat16().requires_grad_()
+    w1, w2 = ((torch.randn(16, 32) * 0.1).bfloat16().requires_grad_() for _ in range(2))
+    y1 = Fp8Linear.apply(x, w1, None, None, ops, True, shared)
+    y2 = Fp8Linear.apply(x, w2, None, None, ops, True, shared)
+    y1.float().sum().backward()
+    assert shared.entries[id(x)][3] is not None               # the wgrad form, for y2's backward
+    y2.float().sum().backward()
+    assert not shared.entries
     first = shared.rows(x)
     with torch.no_grad():
         x.mul_(2)                                             # written in place: quantized again

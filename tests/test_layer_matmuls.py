@@ -75,13 +75,36 @@ def test_weights_are_quantized_once_per_slot_fill():
     mm = Fp8Matmuls([layer], layer_matmuls.EmulatedFp8())
     slot, proj = FakeSlot(), layer.self_attn.q_proj
     first = mm.quantized(slot, proj)
+    first_rows = first.rows
     assert mm.quantized(slot, proj) is first                 # forward, then recompute: one quantization
+    assert first.rows is first_rows
     with torch.no_grad():
         proj.weight.mul_(2)                                  # a refill writes other values into the same storage
     slot.fills += 1
     second = mm.quantized(slot, proj)
-    assert second is not first and not torch.equal(second.rows[1], first.rows[1])
+    assert second is not first and not torch.equal(second.rows[1], first_rows[1])
     assert mm.quantized(None, proj) is None                  # no slot (resident): quantized at each use
+
+
+def test_fp8_forms_are_freed_after_their_last_reader():
+    model = tiny_llama().bfloat16()
+    layers = list(model.model.layers)
+    mm = Fp8Matmuls(layers, layer_matmuls.EmulatedFp8())
+    slots = [FakeSlot(), FakeSlot()]
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    with mm.forward(0, slots[0]), mm.forward(1, slots[1]), torch.no_grad():
+        model.model(input_ids=ids)
+    q0 = mm.quantized(slots[0], layers[0].self_attn.q_proj)
+    assert q0._rows is not None                               # kept for the recompute of this fill
+    slots[1].fills += 1                                       # slot 1 refilled: its forms go at the next call
+    with mm.recompute(0, slots[0], None):
+        assert slots[1] not in mm.cache
+        h = model.model.layers[0](model.model.embed_tokens(ids), position_embeddings=model.model.rotary_emb(
+            model.model.embed_tokens(ids), torch.arange(5)[None]))
+        h = h[0] if isinstance(h, tuple) else h
+    assert q0._rows is None                                   # the recompute was the fill's last forward
+    h.float().sum().backward()
+    assert q0._cols_t is None                                 # dropped after its backward
 
 
 def test_the_switch_refuses_the_cpu_at_slide():
