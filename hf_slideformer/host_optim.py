@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .host_adam import torch_fused_adamw
-from .quant_maps import BLOCK, dynamic_map, num_blocks, quantize_lut
+from .quant_maps import BLOCK, code_search_table, dynamic_map, num_blocks
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
            "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES",
@@ -218,7 +218,7 @@ class AdamW8bit(StateFormat):
         """The maps and rounding tables of exp_avg (signed) and exp_avg_sq (unsigned)."""
         if self._tables is None:
             self._tables = tuple(t.contiguous() for t in (dynamic_map(True), dynamic_map(False),
-                                                          quantize_lut(True).to(torch.int32), quantize_lut(False).to(torch.int32)))
+                                                          code_search_table(True), code_search_table(False)))
         return self._tables
 
     def check(self, name, t, where) -> None:

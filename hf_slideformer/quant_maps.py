@@ -7,9 +7,9 @@ one fp32 scale (its absmax) and 256-entry codes of the value divided by it. The 
 map codes `exp_avg`, the unsigned one `exp_avg_sq` (denser near zero: an exponent of 0..-6 and a
 linear fraction in the remaining bits). A value is rounded to the code nearest to it on a grid of
 65536 points of [-1, 1] (`quantize_lut`), as bitsandbytes' CPU kernel rounds: the table is built
-once per map, and a lookup costs a multiply, an add and a load, which keeps the native update
-memory-bound (csrc/host_adam8.c). The torch functions below are the same arithmetic, for tests,
-conversions and the checks of a loaded state.
+once per map. The native update (csrc/host_adam8.c) reads it in its bucket form
+(`code_search_table`), which a vector unit searches from registers. The torch functions below are
+the same arithmetic, for tests, conversions and the checks of a loaded state.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import functools
 import torch
 
 __all__ = ["BLOCK", "LUT_SIZE", "dynamic_map", "quantize_lut", "quantize_blockwise", "dequantize_blockwise",
-           "num_blocks"]
+           "num_blocks", "code_search_table", "SEARCH_LEVELS"]
 
 BLOCK = 256
 LUT_SIZE = 65536
@@ -59,6 +59,78 @@ def quantize_lut(signed: bool) -> torch.Tensor:
     mids = (code[:-1] + code[1:]) * 0.5
     grid = (2.0 * torch.arange(LUT_SIZE, dtype=torch.float32)) / float(LUT_SIZE - 1) + -1.0
     return torch.searchsorted(mids, grid, right=False).to(torch.uint8)
+
+
+# The code search's levels (shift, origin) over the rounding table's index: level 0 covers the
+# whole grid in buckets of 256 points, level 1 the 8192 points about the middle (where the dynamic
+# maps' codes crowd) in buckets of 32, level 2 the middle 256 points one by one.
+SEARCH_LEVELS = ((8, 0), (5, LUT_SIZE // 2 - 4096), (0, LUT_SIZE // 2 - 128))
+_SEARCH_ROWS = 5          # per level: the bucket's base code, then up to 4 thresholds
+
+
+@functools.lru_cache(maxsize=None)
+def code_search_table(signed: bool) -> torch.Tensor:
+    """The rounding table `quantize_lut(signed)` (65536 bytes) followed by its bucket form, which a
+    vector kernel looks up from registers instead of loading a byte per value (csrc/host_adam8.c).
+
+    The bucket form gives the same code for every index i of the grid. The finest level whose
+    region holds i gives its bucket `key = (i - origin) >> shift` and the offset `lo` in it; the code
+    is `(base[key] + sum_k (lo >= t_k[key])) mod 256` over the level's thresholds (the offsets in
+    the bucket where the table's code steps up; an unused threshold is 0 and its step is taken out
+    of `base`). Layout after the table: for each level, `_SEARCH_ROWS` rows of 256 bytes (base, then
+    the thresholds), then one byte per level: how many thresholds it uses. Checked exhaustively
+    against the table when built.
+    """
+    lut = quantize_lut(signed).to(torch.int64)
+    steps = torch.zeros(LUT_SIZE, dtype=torch.int64)
+    steps[1:] = (lut[1:] != lut[:-1]).to(torch.int64)
+    rows = torch.zeros(len(SEARCH_LEVELS), _SEARCH_ROWS, 256, dtype=torch.int64)
+    counts = []
+    for level, (shift, origin) in enumerate(SEARCH_LEVELS):
+        width = 1 << shift
+        inner = SEARCH_LEVELS[level + 1] if level + 1 < len(SEARCH_LEVELS) else None
+        per = []
+        for b in range(256):
+            a = origin + b * width
+            if a >= LUT_SIZE:
+                per.append([])
+                continue
+            z = min(a + width, LUT_SIZE)
+            if inner is not None and a >= inner[1] and z <= inner[1] + (256 << inner[0]):
+                per.append([])                  # the finer level answers for this bucket
+                continue
+            per.append((steps[a + 1:z].nonzero().view(-1) + 1).tolist())
+            rows[level, 0, b] = lut[a]
+        k = max(len(t) for t in per)
+        if k > _SEARCH_ROWS - 1:
+            raise AssertionError(f"code search level {level}: a bucket holds {k} thresholds")
+        for b, ts in enumerate(per):
+            for j in range(k):
+                rows[level, 1 + j, b] = ts[j] if j < len(ts) else 0
+            rows[level, 0, b] -= k - len(ts)          # each unused threshold (0) always steps up
+        counts.append(k)
+    rows %= 256
+    table = torch.cat([lut, rows.view(-1), torch.tensor(counts + [0])]).to(torch.uint8)
+    if not torch.equal(_search(table, torch.arange(LUT_SIZE)), lut.to(torch.uint8)):
+        raise AssertionError("the code search's buckets disagree with the rounding table")
+    return table
+
+
+def _search(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The bucket form's code of each grid index `idx` (what the vector kernel computes)."""
+    rows = table[LUT_SIZE:LUT_SIZE + len(SEARCH_LEVELS) * _SEARCH_ROWS * 256].to(torch.int64).view(
+        len(SEARCH_LEVELS), _SEARCH_ROWS, 256)
+    counts = table[-len(SEARCH_LEVELS) - 1:-1].tolist()
+    code = torch.zeros_like(idx)
+    for level, (shift, origin) in enumerate(SEARCH_LEVELS):
+        off = idx - origin
+        inside = (off >= 0) & (off < (256 << shift))
+        key, lo = (off >> shift).clamp(0, 255), off & ((1 << shift) - 1)
+        c = rows[level, 0, key].clone()
+        for j in range(counts[level]):
+            c += (lo >= rows[level, 1 + j, key]).to(torch.int64)
+        code = torch.where(inside, c % 256, code)
+    return code.to(torch.uint8)
 
 
 def _lut_index(x: torch.Tensor) -> torch.Tensor:

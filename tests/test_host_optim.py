@@ -213,3 +213,33 @@ def test_a_table_updated_in_two_sets_of_rows_equals_one_whole_update(name, with_
     odd = make_unit(fmt, [torch.randn(4, BLOCK + 8)])
     with pytest.raises(ValueError, match="multiple of"):
         fmt.run_rows(kernel, hp, odd, torch.zeros(4, BLOCK + 8), torch.tensor([1]), odd.steps[0].add_(1))
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_the_kernels_code_search_equals_the_rounding_table_at_every_grid_point(name):
+    """With beta1 = beta2 = 0 and lr 0 the update stores m = g and v = g * g quantized: blocks of
+    one 1.0 (the absmax) and values on and between every point of the 65536-point grid, and values
+    over many decades, each coded as the rounding table codes it (the vector search included)."""
+    from hf_slideformer.quant_maps import LUT_SIZE
+
+    fmt = state_format(name)
+    gen = torch.Generator().manual_seed(3)
+    grid = torch.arange(LUT_SIZE, dtype=torch.float32) * 2.0 / (LUT_SIZE - 1) - 1.0
+    between = grid[:-1] + (grid[1:] - grid[:-1]) * torch.rand(LUT_SIZE - 1, generator=gen)
+    decades = torch.sign(torch.randn(1 << 17, generator=gen)) * 10.0 ** (-9 * torch.rand(1 << 17, generator=gen))
+    vals = torch.cat([grid, between, decades, grid.abs().sqrt(), between.abs().sqrt()])
+    vals = vals[torch.randperm(vals.numel(), generator=gen)]
+    per = BLOCK - 1
+    nb = -(-vals.numel() // per)
+    rest = torch.zeros(nb * per)
+    rest[:vals.numel()] = vals
+    blocks = torch.cat([torch.ones(nb, 1), rest.view(nb, per)], dim=1)
+    g = blocks.view(-1)[: nb * BLOCK - 7].contiguous()            # a partial last block
+    u = make_unit(fmt, [torch.zeros(g.numel())])
+    hp = dict(lr=0.0, betas=(0.0, 0.0), eps=1e-8, weight_decay=0.0)
+    u.steps[0].add_(1)
+    fmt.run(HostAdam("native", 2), hp, u, u, [(0, 0, g.numel())], [g], u.steps, None)
+    for arr, x, signed in (("exp_avg", g, True), ("exp_avg_sq", g * g, False)):
+        codes, absmax = quantize_blockwise(x, signed)
+        assert torch.equal(getattr(u, arr + "_absmax"), absmax)
+        assert torch.equal(getattr(u, arr), codes), arr

@@ -13,6 +13,10 @@
  *   p = p + neg_step * (m / (sqrt(v) / bc2 + eps))        (neg_step = -lr / (1 - beta1^t))
  * then the block's new absmax of m and of v, and each value requantized to the code nearest on the
  * 65536-point grid of [-1, 1] (bitsandbytes' CPU rounding: lut[(x / absmax + 1) / 2 * 65535 + 0.5]).
+ * The table `slide_q8_table` (quant_maps.code_search_table) holds that rounding table and its
+ * bucket form: with AVX-512 VBMI the codes of 32 indices at a time come from byte permutes of
+ * buckets held in registers and a few comparisons against the buckets' thresholds, the same code
+ * for every index (checked exhaustively when the table is built); elsewhere a load from the table.
  * An all-zero block has absmax 0 and codes 0. The update uses the unquantized m and v of this step,
  * as the reference does; only what is stored is quantized.
  *
@@ -26,6 +30,10 @@
  */
 #include "bf16.h"
 #include <math.h>
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SLIDE_Q8_VBMI 1
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -37,6 +45,79 @@ typedef struct {
     uint64_t seed;    /* stochastic rounding: the hash's key (seed and step mixed by the caller) */
 } slide_adam8_hp;
 
+
+/* The rounding table and its bucket form (layout: quant_maps.code_search_table). */
+#define Q_LEVELS 3
+#define Q_ROWS 5
+typedef struct {
+    uint8_t lut[65536];
+    uint8_t rows[Q_LEVELS][Q_ROWS][256];     /* per level: base code, then thresholds */
+    uint8_t k[Q_LEVELS + 1];                 /* thresholds used per level */
+} slide_q8_table;
+static const int q_shift[Q_LEVELS] = {8, 5, 0};
+static const int q_origin[Q_LEVELS] = {0, 32768 - 4096, 32768 - 128};
+
+#ifdef SLIDE_Q8_VBMI
+/* row[key] for 64 byte lanes of keys, from a 256-byte row: two 128-byte permutes, bit 7 picks. */
+static inline __m512i row_lookup(__m512i key, const uint8_t *row) {
+    const __m512i a = _mm512_permutex2var_epi8(_mm512_loadu_si512(row), key, _mm512_loadu_si512(row + 64));
+    const __m512i b = _mm512_permutex2var_epi8(_mm512_loadu_si512(row + 128), key, _mm512_loadu_si512(row + 192));
+    return _mm512_mask_blend_epi8(_mm512_movepi8_mask(key), a, b);
+}
+
+/* The low bytes of 2 x 32 word lanes, in order. */
+static inline __m512i low_bytes(__m512i w0, __m512i w1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)), _mm512_cvtepi16_epi8(w1), 1);
+}
+
+/* The codes of 64 grid indices (2 x 32 word lanes, 0..65535): the finest level holding each answers. */
+static inline __m512i search64(__m512i i0, __m512i i1, const slide_q8_table *t) {
+    __m512i code = _mm512_setzero_si512();
+    for (int l = 0; l < Q_LEVELS; l++) {
+        const int s = q_shift[l];
+        const __m512i org = _mm512_set1_epi16((short)q_origin[l]), mask = _mm512_set1_epi16((short)((1 << s) - 1));
+        const __m512i o0 = _mm512_sub_epi16(i0, org), o1 = _mm512_sub_epi16(i1, org);
+        const __m512i key = low_bytes(_mm512_srli_epi16(o0, s), _mm512_srli_epi16(o1, s));
+        __m512i c = row_lookup(key, t->rows[l][0]);
+        if (t->k[l]) {
+            const __m512i lo = low_bytes(_mm512_and_si512(o0, mask), _mm512_and_si512(o1, mask));
+            for (int j = 0; j < t->k[l]; j++) {       /* byte adds: mod 256, the bucket form's arithmetic */
+                const __mmask64 up = _mm512_cmpge_epu8_mask(lo, row_lookup(key, t->rows[l][1 + j]));
+                c = _mm512_mask_add_epi8(c, up, c, _mm512_set1_epi8(1));
+            }
+        }
+        if (s == 8) {             /* level 0 covers the whole grid; a finer one its 256 << s points */
+            code = c;
+        } else {
+            const __m512i width = _mm512_set1_epi16((short)(256 << s));
+            const __mmask64 in = _mm512_kunpackd((__mmask64)_mm512_cmplt_epu16_mask(o1, width),
+                                                 (__mmask64)_mm512_cmplt_epu16_mask(o0, width));
+            code = _mm512_mask_mov_epi8(code, in, c);
+        }
+    }
+    return code;
+}
+#endif
+
+/* q[j] = code of grid index x[j] (0 for every j when zero: an all-zero block). */
+static inline void requantize(const int32_t *restrict x, unsigned char *restrict q, int64_t len,
+                              const slide_q8_table *restrict t, int zero) {
+    int64_t j = 0;
+    if (zero) {
+        memset(q, 0, (size_t)len);
+        return;
+    }
+#ifdef SLIDE_Q8_VBMI
+    for (; j + 64 <= len; j += 64) {
+        __m512i w[2];
+        for (int h = 0; h < 2; h++)
+            w[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h))),
+                                      _mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h + 16)), 1);
+        _mm512_storeu_si512(q + j, search64(w[0], w[1], t));
+    }
+#endif
+    for (; j < len; j++) q[j] = t->lut[x[j]];
+}
 
 /* A keyed 32-bit integer hash (a Weyl multiply, then one round of "lowbias32" multiply-xorshift):
  * vectorizes with 32-bit multiplies. Element counters are unit offsets (< 2^32 in every unit). */
@@ -69,8 +150,8 @@ static inline int32_t lut_index(float x, float inv) {
 static inline __attribute__((always_inline)) void adam8_block(
         void *restrict master_, unsigned char *restrict q1, unsigned char *restrict q2, float *restrict a1,
         float *restrict a2, const void *restrict grad_, uint16_t *restrict out16, int64_t lo, int64_t hi,
-        const float *restrict code1, const float *restrict code2, const uint32_t *restrict lut1,
-        const uint32_t *restrict lut2, const slide_adam8_hp *hp, uint64_t ctr, const int64_t goff, const int gbf, const int mbf, const int o16) {
+        const float *restrict code1, const float *restrict code2, const slide_q8_table *restrict lut1,
+        const slide_q8_table *restrict lut2, const slide_adam8_hp *hp, uint64_t ctr, const int64_t goff, const int gbf, const int mbf, const int o16) {
     float m[Q_BLOCK], v[Q_BLOCK];
     const int64_t len = hi - lo;
     const int64_t b = lo / Q_BLOCK;
@@ -117,12 +198,8 @@ static inline __attribute__((always_inline)) void adam8_block(
         x1[j] = lut_index(m[j], i1);
         x2[j] = lut_index(v[j], i2);
     }
-    const uint32_t z1 = mx1 > 0.0f ? 0xffu : 0u, z2 = mx2 > 0.0f ? 0xffu : 0u;   /* an all-zero block: codes 0 */
-    _Pragma("omp simd")
-    for (int64_t j = 0; j < len; j++) {
-        q1[lo + j] = (unsigned char)(lut1[x1[j]] & z1);
-        q2[lo + j] = (unsigned char)(lut2[x2[j]] & z2);
-    }
+    requantize(x1, q1 + lo, len, lut1, !(mx1 > 0.0f));      /* an all-zero block: codes 0 */
+    requantize(x2, q2 + lo, len, lut2, !(mx2 > 0.0f));
 }
 
 /* Blocks handed to the threads about 64 Ki elements at a time, as in host_adam.c. */
@@ -130,7 +207,7 @@ static inline __attribute__((always_inline)) void adam8_block(
 #define ADAM8_IMPL(NAME, GBF, MBF)                                                               \
     static void NAME(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2,   \
                      const void *grad, uint16_t *out16, int64_t n, const float *code1,            \
-                     const float *code2, const uint32_t *lut1, const uint32_t *lut2,    \
+                     const float *code2, const slide_q8_table *lut1, const slide_q8_table *lut2,    \
                      const slide_adam8_hp *hp, uint64_t ctr, int threads) {                       \
         int64_t nb = (n + Q_BLOCK - 1) / Q_BLOCK;                                                 \
         _Pragma("omp parallel for num_threads(threads) schedule(dynamic, Q_CHUNK) if(nb > Q_CHUNK)") \
@@ -151,8 +228,8 @@ ADAM8_IMPL(adam8_g16_m16, 1, 1)
  * range's first element, a1, a2 at its first block. grad_bf16 / master_bf16 pick the dtypes; ctr
  * is the counter of the range's first element for the stochastic rounding. */
 void slide_adamw8(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2, const void *grad,
-                  uint16_t *out16, int64_t n, const float *code1, const float *code2, const uint32_t *lut1,
-                  const uint32_t *lut2, const slide_adam8_hp *hp, uint64_t ctr, int grad_bf16,
+                  uint16_t *out16, int64_t n, const float *code1, const float *code2, const slide_q8_table *lut1,
+                  const slide_q8_table *lut2, const slide_adam8_hp *hp, uint64_t ctr, int grad_bf16,
                   int master_bf16, int threads) {
     if (n <= 0) return;
     if (threads < 1) threads = 1;
@@ -170,7 +247,7 @@ void slide_adamw8(void *master, unsigned char *q1, unsigned char *q2, float *a1,
  * a table updated in two sets of rows equals one update of the whole table. Rows distinct. */
 void slide_adamw8_rows(void *master, unsigned char *q1, unsigned char *q2, float *a1, float *a2, float *grad,
                        const int64_t *rows, int64_t n_rows, int64_t h, const float *sums, int zero_grad,
-                       const float *code1, const float *code2, const uint32_t *lut1, const uint32_t *lut2,
+                       const float *code1, const float *code2, const slide_q8_table *lut1, const slide_q8_table *lut2,
                        const slide_adam8_hp *hp, int master_bf16, int threads) {
     if (n_rows <= 0 || h <= 0 || h % Q_BLOCK) return;
     if (threads < 1) threads = 1;
