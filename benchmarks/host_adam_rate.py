@@ -9,7 +9,8 @@ exp_avg_sq), median of `--repeat` calls after one warm-up, gradient read include
 - torch fused on a bf16 gradient: widened into an fp32 buffer first (the fallback route);
 - native, bf16 / fp32 gradient, and bf16 with the bf16 weight copy written in the same pass;
 - native with 8-bit block-wise moments (adamw_8bit: 14 B/param moved, the 8-bit moments and
-  their scales read and written) and with a bf16 master too (adamw_8bit_bf16: 10 B/param).
+  their scales read and written) and with a bf16 master too (adamw_8bit_bf16: 10 B/param), each
+  with every moment one value and with the moments spread over their codes (as in training).
 The bound: STREAM's triad (a = b + s * c) on the same threads, best of the repeats; its bytes are
 counted as 16 per element (two reads, the write and its read for ownership), the update's as 26
 (bf16 gradient, master and moments read, master and moments written).
@@ -94,6 +95,11 @@ def _measure(args) -> int:
         fmt = state_format(name)
         u = rate_unit(fmt, n)
         rate(f"native {name}, bf16 grad",
+             lambda fmt=fmt, u=u: fmt.run(native, hp, u, u, [(0, 0, n)], [gb], step, None), nbytes)
+        # As in training: a first update from a random gradient spreads the moments over their codes
+        # (one value everywhere keeps every code lookup on one cache line).
+        fmt.run(native, hp, u, u, [(0, 0, n)], [(g - 0.5).bfloat16()], step, None)
+        rate(f"native {name}, spread codes",
              lambda fmt=fmt, u=u: fmt.run(native, hp, u, u, [(0, 0, n)], [gb], step, None), nbytes)
         del u
     a = torch.empty(n)
