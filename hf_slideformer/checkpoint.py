@@ -75,7 +75,35 @@ def load_model_meta(path, **config_overrides):
         del config.quantization_config        # the masters are full precision, and so is every save
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    _load_buffers(model, path)
     return model
+
+
+def persistent_buffers(model) -> dict[str, torch.Tensor]:
+    """The buffers HF saves beside the weights (Gemma 4's layer scalars), by their names: the
+    store holds parameters only, so a save writes these and a load reads them in place."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def _load_buffers(model, path) -> None:
+    """Materialize the persistent buffers of the meta model from the checkpoint (small tensors)."""
+    wanted = persistent_buffers(model)
+    if not wanted:
+        return
+    weight_map = _index(path)
+    for name in wanted:
+        if name not in weight_map:
+            continue                 # left as the model's init builds it (HF does the same)
+        with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
+            t = f.get_tensor(name)
+        prefix, _, leaf = name.rpartition(".")
+        module = model.get_submodule(prefix)
+        module._buffers[leaf] = t.to(wanted[name].dtype)
 
 
 def _index(path) -> dict[str, str]:
@@ -155,6 +183,7 @@ def load_weights(model, path) -> None:
     if mismatched:
         raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {'; '.join(mismatched[:20])}")
     unexpected = set(weight_map) - {aliases.get(n, n) for n in expected} - {n + end for n in packed for end in _PACKED}
+    unexpected -= set(persistent_buffers(model))
     unexpected = {n for n in unexpected if not (tied and n == "lm_head.weight")}
     if unexpected:
         logger.warning("checkpoint tensors not used by the model: %s", sorted(unexpected)[:20])
@@ -284,6 +313,8 @@ def _write(model, stage: str, plan, names: list[str], dtype) -> None:
                 for name, _, e in group:
                     t = e.view(u.master).to(dtype).contiguous()       # fp32: the master itself
                     tensors[name] = t.clone() if store.on_disk(u) and t.dtype == u.master.dtype else t
+        if fname == names[-1]:
+            tensors.update({n: b.detach().to("cpu").contiguous() for n, b in persistent_buffers(model).items()})
         save_file(tensors, os.path.join(stage, fname), metadata={"format": "pt"})
         fsync_file(os.path.join(stage, fname))
         for name in tensors:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import hf_slideformer as hs
 import triton_ops
 from hf_slideformer.models import FAMILIES as REGISTRY
-from helpers import QUIRK_FAMILIES, batches, family_config, make_pair
+from helpers import QUIRK_FAMILIES, QUIRK_VARIANTS, batches, family_config, make_pair, model_type_of
 from test_engine import LR, PARAM_TOL, train_both
 from triton_ops import reference
 
@@ -25,7 +25,7 @@ def _state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+@pytest.mark.parametrize("family", QUIRK_VARIANTS)
 @pytest.mark.parametrize("tied", [False, True])
 def test_sliding_equals_hf_with_accumulation_and_clipping(family, tied):
     """Three optimizer steps of two micro-batches each, clipped: every loss within 1e-5, every
@@ -43,9 +43,9 @@ def test_sliding_equals_hf_with_accumulation_and_clipping(family, tied):
         assert (diff > PARAM_TOL).float().mean() <= 2e-3 and diff.max() < LR, (name, diff.max())
 
 
-@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+@pytest.mark.parametrize("family", QUIRK_VARIANTS)
 def test_save_reloads_with_auto_model_and_from_pretrained(tmp_path, family):
-    tied = family in ("gemma3_text", "granite")          # the tied checkpoints of the list
+    tied = model_type_of(family) in ("gemma3_text", "gemma4_text", "granite")   # the tied checkpoints of the list
     _, slid = make_pair(family, tied)
     opt = slid.create_optimizer(lr=LR)
     for b in batches(2, pad=True):
@@ -63,7 +63,7 @@ def test_save_reloads_with_auto_model_and_from_pretrained(tmp_path, family):
         torch.testing.assert_close(again(**b).loss, slid(**b).loss, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", QUIRK_FAMILIES)
+@pytest.mark.parametrize("family", QUIRK_VARIANTS)
 def test_resume_equals_the_uninterrupted_run(tmp_path, family):
     from hf_slideformer.train_checkpoint import load_training_state, save_training_state
     data = batches(4 * GA, pad=True)
@@ -212,17 +212,22 @@ def test_gemma_geglu_is_not_taken_for_a_swiglu():
 
 
 # ---------------------------------------------------------------- refusals (the counts: test_registry.py)
-@pytest.mark.parametrize("model_type,part", [("gemma4_text", "per-layer embeddings"), ("gemma3", "text model")])
-def test_refused_families_name_the_reason(model_type, part):
-    from hf_slideformer.demo import tiny_config
-    if model_type == "gemma3":
-        from transformers import Gemma3Config
-        cfg = Gemma3Config(text_config=family_config("gemma3_text").to_dict())
-    else:
-        cfg = tiny_config(model_type, hidden_size=32, intermediate_size=48, num_hidden_layers=2, head_dim=8)
+def test_a_multimodal_checkpoint_is_refused_naming_its_text_model():
+    from transformers import Gemma3Config
+    cfg = Gemma3Config(text_config=family_config("gemma3_text").to_dict())
     with torch.device("meta"):                     # refused before any weight is read
         model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match=part):
+    with pytest.raises(ValueError, match="text model"):
+        hs.slide(model, hs.SlideConfig(device="cpu"))
+
+
+@pytest.mark.parametrize("kw,part", [(dict(hidden_size_per_layer_input=8), "per-layer inputs"),
+                                     (dict(num_kv_shared_layers=1), "shared KV layers")])
+def test_gemma4_parts_the_engine_does_not_slide_are_refused(kw, part):
+    """Gemma 4 E2B / E4B: per-layer inputs and shared KV layers, each refused by name at slide()."""
+    with torch.device("meta"):                     # refused before any weight is read
+        model = AutoModelForCausalLM.from_config(family_config("gemma4_text", **kw))
+    with pytest.raises(NotImplementedError, match=part):
         hs.slide(model, hs.SlideConfig(device="cpu"))
 
 

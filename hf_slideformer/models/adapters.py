@@ -101,6 +101,11 @@ class DecoderAdapter:
                     f"different dropout masks. Set config.{key} = 0.0 (the value every supported "
                     "checkpoint ships with)."
                 )
+        parts = family.unsupported(cfg)
+        if parts:
+            raise NotImplementedError(
+                f"{self.model_type}: {'; '.join(parts)} {'is' if len(parts) == 1 else 'are'} not supported by the "
+                "sliding engine yet; use a checkpoint of the family without them (docs/models.md lists which)")
         layers = self.layers(model)
         foreign = sorted({type(layer).__name__ for layer in layers} - set(family.layer_classes))
         if foreign:

@@ -109,6 +109,26 @@ def _gemma_embedding_scale(cfg) -> float:
     return float(cfg.hidden_size) ** 0.5
 
 
+def _no_parts(cfg) -> list[str]:
+    return []
+
+
+def _gemma4_parts(cfg) -> list[str]:
+    """The parts of a Gemma 4 config the engine does not slide (the E2B / E4B checkpoints use both)."""
+    parts = []
+    if getattr(cfg, "hidden_size_per_layer_input", 0):
+        parts.append(f"per-layer inputs (hidden_size_per_layer_input={cfg.hidden_size_per_layer_input}: "
+                     "embed_tokens_per_layer and per_layer_model_projection feed a second input to every layer)")
+    if getattr(cfg, "num_kv_shared_layers", 0):
+        parts.append(f"shared KV layers (num_kv_shared_layers={cfg.num_kv_shared_layers}: the last layers read "
+                     "the keys and values of an earlier layer)")
+    return parts
+
+
+def _gemma4_moe(cfg: dict) -> bool:
+    return bool(cfg.get("enable_moe_block"))
+
+
 @dataclass(frozen=True)
 class Family:
     """What hf_slideformer does for one `model_type`.
@@ -137,6 +157,10 @@ class Family:
         router_class: for a mixture of experts, the class name of its router module (it returns
             the router logits first): the engine adds the auxiliary load-balancing loss from
             them when the config asks (`output_router_logits`), as HF does (router_aux.py).
+        routed: (config dict) -> whether a model of a family without an auxiliary loss (no
+            `router_class`) has routed experts, whose top-k share the planner's compute counts.
+        unsupported: (config) -> the parts of that model's structure the engine does not slide,
+            each named with its config key; a model with any is refused at `slide()`.
     """
 
     model_type: str
@@ -151,6 +175,8 @@ class Family:
     base_attr: str = "model"
     dropouts: tuple[str, ...] = ("attention_dropout",)
     router_class: str | None = None
+    routed: Callable[[dict], bool] | None = None
+    unsupported: Callable[[object], list[str]] = _no_parts
 
     @property
     def modeling(self) -> str:
@@ -161,7 +187,7 @@ class Family:
     def active_layer_params(self, cfg: dict, d: LayerDims) -> int:
         """Parameters of the largest decoder layer one token computes with: all of them in a
         dense family, the top-k experts' share of the routed experts in a mixture of experts."""
-        if self.router_class is None:
+        if self.router_class is None and not (self.routed is not None and self.routed(cfg)):
             return self.layer_params(cfg, d)
         return active_layer_params_of(cfg)
 
@@ -198,7 +224,7 @@ def active_layer_params_of(cfg: dict) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     experts = int(getattr(config, "num_experts", None) or config.num_local_experts)
-    top_k = int(config.num_experts_per_tok)
+    top_k = int(getattr(config, "num_experts_per_tok", None) or config.top_k_experts)
 
     def active(layer) -> int:
         routed = sum(p.numel() for m in layer.modules() if type(m).__name__.endswith("Experts")
@@ -242,6 +268,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # router with a bias, experts with a fused, interleaved gate_up and a clamped SwiGLU (with
     # biases): HF's modules. Its released checkpoint is MXFP4: loaded dequantized (checkpoint.py).
     Family("gpt_oss", ("GptOssDecoderLayer",), None, kernels=(), router_class="GptOssTopKRouter"),
+    # Gemma 4: sliding and full layers with their own head sizes, keys as values in full layers
+    # (attention_k_eq_v), a layer scalar (a buffer saved with the weights), and, in the MoE
+    # checkpoints, a dense MLP beside the routed experts (HF computes no auxiliary loss for it).
+    # Its RMSNorm scales by w (not 1 + w) but upcasts to fp32 and feeds the residual: HF's modules.
+    Family("gemma4_text", ("Gemma4TextDecoderLayer",), None, kernels=(),
+           embedding_scale=_gemma_embedding_scale, final_logits=_gemma_logits, mlp_feeds_residual=False,
+           routed=_gemma4_moe, unsupported=_gemma4_parts),
 )}
 SUPPORTED_MODEL_TYPES = tuple(sorted(FAMILIES))
 
@@ -252,8 +285,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "gemma3": _MULTIMODAL.format(text="gemma3_text"),
     "qwen3_5": _MULTIMODAL.format(text="qwen3_5_text"),
     "gemma4": _MULTIMODAL.format(text="gemma4_text"),
-    "gemma4_text": ("Gemma 4's per-layer embeddings (embed_tokens_per_layer, a second input of every layer) "
-                    "and its shared KV layers are not parts the engine slides yet"),
 }
 
 
