@@ -65,6 +65,9 @@ class DeviceUpdateLayer(HostLayer):
     copied in for the next forward (the module note). With accumulation it is a `HostLayer`
     until the update: the worker folds its micro-batches in."""
 
+    device_updatable = False
+    updates_on_device = True
+
     def take_gradient(self, grads: list) -> None:
         e = self.engine
         if not e.single_micro or e.backward_plan.updates:
@@ -114,12 +117,12 @@ class DeviceUpdater:
     @property
     def units(self) -> set[int]:
         """Unit.index of the device-updated layers."""
-        return {p.unit.index for p in self.engine.places if isinstance(p, DeviceUpdateLayer)}
+        return {place.unit.index for place in self.engine.places.device_updated()}
 
     @property
     def on(self) -> bool:
         """Are some layers updated on the device (clipping only)?"""
-        return (any(isinstance(p, DeviceUpdateLayer) for p in self.engine.places)
+        return (bool(self.engine.places.device_updated())
                 and self.engine.config.max_grad_norm is not None)
 
     def _ensure_sets(self, numel: int) -> None:
@@ -157,7 +160,7 @@ class DeviceUpdater:
         e.worker.join()                  # the backward's gradient copies into the accumulators have landed
         self._ensure_sets(max(u.numel for u in e.layer_units))
         first = e.residents.target()[1]
-        chosen = pick_device_units([u for u in e.layer_units[first:] if type(e.place_of(u)) is HostLayer], share)
+        chosen = pick_device_units(e.places.device_updatable(e.layer_units[first:]), share)
         if not chosen:
             self._sets = None
             return
@@ -199,9 +202,8 @@ class DeviceUpdater:
         self.flush()
         if e.streams.cuda:
             torch.cuda.synchronize(e.device)
-        for i, p in enumerate(e.places):
-            if isinstance(p, DeviceUpdateLayer):
-                e.set_place(p.unit, HostLayer(e, p.unit))
+        for place in e.places.device_updated():
+            e.set_place(place.unit, HostLayer(e, place.unit))
         self._chosen = False
         self._sets = None
         self._free = [None, None]
@@ -239,7 +241,7 @@ class DeviceUpdater:
                 # The worker has folded every micro-batch in and taken the norm: the factor is known.
                 e.clock.wait(p.clip_done, "update")
                 with st.on(st.h2d):
-                    p.scale = _optim._grad_scale(e.host_updates.clip_coef, e.device)
+                    p.scale = _optim.grad_scale(e.host_updates.clip_coef, e.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             u.grad_valid = False

@@ -69,6 +69,7 @@ class DiskLayer(HostLayer):
     """
 
     host_state = False
+    device_updatable = False
 
     def __init__(self, engine, unit: Unit, states: DiskStates, module: torch.nn.Module):
         super().__init__(engine, unit)
@@ -80,15 +81,19 @@ class DiskLayer(HostLayer):
         if not self.record.master:                   # the parameters view the host master
             return
         self._names = _relative_names(module, unit)
-        me = weakref.ref(self)                       # the module's hooks do not keep the placement alive
+        # The module's hooks do not keep the placement alive.
+        save_method = weakref.WeakMethod(self._state_dict_hook)
+        load_method = weakref.WeakMethod(self._load_state_dict_hook)
 
         def save_hook(*args):
-            if me() is not None:
-                me()._state_dict_hook(*args)
+            method = save_method()
+            if method is not None:
+                method(*args)
 
         def load_hook(*args):
-            if me() is not None:
-                me()._load_state_dict_hook(*args)
+            method = load_method()
+            if method is not None:
+                method(*args)
         self._hooks = (module.register_state_dict_post_hook(save_hook),
                        module.register_load_state_dict_pre_hook(load_hook))
 

@@ -89,7 +89,7 @@ class Embedding:
             if self.resident is None and u.trainable:
                 self.ensure_grad()
         table = u.master.view(self.vocab, self.hidden)
-        first = next((p for p in e.places if not p.resident), None)
+        first = e.places.first_streamed()
         if first is not None and first.unit.updated.is_set():
             first.prefetch()                             # its h2d overlaps the gather below
         # else its update runs behind the embedding's rows (late_updates.py: [Why layer 0 is updated

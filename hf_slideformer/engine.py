@@ -35,7 +35,7 @@ from .host_adam import HostAdam
 from .host_tasks import HostUpdates
 from .memory import COPY_CHUNK
 from .mode import BackwardGuard
-from .placements import FrozenLayer, HostLayer
+from .placements import FrozenLayer, HostLayer, Placements
 from .resident import ResidentPlan
 from .schedule import BackwardPlan, Schedule
 from .step_norm import StepNorm
@@ -125,8 +125,8 @@ class SlideEngine:
             host_layer, embedding, head = ShardedHostLayer, ShardedEmbedding, ShardedHead
         else:
             host_layer, embedding, head = HostLayer, Embedding, LossHead
-        self.places = [host_layer(self, u) if u.trainable else FrozenLayer(self, u) for u in self.layer_units]
-        self._layer_no = {id(u): i for i, u in enumerate(self.layer_units)}
+        self.places = Placements(self.layer_units,
+                                 lambda unit: host_layer(self, unit) if unit.trainable else FrozenLayer(self, unit))
         count, waiter = self.stats.add_h2d, self.clock.wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
                                filler=lambda u, dst: self.place_of(u).fill(dst))
@@ -304,11 +304,11 @@ class SlideEngine:
 
     def layer_no(self, u: Unit) -> int:
         """The index of layer unit `u` in the model."""
-        return self._layer_no[id(u)]
+        return self.places.layer_no(u)
 
     def place_of(self, u: Unit):
         """The placement of layer unit `u`."""
-        return self.places[self._layer_no[id(u)]]
+        return self.places.of(u)
 
     def updater_of(self, u: Unit):
         """What runs unit `u`'s deferred update: its placement, the embedding or the head."""
@@ -318,7 +318,7 @@ class SlideEngine:
 
     def set_place(self, u: Unit, place) -> None:
         """Give layer unit `u` another placement (between optimizer steps): the one writer of `places`."""
-        self.places[self._layer_no[id(u)]] = place
+        self.places.assign(u, place)
 
     # ----------------------------------------------------------------- gradients -> host -> update
     def begin_update(self, u: Unit) -> None:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from .errors import SlideStateError
 from .host_adam import torch_fused_adamw
 from .modules_to_save import saved_wrappers
-from .optim import _grad_scale, sq_norm as _sq_norm
+from .optim import grad_scale, sq_norm as _sq_norm
 from .placements import FrozenLayer
 
 __all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload", "peft_on_meta"]
@@ -192,12 +192,11 @@ class AdapterSet:
         refuse_outside_layers(self._adopt())
         self._held |= {id(p) for p in self.params}
         e.find_dropouts()                                  # a LoRA adapter's lora_dropout
-        if len(self.params) == known and all(p.trainable == p.unit.trainable for p in e.places):
+        if len(self.params) == known and e.places.trainable_match_units():
             return
         e.residents.evict()
-        for i, p in enumerate(e.places):
-            if p.trainable and not p.unit.trainable:
-                e.set_place(p.unit, FrozenLayer(e, p.unit))
+        for place in e.places.newly_frozen():
+            e.set_place(place.unit, FrozenLayer(e, place.unit))
 
     def _adopt(self) -> list[str]:
         """Take the layers' trainable parameters that the engine does not hold onto the device in
@@ -291,7 +290,7 @@ class AdapterSet:
             gi = group_of.get(id(p))
             if gi is not None and p.grad is not None and p.requires_grad:
                 by_group.setdefault(gi, []).append(p)
-        scale = _grad_scale(clip_coef, self.engine.device)
+        scale = grad_scale(clip_coef, self.engine.device)
         dev_inf = found_inf if found_inf is not None and found_inf.device.type != "cpu" else None
         for gi, ps in by_group.items():
             steps = [self.steps[id(p)] for p in ps]

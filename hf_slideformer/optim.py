@@ -18,7 +18,7 @@ from .host_adam import torch_fused_adamw
 from .host_optim import ADAMW, StateFormatMismatchError, formats_holding
 from .store import Unit
 
-__all__ = ["SlideOptimizer", "apply_adamw", "apply_batch", "groups_of", "piece_batches", "sq_norm"]
+__all__ = ["SlideOptimizer", "apply_adamw", "apply_batch", "grad_scale", "groups_of", "piece_batches", "sq_norm"]
 
 
 def sq_norm(tensors) -> torch.Tensor:
@@ -71,7 +71,7 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
     by_group = groups_of(unit, group_of)
     for ks in by_group.values():
         torch._foreach_add_([state.steps[k] for k in ks], 1)
-    scale = _grad_scale(clip_coef, state.master.device)
+    scale = grad_scale(clip_coef, state.master.device)
     if state.master.device.type != "cpu":
         kernel = None
     elif kernel is None and (grad.dtype != torch.float32 or grad_mul != 1.0):
@@ -146,7 +146,7 @@ def piece_batches(unit: Unit, by_group: dict[int, list[int]], piece: int, span: 
     yield start, unit.numel, batch
 
 
-def _grad_scale(clip_coef, device) -> torch.Tensor | None:
+def grad_scale(clip_coef, device) -> torch.Tensor | None:
     """The fused kernel divides the gradient by `grad_scale`: the reciprocal of the clip factor."""
     if clip_coef is None:
         return None

@@ -36,7 +36,7 @@ from .functions import leaves as _leaves
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
-__all__ = ["LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep"]
+__all__ = ["LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep", "Placements"]
 
 
 @dataclass
@@ -79,9 +79,12 @@ class LayerPlacement:
         unit: the layer's unit.
     """
 
+    # What the assigner (`Placements`) asks; no other code reads these.
     resident = False         # its weights are on the device: no slot, no copy in
     trainable = True         # its weights take gradients (the plan may move it)
     host_state = True        # its state is in the host store (the plan may make it resident or device-updated)
+    device_updatable = False  # the plan may update it on the device instead (device_update.py)
+    updates_on_device = False  # its clipping-mode update streams through the GPU (device_update.py)
 
     def __init__(self, engine, unit: Unit):
         self.engine, self.unit = engine, unit
@@ -133,6 +136,8 @@ class HostLayer(LayerPlacement):
     accumulation the GPU adds the running sum (`DeviceAccumulator`) and the worker updates from
     the host accumulator.
     """
+
+    device_updatable = True
 
     def __init__(self, engine, unit: Unit):
         super().__init__(engine, unit)
@@ -227,3 +232,63 @@ class FrozenLayer(LayerPlacement):
 
     def step(self, deferred: DeferredStep) -> None:
         pass
+
+
+class Placements(list):
+    """The decoder layers' placements in layer order (`SlideEngine.places`): the one owner that
+    assigns them, and the one place that asks which kind a layer's placement is.
+
+    Args:
+        units: the layer units in layer order.
+        make: unit -> its first placement.
+    """
+
+    def __init__(self, units: list[Unit], make):
+        super().__init__(make(unit) for unit in units)
+        self._layer_no = {id(unit): i for i, unit in enumerate(units)}
+
+    def layer_no(self, unit: Unit) -> int:
+        """The index of layer unit `unit` in the model."""
+        return self._layer_no[id(unit)]
+
+    def of(self, unit: Unit) -> LayerPlacement:
+        """The placement of layer unit `unit`."""
+        return self[self._layer_no[id(unit)]]
+
+    def assign(self, unit: Unit, place: LayerPlacement) -> None:
+        """Give layer unit `unit` another placement (between optimizer steps)."""
+        self[self._layer_no[id(unit)]] = place
+
+    # ------------------------------------------------------------- which layers are placed how
+    def resident(self) -> list[LayerPlacement]:
+        """The placements whose weights are on the device, in layer order."""
+        return [place for place in self if place.resident]
+
+    def first_streamed(self) -> LayerPlacement | None:
+        """The first placement whose weights stream into a slot, or None."""
+        return next((place for place in self if not place.resident), None)
+
+    def any_streamed_trainable(self, count: int) -> bool:
+        """Does one of the first `count` layers train with its weights streamed in?"""
+        return any(not place.resident and place.trainable for place in self[:count])
+
+    def residency_candidates(self, count: int) -> list[LayerPlacement]:
+        """Of the first `count` layers, those the resident plan may move to the device: trainable,
+        streamed, with their state in the host store."""
+        return [place for place in self[:count] if not place.resident and place.trainable and place.host_state]
+
+    def device_updated(self) -> list[LayerPlacement]:
+        """The placements whose clipping-mode update streams through the GPU."""
+        return [place for place in self if place.updates_on_device]
+
+    def device_updatable(self, units: list[Unit]) -> list[Unit]:
+        """Of `units`, those the device updater may take (plain host layers)."""
+        return [unit for unit in units if self.of(unit).device_updatable]
+
+    def trainable_match_units(self) -> bool:
+        """Does every placement train exactly when its unit does?"""
+        return all(place.trainable == place.unit.trainable for place in self)
+
+    def newly_frozen(self) -> list[LayerPlacement]:
+        """The placements that train while their unit no longer does (LoRA froze the base)."""
+        return [place for place in self if place.trainable and not place.unit.trainable]

@@ -175,7 +175,8 @@ class ResidentPlan:
     @property
     def layers(self) -> dict[int, ResidentState]:
         """Layer index -> the device state of each resident layer."""
-        return {i: p.state for i, p in enumerate(self.engine.places) if p.resident}
+        places = self.engine.places
+        return {places.layer_no(place.unit): place.state for place in places.resident()}
 
     def target(self) -> tuple[bool, int]:
         """The plan, made now if there is none yet."""
@@ -310,16 +311,14 @@ class ResidentPlan:
             self.evict()                          # resident from the first step, not in the measured plan
         if embed and emb.resident is None and eu.trainable:
             emb.make_resident()
-        if not any(not p.resident and p.trainable for p in e.places[:n]):
+        if not e.places.any_streamed_trainable(n):
             return                                # nothing (more) to make resident: a frozen base stays
         own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
         if self.shared_grad is None and not own_grad:
             self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,
                                            device=e.device)
-        for i in range(n):
-            p = e.places[i]
-            if not p.resident and p.trainable and p.host_state:
-                e.set_place(p.unit, ResidentLayer(e, p.unit, self.make_state(p.unit, with_grad=own_grad), p))
+        for place in e.places.residency_candidates(n):
+            e.set_place(place.unit, ResidentLayer(e, place.unit, self.make_state(place.unit, with_grad=own_grad), place))
 
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
@@ -345,9 +344,8 @@ class ResidentPlan:
                 u.grad.copy_(r.grad)
                 u.grad_valid = True
                 r.grad_valid = False
-        for i, p in enumerate(e.places):
-            if p.resident:
-                e.set_place(p.unit, p.replaced)
+        for place in e.places.resident():
+            e.set_place(place.unit, place.replaced)
         emb.resident = None
 
     def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
@@ -404,7 +402,7 @@ class ResidentPlan:
         """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
         before its last micro-batch); their unit ids."""
         e, emb = self.engine, self.engine.embedding
-        places = [p for p in e.places if p.resident]
+        places = e.places.resident()
         ids = {id(p.unit) for p in places}
         r = emb.resident
         if r is not None:

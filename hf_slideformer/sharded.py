@@ -69,6 +69,8 @@ class ShardedHostLayer(HostLayer):
     """A decoder layer whose gradient is summed over the ranks on the devices, and whose shard this
     rank's worker updates (the module table)."""
 
+    device_updatable = False
+
     def __init__(self, engine, unit: Unit):
         super().__init__(engine, unit)
         self.shard = _Shard(engine, unit)

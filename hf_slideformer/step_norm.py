@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .optim import _grad_scale
+from .optim import grad_scale
 
 __all__ = ["StepNorm"]
 
@@ -78,7 +78,7 @@ class StepNorm:
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
         the compute-stream event after which it is valid."""
         e = self.engine
-        return _grad_scale(self.clip_coef(), e.device), e.streams.record()
+        return grad_scale(self.clip_coef(), e.device), e.streams.record()
 
     def last(self) -> float:
         """The L2 norm of the last step's gradients (before clipping)."""

@@ -54,7 +54,7 @@ class HostBuffer:
 
     def release(self) -> None:
         """Give the buffer back (from any thread); the caller no longer uses `.tensor`."""
-        self._pool._release(self)
+        self._pool.give_back(self)
 
     def __enter__(self) -> HostBuffer:
         return self
@@ -135,7 +135,8 @@ class HostBufferPool:
         """`acquire(1)[0]`."""
         return self.acquire(1)[0]
 
-    def _release(self, buf: HostBuffer) -> None:
+    def give_back(self, buf: HostBuffer) -> None:
+        """`HostBuffer.release`: take `buf` back into the free list."""
         with self._cond:
             if buf.tensor is None or self._lent.get(buf.index, lambda: None)() is not buf:
                 raise BufferPoolError(f"host buffer {buf.index} released twice, or not lent by this pool")
