@@ -105,7 +105,7 @@ class Embedding:
                 x = r.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
                 return x.to(e.dtype).view(*input_ids.shape, self.hidden)
             out = gather()
-            # activations.py: [Why the first layer's input can be gathered again]
+            # activation_tiers.py: [Why the first layer's input can be gathered again]
             self._out = (out, out._version, gather) if with_grad else None
             return out
         if not e.streams.cuda:

@@ -135,24 +135,12 @@ class SlideEngine:
         self.late = LateUpdates(self, max_layer)
         self.norm = StepNorm(self)
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
-        self.tier.keep_index = len(self.layer_units) - 1   # activations.py: [Why the last layer's input stays on the device]
+        self.tier.keep_index = len(self.layer_units) - 1   # activation_tiers.py: [Why the last layer's input stays on the device]
         for i, u in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
             if store.on_disk(u):
                 self.set_place(u, DiskLayer(self, u, store.disk, self.layers[i]))
-        # The parts that own their state: the worker's host updates, the embedding, the head, the
-        # resident plan, the device updates and the device accumulation.
-        self.host_updates = HostUpdates(self)
-        self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
-        self.logit_transform = adapter.logit_transform(model)
-        self.router_aux = adapter.router_aux(model, self.layers)   # a mixture of experts' aux loss, or None
-        norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
-        self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn,
-                             SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter))
-        cfg = getattr(model, "config", None)
-        self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
-        self.device_updates = DeviceUpdater(self)
-        self.accumulator = DeviceAccumulator(self)
-        self.lora = AdapterSet(self)                 # the LoRA adapters (lora.py), on the device
+        head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
+        self._build_parts(model, adapter, embedding, head, head_slots)
         self.step_no = 0              # optimizer steps taken
         self.guard = BackwardGuard(self._release_interrupted)
         self.anchor = torch.zeros((), requires_grad=True)
@@ -164,6 +152,21 @@ class SlideEngine:
         self.updated_in_backward = False
         self.backward_plan = BackwardPlan()   # the current (or last) backward's (schedule.py)
         self.schedule = Schedule(self)
+
+    def _build_parts(self, model, adapter, embedding, head, head_slots: SlotQueue) -> None:
+        """The parts that own their state: the worker's host updates, the embedding, the head, the
+        resident plan, the device updates, the device accumulation and the LoRA adapters."""
+        self.host_updates = HostUpdates(self)
+        self.embedding = embedding(self, self.embed_unit, adapter.embed(model))
+        self.logit_transform = adapter.logit_transform(model)
+        self.router_aux = adapter.router_aux(model, self.layers)   # a mixture of experts' aux loss, or None
+        norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
+        self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn, head_slots)
+        cfg = getattr(model, "config", None)
+        self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
+        self.device_updates = DeviceUpdater(self)
+        self.accumulator = DeviceAccumulator(self)
+        self.lora = AdapterSet(self)                 # the LoRA adapters (lora.py), on the device
 
     # ----------------------------------------------------------------- bookkeeping
     def attach_optimizer(self, optimizer) -> None:

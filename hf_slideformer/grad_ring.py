@@ -69,6 +69,34 @@ class GradientRing:
         self.claim(k)
         return k
 
+    # ------------------------------------------------------------- the head's loan (head.py)
+    def borrow_front(self, numel: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Main thread: hold the first buffers for a gradient of `numel` elements, when the ring is
+        large enough; (the slab's first `numel` elements, the buffers held), or None.
+        head.py: [Why the head's gradient borrows the ring]."""
+        if numel > self.size * len(self.buffers):
+            return None
+        count = -(-numel // self.size)
+        for k in range(count):
+            self.claim(k)
+        self.next = count % len(self.buffers)     # the layers' next gradients take the buffers after it
+        return self.slab[:numel], tuple(range(count))
+
+    def give_back(self, held: tuple[int, ...]) -> None:
+        """Free the ring buffers `held` at once."""
+        for k in held:
+            self.free[k].set()
+
+    def returner(self, held: tuple[int, ...]):
+        """A progress callback for a front-to-back reader of a gradient in the buffers `held` (in
+        order): each goes back once the reader has passed its end."""
+        pending = list(held)
+
+        def returned(passed: int) -> None:
+            while pending and (pending[0] + 1) * self.size <= passed:
+                self.free[pending.pop(0)].set()
+        return returned
+
     def d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
             norm_dst: torch.Tensor | None = None):
         """Copy device gradients into host buffers on the d2h stream: as they are where the buffer

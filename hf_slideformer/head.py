@@ -242,29 +242,18 @@ class LossHead:
         lm_head's own buffer was 2.1 GB of pinned host memory.
         """
         e = self.engine
-        if not own and numel <= e.grad_ring.size * len(e.grad_ring.buffers):
-            n = -(-numel // e.grad_ring.size)
-            for k in range(n):
-                e.grad_ring.claim(k)
-            self.ring = tuple(range(n))
-            e.grad_ring.next = n % len(e.grad_ring.buffers)
-            return e.grad_ring.slab[:numel]
+        borrowed = None if own else e.grad_ring.borrow_front(numel)
+        if borrowed is not None:
+            buffer, self.ring = borrowed
+            return buffer
         if self.own_buffer is None or self.own_buffer.numel() < numel:
             if self.own_buffer is not None:
                 e.pinned.release(self.own_buffer)   # idle: host_free was waited for
             self.own_buffer = e.pinned.empty(numel, dtype=e.grad_ring.dtype)
         return self.own_buffer[:numel]
 
-    def _ring_passed(self, held: list, passed: int | None):
-        """Pop from the front of `held` (ring buffers holding the head's gradient, in order) those
-        a front-to-back reader has passed: up to element `passed` of the gradient, or all (None)."""
-        size = self.engine.grad_ring.size
-        while held and (passed is None or (held[0] + 1) * size <= passed):
-            yield held.pop(0)
-
     def _return_ring(self) -> None:
-        for k in self.ring:
-            self.engine.grad_ring.free[k].set()
+        self.engine.grad_ring.give_back(self.ring)
         self.ring = ()
 
     def _find_lm_index(self) -> int:
@@ -387,7 +376,7 @@ class LossHead:
                 host.fold(emb.grad, self.host_grad[hu.numel:], scale, first=not eu.grad_valid)
                 eu.grad_valid = True
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
-        returned = self._ring_returner(ring) if ring and hu.grad is None else None
+        returned = e.grad_ring.returner(ring) if ring and hu.grad is None else None
         host.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
         if update and touch is not None:
             emb.bulk_update(touch, hp)
@@ -396,13 +385,3 @@ class LossHead:
         """Worker, after the embedding's update: the head's AdamW from its gradient times the loss gradient."""
         hu = self.unit
         self.engine.host_updates.consume(hu, self.host_grad[:hu.numel], True, ends_step, hp, grad_mul=self._scale)
-
-    def _ring_returner(self, ring: tuple):
-        """on_progress callback: give ring buffer k back once an update has passed its end."""
-        pending = list(ring)
-        free = self.engine.grad_ring.free
-
-        def returned(n: int) -> None:
-            for k in self._ring_passed(pending, n):
-                free[k].set()
-        return returned

@@ -109,7 +109,7 @@ class PinnedBuffers:
         self.enabled = enabled
         self._held: list[torch.Tensor] = []
         # Collected without close(): unregister first, or a later registration of the freed
-        # addresses fails (model.py: [Why a failed slide() releases what it took]).
+        # addresses fails (slide_build.py: [Why a failed slide() releases what it took]).
         weakref.finalize(self, _unpin_all, self._held)
 
     def empty(self, *shape, dtype=torch.float32) -> torch.Tensor:

@@ -6,14 +6,12 @@ host fp32 masters, and its forward runs through the sliding engine.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import importlib
 import inspect
 import logging
 import os
-import re
 import time
 import weakref
 
@@ -26,16 +24,18 @@ from .config import SlideConfig, configure_logging
 from .data_parallel import DataParallel
 from .engine import SlideEngine
 from .fused_head import FusedLMHeadOutput, fused_head
-from .lora import peft_base, refuse_outside_layers
-from .memory import GiB, enable_expandable_segments
+from .lora import peft_base
+from .memory import enable_expandable_segments
 from .models import get_adapter
-from .modules_to_save import check_active, check_modules_to_save, copy_params, fill_originals, original_params
+from .modules_to_save import check_active, fill_originals
 from .model_inputs import check_label_dtype, check_token_ids
+from .model_state import SlideModelState
 from .optim import SlideOptimizer
 from .layer_matmuls import check_matmuls
+from .slide_build import (build_units, check_on_cpu, fill_and_build, install_proxies, lora_held_params,
+                          refuse_adapters_outside_layers, released_on_failure)
 from .slide_checks import align_grouped_experts, check_finite_weights, check_gpu_limit, rank_fingerprint
-from .store import HostStore, ParamEntry, Unit
-from .tiled_mlp import tile_mlps
+from .store import HostStore
 
 logger = logging.getLogger(__name__)
 
@@ -47,58 +47,6 @@ _CLASSES: dict[type, type] = {}
 def is_slid(model: nn.Module) -> bool:
     """Whether `model` runs through the sliding engine."""
     return getattr(model, "slide_engine", None) is not None
-
-
-def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    out: dict[int, list] = {}
-    for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                out.setdefault(id(p), []).append((mod, attr))
-    return out
-
-
-# A PEFT wrapper's inner module is `<module>.base_layer` (LoRA's frozen linear) or
-# `<module>.modules_to_save.<adapter>` (a trainable copy); under the model's own name
-# (`<module>.weight`) its weight loads from and saves as an HF checkpoint.
-_PEFT_PART = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)\.")
-
-
-def _hf_name(name: str) -> str:
-    return _PEFT_PART.sub(".", name)
-
-
-def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list[Unit]:
-    """Split `model` into embed, layer and head units (schedule order), entries in module order;
-    the parameters in `skip` (ids: LoRA adapters, which stay on the device, and the frozen
-    originals of PEFT `modules_to_save`) are left out. An entry is named by the module the unit
-    takes it from (a tied lm_head's weight is the embedding's entry)."""
-    paths: dict[int, str] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), n)
-    holders = _holders(model)
-    seen: set[int] = set(skip)
-
-    def entries(module: nn.Module) -> list[ParamEntry]:
-        out = []
-        prefix = paths[id(module)]
-        for n, p in module.named_parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            name = _hf_name(f"{prefix}.{n}" if prefix else n)
-            out.append(ParamEntry(name, p.shape, 0, p.numel(), holders[id(p)], p))
-        return out
-
-    units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]
-    for i, layer in enumerate(adapter.layers(model)):
-        units.append(Unit(f"layer.{i}", "layer", i + 1, entries(layer)))
-    head = entries(adapter.final_norm(model)) + entries(adapter.lm_head(model))
-    units.append(Unit("head", "head", len(units), head))
-    left = [n for n, p in model.named_parameters() if id(p) not in seen]
-    if left:
-        raise NotImplementedError(f"parameters outside embed / layers / norm / lm_head are not supported: {left}")
-    return units
 
 
 def _slid_class(cls: type) -> type:
@@ -148,43 +96,32 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     dp = DataParallel.from_environment(config, frozen=base is not None
                                        or any(not p.requires_grad for p in model.parameters()))
     adapter = get_adapter(getattr(model.config, "model_type", None))
-    adapters, originals = set(), set()
-    if base is not None:
-        # The LoRA adapters stay on the device; the trainable copies of modules_to_save are the
-        # embedding / head units, and their frozen originals stay out of the store (modules_to_save.py).
-        check_modules_to_save(model, adapter)
-        copies = copy_params(model)
-        adapters = {id(p) for p in model.parameters() if p.requires_grad and id(p) not in copies}
-        originals = original_params(model, adapter)
+    adapters, originals = lora_held_params(model, adapter) if base is not None else (set(), set())
     adapter.check(model)
     check_matmuls(config, adapter, model, lora=base is not None)
     if adapters:
-        inside = {id(p) for layer in adapter.layers(model) for p in layer.parameters()}
-        refuse_outside_layers([n for n, p in model.named_parameters() if id(p) in adapters and id(p) not in inside])
+        refuse_adapters_outside_layers(model, adapter, adapters)
     if config.expandable_segments and config.is_cuda:
         enable_expandable_segments()
     units = build_units(model, adapter, skip=adapters | originals)
-    for u in units:
-        for e in u.entries:
-            if _fill and e.param.device.type not in ("cpu", "meta"):
-                raise ValueError(f"slide() expects the model on the CPU; {e.name} is on {e.param.device}. "
-                                 "Load it with device_map=None / on the CPU, or use SlideModel.from_pretrained.")
+    if _fill:
+        check_on_cpu(units)
     if _fill and config.check_finite_weights:
         check_finite_weights(model.named_parameters())
     if dp is not None:                  # before any shared memory: its sizes follow the model
         dp.check_same(rank_fingerprint(config, model, units))
     if config.is_cuda:
         check_gpu_limit(config, units, tied=adapter.lm_head(model).weight is adapter.embed(model).weight)
-    with _released_on_failure(config) as built:
+    with released_on_failure(config) as built:
         built["store"] = HostStore(units, config, dp)
         if config.is_cuda:                  # the slot offsets are set: HF's grouped GEMM needs them aligned
             align_grouped_experts(model, units, config.dtype)
-        _fill_and_build(model, adapter, config, built, units, dp, _fill)
+        fill_and_build(model, adapter, config, built, units, dp, _fill)
     engine = built["engine"]
     model.__class__ = _slid_class(type(model))
     model.slide_engine = engine
     model.slide_config = config.read_only()
-    _install_proxies(model, adapter, engine)
+    install_proxies(model, adapter, engine)
     closer = weakref.finalize(model, engine.close)   # unpin and stop the worker when the model goes
     closer.atexit = False                             # at exit the process tears everything down anyway
     if base is not None:
@@ -193,130 +130,27 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
     return peft_model
 
 
-@contextlib.contextmanager
-def _released_on_failure(config):
-    """Set the GPU cap; on a failure, give back what was built (`built`: "store", "engine") and the cap.
-
-    Note: [Why a failed slide() releases what it took] host memory registered with
-    cudaHostRegister stays registered until unregistered: left behind, its addresses, once freed
-    and handed out again, make the next registration fail (cudaErrorHostMemoryAlreadyRegistered),
-    and a second slide() in the process dies. So do the engine's threads and files. The store (the
-    registrations, the state file) and the engine (threads, the tier) are closed here, and the cap
-    goes back to what it was, before the error propagates.
-    """
-    built: dict = {}
-    previous = None
-    if config.gpu_memory_limit is not None and config.is_cuda:
-        dev = config.torch_device
-        previous = torch.cuda.get_per_process_memory_fraction(dev)
-        total = torch.cuda.get_device_properties(dev).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, config.gpu_memory_limit * GiB / total), dev)
-    try:
-        yield built
-    except BaseException:
-        try:
-            if "kernels" in built:
-                import triton_ops
-                triton_ops.unpatch(built["kernels"])
-            if "engine" in built:
-                built["engine"].close()
-            elif "store" in built:
-                built["store"].close()
-        except Exception:                # noqa: BLE001 - the failure itself is the error to raise
-            logger.warning("releasing a failed slide()", exc_info=True)
-        if previous is not None:
-            torch.cuda.set_per_process_memory_fraction(previous, config.torch_device)
-            torch.cuda.empty_cache()
-        raise
+def _loss_output(engine, hidden, labels, shift_labels, num_items_in_batch, aux, t0: float):
+    """The loss of the final hidden states through the engine's head (its backward starts there
+    when they carry gradients), plus a mixture of experts' router loss when there is one."""
+    if labels is not None:
+        labels = labels.to(engine.device)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        from .functions import HeadFunction
+        if shift_labels is not None:
+            raise NotImplementedError("shift_labels with gradients: pass labels instead")
+        loss = HeadFunction.apply(hidden, engine, labels, num_items_in_batch)
+        engine.stats.forward_s += time.perf_counter() - t0
+    else:
+        loss, _ = engine.head.forward(hidden, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
+    if aux is not None:
+        # HF's loss + router_aux_loss_coef * aux; its gradient reaches the routers in each
+        # layer's recompute (router_aux.py).
+        return MoeCausalLMOutputWithPast(loss=loss + engine.router_aux.coef * aux, aux_loss=aux)
+    return CausalLMOutputWithPast(loss=loss)
 
 
-def _fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool) -> None:
-    """Copy the weights into the store, bind the parameters to it, and build the engine."""
-    store = built["store"]
-    if _fill and (dp is None or dp.writes):
-        # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).
-        with torch.no_grad():
-            for u in units:
-                with store.unit_state(u, write=True):          # a layer on disk: written to its file
-                    for e in u.entries:
-                        e.view(u.master).copy_(e.param.detach().reshape(e.shape))
-    if _fill and dp is not None:
-        dp.barrier()
-    store.bind_parameters()
-    for name, buf in model.named_buffers():
-        # The embedding's scale buffer is not read: the engine's embedding scales (_install_proxies).
-        if buf.device.type == "meta" and not name.endswith(("inv_freq", "embed_scale")) and "rotary" not in name:
-            raise NotImplementedError(f"buffer {name} is uninitialized (meta)")
-    rot = adapter.rotary(model)
-    if rot is not None:
-        if any(b.device.type == "meta" for b in rot.buffers()):
-            with torch.device("cpu"):
-                new = type(rot)(config=model.config)
-            adapter.base(model).rotary_emb = new.to(config.torch_device)
-        else:
-            rot.to(config.torch_device)
-    if getattr(model.config, "use_cache", False):
-        model.config.use_cache = False
-    _apply_kernels(model, config, built)
-    tile_mlps(adapter.layers(model), config.mlp_chunk_tokens)     # after the kernels: it wraps their forward
-    built["engine"] = SlideEngine(model, adapter, config, store)
-
-
-def _apply_kernels(model, config, built: dict) -> None:
-    """Swap the Triton RMSNorm / RoPE / SwiGLU kernels into the layers (the head fuses its own loss),
-    those the family's entry lists; a family that lists none runs HF's own ops."""
-    if not (config.use_kernels and config.is_cuda):
-        return
-    import triton_ops
-    from triton_ops import patching
-
-    if not triton_ops.is_triton_available():
-        logger.warning("SlideConfig.use_kernels: Triton is not available, the layers run HF's own ops")
-        return
-    if model.config.model_type not in patching.supported_families():
-        logger.info("SlideConfig.use_kernels: the %s entry lists no kernels, its layers run HF's own ops",
-                    model.config.model_type)
-        return
-    triton_ops.patch(model, cross_entropy=False)
-    built["kernels"] = model                # unpatched if slide() fails after this
-
-
-def _install_proxies(model, adapter, engine) -> None:
-    from .functions import EmbedFunction, LayerFunction
-
-    emb = adapter.embed(model)
-    scale = adapter.embedding_scale(model)
-
-    def embed_forward(input_ids):
-        out = gathered(input_ids)
-        # The family's embedding module scales its rows (Gemma); the cast mirrors HF's, which
-        # multiplies by the scale in the weights' dtype. A product, not the gather: layer 0's
-        # input is then kept, not remade from the ids (embedding.remake_input).
-        return out if scale is None else out * torch.tensor(scale, dtype=out.dtype, device=out.device)
-
-    def gathered(input_ids):
-        if torch.is_grad_enabled():
-            # Note: [Why a parameter added after slide() is checked at every forward] a trainable
-            # one that neither the store nor the adapters hold would get no gradient: LoRA
-            # adapters (get_peft_model on a slid model) are taken onto the device, anything
-            # else is refused, before any step trains without it.
-            if engine.lora.foreign():
-                engine.lora.adopt_all()
-            engine.begin_graph()
-            return EmbedFunction.apply(engine.anchor, engine, input_ids)
-        return engine.embedding.forward(input_ids)
-
-    emb.forward = embed_forward
-    for i, layer in enumerate(adapter.layers(model)):
-        def layer_forward(hidden_states, *args, _i=i, **kwargs):
-            if torch.is_grad_enabled() and hidden_states.requires_grad:
-                return LayerFunction.apply(hidden_states, engine, _i, args, kwargs)
-            return engine.layer_forward(_i, hidden_states, args, kwargs, save=False)
-        layer.forward = layer_forward
-    adapter.final_norm(model).forward = lambda hidden_states, *a, **k: hidden_states   # applied by the head
-
-
-class SlideModel:
+class SlideModel(SlideModelState):
     """Mixin of every slid model; also the entry point `SlideModel.from_pretrained`.
 
     A slid model is its HF class plus: `create_optimizer`, `slide_stats`, a forward through the
@@ -420,14 +254,8 @@ class SlideModel:
         base = eng.adapter.base(self)
         t0 = time.perf_counter()
         if use_cache:
-            key = _cache_key(type(base))         # "past_key_values", or "cache" in newer transformers
-            with torch.no_grad():
-                out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=True, **{key: past}, **kwargs)
-            # The logits go back to the prompt's device, where generate() appends the next tokens
-            # (the cache stays on the compute device).
-            logits = eng.head.logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
-            return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
+            return self._generation_forward(base, input_ids, attention_mask, position_ids, past, logits_to_keep,
+                                            kwargs)
         if eng.router_aux is not None:          # HF's rule: the forward's output_router_logits, else the config's
             ask = kwargs.pop("output_router_logits", None)
             eng.router_aux.begin(attention_mask, bool(self.config.output_router_logits if ask is None else ask))
@@ -447,21 +275,20 @@ class SlideModel:
             return out
         if labels is None and shift_labels is None:
             return CausalLMOutputWithPast(logits=eng.head.logits(h, logits_to_keep))
-        if labels is not None:
-            labels = labels.to(dev)
-        if torch.is_grad_enabled() and h.requires_grad:
-            from .functions import HeadFunction
-            if shift_labels is not None:
-                raise NotImplementedError("shift_labels with gradients: pass labels instead")
-            loss = HeadFunction.apply(h, eng, labels, num_items_in_batch)
-            eng.stats.forward_s += time.perf_counter() - t0
-        else:
-            loss, _ = eng.head.forward(h, labels, num_items_in_batch, with_grad=False, shift_labels=shift_labels)
-        if aux is not None:
-            # HF's loss + router_aux_loss_coef * aux; its gradient reaches the routers in each
-            # layer's recompute (router_aux.py).
-            return MoeCausalLMOutputWithPast(loss=loss + eng.router_aux.coef * aux, aux_loss=aux)
-        return CausalLMOutputWithPast(loss=loss)
+        return _loss_output(eng, h, labels, shift_labels, num_items_in_batch, aux, t0)
+
+    def _generation_forward(self, base, input_ids, attention_mask, position_ids, past, logits_to_keep, kwargs):
+        """Generation: one slide over the layers for the new tokens, each decoder layer appending
+        its keys and values to HF's cache object on the device."""
+        eng = self.slide_engine
+        key = _cache_key(type(base))         # "past_key_values", or "cache" in newer transformers
+        with torch.no_grad():
+            out = base(input_ids=input_ids.to(eng.device), attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=True, **{key: past}, **kwargs)
+        # The logits go back to the prompt's device, where generate() appends the next tokens
+        # (the cache stays on the compute device).
+        logits = eng.head.logits(out.last_hidden_state, logits_to_keep).to(input_ids.device)
+        return CausalLMOutputWithPast(logits=logits, **{key: getattr(out, key)})
 
     def __setattr__(self, name, value):
         # Note: [Why TRL's fused LM head is not installed on a slid model] TRL's trainers replace
@@ -516,74 +343,3 @@ class SlideModel:
         if eng.store.disk is not None:                  # host_memory_limit: layers' state on disk
             out.update(eng.store.disk.stats())
         return out
-
-    # ------------------------------------------------------------------ state
-    def slide_synchronize(self) -> None:
-        """Wait for every queued update and copy: the parameters are then the current masters.
-
-        The updates of an optimizer step overlap the next forward, so a parameter read directly
-        right after `optimizer.step()` (`model.parameters()`, a view kept from earlier) may be
-        older than the step. `state_dict()`, `save_pretrained()` and the optimizer's
-        `state_dict()` wait by themselves; call this before reading parameters any other way.
-        """
-        self.slide_engine.synchronize()
-
-    def state_dict(self, *args, **kwargs):
-        """The current weights under HF names: the fp32 masters, once every queued update has run."""
-        self.slide_engine.synchronize()
-        return super().state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load weights under HF names into the fp32 masters (in place: they stay the engine's).
-
-        Every queued update runs first and the resident units go back to the host store, so the
-        loaded values are what the next step trains from.
-        """
-        if assign:
-            raise ValueError("load_state_dict(assign=True) would replace the slid model's master weights; "
-                             "load in place (assign=False)")
-        self.slide_engine.synchronize()
-        out = super().load_state_dict(state_dict, strict=strict)
-        for u in self.slide_engine.store.units:
-            u.version += 1                        # device copies of the old weights are stale
-        self.slide_engine.note_restored(weights=True)
-        return out
-
-    def save_pretrained(self, save_directory, max_shard_size: str | int = "5GB", dtype: torch.dtype | None = None,
-                        **kwargs):
-        """Write sharded safetensors + config that `AutoModelForCausalLM.from_pretrained` loads.
-
-        Weights are written layer by layer from the masters in `dtype` (default: float32, the
-        masters themselves, as HF saves a model trained in mixed precision). Over an earlier
-        save, a save killed at any step leaves the directory loading as the old save or the new
-        one (see `checkpoint.save_model`); other files in the directory are kept. With several
-        ranks, every rank may call it and rank 0 writes.
-        """
-        from .checkpoint import save_model
-
-        self.slide_engine.synchronize()
-        dp = self.slide_engine.dp
-        if dp is not None and not dp.writes:
-            return                  # several ranks share one state (data_parallel.py): rank 0 writes it
-        save_model(self, save_directory, max_shard_size=max_shard_size, dtype=dtype or torch.float32)
-
-    def to(self, *args, **kwargs):
-        """Device moves are ignored (the engine places the weights); dtype changes are refused."""
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-        if dtype is not None and dtype != torch.float32:
-            raise ValueError("a slid model keeps fp32 masters on the host; choose the compute dtype with SlideConfig.dtype")
-        return self
-
-    def cuda(self, *args, **kwargs):
-        return self
-
-    def cpu(self):
-        return self
-
-    def half(self):
-        raise ValueError("a slid model keeps fp32 masters; choose the compute dtype with SlideConfig.dtype")
-
-    bfloat16 = half
-
-    def float(self):
-        return self

@@ -306,7 +306,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.bound_by = max(p.times, key=p.times.get)
     p.bound_s = p.times[p.bound_by]
     # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
-    # other terms (activations.py: [Why the nvme tier's file work is on its own thread]).
+    # other terms (activation_file.py: [Why the nvme tier's file work is on its own thread]).
     serial = p.times["gpu"]
     if clip is not None and est.host_updates:
         # With clipping no host unit can be updated before the backward has ended (the clip factor
