@@ -32,8 +32,8 @@ class FileTier(PinnedCpuTier):
 
     Note: [Why the nvme tier's file work is on its own thread] with the writes and reads on the
     main thread, every layer of the forward would wait for its input to reach the disk before
-    it could queue the next layer's kernels, and the GPU would idle through it. On a thread of its own the disk works while the GPU computes,
-    and a step is bound by the larger of the two.
+    it could queue the next layer's kernels, and the GPU would idle through it. On a thread of its
+    own the disk works while the GPU computes, and a step is bound by the larger of the two.
     """
 
     def __init__(self, streams, path: str, counter=None, pinned=None, buffers: int = 4,

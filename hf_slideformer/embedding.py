@@ -66,11 +66,11 @@ class Embedding:
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, input_ids: torch.Tensor, with_grad: bool = False) -> torch.Tensor:
         """The embedded batch (B, S, H) in the compute dtype."""
-        e, u = self.engine, self.unit
-        e.stats.event("forward_begin", time.perf_counter())
-        e.head.drop_prefetch()                       # a forward that stopped half way left it
+        engine, unit = self.engine, self.unit
+        engine.stats.event("forward_begin", time.perf_counter())
+        engine.head.drop_prefetch()                       # a forward that stopped half way left it
         self._out = None
-        e.clock.wait(u.updated, "update")
+        engine.clock.wait(unit.updated, "update")
         ids = input_ids.detach().to("cpu", torch.long).reshape(-1)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab):
             raise ValueError(f"input_ids out of range [0, {self.vocab}): min {int(ids.min())}, max {int(ids.max())}")
@@ -82,35 +82,35 @@ class Embedding:
             uniq, inv = torch.unique(ids, return_inverse=True)
             keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
             self.touch = uniq
-            self.rows_dev = tuple(t.to(e.device, non_blocking=True) for t in (uniq, inv, keep))
+            self.rows_dev = tuple(t.to(engine.device, non_blocking=True) for t in (uniq, inv, keep))
         T = ids.numel()
         if with_grad:
-            e.residents.fit(T)
-            if self.resident is None and u.trainable:
+            engine.residents.fit(T)
+            if self.resident is None and unit.trainable:
                 self.ensure_grad()
-        table = u.master.view(self.vocab, self.hidden)
-        first = e.places.first_streamed()
+        table = unit.master.view(self.vocab, self.hidden)
+        first = engine.places.first_streamed()
         if first is not None and first.unit.updated.is_set():
             first.prefetch()                             # its h2d overlaps the gather below
         # else its update runs behind the embedding's rows (late_updates.py: [Why layer 0 is updated
         # after the embedding's rows]) and its copy would wait for it here: the gather goes first.
-        r = self.resident
-        if r is not None:                            # gathered on the device from the resident master
-            ids_dev = ids.to(e.device, non_blocking=True)
+        resident = self.resident
+        if resident is not None:                            # gathered on the device from the resident master
+            ids_dev = ids.to(engine.device, non_blocking=True)
 
             def gather():
-                if self.resident is not r:
+                if self.resident is not resident:
                     raise SlideStateError("internal: the resident embedding left the device before the first "
                                           "layer's input was saved")
-                x = r.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
-                return x.to(e.dtype).view(*input_ids.shape, self.hidden)
+                rows_out = resident.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
+                return rows_out.to(engine.dtype).view(*input_ids.shape, self.hidden)
             out = gather()
             # activation_tiers.py: [Why the first layer's input can be gathered again]
             self._out = (out, out._version, gather) if with_grad else None
             return out
-        if not e.streams.cuda:
-            x = table.index_select(0, ids).to(e.dtype)
-            return x.view(*input_ids.shape, self.hidden)
+        if not engine.streams.cuda:
+            rows_out = table.index_select(0, ids).to(engine.dtype)
+            return rows_out.view(*input_ids.shape, self.hidden)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
         # Note: [Why the rows are gathered in bf16, in chunks] the gather is on the path from the
@@ -119,24 +119,25 @@ class Embedding:
         # bf16 master (optimizer_state='adamw_8bit_bf16') it is a plain row copy. In chunks, each
         # chunk's copy runs while the next is gathered. It shares the host's memory
         # with layer 0's update, hence half the worker's threads.
-        adam = e.host_adam
-        dt = torch.bfloat16 if adam.native and e.dtype == torch.bfloat16 and table.dtype == torch.float32 else table.dtype
+        adam = engine.host_adam
+        rounded = adam.native and engine.dtype == torch.bfloat16 and table.dtype == torch.float32
+        dt = torch.bfloat16 if rounded else table.dtype
         if self.fwd_buf is None or self.fwd_buf.shape[0] < T or self.fwd_buf.dtype != dt:
             if self.fwd_buf is not None:
-                e.pinned.release(self.fwd_buf)
-            self.fwd_buf = e.pinned.empty(T, self.hidden, dtype=dt)
+                engine.pinned.release(self.fwd_buf)
+            self.fwd_buf = engine.pinned.empty(T, self.hidden, dtype=dt)
         buf = self.fwd_buf[:T]
-        x = torch.empty(T, self.hidden, dtype=dt, device=e.device)
-        for a in range(0, T, GATHER_CHUNK):
-            b = min(a + GATHER_CHUNK, T)
+        rows_out = torch.empty(T, self.hidden, dtype=dt, device=engine.device)
+        for lo in range(0, T, GATHER_CHUNK):
+            hi = min(lo + GATHER_CHUNK, T)
             if dt != table.dtype:                 # an fp32 master's rows rounded on the way
-                adam.gather_bf16(table, ids[a:b], buf[a:b], threads=max(1, adam.threads // 2))
+                adam.gather_bf16(table, ids[lo:hi], buf[lo:hi], threads=max(1, adam.threads // 2))
             else:
-                torch.index_select(table, 0, ids[a:b], out=buf[a:b])
-            x[a:b].copy_(buf[a:b], non_blocking=True)
-        self.fwd_ev = e.streams.record()
-        e.stats.add_h2d(buf.numel() * buf.element_size())
-        return x.to(e.dtype).view(*input_ids.shape, self.hidden)
+                torch.index_select(table, 0, ids[lo:hi], out=buf[lo:hi])
+            rows_out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
+        self.fwd_ev = engine.streams.record()
+        engine.stats.add_h2d(buf.numel() * buf.element_size())
+        return rows_out.to(engine.dtype).view(*input_ids.shape, self.hidden)
 
     def remake_input(self, i: int, x: torch.Tensor):
         """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
@@ -152,53 +153,53 @@ class Embedding:
     # ----------------------------------------------------------------- backward (main thread)
     def backward(self, gx: torch.Tensor) -> None:
         """The last step of a backward: the embedding's gradient from the first layer's input gradient."""
-        e = self.engine
+        engine = self.engine
         if not self.unit.trainable:                # a frozen embedding (the base under LoRA)
-            e.end_backward()
+            engine.end_backward()
             return
         T = gx.numel() // self.hidden
         rows = self.touch
         uniq, inv, keep = self.rows_dev
-        n = rows.numel()
+        distinct = rows.numel()
         # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
         # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
         # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
         # per distinct token (far fewer in real text), and the worker's gather / scatter are
         # parallel copies instead of an index_add_ over every token.
-        t = e.clock.span_start()
-        g = gx.reshape(T, self.hidden).float() * keep[:, None]
-        S = torch.zeros(n, self.hidden, dtype=torch.float32, device=gx.device)
-        S.index_put_((inv,), g, accumulate=True)
-        if e.backward_plan.running_norm:
+        span = engine.clock.span_start()
+        token_grads = gx.reshape(T, self.hidden).float() * keep[:, None]
+        S = torch.zeros(distinct, self.hidden, dtype=torch.float32, device=gx.device)
+        S.index_put_((inv,), token_grads, accumulate=True)
+        if engine.backward_plan.running_norm:
             self._add_norm(S)
-        r = self.resident
-        if r is not None:
+        resident = self.resident
+        if resident is not None:
             G = self.rgrad.view(self.vocab, self.hidden)
-            if not e.tied:
+            if not engine.tied:
                 G.zero_()                        # tied: it holds the lm_head's gradient (head.backward)
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            if e.backward_plan.updates:                   # else optimizer.step() clips and updates it
-                e.residents.resident_step(self.unit, r, self.rgrad, found_inf=e.norm.found_inf())
-            e.clock.span_end(t)
-            e.end_backward()
+            if engine.backward_plan.updates:                   # else optimizer.step() clips and updates it
+                engine.residents.resident_step(self.unit, resident, self.rgrad, found_inf=engine.norm.found_inf())
+            engine.clock.span_end(span)
+            engine.end_backward()
             return
-        e.clock.span_end(t)
-        e.clock.wait(self.host_free, "other")          # the worker is done with the previous gradient
-        if self.host_grad is None or self.host_grad.shape[0] < n:
+        engine.clock.span_end(span)
+        engine.clock.wait(self.host_free, "other")          # the worker is done with the previous gradient
+        if self.host_grad is None or self.host_grad.shape[0] < distinct:
             if self.host_grad is not None:
-                e.pinned.release(self.host_grad)
-            self.host_grad = e.pinned.empty(max(n, 1), self.hidden)
-        host = self.host_grad[:n]
+                engine.pinned.release(self.host_grad)
+            self.host_grad = engine.pinned.empty(max(distinct, 1), self.hidden)
+        host_rows = self.host_grad[:distinct]
         self.host_free.clear()
-        u = self.unit
-        norm = e.norm.slot(u) if e.backward_plan.running_norm else None
-        done = e.grad_ring.d2h([S], [host], norm_dst=norm)
-        update = e.backward_plan.updates                   # begun with the head's (see head.backward) ...
-        if update and not e.head.trainable:
-            e.begin_update(u)                     # ... unless the head is frozen and sent nothing
-        e.worker.submit(self._embed_task, host, rows, done, update, e.backward_plan.ends_step, e.hp, norm,
-                        done=(self.host_free,) + ((u.updated,) if update else ()))
-        e.end_backward()
+        unit = self.unit
+        norm = engine.norm.slot(unit) if engine.backward_plan.running_norm else None
+        done = engine.grad_ring.d2h([S], [host_rows], norm_dst=norm)
+        update = engine.backward_plan.updates                   # begun with the head's (see head.backward) ...
+        if update and not engine.head.trainable:
+            engine.begin_update(unit)                     # ... unless the head is frozen and sent nothing
+        engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.ends_step,
+                             engine.hp, norm, done=(self.host_free,) + ((unit.updated,) if update else ()))
+        engine.end_backward()
 
     def _add_norm(self, S: torch.Tensor) -> None:
         """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
@@ -206,23 +207,23 @@ class Embedding:
         The gradient is S, the per-row sums of the token gradients over the batch's rows (padding
         dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
         """
-        e = self.engine
-        if e.tied:
-            scale = e.head.scale_dev
+        engine = self.engine
+        if engine.tied:
+            scale = engine.head.scale_dev
             rows = self.dw_rows * scale
             sq = self.dw_sq * scale ** 2 - rows.square().sum() + (rows + S).square().sum()
         else:
             sq = S.square().sum()
-        e.norm.dev += sq
+        engine.norm.dev += sq
 
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
-        e, u = self.engine, self.unit
-        if not u.trainable:
+        engine, unit = self.engine, self.unit
+        if not unit.trainable:
             return
-        e.begin_update(u)
-        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, self.grad, self.reset_grad,
-                        done=(u.updated,))
+        engine.begin_update(unit)
+        engine.worker.submit(engine.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev, self.grad,
+                             self.reset_grad, done=(unit.updated,))
 
     # ----------------------------------------------------------------- worker side
     def rows_buffer(self, k: int, n: int) -> torch.Tensor:
@@ -240,34 +241,34 @@ class Embedding:
 
     def _embed_task(self, sums, rows, done, update, ends_step, hp, norm=None):
         """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
-        e, host = self.engine, self.engine.host_updates
-        host.sync(done, "wait_d2h:embed")
+        engine, host_updates = self.engine, self.engine.host_updates
+        host_updates.sync(done, "wait_d2h:embed")
         if norm is not None:
-            host.check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
-        elif not e.single_micro and not bool(torch.isfinite(sums).all()):
+            host_updates.check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
+        elif not engine.single_micro and not bool(torch.isfinite(sums).all()):
             # judged now: the sum it joins is read by the next micro-batch's early bulk update
-            host.poison("the gradient of the embedding")
-        g = self.grad.view(self.vocab, self.hidden)
+            host_updates.poison("the gradient of the embedding")
+        table_grad = self.grad.view(self.vocab, self.hidden)
         rows_update = update and self._bulk is not None
-        if rows_update and e.single_micro:
+        if rows_update and engine.single_micro:
             # On the path to the next forward: the rows' gradient sums added inside their AdamW, one
             # pass, and the gradient's rows cleared in it (a tied one is overwritten by the next head).
             self.touched.append(rows)
-            if self._rows_update(hp, sums=sums, zero_grad=not e.tied):
+            if self._rows_update(hp, sums=sums, zero_grad=not engine.tied):
                 self.touched.pop()
             self.reset_grad()
             return
-        grad_rows = torch.index_select(g, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
-        g.index_copy_(0, rows, grad_rows)
+        grad_rows = torch.index_select(table_grad, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
+        table_grad.index_copy_(0, rows, grad_rows)
         self.touched.append(rows)
-        if ends_step and not e.single_micro:
-            host.norm_sq.append(float(torch.linalg.vector_norm(self.grad)) ** 2)
-            host.check_norm(host.norm_sq[-1], "the gradient of the embedding")
+        if ends_step and not engine.single_micro:
+            host_updates.norm_sq.append(float(torch.linalg.vector_norm(self.grad)) ** 2)
+            host_updates.check_norm(host_updates.norm_sq[-1], "the gradient of the embedding")
         if update:
             if self._bulk is not None:
                 self._rows_update(hp)
             else:
-                host.update(self.unit, self.grad, hp)
+                host_updates.update(self.unit, self.grad, hp)
             self.reset_grad()
 
     # Note: [Why the embedding is updated in two parts] with updates in backward, the embedding's
@@ -278,8 +279,8 @@ class Embedding:
     # whole table), and the next forward waits for a few thousand rows instead of the (V, H) table.
     def bulk_update(self, rows: torch.Tensor, hp) -> None:
         """Worker: AdamW of every row but `rows` (the batch's, distinct), in place."""
-        g = self.grad.view(self.vocab, self.hidden)
-        if self.engine.host_updates.update_rows(self.unit, g, rows, hp, advance=True, exclude=True):
+        table_grad = self.grad.view(self.vocab, self.hidden)
+        if self.engine.host_updates.update_rows(self.unit, table_grad, rows, hp, advance=True, exclude=True):
             self._bulk = rows
 
     def _rows_update(self, hp, sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
@@ -296,10 +297,10 @@ class Embedding:
             self.touched = []
             self.unit.grad_valid = False
             return
-        g = self.grad.view(self.vocab, self.hidden)
+        table_grad = self.grad.view(self.vocab, self.hidden)
         if not self.engine.tied:               # tied: the head's contribution overwrites every row first
             for ids in self.touched:
-                g.index_fill_(0, ids, 0.0)
+                table_grad.index_fill_(0, ids, 0.0)
         self.touched = []
         self.unit.grad_valid = False
 
@@ -324,29 +325,29 @@ class Embedding:
 
     def make_resident(self) -> None:
         """Move the embedding's state to the device and give its host buffers back."""
-        e, u = self.engine, self.unit
-        self.resident = e.residents.make_state(u)
+        engine, unit = self.engine, self.unit
+        self.resident = engine.residents.make_state(unit)
         self._release_host()
         if self.rgrad is None:
-            self.rgrad = torch.zeros(u.numel, dtype=torch.float32, device=e.device)
+            self.rgrad = torch.zeros(unit.numel, dtype=torch.float32, device=engine.device)
 
     def _release_host(self) -> None:
         """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB
         of master, 2.1 GB of dense gradient, ~2.7 GB of row buffers): the device holds the current
         master, and `ResidentPlan.evict()` writes it back into the same (then re-faulted) pages;
         the dense gradient reads as zeros, its reset state."""
-        e, u = self.engine, self.unit
-        for t in (u.master, self.grad):            # no copy reads them: load_from_host copied synchronously
-            if t is not None:
-                e.pinned.release(t)
-                release_pages(t)
+        engine, unit = self.engine, self.unit
+        for tensor in (unit.master, self.grad):            # no copy reads them: load_from_host copied synchronously
+            if tensor is not None:
+                engine.pinned.release(tensor)
+                release_pages(tensor)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()              # the last forward's rows have left the buffer
             self.fwd_ev = None
-        e.clock.wait(self.host_free, "other")          # the worker is done with the last gradient rows
+        engine.clock.wait(self.host_free, "other")          # the worker is done with the last gradient rows
         for name in ("fwd_buf", "host_grad"):
             buf = getattr(self, name)
             if buf is not None:
-                e.pinned.release(buf)
+                engine.pinned.release(buf)
                 setattr(self, name, None)
         self.row_buffers = [None] * len(self.row_buffers)   # the worker's (idle: the embedding's update has landed)

@@ -90,7 +90,7 @@ class SlideEngine:
         self.labels = LabelCheck(self.device)       # labels outside the vocabulary (model_inputs.py)
         units = store.units
         self.embed_unit: Unit = units[0]
-        self.layer_units: list[Unit] = [u for u in units if u.kind == "layer"]
+        self.layer_units: list[Unit] = [unit for unit in units if unit.kind == "layer"]
         self.head_unit: Unit = units[-1]
         self.layers = list(adapter.layers(model))
         # Note: [Why the recompute skips the last projection] backward needs the input of a
@@ -115,7 +115,7 @@ class SlideEngine:
         self.clock = MainClock(self.stats, self.streams, self.worker)   # timed waits and GPU spans
         self.pinned = store.pinned
         cast = config.is_cuda and self.dtype != torch.float32
-        max_layer = max(u.numel for u in self.layer_units)
+        max_layer = max(unit.numel for unit in self.layer_units)
         head_numel = self.head_unit.numel + (self.embed_unit.numel if self.tied else 0)
         self.staging = torch.empty(min(max(max_layer, head_numel), COPY_CHUNK), dtype=torch.float32,
                                    device=self.device) if cast else None
@@ -129,16 +129,16 @@ class SlideEngine:
                                  lambda unit: host_layer(self, unit) if unit.trainable else FrozenLayer(self, unit))
         count, waiter = self.stats.add_h2d, self.clock.wait_master
         self.slots = SlotQueue(config.window, max_layer, self.dtype, self.streams, self.staging, count, waiter,
-                               filler=lambda u, dst: self.place_of(u).fill(dst))
+                               filler=lambda unit, dst: self.place_of(unit).fill(dst))
         self.host_adam = HostAdam(config.host_adam, config.cpu_threads)
         self.grad_ring = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
         self.late = LateUpdates(self, max_layer)
         self.norm = StepNorm(self)
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activation_tiers.py: [Why the last layer's input stays on the device]
-        for i, u in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
-            if store.on_disk(u):
-                self.set_place(u, DiskLayer(self, u, store.disk, self.layers[i]))
+        for layer_no, unit in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
+            if store.on_disk(unit):
+                self.set_place(unit, DiskLayer(self, unit, store.disk, self.layers[layer_no]))
         head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         self._build_parts(model, adapter, embedding, head, head_slots)
         self.step_no = 0              # optimizer steps taken
@@ -177,10 +177,10 @@ class SlideEngine:
         out = {"optimizer step": self.step_no, "micro-batch": self.micro,
                "gradient_accumulation_steps": self.config.gradient_accumulation_steps,
                "max_grad_norm": self.config.max_grad_norm}
-        for gi, g in enumerate(getattr(self.optimizer, "param_groups", ())):
-            for k in ("lr", "weight_decay", "eps", "betas"):
-                v = g.get(k)
-                out[f"{k} of param group {gi}"] = tuple(map(float, v)) if k == "betas" else float(v)
+        for group_no, group in enumerate(getattr(self.optimizer, "param_groups", ())):
+            for key in ("lr", "weight_decay", "eps", "betas"):
+                value = group.get(key)
+                out[f"{key} of param group {group_no}"] = tuple(map(float, value)) if key == "betas" else float(value)
         return out
 
     @property
@@ -240,8 +240,8 @@ class SlideEngine:
             self.worker.join()
         finally:
             self.late.drop()
-            for u in self.store.units:
-                u.updated.set()
+            for unit in self.store.units:
+                unit.updated.set()
             self.micro = 0
 
     def note_restored(self, weights: bool = False, optimizer: bool = False) -> None:
@@ -302,33 +302,33 @@ class SlideEngine:
 
     def find_dropouts(self) -> None:
         """Note each layer's dropout modules with p > 0 (their random state is replayed in the recompute)."""
-        self.dropouts = [[m for m in layer.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-                         for layer in self.layers]
+        self.dropouts = [[module for module in layer.modules()
+                          if isinstance(module, torch.nn.Dropout) and module.p > 0] for layer in self.layers]
 
-    def layer_no(self, u: Unit) -> int:
-        """The index of layer unit `u` in the model."""
-        return self.places.layer_no(u)
+    def layer_no(self, unit: Unit) -> int:
+        """The index of layer unit `unit` in the model."""
+        return self.places.layer_no(unit)
 
-    def place_of(self, u: Unit):
-        """The placement of layer unit `u`."""
-        return self.places.of(u)
+    def place_of(self, unit: Unit):
+        """The placement of layer unit `unit`."""
+        return self.places.of(unit)
 
-    def updater_of(self, u: Unit):
-        """What runs unit `u`'s deferred update: its placement, the embedding or the head."""
-        if u.kind == "layer":
-            return self.place_of(u)
-        return self.embedding if u is self.embed_unit else self.head
+    def updater_of(self, unit: Unit):
+        """What runs unit `unit`'s deferred update: its placement, the embedding or the head."""
+        if unit.kind == "layer":
+            return self.place_of(unit)
+        return self.embedding if unit is self.embed_unit else self.head
 
-    def set_place(self, u: Unit, place) -> None:
-        """Give layer unit `u` another placement (between optimizer steps): the one writer of `places`."""
-        self.places.assign(u, place)
+    def set_place(self, unit: Unit, place) -> None:
+        """Give layer unit `unit` another placement (between optimizer steps; `Placements.assign`)."""
+        self.places.assign(unit, place)
 
     # ----------------------------------------------------------------- gradients -> host -> update
-    def begin_update(self, u: Unit) -> None:
-        """Main thread: mark `u` as being updated (device copies of the old version are stale)."""
-        u.version += 1
-        u.set_progress(0)
-        u.updated.clear()
+    def begin_update(self, unit: Unit) -> None:
+        """Main thread: mark `unit` as being updated (device copies of the old version are stale)."""
+        unit.version += 1
+        unit.set_progress(0)
+        unit.updated.clear()
 
     # ----------------------------------------------------------------- optimizer step
     def optimizer_step(self) -> None:
@@ -346,15 +346,15 @@ class SlideEngine:
         # After the step (skipped: its gradients were NaN), so that the engine stays consistent.
         self.labels.raise_pending(wait=True)
 
-    def step_sum(self, u: Unit):
-        """The host's sum of `u`'s gradients so far this step (this rank's shard of it with several
+    def step_sum(self, unit: Unit):
+        """The host's sum of `unit`'s gradients so far this step (this rank's shard of it with several
         ranks), or None."""
         if self.dp is not None:
-            if u.grad is None:
+            if unit.grad is None:
                 return None
-            lo, hi = self.dp.span(u.numel)
-            return u.grad[lo:hi]
-        return self.embedding.grad if u is self.embed_unit else u.grad
+            lo, hi = self.dp.span(unit.numel)
+            return unit.grad[lo:hi]
+        return self.embedding.grad if unit is self.embed_unit else unit.grad
 
     def zero_grad(self) -> None:
         if self.micro == 0:
@@ -363,10 +363,10 @@ class SlideEngine:
             raise SlideStateError("zero_grad() after the last backward of an optimizer step: its updates were "
                                   "already applied during backward; call optimizer.step() before zero_grad()")
         self.worker.join()
-        for u in self.store.units:
-            u.grad_valid = False
-        for r in self.residents.layers.values():
-            r.grad_valid = False
+        for unit in self.store.units:
+            unit.grad_valid = False
+        for state in self.residents.layers.values():
+            state.grad_valid = False
         self.accumulator.reset()
         self.embedding.reset_grad()
         self.lora.zero_grad()
@@ -378,8 +378,8 @@ class SlideEngine:
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
         self.worker.close()
-        for u in self.layer_units:
-            u.device_pending = None
+        for unit in self.layer_units:
+            unit.device_pending = None
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.tier.close()

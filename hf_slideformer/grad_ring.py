@@ -31,8 +31,7 @@ class GradientRing:
 
     def __init__(self, engine, size: int, count: int, stage_numel: int):
         self.engine = engine
-        e = engine
-        self.dtype = e.dtype if e.dtype == torch.bfloat16 else torch.float32
+        self.dtype = engine.dtype if engine.dtype == torch.bfloat16 else torch.float32
         self.size, self.count = size, count
         self._slab: torch.Tensor | None = None         # made when first used (a frozen model never sends one)
         self._buffers: list[torch.Tensor] = []
@@ -40,8 +39,8 @@ class GradientRing:
         for ev in self.free:
             ev.set()
         self.next = 0
-        cast = e.config.is_cuda and e.dtype != torch.float32
-        self.stage = (torch.empty(min(stage_numel, COPY_CHUNK), dtype=torch.float32, device=e.device)
+        cast = engine.config.is_cuda and engine.dtype != torch.float32
+        self.stage = (torch.empty(min(stage_numel, COPY_CHUNK), dtype=torch.float32, device=engine.device)
                       if cast else None)
 
     @property
@@ -107,35 +106,35 @@ class GradientRing:
         gradient's copy: the worker can start on the front of a unit while the rest is in flight.
         `norm_dst` (a pinned scalar) receives the running squared norm first.
         """
-        e = self.engine
-        st, norm = e.streams, e.norm.dev
+        engine = self.engine
+        st, norm = engine.streams, engine.norm.dev
         if not st.cuda:
             if norm_dst is not None:
                 norm_dst.copy_(norm.reshape(1))
-            for g, d in zip(grads, dsts):
-                if g is None:
-                    d.zero_()
+            for grad, dst in zip(grads, dsts):
+                if grad is None:
+                    dst.zero_()
                 else:
-                    _check_lossless(g, d)
-                    d.copy_(g.reshape(d.shape))
+                    _check_lossless(grad, dst)
+                    dst.copy_(grad.reshape(dst.shape))
             return st.record()
         # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
         st.wait(st.record(), st.d2h)
         with st.on(st.d2h):
             if norm_dst is not None:
                 norm_dst.copy_(norm.reshape(1), non_blocking=True)
-            for g, d in zip(grads, dsts):
-                d = d.view(-1)
-                if g is None:
-                    d.zero_()
+            for grad, dst in zip(grads, dsts):
+                dst = dst.view(-1)
+                if grad is None:
+                    dst.zero_()
                 else:
-                    _check_lossless(g, d)
-                    gf = g.reshape(-1)
-                    if gf.dtype == d.dtype:
-                        d.copy_(gf, non_blocking=True)
+                    _check_lossless(grad, dst)
+                    gf = grad.reshape(-1)
+                    if gf.dtype == dst.dtype:
+                        dst.copy_(gf, non_blocking=True)
                     else:                    # widened on the device, all on the d2h stream
-                        staged_copy(d, gf, self.stage)
-                    e.stats.add_bytes("d2h", d.numel() * d.element_size())
+                        staged_copy(dst, gf, self.stage)
+                    engine.stats.add_bytes("d2h", dst.numel() * dst.element_size())
                 if marks is not None:
                     marks.append((ends[len(marks)], st.record(st.d2h)))
         done = st.record(st.d2h)
@@ -144,6 +143,6 @@ class GradientRing:
         return done
 
 
-def _check_lossless(g: torch.Tensor, dst: torch.Tensor) -> None:
-    if dst.dtype != g.dtype and dst.dtype != torch.float32:
-        raise RuntimeError(f"a {g.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")
+def _check_lossless(grad: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.dtype != grad.dtype and dst.dtype != torch.float32:
+        raise RuntimeError(f"a {grad.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")

@@ -33,7 +33,7 @@ class LossHead:
 
     Attributes:
         units: what the head slot carries: the head unit, and a tied lm_head's embedding unit.
-        host: the host buffer the pending head gradient lands in; `ring`: the ring buffers it holds.
+        host_grad: the host buffer the pending head gradient lands in; `ring`: the ring buffers it holds.
         scale_host, scale_dev: the loss gradient (pinned for the worker, and on the device).
     """
 
@@ -68,11 +68,12 @@ class LossHead:
 
     def step(self, deferred) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the head."""
-        e, u = self.engine, self.unit
-        if not u.trainable:
+        engine, unit = self.engine, self.unit
+        if not unit.trainable:
             return
-        e.begin_update(u)
-        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, done=(u.updated,))
+        engine.begin_update(unit)
+        engine.worker.submit(engine.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev,
+                             done=(unit.updated,))
 
     # ----------------------------------------------------------------- forward (main thread)
     def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None, token_weights=None):
@@ -82,28 +83,28 @@ class LossHead:
         mean (`triton_ops.linear_cross_entropy`): the gradients are then those of a loss made from
         the per-token log-probabilities (`token_statistics`), `w_t = -d loss / d log p_t`.
         """
-        e, hu = self.engine, self.unit
+        engine, hu = self.engine, self.unit
         slot, hv, W = self._weights()
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        sl = shift_labels.reshape(-1).to(e.device, torch.long)
-        sl, poison = e.labels.prepare(sl, W.shape[0])      # poison: NaN for a bad batch on CUDA (model_inputs.py)
+        sl = shift_labels.reshape(-1).to(engine.device, torch.long)
+        sl, poison = engine.labels.prepare(sl, W.shape[0])      # poison: NaN for a bad batch on CUDA (model_inputs.py)
         if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(e.device)
+            num_items_in_batch = num_items_in_batch.to(engine.device)
         if not with_grad:
             with torch.no_grad(), swapped(hu, hv):
                 loss = self._loss(h, W, sl, num_items_in_batch, poison)
             self.slots.release(slot)
             return loss, None
-        if e.dp is not None:
-            e.dp.meet(e.meeting())                  # before this micro-batch's first collective (data_parallel.py)
-        t = e.clock.span_start()
+        if engine.dp is not None:
+            engine.dp.meet(engine.meeting())     # before this micro-batch's first collective (data_parallel.py)
+        span = engine.clock.span_start()
         hx = h.detach().requires_grad_()
         if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
             with torch.enable_grad(), swapped(hu, hv):
                 loss = self._loss(hx, W, sl, num_items_in_batch, poison, token_weights)
             (gh,) = torch.autograd.grad(loss, [hx])
-            e.clock.span_end(t)
+            engine.clock.span_end(span)
             self.slots.release(slot)
             self.pending, self.done = True, None
             return loss.detach(), gh
@@ -112,22 +113,22 @@ class LossHead:
         # one is a leaf without gradient: zeros cross in its place, so the step's norm counts the
         # trained parameters only, as torch's clipping of the trainable parameters does.
         leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
-        wl = leaves[self._lm_index] if not e.tied else W.detach().requires_grad_()
+        wl = leaves[self._lm_index] if not engine.tied else W.detach().requires_grad_()
         with torch.enable_grad(), swapped(hu, leaves):
             loss = self._loss(hx, wl, sl, num_items_in_batch, poison, token_weights)
         trained = [t for t in leaves if t.requires_grad]
-        wrt = [hx] + trained + ([wl] if e.tied else [])
+        wrt = [hx] + trained + ([wl] if engine.tied else [])
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         own = iter(grads[1:1 + len(trained)])
         pgrads = [next(own) if t.requires_grad else None for t in leaves] + list(grads[1 + len(trained):])
-        emb = e.embedding
-        if e.single_micro:
+        emb = engine.embedding
+        if engine.single_micro:
             self._sq = _sq_norm([g for g in pgrads[:len(leaves)] if g is not None])
-            if e.tied:
+            if engine.tied:
                 dw = pgrads[-1]
                 emb.dw_sq = _sq_norm([dw])
                 emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
-        e.clock.span_end(t)
+        engine.clock.span_end(span)
         self.slots.release(slot)
         self._send(pgrads)
         self.pending = True
@@ -146,30 +147,30 @@ class LossHead:
     def _send(self, pgrads: list) -> None:
         """The head's gradients (entry order, then a tied lm_head's) to the host now: they are final
         (the loss ends the graph)."""
-        e, hu, emb = self.engine, self.unit, self.engine.embedding
+        engine, hu, emb = self.engine, self.unit, self.engine.embedding
         if self.pending:        # an earlier forward's gradients were never consumed by a backward
             if self.done is not None:
                 self.done.synchronize()
             self.pending = False
             self.host_free.set()
             self._return_ring()
-        e.clock.wait(self.host_free, "other")
+        engine.clock.wait(self.host_free, "other")
         self.host_free.clear()
         try:
             # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
-            extra = e.tied and emb.resident is None and not e.single_micro
-            self.host_grad = self._buffer(hu.numel + (e.embed_unit.numel if extra else 0), own=self.updates_last)
+            extra = engine.tied and emb.resident is None and not engine.single_micro
+            self.host_grad = self._buffer(hu.numel + (engine.embed_unit.numel if extra else 0), own=self.updates_last)
             dsts = [x.view(self.host_grad) for x in hu.entries]
-            if e.tied and emb.resident is not None:
+            if engine.tied and emb.resident is not None:
                 # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
                 # the loss gradient in backward, the batch rows added in the embedding's backward).
                 dw = pgrads.pop()
-                emb.rgrad.view(e.vocab, e.hidden).copy_(dw)
-            elif e.tied:
+                emb.rgrad.view(engine.vocab, engine.hidden).copy_(dw)
+            elif engine.tied:
                 # With one backward per step the tied gradient goes straight into the embedding's
                 # pinned gradient buffer (which the previous step's update has released).
-                dsts.append(emb.grad if e.single_micro else self.host_grad[hu.numel:])
-            self.done = e.grad_ring.d2h(pgrads, dsts)
+                dsts.append(emb.grad if engine.single_micro else self.host_grad[hu.numel:])
+            self.done = engine.grad_ring.d2h(pgrads, dsts)
         except BaseException:
             # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
             # free again, so the next forward does not wait for them forever.
@@ -182,14 +183,15 @@ class LossHead:
         h (B, S, H) against `shift_labels` (B, S), each (B, S), without gradients or logits
         (`triton_ops.token_statistics`)."""
         from triton_ops import token_statistics
-        e, hu = self.engine, self.unit
+        engine, hu = self.engine, self.unit
         slot, hv, W = self._weights()
-        sl = shift_labels.reshape(-1).to(e.device, torch.long)
+        sl = shift_labels.reshape(-1).to(engine.device, torch.long)
         try:
-            sl, poison = e.labels.prepare(sl, W.shape[0])
+            sl, poison = engine.labels.prepare(sl, W.shape[0])
             with torch.no_grad(), swapped(hu, hv):
                 hn = self.norm_fn(h)
-                stats = token_statistics(hn.reshape(-1, e.hidden), W, sl, chunk_tokens=e.config.head_chunk_tokens,
+                stats = token_statistics(hn.reshape(-1, engine.hidden), W, sl,
+                                         chunk_tokens=engine.config.head_chunk_tokens,
                                          softcap=self.softcap)
                 if poison is not None:
                     stats = tuple(x * poison if x.is_floating_point() else x for x in stats)
@@ -226,8 +228,8 @@ class LossHead:
         backward per step and no clipping: a tied lm_head is the embedding's table, and with
         accumulation or clipping every update waits for optimizer.step() anyway.
         """
-        e, hu = self.engine, self.unit
-        return (hu.trainable and not e.tied and e.single_micro and e.config.max_grad_norm is None
+        engine, hu = self.engine, self.unit
+        return (hu.trainable and not engine.tied and engine.single_micro and engine.config.max_grad_norm is None
                 and hu.grad is None)
 
     def _buffer(self, numel: int, own: bool = False) -> torch.Tensor:
@@ -241,15 +243,15 @@ class LossHead:
         goes back to the ring as the head's update passes it (`_head_task`). An untied 8B
         lm_head's own buffer was 2.1 GB of pinned host memory.
         """
-        e = self.engine
-        borrowed = None if own else e.grad_ring.borrow_front(numel)
+        engine = self.engine
+        borrowed = None if own else engine.grad_ring.borrow_front(numel)
         if borrowed is not None:
             buffer, self.ring = borrowed
             return buffer
         if self.own_buffer is None or self.own_buffer.numel() < numel:
             if self.own_buffer is not None:
-                e.pinned.release(self.own_buffer)   # idle: host_free was waited for
-            self.own_buffer = e.pinned.empty(numel, dtype=e.grad_ring.dtype)
+                engine.pinned.release(self.own_buffer)   # idle: host_free was waited for
+            self.own_buffer = engine.pinned.empty(numel, dtype=engine.grad_ring.dtype)
         return self.own_buffer[:numel]
 
     def _return_ring(self) -> None:
@@ -257,9 +259,9 @@ class LossHead:
         self.ring = ()
 
     def _find_lm_index(self) -> int:
-        for k, x in enumerate(self.unit.entries):
-            if any(attr == "weight" and mod is self.lm_module for mod, attr in x.holders):
-                return k
+        for entry_no, entry in enumerate(self.unit.entries):
+            if any(attr == "weight" and mod is self.lm_module for mod, attr in entry.holders):
+                return entry_no
         raise RuntimeError("lm_head weight not found in the head unit")
 
     def slot_units(self) -> tuple:
@@ -295,15 +297,15 @@ class LossHead:
     def _weights(self):
         """(slot, the head unit's views, the lm_head weight): a tied lm_head is the resident
         embedding's compute copy when there is one, else it travels in the head slot."""
-        e, hu = self.engine, self.unit
+        engine, hu = self.engine, self.unit
         self._finish_prefetch()
-        r = e.embedding.resident
-        if e.tied and r is not None:
+        resident = engine.embedding.resident
+        if engine.tied and resident is not None:
             slot = self.slots.acquire((hu,))
-            return slot, slot.views(hu), r.weights.view(e.vocab, e.hidden)
+            return slot, slot.views(hu), resident.weights.view(engine.vocab, engine.hidden)
         slot = self.slots.acquire(self.units)
         hv = slot.views(hu)
-        return slot, hv, (slot.views(e.embed_unit)[0] if e.tied else hv[self._lm_index])
+        return slot, hv, (slot.views(engine.embed_unit)[0] if engine.tied else hv[self._lm_index])
 
     # ----------------------------------------------------------------- backward (main thread)
     def backward(self, gloss: torch.Tensor) -> None:
@@ -311,52 +313,52 @@ class LossHead:
         if not self.pending:
             raise SlideStateError("backward() without a matching forward")
         self.pending = False
-        e, hu, emb = self.engine, self.unit, self.engine.embedding
-        g = gloss.detach().float().reshape(1)
-        self.scale_dev = g.reshape(())
+        engine, hu, emb = self.engine, self.unit, self.engine.embedding
+        loss_grad = gloss.detach().float().reshape(1)
+        self.scale_dev = loss_grad.reshape(())
         if self.done is None:                      # a frozen head sent nothing
             return
-        plan = e.backward_plan
+        plan = engine.backward_plan
         if plan.running_norm:
-            e.norm.dev += self._sq * self.scale_dev ** 2
+            engine.norm.dev += self._sq * self.scale_dev ** 2
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
-        norm = e.norm.slot(hu) if plan.running_norm else None
-        if e.streams.cuda:
-            self.scale_host.copy_(g, non_blocking=True)
+        norm = engine.norm.slot(hu) if plan.running_norm else None
+        if engine.streams.cuda:
+            self.scale_host.copy_(loss_grad, non_blocking=True)
             if norm is not None:
-                norm.copy_(e.norm.dev.reshape(1), non_blocking=True)
+                norm.copy_(engine.norm.dev.reshape(1), non_blocking=True)
         else:
-            self.scale_host.copy_(g)
+            self.scale_host.copy_(loss_grad)
             if norm is not None:
-                norm.copy_(e.norm.dev.reshape(1))
-        scale_ev = e.streams.record()
+                norm.copy_(engine.norm.dev.reshape(1))
+        scale_ev = engine.streams.record()
         update = plan.updates
         embed_on_host = emb.resident is None
-        if e.tied and not embed_on_host:
+        if engine.tied and not embed_on_host:
             emb.rgrad.mul_(self.scale_dev)
-        bulk = embed_on_host and e.embed_unit.trainable     # the embedding's update starts in the head task
+        bulk = embed_on_host and engine.embed_unit.trainable     # the embedding's update starts in the head task
         if update:
-            e.begin_update(hu)
+            engine.begin_update(hu)
             if bulk:
-                e.begin_update(e.embed_unit)
+                engine.begin_update(engine.embed_unit)
         ring, self.ring = self.ring, ()
         last = update and not ring and self.updates_last
         if last:                                  # [Why an untied head is updated when the backward ends]
-            e.late.hold(len(e.layer_units), self._update_task, (plan.ends_step, e.hp),
+            engine.late.hold(len(engine.layer_units), self._update_task, (plan.ends_step, engine.hp),
                         done=(self.host_free, hu.updated))
-        e.worker.submit(self._head_task, self.done, scale_ev, update, plan.ends_step, e.hp,
+        engine.worker.submit(self._head_task, self.done, scale_ev, update, plan.ends_step, engine.hp,
                         emb.touch if bulk else None, embed_on_host, ring, norm, last,
-                        done=(() if last else (self.host_free,)) + tuple(e.grad_ring.free[k] for k in ring)
+                        done=(() if last else (self.host_free,)) + tuple(engine.grad_ring.free[k] for k in ring)
                         + ((hu.updated,) if update and not last else ()))
 
     # ----------------------------------------------------------------- worker side
     def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None,
                    last=False):
-        e, host, emb = self.engine, self.engine.host_updates, self.engine.embedding
-        host.sync(done, "wait_d2h:head")
-        host.sync(scale_ev, "wait_d2h:scale")
+        engine, host_updates, emb = self.engine, self.engine.host_updates, self.engine.embedding
+        host_updates.sync(done, "wait_d2h:head")
+        host_updates.sync(scale_ev, "wait_d2h:scale")
         if norm is not None:
-            host.check_norm(float(norm[0]), "the gradient of the head")
+            host_updates.check_norm(float(norm[0]), "the gradient of the head")
         scale = float(self.scale_host[0])
         if last:                  # the update comes when the backward ends (`_update_task`)
             self._scale = scale
@@ -367,17 +369,17 @@ class LossHead:
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
         # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
         src = self.host_grad[:hu.numel]
-        if e.tied and embed_on_host:
-            eu = e.embed_unit
-            if e.single_micro:            # already in place (see forward)
+        if engine.tied and embed_on_host:
+            eu = engine.embed_unit
+            if engine.single_micro:            # already in place (see forward)
                 if scale != 1.0:
                     emb.grad.mul_(scale)
             else:
-                host.fold(emb.grad, self.host_grad[hu.numel:], scale, first=not eu.grad_valid)
+                host_updates.fold(emb.grad, self.host_grad[hu.numel:], scale, first=not eu.grad_valid)
                 eu.grad_valid = True
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
-        returned = e.grad_ring.returner(ring) if ring and hu.grad is None else None
-        host.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
+        returned = engine.grad_ring.returner(ring) if ring and hu.grad is None else None
+        host_updates.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
         if update and touch is not None:
             emb.bulk_update(touch, hp)
 

@@ -241,16 +241,16 @@ class SlideModel(SlideModelState):
             if torch.is_grad_enabled() and (labels is not None or shift_labels is not None):
                 raise NotImplementedError("a KV cache is for generation: train without use_cache / past_key_values")
             use_cache = True
-        for k in ("output_attentions", "output_hidden_states"):
-            if kwargs.pop(k, None):
-                raise NotImplementedError(f"{k} is not supported by the sliding engine")
+        for flag in ("output_attentions", "output_hidden_states"):
+            if kwargs.pop(flag, None):
+                raise NotImplementedError(f"{flag} is not supported by the sliding engine")
         dev = eng.device
         if attention_mask is not None:
             attention_mask = attention_mask.to(dev)
         if position_ids is not None:
             position_ids = position_ids.to(dev)
         # Tensors among the rest (generate's cache_position, made on the prompt's device) go to the compute device.
-        kwargs = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        kwargs = {key: value.to(dev) if torch.is_tensor(value) else value for key, value in kwargs.items()}
         base = eng.adapter.base(self)
         t0 = time.perf_counter()
         if use_cache:
@@ -261,21 +261,21 @@ class SlideModel(SlideModelState):
             eng.router_aux.begin(attention_mask, bool(self.config.output_router_logits if ask is None else ask))
         out = base(input_ids=input_ids.to(dev), attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=False, **kwargs)
-        h = out.last_hidden_state
+        hidden = out.last_hidden_state
         if torch.is_grad_enabled():
             eng.stats.tokens += input_ids.numel()
-        aux = eng.router_aux.value(h) if eng.router_aux is not None else None
+        aux = eng.router_aux.value(hidden) if eng.router_aux is not None else None
         if fused_lm_head:
             if labels is None and shift_labels is None:
                 raise ValueError("fused_lm_head=True needs labels (or shift_labels): it scores each next-token label")
-            out = fused_head(eng, h, labels, shift_labels, num_items_in_batch)
+            out = fused_head(eng, hidden, labels, shift_labels, num_items_in_batch)
             out.aux_loss = aux                   # the caller adds it (TRL: coef * aux_loss): router_aux.py
             if torch.is_grad_enabled():
                 eng.stats.forward_s += time.perf_counter() - t0
             return out
         if labels is None and shift_labels is None:
-            return CausalLMOutputWithPast(logits=eng.head.logits(h, logits_to_keep))
-        return _loss_output(eng, h, labels, shift_labels, num_items_in_batch, aux, t0)
+            return CausalLMOutputWithPast(logits=eng.head.logits(hidden, logits_to_keep))
+        return _loss_output(eng, hidden, labels, shift_labels, num_items_in_batch, aux, t0)
 
     def _generation_forward(self, base, input_ids, attention_mask, position_ids, past, logits_to_keep, kwargs):
         """Generation: one slide over the layers for the new tokens, each decoder layer appending

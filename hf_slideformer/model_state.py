@@ -39,8 +39,8 @@ class SlideModelState:
                              "load in place (assign=False)")
         self.slide_engine.synchronize()
         out = super().load_state_dict(state_dict, strict=strict)
-        for u in self.slide_engine.store.units:
-            u.version += 1                        # device copies of the old weights are stale
+        for unit in self.slide_engine.store.units:
+            unit.version += 1                        # device copies of the old weights are stale
         self.slide_engine.note_restored(weights=True)
         return out
 

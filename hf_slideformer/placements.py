@@ -147,74 +147,80 @@ class HostLayer(LayerPlacement):
         self.engine.accumulator.prefetch(self)     # accumulation: the running sum comes in meanwhile
 
     def take_gradient(self, grads: list) -> None:
-        e, u, plan = self.engine, self.unit, self.engine.backward_plan
+        engine, unit, plan = self.engine, self.unit, self.engine.backward_plan
         if plan.running_norm:
-            e.norm.dev += _sq_norm([g for g in grads if g is not None])
-        if e.accumulator.active(u):                 # accumulation: the GPU adds (accumulate.py)
-            done = e.accumulator.fold(self, grads)
+            engine.norm.dev += _sq_norm([g for g in grads if g is not None])
+        if engine.accumulator.active(unit):                 # accumulation: the GPU adds (accumulate.py)
+            done = engine.accumulator.fold(self, grads)
             if plan.updates:
-                e.begin_update(u)
-                e.worker.submit(self._accumulated_update_task, done, e.hp, e.norm.slot(u), done=(u.updated,))
+                engine.begin_update(unit)
+                engine.worker.submit(self._accumulated_update_task, done, engine.hp, engine.norm.slot(unit),
+                                     done=(unit.updated,))
             return
-        late = e.late.claim() if plan.updates else None     # late_updates.py: [Why the top layers are updated late]
+        # late_updates.py: [Why the top layers are updated late]
+        late = engine.late.claim() if plan.updates else None
         if late is None:
-            k = e.grad_ring.claim_next()
-            buf, free = e.grad_ring.buffers[k], e.grad_ring.free[k]
+            ring_no = engine.grad_ring.claim_next()
+            buf, free = engine.grad_ring.buffers[ring_no], engine.grad_ring.free[ring_no]
         else:
-            buf, free = e.late.buffers[late], e.late.free[late]
+            buf, free = engine.late.buffers[late], engine.late.free[late]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
-        marks = [] if e.streams.cuda else None
-        norm = e.norm.slot(u) if plan.running_norm else None
-        done = e.grad_ring.d2h(grads, [x.view(buf) for x in u.entries], [x.offset + x.numel for x in u.entries],
+        marks = [] if engine.streams.cuda else None
+        norm = engine.norm.slot(unit) if plan.running_norm else None
+        done = engine.grad_ring.d2h(grads, [x.view(buf) for x in unit.entries],
+                                    [x.offset + x.numel for x in unit.entries],
                                marks, norm_dst=norm)
         if plan.updates:
-            e.begin_update(u)
-        args = (buf[:u.numel], done, plan.updates, plan.ends_step, e.hp, marks, norm)
-        done = (free,) + ((u.updated,) if plan.updates else ())
-        i = e.layer_no(u)
-        if late is not None or (i == 0 and plan.holds_layer0):
-            e.late.hold(i, self.layer_task, args, done=done)
+            engine.begin_update(unit)
+        args = (buf[:unit.numel], done, plan.updates, plan.ends_step, engine.hp, marks, norm)
+        done = (free,) + ((unit.updated,) if plan.updates else ())
+        layer_no = engine.layer_no(unit)
+        if late is not None or (layer_no == 0 and plan.holds_layer0):
+            engine.late.hold(layer_no, self.layer_task, args, done=done)
         else:
-            e.worker.submit(self.layer_task, *args, done=done)
+            engine.worker.submit(self.layer_task, *args, done=done)
 
     def step(self, deferred: DeferredStep) -> None:
-        e = self.engine
-        e.begin_update(self.unit)
-        e.worker.submit(e.host_updates.deferred_task, self.unit, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
+        engine = self.engine
+        engine.begin_update(self.unit)
+        engine.worker.submit(engine.host_updates.deferred_task, self.unit, deferred.hp, deferred.grads_ev,
+                             done=(self.unit.updated,))
 
     # ------------------------------------------------------------- worker side
     def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
         """Fold the gradient in ring buffer `src` into the accumulator and/or update from it."""
-        e, u = self.engine, self.unit
+        engine, unit = self.engine, self.unit
         if norm is not None:
             # the running norm is copied before the gradient (GradientRing.d2h)
-            e.host_updates.sync(marks[0][1] if marks else done, f"wait_d2h:{u.name}")
-            e.host_updates.check_norm(float(norm[0]), f"a gradient of the layers from the head down to {u.name}")
-        if marks and update and u.grad is None and (e.single_micro or not ends_step):
+            engine.host_updates.sync(marks[0][1] if marks else done, f"wait_d2h:{unit.name}")
+            engine.host_updates.check_norm(float(norm[0]),
+                                           f"a gradient of the layers from the head down to {unit.name}")
+        if marks and update and unit.grad is None and (engine.single_micro or not ends_step):
             # The gradient is used as it lands (no accumulator, no norm to take first): each piece
             # of the update waits only for the copies that cover it.
             pending = list(marks)
 
             def arrived(end: int) -> None:
                 while pending and pending[0][0] < end:
-                    e.host_updates.sync(pending.pop(0)[1], f"wait_d2h:{u.name}")
+                    engine.host_updates.sync(pending.pop(0)[1], f"wait_d2h:{unit.name}")
                 if pending:
-                    e.host_updates.sync(pending[0][1], f"wait_d2h:{u.name}")
-            e.host_updates.update(u, src, hp, arrived)
-            e.host_updates.sync(done, f"wait_d2h:{u.name}")
+                    engine.host_updates.sync(pending[0][1], f"wait_d2h:{unit.name}")
+            engine.host_updates.update(unit, src, hp, arrived)
+            engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
             return
-        e.host_updates.sync(done, f"wait_d2h:{u.name}")
-        e.host_updates.consume(u, src, update, ends_step, hp)
+        engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
+        engine.host_updates.consume(unit, src, update, ends_step, hp)
 
     def _accumulated_update_task(self, done, hp, norm=None) -> None:
         """The last micro-batch's update in backward of a layer whose sum the device accumulated."""
-        e, u = self.engine, self.unit
-        e.host_updates.sync(done, f"wait_d2h:{u.name}")
+        engine, unit = self.engine, self.unit
+        engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
         if norm is not None:
-            e.host_updates.check_norm(float(norm[0]), f"a gradient sum of the layers from the head down to {u.name}")
-        e.host_updates.update(u, u.grad, hp)
-        u.grad_valid = False
+            engine.host_updates.check_norm(float(norm[0]),
+                                           f"a gradient sum of the layers from the head down to {unit.name}")
+        engine.host_updates.update(unit, unit.grad, hp)
+        unit.grad_valid = False
 
 
 class FrozenLayer(LayerPlacement):

@@ -318,7 +318,8 @@ class ResidentPlan:
             self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,
                                            device=e.device)
         for place in e.places.residency_candidates(n):
-            e.set_place(place.unit, ResidentLayer(e, place.unit, self.make_state(place.unit, with_grad=own_grad), place))
+            state = self.make_state(place.unit, with_grad=own_grad)
+            e.set_place(place.unit, ResidentLayer(e, place.unit, state, place))
 
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""

@@ -151,19 +151,19 @@ class Schedule:
         place = engine.places[i]
         ws, slot = place.weights()
         busy = (slot,) if slot is not None else ()
-        for j in range(i + 1, min(i + engine.config.window, len(engine.layer_units))):
-            engine.places[j].prefetch(busy)
+        for ahead in range(i + 1, min(i + engine.config.window, len(engine.layer_units))):
+            engine.places[ahead].prefetch(busy)
         engine.head.prefetch()                  # head.py: [Why the head slot is loaded in chunks during the forward]
         if save:
             engine.tier.save(i, x, engine.embedding.remake_input(i, x))
             if any(m.training for m in engine.dropouts[i]):
                 engine.rng.save(i)
-        t = engine.clock.span_start()
+        span = engine.clock.span_start()
         with torch.no_grad(), swapped(place.unit, ws), engine.matmuls.forward(i, slot):
-            y = engine.call_layer(i, x, args, kwargs)
-        engine.clock.span_end(t)
+            out = engine.call_layer(i, x, args, kwargs)
+        engine.clock.span_end(span)
         place.after_forward(slot)
-        return y
+        return out
 
     # ----------------------------------------------------------------- backward
     def begin_backward(self) -> None:
@@ -206,15 +206,15 @@ class Schedule:
         x = engine.tier.load(i).detach().requires_grad_()
         ws, wrt = place.leaves(ws)
         extra = engine.lora.by_layer[i]
-        t = engine.clock.span_start()
+        span = engine.clock.span_start()
         skip = engine.output_projections[i] if engine.skip_output_projection else None
         with torch.enable_grad(), swapped(place.unit, ws), engine.matmuls.recompute(i, slot, skip), \
                 engine.rng.replay(i):
-            y = engine.call_layer(i, x, args, kwargs)
+            out = engine.call_layer(i, x, args, kwargs)
             aux = engine.router_aux.surrogate(i) if engine.router_aux is not None else None
-        outs, gouts = ([y], [gy]) if aux is None else ([y, aux], [gy, torch.ones_like(aux)])
+        outs, gouts = ([out], [gy]) if aux is None else ([out, aux], [gy, torch.ones_like(aux)])
         grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
-        engine.clock.span_end(t)
+        engine.clock.span_end(span)
         place.after_recompute(slot)
         engine.tier.drop(i)
         place.take_gradient(list(grads[1:1 + len(wrt)]))
@@ -281,19 +281,19 @@ class Schedule:
         # not finite, see HostUpdates.clip_task)
         known = threading.Event() if plan.device_updates else None
         on_device = {id(r.unit) for r in resident.values()}
-        host_grads = [g for u in engine.store.units if id(u) not in on_device and u.trainable
-                      and (g := engine.step_sum(u)) is not None] if plan.host_sums else ()
+        host_grads = [grad for u in engine.store.units if id(u) not in on_device and u.trainable
+                      and (grad := engine.step_sum(u)) is not None] if plan.host_sums else ()
         engine.worker.submit(engine.host_updates.clip_task, plan.early, norm_ev, grads_ev, host_grads,
                         done=tuple(ev for ev in (clip_done, known) if ev is not None))
         deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
                                 device_clip=lambda: engine.residents.clip(clip_done))
-        t = engine.clock.span_start()
+        span = engine.clock.span_start()
         on_device = engine.residents.step(deferred)
         if engine.lora.params:
             engine.lora.step(hp, *deferred.resident_clip())
         if plan.device_scale:
             deferred.scale, deferred.ready = engine.norm.grad_scale()
-        engine.clock.span_end(t)
+        engine.clock.span_end(span)
         for unit in engine.store.units:
             if id(unit) not in on_device:
                 engine.updater_of(unit).step(deferred)

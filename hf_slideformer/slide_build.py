@@ -29,9 +29,9 @@ __all__ = ["build_units", "check_on_cpu", "fill_and_build", "install_proxies", "
 def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     out: dict[int, list] = {}
     for mod in model.modules():
-        for attr, p in mod._parameters.items():
-            if p is not None:
-                out.setdefault(id(p), []).append((mod, attr))
+        for attr, param in mod._parameters.items():
+            if param is not None:
+                out.setdefault(id(param), []).append((mod, attr))
     return out
 
 
@@ -51,20 +51,20 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
     originals of PEFT `modules_to_save`) are left out. An entry is named by the module the unit
     takes it from (a tied lm_head's weight is the embedding's entry)."""
     paths: dict[int, str] = {}
-    for n, m in model.named_modules(remove_duplicate=False):
-        paths.setdefault(id(m), n)
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), name)
     holders = _holders(model)
     seen: set[int] = set(skip)
 
     def entries(module: nn.Module) -> list[ParamEntry]:
         out = []
         prefix = paths[id(module)]
-        for n, p in module.named_parameters():
-            if id(p) in seen:
+        for own_name, param in module.named_parameters():
+            if id(param) in seen:
                 continue
-            seen.add(id(p))
-            name = _hf_name(f"{prefix}.{n}" if prefix else n)
-            out.append(ParamEntry(name, p.shape, 0, p.numel(), holders[id(p)], p))
+            seen.add(id(param))
+            name = _hf_name(f"{prefix}.{own_name}" if prefix else own_name)
+            out.append(ParamEntry(name, param.shape, 0, param.numel(), holders[id(param)], param))
         return out
 
     units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]
@@ -72,7 +72,7 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
         units.append(Unit(f"layer.{i}", "layer", i + 1, entries(layer)))
     head = entries(adapter.final_norm(model)) + entries(adapter.lm_head(model))
     units.append(Unit("head", "head", len(units), head))
-    left = [n for n, p in model.named_parameters() if id(p) not in seen]
+    left = [name for name, p in model.named_parameters() if id(p) not in seen]
     if left:
         raise NotImplementedError(f"parameters outside embed / layers / norm / lm_head are not supported: {left}")
     return units
@@ -146,10 +146,10 @@ def fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool) 
     if _fill and (dp is None or dp.writes):
         # With several ranks, rank 0's weights are the model's (as DistributedDataParallel broadcasts them).
         with torch.no_grad():
-            for u in units:
-                with store.unit_state(u, write=True):          # a layer on disk: written to its file
-                    for e in u.entries:
-                        e.view(u.master).copy_(e.param.detach().reshape(e.shape))
+            for unit in units:
+                with store.unit_state(unit, write=True):          # a layer on disk: written to its file
+                    for entry in unit.entries:
+                        entry.view(unit.master).copy_(entry.param.detach().reshape(entry.shape))
     if _fill and dp is not None:
         dp.barrier()
     store.bind_parameters()
@@ -217,10 +217,10 @@ def install_proxies(model, adapter, engine) -> None:
         return engine.embedding.forward(input_ids)
 
     emb.forward = embed_forward
-    for i, layer in enumerate(adapter.layers(model)):
-        def layer_forward(hidden_states, *args, _i=i, **kwargs):
+    for layer_no, layer in enumerate(adapter.layers(model)):
+        def layer_forward(hidden_states, *args, _layer_no=layer_no, **kwargs):
             if torch.is_grad_enabled() and hidden_states.requires_grad:
-                return LayerFunction.apply(hidden_states, engine, _i, args, kwargs)
-            return engine.layer_forward(_i, hidden_states, args, kwargs, save=False)
+                return LayerFunction.apply(hidden_states, engine, _layer_no, args, kwargs)
+            return engine.layer_forward(_layer_no, hidden_states, args, kwargs, save=False)
         layer.forward = layer_forward
-    adapter.final_norm(model).forward = lambda hidden_states, *a, **k: hidden_states   # applied by the head
+    adapter.final_norm(model).forward = lambda hidden_states, *args, **kwargs: hidden_states   # applied by the head
