@@ -33,8 +33,14 @@ class Fp8Ops:
         """x (M, K) -> (q (M, K) e4m3, inverse scales (M, 1) float32)."""
         raise NotImplementedError
 
-    def quantize_cols_t(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (R, C) -> (q (C, R padded to GEMM_ALIGN) e4m3, inverse scales (C, 1) float32)."""
+    def quantize_cols_t(self, x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (R, C) -> (q (C, R padded to GEMM_ALIGN) e4m3, inverse scales (C, 1) float32); `amax`:
+        x's column maxima of |x| (C,) float32 when already known (exactly those)."""
+        raise NotImplementedError
+
+    def quantize_rows_col_amax(self, x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """x (M, K) -> (`quantize_rows(x)`, x's column maxima (K,) float32), from one read where the
+        kernels can (an output gradient, whose columns are quantized next for wgrad)."""
         raise NotImplementedError
 
     def mm(self, a: tuple, b_t: tuple, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
@@ -48,8 +54,11 @@ class EmulatedFp8(Fp8Ops):
     def quantize_rows(self, x):
         return reference.fp8_quantize_rows(x)
 
-    def quantize_cols_t(self, x):
-        return reference.fp8_quantize_cols_t(x, GEMM_ALIGN)
+    def quantize_cols_t(self, x, amax=None):
+        return reference.fp8_quantize_cols_t(x, GEMM_ALIGN, amax)
+
+    def quantize_rows_col_amax(self, x):
+        return self.quantize_rows(x), x.detach().float().abs().amax(0)
 
     def mm(self, a, b_t, out_dtype, fast_accum):
         (qa, sa), (qb, sb) = a, b_t
@@ -63,9 +72,13 @@ class CudaFp8(Fp8Ops):
         from triton_ops.kernels.fp8_quant import fp8_quantize_rows
         return fp8_quantize_rows(x)
 
-    def quantize_cols_t(self, x):
+    def quantize_cols_t(self, x, amax=None):
         from triton_ops.kernels.fp8_quant import fp8_quantize_cols_t
-        return fp8_quantize_cols_t(x, GEMM_ALIGN)
+        return fp8_quantize_cols_t(x, GEMM_ALIGN, amax)
+
+    def quantize_rows_col_amax(self, x):
+        from triton_ops.kernels.fp8_quant import fp8_quantize_rows_col_amax
+        return fp8_quantize_rows_col_amax(x)
 
     def mm(self, a, b_t, out_dtype, fast_accum):
         (qa, sa), (qb, sb) = a, b_t
@@ -196,17 +209,22 @@ class Fp8Linear(torch.autograd.Function):
         (w,), x = ctx.saved_tensors, ctx.x
         ops = ctx.ops
         g2 = gy.reshape(-1, gy.shape[-1])                        # (M, N)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()                                 # once, for both of its forms
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gx = gw = gb = g_amax = None
+        if need_dx:
+            # With wgrad to follow, the read that quantizes dy's rows also takes its column maxima.
+            g_rows, g_amax = ops.quantize_rows_col_amax(g2) if need_dw else (ops.quantize_rows(g2), None)
             w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(w.detach())
-            gx = ops.mm(ops.quantize_rows(g2), w_cols, gy.dtype, fast_accum=False)     # (M, K)
+            gx = ops.mm(g_rows, w_cols, gy.dtype, fast_accum=False)     # (M, K)
             gx = gx.view(*gy.shape[:-1], w.shape[1])
-            del w_cols
+            del g_rows, w_cols
             if ctx.qweight is not None:
                 ctx.qweight.drop_cols_t()          # one backward per fill reads it (made again if not)
-        if ctx.needs_input_grad[1]:
+        if need_dw:
             # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
-            gw = ops.mm(ops.quantize_cols_t(g2), ctx.shared.cols_t(x), w.dtype, fast_accum=False)
+            gw = ops.mm(ops.quantize_cols_t(g2, g_amax), ctx.shared.cols_t(x), w.dtype, fast_accum=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         ctx.shared.release(x)

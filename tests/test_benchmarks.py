@@ -613,8 +613,30 @@ def test_fp8_quality_script_writes_both_curves(tmp_path):
     out = tmp_path / "q.json"
     assert quality.main(["--steps", "4", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "2", "--heads",
                          "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--warmup", "1",
-                         "--log-every", "2", "--emulate", "--device", "cpu", "--json", str(out)]) == 0
+                         "--log-every", "2", "--emulate", "--device", "cpu", "--json", str(out),
+                         "--svg", str(tmp_path / "q.svg")]) == 0
     doc = json.loads(out.read_text())
     assert len(doc["bf16"]) == len(doc["fp8"]) == 4 and doc["bf16"] != doc["fp8"]
     assert 0 < doc["max_rel_gap_after_warmup"] < 0.02 and doc["fp8_emulated"]
     assert quality.gap_after([2.0, 4.0], [1.0, 5.0], 1) == (0.25, 2)
+    svg = (tmp_path / "q.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2
+    # out of time after the first bf16 step: the FP8 arm makes the same one step
+    assert quality.main(["--steps", "4", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "1", "--heads",
+                         "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--warmup", "0",
+                         "--emulate", "--device", "cpu", "--json", str(out), "--max-seconds", "0"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["steps_run"] == len(doc["bf16"]) == len(doc["fp8"]) == 1
+
+
+def test_fp8_table_sets_each_fp8_row_beside_bf16_and_its_target():
+    import importlib
+    table = importlib.import_module("benchmarks.experiments.fp8_table")
+    doc = {"shape": {"name": "llama3-8b"}, "cap_gib": 12.0, "results": [
+        {"provider": "slide_fp8", "status": "ok", "tokens_per_s": 12500.0, "step_s": 2.62, "gpu_peak_reserved_gib": 11.2,
+         "gpu_alloc_retries": 0, "extra": {"slide_stats_per_step": {"gpu_compute_s": 2.01}}},
+        {"provider": "slide", "status": "ok", "tokens_per_s": 10000.0, "step_s": 3.28, "extra": {}}]}
+    fp8_line = next(line for line in table.lines(doc) if "slide_fp8" in line)
+    assert "12,500" in fp8_line and "1.25x" in fp8_line and "target 12,000: met" in fp8_line and "2.010" in fp8_line
+    doc["results"][0].update(status="timeout", error="wall-time limit")
+    assert "timeout" in next(line for line in table.lines(doc) if "slide_fp8" in line)

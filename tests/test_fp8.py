@@ -54,6 +54,19 @@ def test_cols_t_is_the_rows_of_the_transpose_padded(shape):
     assert not bool(q[:, rows:].float().any())
 
 
+def test_cols_t_takes_the_column_maxima_it_is_given():
+    torch.manual_seed(4)
+    x = (torch.randn(40, 24) * torch.logspace(-3, 2, 24)).bfloat16()
+    amax = x.float().abs().amax(0)
+    q, inv = reference.fp8_quantize_cols_t(x, 16, amax)
+    rq, rinv = reference.fp8_quantize_cols_t(x, 16)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(inv, rinv)
+    # maxima off by a power of two give scales off by it: the given maxima are the ones used
+    assert torch.equal(reference.fp8_quantize_cols_t(x, 16, amax * 2)[1], rinv * 2)
+    (eq, einv), eamax = EmulatedFp8().quantize_rows_col_amax(x)
+    assert torch.equal(eamax, amax) and torch.equal(einv, reference.fp8_quantize_rows(x)[1])
+
+
 def test_zero_row_and_saturation():
     x = torch.zeros(2, 32)
     x[1, 0] = 3.0e38                          # near float32's largest: the scale is tiny, nothing overflows
@@ -87,7 +100,7 @@ class ScaleOfOne(EmulatedFp8):
         q = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
         return q, torch.ones(x.shape[0], 1)
 
-    def quantize_cols_t(self, x):
+    def quantize_cols_t(self, x, amax=None):
         return self.quantize_rows(x.t().contiguous())
 
 

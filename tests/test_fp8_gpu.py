@@ -14,7 +14,8 @@ from hf_slideformer.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
 from triton_ops import reference
 from test_engine_gpu import HOST_ONLY, _pair, _train_state
 from test_fp8 import LINEAR_RTOL, _exact, _rel
-from test_triton_ops import FUSED_NORM_SHAPES, FUSED_SWIGLU_SHAPES, check_fused_rms_norm_rows, check_fused_swiglu_rows
+from test_triton_ops import (FUSED_NORM_SHAPES, FUSED_SWIGLU_SHAPES, ROWS_COL_AMAX_SHAPES, check_fused_rms_norm_rows,
+                             check_fused_swiglu_rows, check_rows_col_amax)
 from helpers import batches
 
 pytestmark = [pytest.mark.gpu]
@@ -39,6 +40,12 @@ def test_kernels_bit_equal_to_the_reference(shape, dtype):
         assert q.shape == rq.shape and q.is_contiguous()
         assert torch.equal(inv, rinv)
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), int((q.view(torch.uint8) != rq.view(torch.uint8)).sum())
+
+
+@pytest.mark.parametrize("shape", ROWS_COL_AMAX_SHAPES + [(32768, 4096), (4099, 14336)])
+def test_rows_col_amax_bit_equal_on_cuda(shape):
+    _need_fp8()
+    check_rows_col_amax("cuda", shape, exact_reference=True)
 
 
 @pytest.mark.parametrize("shape", FUSED_NORM_SHAPES + [(2, 2048, 4096)])

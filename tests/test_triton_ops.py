@@ -415,6 +415,33 @@ def check_fused_swiglu_rows(device, shape, dtype, exact_reference):
     _same(b.grad, br.grad, "d up")
 
 
+def check_rows_col_amax(device, shape, exact_reference):
+    """fp8_quantize_rows_col_amax against the row kernel and the exact column maxima, bit for bit;
+    the transposed quantization given those maxima against the one that takes its own."""
+    from triton_ops.kernels import fp8_quant as k
+    x = _spread_rows(shape, torch.bfloat16, device, 11)
+    x[:, 0] = x[:, 0] * 0                                        # a zero column
+    (q, inv), amax = k.fp8_quantize_rows_col_amax(x)
+    q_ref, inv_ref = k.fp8_quantize_rows(x)
+    _same(q, q_ref, "q")
+    _same(inv, inv_ref, "inv")
+    _same(amax, x.float().abs().amax(0), "column maxima")
+    _same(k.fp8_quantize_cols_t(x, 16, amax)[0], k.fp8_quantize_cols_t(x, 16)[0], "cols_t given the maxima")
+    _same(k.fp8_quantize_cols_t(x, 16, amax)[1], k.fp8_quantize_cols_t(x, 16)[1], "cols_t scales")
+    if exact_reference:
+        _same(q, reference.fp8_quantize_rows(x)[0], "q vs reference")
+        _same(k.fp8_quantize_cols_t(x, 16, amax)[0], reference.fp8_quantize_cols_t(x, 16)[0], "cols_t vs reference")
+
+
+ROWS_COL_AMAX_SHAPES = [(37, 409), (1000, 48), (5, 20000)]     # bands with a short last one; past one pass
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", ROWS_COL_AMAX_SHAPES)
+def test_fp8_rows_col_amax_kernel_is_the_two_passes(shape):
+    check_rows_col_amax(KERNEL_DEVICE, shape, exact_reference=KERNEL_DEVICE == "cuda")
+
+
 FUSED_NORM_SHAPES = [(3, 41, 257), (2, 1000), (65, 48)]        # rows not a multiple of the tile, H odd
 FUSED_SWIGLU_SHAPES = [(3, 7, 301), (5, 176), (2, 20000)]     # the last past the one-pass row length
 

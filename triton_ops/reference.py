@@ -278,8 +278,13 @@ def fp8_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, scale.reciprocal()
 
 
-def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_rows(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (M, K) to e4m3 with one scale per row (amax along K, the reduction dimension).
+
+    Args:
+        x: (M, K) tensor.
+        amax: (M,) or (M, 1) float32 row maxima of |x| already known (they must be exactly
+            those), or None to take them here.
 
     Returns:
         (q, inverse): q (M, K) float8_e4m3fn, row-major; inverse (M, 1) float32, so that
@@ -287,12 +292,14 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         `to_fp8_saturated`); the cast rounds to nearest even.
     """
     xf = x.float()
-    scale, inverse = fp8_scales(xf.abs().amax(dim=-1, keepdim=True))
+    amax = xf.abs().amax(dim=-1, keepdim=True) if amax is None else amax.float().reshape(-1, 1)
+    scale, inverse = fp8_scales(amax)
     q = (xf * scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.contiguous(), inverse
 
 
-def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1,
+                        amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x (R, C) along R (one scale per column) and write it transposed: (C, R) row-major.
 
     This is the column-major operand `torch._scaled_mm` takes as its second argument
@@ -303,11 +310,12 @@ def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor,
         x: (R, C) tensor.
         pad_to: R is padded with zero columns of the output to a multiple of this (16 for
             `torch._scaled_mm`); zeros change neither a maximum nor a product.
+        amax: (C,) float32 column maxima of |x| already known (exactly those), or None.
 
     Returns:
         (q, inverse): q (C, R_padded) float8_e4m3fn; inverse (C, 1) float32.
     """
-    q, inverse = fp8_quantize_rows(x.t())
+    q, inverse = fp8_quantize_rows(x.t(), amax)
     pad = -q.shape[1] % pad_to
     if pad:
         q = torch.cat([q, q.new_zeros(q.shape[0], pad)], dim=1)

@@ -15,7 +15,14 @@ The math is `triton_ops.reference.fp8_quantize_rows` / `fp8_quantize_cols_t` (to
 row-major, which is the column-major second operand the dgrad / wgrad GEMMs take; its R may be
 padded with zeros to a multiple of 16. It runs over tiles in two launches (the column maxima,
 folded with an atomic max, then the scaled, transposed tiles), so that a tall operand (the
-tokens of a micro-batch) spreads over every SM.
+tokens of a micro-batch) spreads over every SM; given the column maxima (`amax`), it is one
+launch and one read.
+`fp8_quantize_rows_col_amax` is the row quantization of an operand whose columns are quantized
+next (a projection's output gradient: rows for dgrad, columns for wgrad): a fixed number of
+programs each loop over a band of rows, quantize each row as the row kernel does and keep the
+band's column maxima in registers, written as one partial per program and reduced by a max
+(exact, so the scales equal the separate column pass's). The gradient is then read twice for its
+two forms instead of three times.
 The autograd tier of these kernels is `hf_slideformer.fp8.Fp8Linear`, which calls them through
 `hf_slideformer.fp8.CudaFp8`.
 """
@@ -25,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_quantize_rows", "fp8_quantize_cols_t"]
+__all__ = ["fp8_quantize_rows", "fp8_quantize_cols_t", "fp8_quantize_rows_col_amax"]
 
 _E4M3_MAX = 448.0
 _EPS = 1e-12
@@ -33,6 +40,7 @@ _ROW_BLOCK = 2048              # the two-pass row kernel's chunk, for rows longe
 _ONE_PASS_MAX = 16384         # rows up to this length are read once, kept in registers
 _AMAX_BLOCK_R = 256           # rows per tile of the column-maxima pass
 _COL_BLOCK = 64               # tile side of the transposed quantization
+_BAND_PROGRAMS_PER_SM = 4     # programs of the row kernel that also keeps column maxima
 
 
 @triton.jit
@@ -69,6 +77,27 @@ def _quant_rows_kernel(x_ptr, q_ptr, inv_ptr, K, stride_x, stride_q, BLOCK: tl.c
             x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
             tl.store(q_row + offs, tl.clamp(x * scale, -448.0, 448.0).to(tl.float8e4nv), mask=offs < K)
     tl.store(inv_ptr + r, inv)
+
+
+@triton.jit
+def _quant_rows_col_amax_kernel(x_ptr, q_ptr, inv_ptr, part_ptr, M, K, stride_x, stride_q, rows_per_program,
+                                BLOCK: tl.constexpr):
+    """Rows [pid * rows_per_program, ...) of x (M, K <= BLOCK), each read once: q and inv as the
+    row kernel writes them, and the band's column maxima of |x| into part[pid, :]."""
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, M)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    cmax = tl.zeros((BLOCK,), tl.float32)
+    for r in range(first, last):
+        x = tl.load(x_ptr + r * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        cmax = tl.maximum(cmax, ax)
+        scale, inv = _pow2_scale(tl.max(ax, axis=0))
+        tl.store(q_ptr + r * stride_q + offs, tl.clamp(x * scale, -448.0, 448.0).to(tl.float8e4nv), mask=mask)
+        tl.store(inv_ptr + r, inv)
+    tl.store(part_ptr + pid.to(tl.int64) * K + offs, cmax, mask=mask)
 
 
 @triton.jit
@@ -122,9 +151,10 @@ def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, inv
 
 
-def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the column kernels on x (R, C): the column maxima, then the transposed quantization.
-    Returns (q (C, R padded to `pad_to`), inv (C, 1))."""
+def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1,
+                        amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the column kernels on x (R, C): the column maxima (unless `amax` (C,) float32 gives
+    them, exactly), then the transposed quantization. Returns (q (C, R padded to `pad_to`), inv (C, 1))."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, C = x.shape
@@ -132,13 +162,53 @@ def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1) -> tuple[torch.Tensor,
     q = torch.empty((C, r_out), dtype=torch.float8_e4m3fn, device=x.device)
     inv = torch.empty((C, 1), dtype=torch.float32, device=x.device)
     if C:
-        amax = torch.zeros(C, dtype=torch.float32, device=x.device)
-        if R:
-            _col_amax_kernel[(triton.cdiv(R, _AMAX_BLOCK_R), triton.cdiv(C, _COL_BLOCK))](
-                x, amax, R, C, x.stride(0), BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_COL_BLOCK, num_warps=4)
+        if amax is None:
+            amax = torch.zeros(C, dtype=torch.float32, device=x.device)
+            if R:
+                _col_amax_kernel[(triton.cdiv(R, _AMAX_BLOCK_R), triton.cdiv(C, _COL_BLOCK))](
+                    x, amax, R, C, x.stride(0), BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_COL_BLOCK, num_warps=4)
+        elif amax.shape != (C,) or amax.dtype != torch.float32 or not amax.is_contiguous():
+            raise ValueError(f"amax must be a contiguous ({C},) float32 tensor, got {tuple(amax.shape)} {amax.dtype}")
         if r_out:
             _quant_cols_t_kernel[(triton.cdiv(r_out, _COL_BLOCK), triton.cdiv(C, _COL_BLOCK))](
                 x, amax, q, R, C, r_out, x.stride(0), q.stride(0), BLOCK_R=_COL_BLOCK, BLOCK_C=_COL_BLOCK,
                 num_warps=4)
         _inverse_kernel[(triton.cdiv(C, 1024),)](amax, inv, C, BLOCK=1024, num_warps=4)
     return q, inv
+
+
+def _band_programs(x: torch.Tensor, M: int) -> int:
+    if not x.is_cuda:
+        return max(1, min(M, 3))          # the interpreter: a few bands, the last one short
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return max(1, min(M, _BAND_PROGRAMS_PER_SM * sms))
+
+
+def fp8_quantize_rows_col_amax(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """x (M, K) quantized per row, and its column maxima of |x| from the same read (K up to
+    16384; a longer row takes the row kernel and the column-maxima kernel, two reads).
+
+    Returns:
+        ((q (M, K), inv (M, 1)), amax (K,) float32): `fp8_quantize_rows(x)` and the maxima that
+        `fp8_quantize_cols_t(x, amax=...)` takes.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    if K > _ONE_PASS_MAX or not M:
+        amax = torch.zeros(K, dtype=torch.float32, device=x.device)
+        if M and K:
+            _col_amax_kernel[(triton.cdiv(M, _AMAX_BLOCK_R), triton.cdiv(K, _COL_BLOCK))](
+                x, amax, M, K, x.stride(0), BLOCK_R=_AMAX_BLOCK_R, BLOCK_C=_COL_BLOCK, num_warps=4)
+        return fp8_quantize_rows(x), amax
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    inv = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    programs = _band_programs(x, M)
+    rows_per_program = triton.cdiv(M, programs)
+    programs = triton.cdiv(M, rows_per_program)
+    part = torch.empty((programs, K), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(max(K, 16))
+    warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    _quant_rows_col_amax_kernel[(programs,)](x, q, inv, part, M, K, x.stride(0), q.stride(0), rows_per_program,
+                                             BLOCK=block, num_warps=warps)
+    return (q, inv), part.amax(0)
