@@ -14,7 +14,7 @@ from hf_slideformer.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
 from triton_ops import reference
 from test_engine_gpu import HOST_ONLY, _pair, _train_state
 from test_fp8 import LINEAR_RTOL, _exact, _rel
-from test_triton_ops import (FUSED_NORM_SHAPES, FUSED_SWIGLU_SHAPES, ROWS_COL_AMAX_SHAPES, check_fused_rms_norm_rows,
+from test_fp8_kernels import (FUSED_NORM_SHAPES, FUSED_SWIGLU_SHAPES, ROWS_COL_AMAX_SHAPES, check_fused_rms_norm_rows,
                              check_fused_swiglu_rows, check_rows_col_amax)
 from helpers import batches
 
