@@ -231,8 +231,9 @@ class AdamW8bit(StateFormat):
                     "a scale is a finite absmax >= 0): the optimizer state is damaged, load a good checkpoint")
 
     def run(self, kernel, hp, u, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
-        if kernel is None or not kernel.native or found_inf is not None:
-            raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
+        if kernel is None or not kernel.native or found_inf is not None or state.master.device.type != "cpu":
+            self._run_torch(hp, u, state, ranges, grads, steps, scale, grad_mul, found_inf)
+            return
         fn = _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
         s = _hp8(hp, scale, grad_mul)
@@ -252,6 +253,29 @@ class AdamW8bit(StateFormat):
                state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
                b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
                int(g.dtype == torch.bfloat16), mbf, kernel.threads)
+
+    def _run_torch(self, hp, u, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
+        """`run` in torch ops on the state's device (adam8_torch.py): device state, or no native
+        kernel. A holder of part of a unit's arrays says where they start by `base` = (element
+        offset, block offset) in the unit."""
+        from .adam8_torch import adamw8_range, rounding_key_t
+
+        base, bbase = getattr(state, "base", (0, 0))
+        starts, b0 = [], 0
+        for e in u.entries:
+            starts.append(b0)
+            b0 += num_blocks(e.numel)
+        for (k, a, b), g, st in zip(ranges, grads, steps):
+            e = u.entries[k]
+            if (a - e.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {u.name} [{a}, {b})")
+            blk = starts[k] + (a - e.offset) // BLOCK - bbase
+            nb = num_blocks(b - a)
+            i, j = a - base, b - base
+            adamw8_range(hp, state.master[i:j], state.exp_avg[i:j], state.exp_avg_sq[i:j],
+                         state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], g, st,
+                         rounding_key_t(self.seed, u.index, st), a, scale=scale, grad_mul=grad_mul,
+                         found_inf=found_inf)
 
     def rows_fit(self, hidden: int) -> bool:
         return hidden % BLOCK == 0             # a block never spans two rows

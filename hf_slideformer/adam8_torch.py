@@ -1,0 +1,171 @@
+"""The block-wise 8-bit AdamW in torch ops: the compact formats' update where the state is not on
+the host (resident layers, the device-updated share: `AdamW8bit.run` with no host kernel).
+
+It is the arithmetic of the native kernel (csrc/host_adam8.c), operation by operation in fp32, on
+any device: the moments dequantized per block, the AdamW step with the new, unquantized moments,
+each block's new absmax and the codes of the rounding table (`quant_maps.quantize_lut`), a bf16
+master rounded stochastically with the kernel's hash of (key, element). The square root is taken in
+fp64 (then exact in fp32), and the two fused multiply-adds are taken in fp64 and rounded once to fp32, which equals the fused result but
+where the fp64 sum itself rounds at a tie of fp32 (double rounding: about one value in 2^29). So
+on the CPU it equals the native kernel code for code and bit for bit up to those
+(`tests/test_adam8_torch.py` holds them to within one code step on a few elements). Blocks are
+processed `CHUNK_BLOCKS` at a time, which bounds the temporaries on a GPU under a memory cap.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quant_maps import BLOCK, dynamic_map, quantize_lut
+
+__all__ = ["CHUNK_BLOCKS", "adamw8_range", "rounding_key_t", "round_bf16_stochastic_t", "Hyper8"]
+
+CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
+_M32 = 0xFFFFFFFF
+
+
+def _signed64(c: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit `c`."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 `x` as the 64-bit unsigned value its bits hold."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_t(x: torch.Tensor) -> torch.Tensor:
+    """host_optim._mix64 on int64 tensors (products wrap mod 2^64, as the unsigned ones)."""
+    x = (x ^ _shr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * _signed64(0x94D049BB133111EB)
+    return x ^ _shr(x, 31)
+
+
+def rounding_key_t(seed: int, unit_index: int, step: torch.Tensor) -> torch.Tensor:
+    """`host_optim.rounding_key(seed, unit_index, int(step))` from the step counter tensor (on its
+    device, without reading it on the host): an int64 scalar holding the 64-bit key's bits."""
+    from .host_optim import _mix64
+
+    base = _signed64(_mix64(_mix64(seed) ^ unit_index))
+    return _mix64_t(torch.as_tensor(base, dtype=torch.int64, device=step.device) ^ step.to(torch.int64))
+
+
+def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+    """The kernel's hash32 on int64 tensors holding uint32 values."""
+    x = ((x ^ k1) * 0x9E3779B1) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    x = x ^ (x >> 16)
+    return x ^ k2
+
+
+def round_bf16_stochastic_t(p: torch.Tensor, key: torch.Tensor, ctr: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 `p` rounded as the kernel's f2b_stochastic: element i with the hash of
+    (key, ctr[i]) (`ctr` int64, the elements' counters)."""
+    k1, k2 = key & _M32, _shr(key, 32) & _M32
+    r = _hash32(ctr & _M32, k1, k2) & 0xFFFF
+    u = p.contiguous().view(torch.int32).to(torch.int64) & _M32
+    t = u + r
+    keep = ((u & 0x7F800000) == 0x7F800000) | ((t & 0x7F800000) == 0x7F800000)   # inf / NaN, or a carry into it
+    hi = (torch.where(keep, u, t) >> 16) & 0xFFFF
+    return torch.where(hi >= 1 << 15, hi - (1 << 16), hi).to(torch.int16).view(torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device):
+    return tuple(t.to(device) for t in (dynamic_map(True), dynamic_map(False), quantize_lut(True).to(torch.int64),
+                                         quantize_lut(False).to(torch.int64)))
+
+
+class Hyper8:
+    """The update's fp32 constants (as `host_optim._hp8` / `_set_step8` give the native kernel),
+    the step's as 0-dim tensors on the state's device (from its step counter, not read on the host)."""
+
+    def __init__(self, hp: dict, scale, grad_mul: float, step: torch.Tensor, key: torch.Tensor):
+        f = lambda x: torch.tensor(x, dtype=torch.float32).item()          # noqa: E731 - fp32 as the kernel holds it
+        beta1, beta2 = (float(b) for b in hp["betas"])
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        dev = step.device
+        sign = -1.0 if hp.get("maximize", False) else 1.0
+        if scale is None:
+            gclip = torch.ones((), dtype=torch.float32, device=dev)
+        else:
+            scale = scale.to(dev, torch.float64) if torch.is_tensor(scale) else torch.tensor(float(scale), dtype=torch.float64,
+                                                                                              device=dev)
+            gclip = (1.0 / scale).to(torch.float32)
+        self.gscale = (torch.tensor(f(grad_mul), device=dev) * gclip) * sign
+        self.wd_mul = f(1.0 - lr * wd) if wd > 0.0 else 1.0
+        self.beta1, self.c1, self.beta2, self.c2 = f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2)
+        self.eps = f(float(hp["eps"]))
+        t = step.to(torch.float64)
+        self.bc2 = torch.sqrt(1.0 - beta2 ** t).to(torch.float32)
+        self.neg_step = (-lr / (1.0 - beta1 ** t)).to(torch.float32)
+        self.key = key
+
+
+def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:
+    """fmaf(a, b, c): the exact a * b (fp64 holds it) plus c, rounded (see the module)."""
+    return (a.to(torch.float64) * b + c.to(torch.float64)).to(torch.float32)
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """sqrtf, correctly rounded: through fp64, which rounds once more without a tie (torch's fp32 sqrt
+    on the CPU is not correctly rounded)."""
+    return x.to(torch.float64).sqrt().to(torch.float32)
+
+
+def _codes(x: torch.Tensor, mx: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The rounding table's codes of blocks `x` (rows) of absmax `mx`; 0 for an all-zero block."""
+    inv = torch.where(mx > 0, 1.0 / torch.where(mx > 0, mx, 1.0), 0.0)
+    y = (x * inv[:, None]).clamp(-1.0, 1.0)
+    idx = ((((y + 1.0) * 0.5) * 65535.0) + 0.5).to(torch.int64)
+    return torch.where((mx > 0)[:, None], lut[idx], 0).to(torch.uint8)
+
+
+def _blocks(h: Hyper8, w, q1, q2, a1, a2, g, ctr0: int, skip) -> None:
+    """The update of rows of blocks in place: w, q1, q2, g (rows, L); a1, a2 (rows,)."""
+    code1, code2, lut1, lut2 = _tables(w.device)
+    g = g.to(torch.float32) * h.gscale
+    m = _fma(g, h.c1, (code1[q1.long()] * a1[:, None]) * h.beta1)
+    v = _fma(g * h.c2, g, (code2[q2.long()] * a2[:, None]) * h.beta2)
+    p = w.to(torch.float32) * h.wd_mul
+    p = p + (h.neg_step * m) / (_sqrt(v) / h.bc2 + h.eps)
+    mx1, mx2 = m.abs().amax(dim=1), v.abs().amax(dim=1)
+    new = [_codes(m, mx1, lut1), _codes(v, mx2, lut2), mx1, mx2]
+    if w.dtype == torch.bfloat16:
+        ctr = ctr0 + torch.arange(w.numel(), dtype=torch.int64, device=w.device).view(w.shape)
+        new.append(round_bf16_stochastic_t(p, h.key, ctr))
+    else:
+        new.append(p)
+    for dst, src in zip((q1, q2, a1, a2, w), new):
+        dst.copy_(src if skip is None else torch.where(skip, dst, src))
+
+
+def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
+                 scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+    """One 8-bit AdamW step of a flat range from a block of its parameter, in place.
+
+    Args:
+        hp: the param group. master (n,) fp32 or bf16, q1, q2 (n,) uint8 codes, a1, a2
+            (ceil(n / BLOCK),) fp32 absmax, grad (n,) fp32 or bf16: the range's views.
+        step: its fp32 step counter (advanced); key: `rounding_key_t`'s for this update;
+            ctr: the range's first element's counter (its offset in the unit).
+        scale: divide the gradient by it (a float or a scalar tensor), None for 1.
+        found_inf: where nonzero, nothing changes (decided on the device).
+    """
+    h = Hyper8(hp, scale, grad_mul, step, key)
+    skip = None if found_inf is None else (found_inf != 0)
+    n = master.numel()
+    full = n // BLOCK
+    for b0 in range(0, full, CHUNK_BLOCKS):
+        b1 = min(full, b0 + CHUNK_BLOCKS)
+        lo, hi = b0 * BLOCK, b1 * BLOCK
+        _blocks(h, *(t[lo:hi].view(-1, BLOCK) for t in (master, q1, q2)), a1[b0:b1], a2[b0:b1],
+                grad[lo:hi].view(-1, BLOCK), ctr + lo, skip)
+    if n > full * BLOCK:
+        lo = full * BLOCK
+        _blocks(h, *(t[lo:].view(1, -1) for t in (master, q1, q2)), a1[full:full + 1], a2[full:full + 1],
+                grad[lo:].view(1, -1), ctr + lo, skip)

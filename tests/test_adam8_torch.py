@@ -1,0 +1,113 @@
+"""The compact formats' update in torch ops (adam8_torch.py), what resident and device-updated
+units run: on CPU tensors it equals the native host kernel (csrc/host_adam8.c) step by step."""
+import pytest
+import torch
+
+from hf_slideformer.adam8_torch import adamw8_range, round_bf16_stochastic_t, rounding_key_t
+from hf_slideformer.host_adam import HostAdam, NativeKernelError
+from hf_slideformer.host_optim import round_bf16_stochastic, rounding_key, state_format
+from hf_slideformer.store import ParamEntry, Unit
+
+try:
+    KERNEL = HostAdam("native", 2)
+except NativeKernelError:                    # pragma: no cover - a machine without a C compiler
+    KERNEL = None
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no native host kernel here")
+
+SHAPES = [(37, 41), (300,), (1000, 3), (256,), (5,)]
+GROUPS = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
+          dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, maximize=True)]
+GROUP_OF = [0, 1, 0, 1, 0]
+
+
+def make_unit(fmt, params, index=3):
+    entries, off = [], 0
+    for k, p in enumerate(params):
+        entries.append(ParamEntry(name=f"p{k}", shape=p.shape, offset=off, numel=p.numel(), holders=[]))
+        off += p.numel()
+    u = Unit(name="layer", kind="layer", index=index, entries=entries, numel=off)
+    u.master = torch.cat([p.reshape(-1) for p in params]).to(fmt.master_dtype)
+    fmt.allocate([u], lambda n, dtype: torch.zeros(n, dtype=dtype))
+    u.steps = [torch.zeros(()) for _ in entries]
+    return u
+
+
+def step(fmt, kernel, u, grads, groups, scale=None):
+    for gi, hp in enumerate(groups):
+        ks = [k for k in range(len(u.entries)) if GROUP_OF[k] == gi]
+        for k in ks:
+            u.steps[k].add_(1)
+        ranges = [(k, u.entries[k].offset, u.entries[k].offset + u.entries[k].numel) for k in ks]
+        fmt.run(kernel, hp, u, u, ranges, [grads[a:b] for _, a, b in ranges], [u.steps[k] for k in ks], scale)
+
+
+def arrays(fmt, u):
+    return {k: v.clone() for k, v in fmt.tensors(u).items()}
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_update_equals_the_native_kernel_step_by_step(name, grad_dtype):
+    """Codes, block scales and master bit for bit over steps with weight decay, maximize, a clip
+    scale and a changing lr (the fp64 fused multiply-adds round as fmaf but at fp32 ties, which
+    these values do not meet)."""
+    fmt = state_format(name)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    native, ref = make_unit(fmt, params), make_unit(fmt, params)
+    for t in range(6):
+        grads = (torch.randn(native.numel, generator=gen) * (1 + t)).to(grad_dtype)
+        groups = [dict(g, lr=g["lr"] * (0.5 ** t)) for g in GROUPS]
+        scale = None if t % 2 else 1.7
+        step(fmt, KERNEL, native, grads, groups, scale)
+        step(fmt, None, ref, grads, groups, scale)
+        a, b = arrays(fmt, native), arrays(fmt, ref)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (t, k)
+
+
+def test_without_quantization_the_states_part():
+    """The test above is not vacuous: the same steps with fp32 AdamW's moments (no quantization)
+    end elsewhere than the 8-bit update by far more than a code step."""
+    fmt = state_format("adamw_8bit")
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    u8, u32 = make_unit(fmt, params), make_unit(state_format("adamw"), params)
+    for t in range(6):
+        grads = torch.randn(u8.numel, generator=gen) * (1 + t)
+        step(fmt, None, u8, grads, GROUPS)
+        step(state_format("adamw"), None, u32, grads, GROUPS)
+    assert not torch.equal(u8.master, u32.master)
+    assert (u8.master - u32.master).abs().max() > 1e-5
+
+
+def test_the_rounding_key_and_the_stochastic_rounding_are_the_kernels():
+    for seed, unit, st in ((0, 0, 1), (7, 31, 12345), (2 ** 40 + 3, 5, 2 ** 20)):
+        key = rounding_key_t(seed, unit, torch.tensor(float(st)))
+        assert int(key) & ((1 << 64) - 1) == rounding_key(seed, unit, st)
+    if KERNEL is None:
+        return
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(10_000, generator=gen) * 10.0 ** torch.randint(-30, 30, (10_000,), generator=gen)
+    x[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.3895e38])
+    key = rounding_key(3, 4, 5)
+    want = round_bf16_stochastic(x, key, ctr=77)
+    got = round_bf16_stochastic_t(x, torch.tensor(key - (1 << 64) if key >= 1 << 63 else key), 77 + torch.arange(x.numel()))
+    assert torch.equal(got.view(torch.int16)[3:], want.view(torch.int16)[3:])
+    assert torch.isnan(got[2]) and torch.equal(got[:2], want[:2])
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_a_found_inf_leaves_the_state_as_it_was(name):
+    fmt = state_format(name)
+    gen = torch.Generator().manual_seed(2)
+    u = make_unit(fmt, [torch.randn(700, generator=gen)])
+    step(fmt, None, u, torch.randn(700, generator=gen), GROUPS[:1])
+    before = arrays(fmt, u)
+    u.steps[0].add_(1)
+    adamw8_range(GROUPS[0], u.master, u.exp_avg, u.exp_avg_sq, u.exp_avg_absmax, u.exp_avg_sq_absmax,
+                 torch.randn(700, generator=gen), u.steps[0], rounding_key_t(0, 3, u.steps[0]), 0,
+                 found_inf=torch.tensor(1.0))
+    after = arrays(fmt, u)
+    assert all(torch.equal(before[k], after[k]) for k in before)
