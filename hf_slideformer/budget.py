@@ -33,7 +33,8 @@ def resident_bytes_per_param(dtype: torch.dtype) -> int:
 
 def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
                   dtype: torch.dtype, embed: bool | None = None, layers: int | None = None, clipping: bool = False,
-                  margin_fraction: float = 0.1, min_margin: int = 2 * GiB) -> tuple[bool, int]:
+                  margin_fraction: float = 0.1, min_margin: int = 2 * GiB,
+                  layer_bytes_per_param: float | None = None) -> tuple[bool, int]:
     """What to keep resident in what a measured step left free under the limit: (embedding?, layers).
 
     The embedding comes first when it is not fixed by the caller: per byte of GPU memory it
@@ -50,6 +51,8 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
         clipping: updates wait for the global norm at optimizer.step(), so every resident layer
             keeps its own fp32 gradient until then (else one buffer serves them all).
         margin_fraction, min_margin: head-room kept free for longer batches and fragmentation.
+        layer_bytes_per_param: a resident layer's GPU bytes per parameter in its state format
+            (`resident_state.resident_bytes_per_param_of`); None: fp32 AdamW's.
     """
     margin = max(min_margin, int(margin_fraction * limit_bytes))
     budget = limit_bytes - peak_bytes - margin
@@ -59,6 +62,8 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
     if embed:
         budget -= embed_numel * (per + 4)
     if layers is None:
+        if layer_bytes_per_param is not None:
+            per = layer_bytes_per_param
         if clipping:
             per += 4                                                     # a gradient per layer
         else:

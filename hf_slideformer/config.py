@@ -145,8 +145,8 @@ class SlideConfig:
         "AdamW8bit, about 6 bytes) or 'adamw_8bit_bf16' (those and a bf16 master with stochastic rounding, about 4 "
         "bytes). The embedding keeps the format where its hidden size is a multiple of 256 (else 'adamw'), and "
         "'adamw' when resident_embedding=True (its state then lives on the GPU; 'auto' keeps it on the host). "
-        "The compact formats update every layer on the CPU: no resident "
-        "layers, no device updates, no state on disk (host_memory_limit must hold it all), one process "
+        "Resident layers and device-updated layers keep the compact format on the GPU too; the compact formats "
+        "keep no state on disk (host_memory_limit must hold it all) and run in one process "
         "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
     matmuls: str = option(
         "dtype", Choice("dtype", "fp8"),
@@ -204,21 +204,14 @@ class SlideConfig:
             self.use_kernels = dev.type == "cuda"
 
     def _check_optimizer_state(self) -> None:
-        """A compact optimizer state runs its update in the host kernel only: refuse what would run it
-        elsewhere, and resolve the 'auto' placements (the embedding's included) to the host."""
+        """A compact optimizer state updates host units in the native kernel and GPU units (resident
+        layers, the device-updated share) in torch ops: refuse the torch host route, and resolve a
+        resident embedding's 'auto' to the host (host_optim.embed_format)."""
         if self.optimizer_state == "adamw":
             return
-        bad = []
         if self.host_adam == "torch":
-            bad.append("host_adam='torch' (the compact update is in the native kernel: use 'auto' or 'native')")
-        if self.resident_layers not in ("auto", 0):
-            bad.append(f"resident_layers={self.resident_layers!r} (use 0)")
-        if self.device_update_share not in ("auto", 0, 0.0):
-            bad.append(f"device_update_share={self.device_update_share!r} (use 0)")
-        if bad:
-            raise ValueError(f"SlideConfig.optimizer_state={self.optimizer_state!r} updates every layer on the host "
-                             f"and does not support {'; '.join(bad)}")
-        self.resident_layers, self.device_update_share = 0, 0.0
+            raise ValueError(f"SlideConfig.optimizer_state={self.optimizer_state!r} does not support host_adam='torch' "
+                             "(the compact host update is in the native kernel: use 'auto' or 'native')")
         if self.resident_embedding == "auto":
             # the embedding's state is in the compact format on the host: a resident one keeps fp32
             # AdamW on the GPU, which only resident_embedding=True asks for (host_optim.embed_format)

@@ -8,8 +8,9 @@ the backward: the CPU AdamW of every host layer runs after it and paces the next
 update is streamed through the GPU instead: its fp32 master, moments and gradient go in
 (16 bytes per parameter), torch's fused CUDA AdamW updates them, the new weights are cast
 straight into the layer's slot, and master and moments go back to the host store (12 bytes per
-parameter, on the other copy engine). The CPU updates the other layers meanwhile, 4 bytes per
-parameter of h2d each. With the CPU's rate r and the link's B (both ways at once), a share
+parameter, on the other copy engine); under a compact state format the layer's master, codes and
+block scales go in and back instead, and its update is the format's in torch ops (adam8_torch.py).
+The CPU updates the other layers meanwhile, 4 bytes per parameter of h2d each. With the CPU's rate r and the link's B (both ways at once), a share
 
     f = (B - 4 r) / (B + 12 r)
 
@@ -38,8 +39,10 @@ import torch
 
 from . import optim as _optim
 from .budget import DEVICE_PIECE, balanced_share, pick_device_units
+from .host_optim import ADAMW
 from .memory import release_pages
 from .placements import DeferredStep, HostLayer
+from .quant_maps import block_at, num_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +61,47 @@ class _Pending:
         self.batches = None
         self.steps = None
         self.next = 0
+
+
+class _Piece:
+    """One set of device buffers of a piece update: the gradient (fp32) and the state format's
+    master and arrays for up to `numel` elements (a block array: their blocks, a piece spanning up
+    to `entries` parameters' partial blocks)."""
+
+    def __init__(self, fmt, numel: int, entries: int, device):
+        self.format, self.numel = fmt, numel
+        self.grad = torch.empty(numel, dtype=torch.float32, device=device)
+        self.master = torch.empty(numel, dtype=fmt.master_dtype, device=device)
+        blocks = num_blocks(numel) + entries
+        self.arrays = {a.name: torch.empty(numel if a.per == "param" else blocks, dtype=a.dtype, device=device)
+                       for a in fmt.arrays}
+        self.base = (0, 0)
+
+    def pairs(self, u, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device view, host view) of the master and each array for [lo, hi) of unit `u`."""
+        b0, b1 = block_at(u.entries, lo), block_at(u.entries, hi)
+        self.base = (lo, b0)
+        out = [(self.master[:hi - lo], u.master[lo:hi])]
+        for a in self.format.arrays:
+            i, j = (lo, hi) if a.per == "param" else (b0, b1)
+            out.append((self.arrays[a.name][:j - i], getattr(u, a.name)[i:j]))
+        return out
+
+    def __getattr__(self, name):                   # the format's arrays, as `StateFormat.run` reads them
+        arrays = self.__dict__.get("arrays", {})
+        if name in arrays:
+            return arrays[name]
+        raise AttributeError(name)
+
+    def update(self, u, batch: dict, lo: int, grad, steps, groups: list[dict], scale) -> None:
+        """The format's update of one `piece_batches` batch starting at `lo` (after `pairs`)."""
+        if self.format is ADAMW:
+            _optim.apply_batch(batch, lo, self.master, grad, self.arrays["exp_avg"], self.arrays["exp_avg_sq"],
+                               steps, groups, scale)
+            return
+        for gi, ranges in batch.items():
+            self.format.run(None, groups[gi], u, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
+                            [steps[k] for k, _, _ in ranges], scale)
 
 
 class DeviceUpdateLayer(HostLayer):
@@ -126,14 +170,16 @@ class DeviceUpdater:
                 and self.engine.config.max_grad_norm is not None)
 
     def _ensure_sets(self, numel: int) -> None:
-        """Two sets of four fp32 device buffers (master, gradient, moments) for pieces of `numel`."""
+        """Two sets of device buffers for pieces of `numel`: the gradient (fp32) and the layers' state
+        format's master and arrays (`_Piece`)."""
         e = self.engine
         n = min(2 * DEVICE_PIECE, numel)
-        if self._sets is None or self._sets[0][0].numel() < n:
+        if self._sets is None or self._sets[0].numel < n:
             if e.streams.cuda and self._sets is not None:
                 torch.cuda.synchronize(e.device)
-            self._sets = [tuple(torch.empty(n, dtype=torch.float32, device=e.device) for _ in range(4))
-                          for _ in range(2)]
+            fmt = e.layer_units[0].state_format or ADAMW
+            entries = max(len(u.entries) for u in e.layer_units)
+            self._sets = [_Piece(fmt, n, entries, e.device) for _ in range(2)]
             self._free = [None, None]
 
     def share(self) -> float:
@@ -183,18 +229,19 @@ class DeviceUpdater:
         e = self.engine
         opt_state = e.optimizer.state if e.optimizer is not None else {}
         for u in units:
-            for attr in ("exp_avg", "exp_avg_sq", "grad"):
+            fmt = u.state_format or ADAMW
+            for attr in [a.name for a in fmt.arrays] + ["grad"]:
                 old = getattr(u, attr)
                 if old is None or (e.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
                     continue                                             # with accumulation (accumulate.py)
-                new = e.pinned.empty(u.numel)
+                new = e.pinned.empty(old.numel(), dtype=old.dtype)
                 new.copy_(old)
                 setattr(u, attr, new)
                 release_pages(old)
-            for x in u.entries:
+            for k, x in enumerate(u.entries):
                 st = opt_state.get(x.param)
                 if st is not None:                       # the optimizer's state views the new buffers
-                    st["exp_avg"], st["exp_avg_sq"] = x.view(u.exp_avg), x.view(u.exp_avg_sq)
+                    st.update(fmt.entry_state(u, k))
 
     def reset(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
@@ -288,20 +335,24 @@ class DeviceUpdater:
         # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
         # buffers alternate: set k is overwritten once its last d2h copy has read it.
         st.wait(self._free[k], st.h2d)
-        w, g, m, v = (t[:n] for t in self._sets[k])
+        piece = self._sets[k]
+        pairs = piece.pairs(u, lo, hi)              # (device view, host view) of the master and arrays
+        g = piece.grad[:n]
         with st.on(st.h2d):
-            for d, src in ((w, u.master), (g, grad), (m, u.exp_avg), (v, u.exp_avg_sq)):
-                d.copy_(src[lo:hi], non_blocking=True)
+            g.copy_(grad[lo:hi], non_blocking=True)
+            for d, src in pairs:
+                d.copy_(src, non_blocking=True)
             read = st.record(st.h2d)
-            _optim.apply_batch(batch, lo, w, g, m, v, steps, groups, scale)
+            piece.update(u, batch, lo, g, steps, groups, scale)
             if dst is not None:
-                dst[lo:hi].copy_(w)                 # the new weights, cast on the device
+                dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)
         with st.on(st.d2h):
-            for d, src in ((u.master, w), (u.exp_avg, m), (u.exp_avg_sq, v)):
-                d[lo:hi].copy_(src, non_blocking=True)
+            for d, src in pairs:
+                src.copy_(d, non_blocking=True)
         self._free[k] = u.host_write = st.record(st.d2h)
-        e.stats.add_h2d(n * 16)
-        e.stats.add_bytes("d2h", n * 12)
+        moved = sum(d.numel() * d.element_size() for d, _ in pairs)
+        e.stats.add_h2d(moved + n * grad.element_size())
+        e.stats.add_bytes("d2h", moved)
         e.stats.gpu_adam_params += n
         return read

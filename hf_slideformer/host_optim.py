@@ -368,48 +368,6 @@ def optimizer_state_of(optim: str) -> str:
                      f"{', '.join(TRAINER_FP32_NAMES + TRAINER_8BIT_NAMES)}")
 
 
-@dataclass
-class _Range:
-    offset: int
-    numel: int
-
-
-@dataclass
-class _RateUnit:
-    entries: list
-    numel: int
-    master: torch.Tensor
-    name: str = "rate"
-    index: int = 0
-
-
-def rate_unit(fmt: StateFormat, numel: int):
-    """A unit of one parameter of `numel` elements in `fmt`, its state plain values (the rate
-    measurements: `measure_state_rate`, benchmarks/host_adam_rate.py)."""
-    u = _RateUnit([_Range(0, numel)], numel, torch.full((numel,), 0.5, dtype=fmt.master_dtype))
-    fmt.allocate([u], lambda n, dtype: torch.ones(n, dtype=dtype))
-    for a in fmt.arrays:
-        if a.per == "block":
-            getattr(u, a.name).fill_(1e-3)
-    return u
-
-
-def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threads: int | None = None,
-                       params: int = 1 << 26, repeat: int = 5):
-    """`host_adam.measure_rate` of the update of `optimizer_state` (its master and moments in their
-    dtypes, a bf16 gradient): a `HostRate`."""
-    from .host_adam import measure_rate
-
-    if optimizer_state == "adamw":
-        return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat)
-    fmt = state_format(optimizer_state)
-
-    def update(kernel, n, hp, grad, step):
-        u = rate_unit(fmt, n)
-        return lambda: fmt.run(kernel, hp, u, u, [(0, 0, n)], [grad], step, None)
-    return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat, update=update)
-
-
 def formats_holding(arrays: dict[str, torch.dtype]) -> list[str]:
     """The names of the formats whose moments are exactly `arrays` (name -> dtype)."""
     return [f.name for f in FORMATS.values() if {a.name: a.dtype for a in f.arrays} == arrays]
@@ -428,3 +386,7 @@ def unit_format(u, config) -> StateFormat:
     if u.kind != "embed":
         return state_format(config.optimizer_state)
     return embed_format(config.optimizer_state, int(u.entries[0].shape[-1]), config.resident_embedding is True)
+
+
+# The rate measurement (host_rate.py), kept importable from here.
+from .host_rate import measure_state_rate, rate_unit  # noqa: E402

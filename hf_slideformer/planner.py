@@ -27,6 +27,7 @@ from .plan_lora import (
     FROZEN_BASE_BYTES, MODULES_TO_SAVE, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora,
 )
 from .plan_report import Plan, advise
+from .resident_state import resident_bytes_per_param_of
 
 __all__ = ["ModelShape", "Plan", "load_model_config", "model_shape", "plan"]
 
@@ -267,17 +268,19 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.flops_per_token = est.flops_per_token()
     res = (False, 0)
     if resident and N == 1 and gpus == 1 and est.host_updates:     # several GPUs: the engine keeps none
-        # a compact state format keeps no resident units (its update is the host kernel's; the engine's
-        # resident_embedding='auto' keeps the embedding on the host in the format: host_optim.embed_format)
+        # resident layers keep the state format on the GPU (resident_state.py); under a compact format
+        # the engine's resident_embedding='auto' keeps the embedding on the host in the format
+        # (host_optim.embed_format)
+        from .host_optim import state_format
+        layer_per = resident_bytes_per_param_of(state_format(optim), torch.bfloat16)
         res = plan_resident(limit_bytes=int(gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
-                            layer_numel=shape.layer_params,
-                            n_layers=shape.layers - k_disk.layers if optim == "adamw" else 0,
+                            layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None,
-                            embed=None if optim == "adamw" else False)
+                            embed=None if optim == "adamw" else False, layer_bytes_per_param=layer_per)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
         per = resident_bytes_per_param(torch.bfloat16)
-        held = ((per + 4) * shape.embed_params if res[0] else 0) + res[1] * shape.layer_params * per
+        held = ((per + 4) * shape.embed_params if res[0] else 0) + res[1] * shape.layer_params * layer_per
         if res[1]:
             held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)
         p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held

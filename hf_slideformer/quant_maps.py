@@ -18,7 +18,7 @@ import functools
 import torch
 
 __all__ = ["BLOCK", "LUT_SIZE", "dynamic_map", "quantize_lut", "quantize_blockwise", "dequantize_blockwise",
-           "num_blocks", "code_search_table", "SEARCH_LEVELS"]
+           "num_blocks", "block_at", "code_search_table", "SEARCH_LEVELS"]
 
 BLOCK = 256
 LUT_SIZE = 65536
@@ -27,6 +27,18 @@ LUT_SIZE = 65536
 def num_blocks(numel: int) -> int:
     """Blocks of one parameter of `numel` elements (its last block may be partial)."""
     return -(-numel // BLOCK)
+
+
+def block_at(entries, x: int) -> int:
+    """The index, in the block arrays of a unit of parameters `entries` (each with its `offset` and
+    `numel`, blocks from its own start), of the block that starts at flat offset `x`: a block start
+    of its parameter, or the end of one (then the next parameter's first block)."""
+    b0 = 0
+    for e in entries:
+        if x <= e.offset + e.numel:
+            return b0 + num_blocks(max(0, x - e.offset))
+        b0 += num_blocks(e.numel)
+    return b0
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,9 +3,10 @@ updated there.
 
 Under a memory cap the GPU usually has room left after the window, the activations and the
 head: a 3B model trained at 16 x 2048 under 24 GiB peaks near 13 GiB. That room is worth more
-as optimizer state than as nothing: a resident layer keeps its fp32 master, Adam moments and
-compute-dtype weights on the GPU, is never copied in, and is updated by torch's fused CUDA
-AdamW right after its backward, instead of by the CPU worker (tens of ms per layer). The CPU
+as optimizer state than as nothing: a resident layer keeps its master, Adam moments (in its state
+format: resident_state.py) and compute-dtype weights on the GPU, is never copied in, and is updated
+there right after its backward (torch's fused CUDA AdamW; the compact formats' update in torch ops,
+adam8_torch.py), instead of by the CPU worker (tens of ms per layer). The CPU
 worker, the bound at small batches, has that much less to do, and the next forward does not
 wait for those layers.
 
@@ -28,47 +29,12 @@ from .memory import GiB, release_pages
 from .optim import sq_norm as _sq_norm
 from .placements import DeferredStep, LayerPlacement
 from .planner import plan as _estimate
+from .resident_state import ResidentState, resident_bytes_per_param_of
 from .store import Unit
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResidentState", "ResidentLayer", "ResidentPlan", "plan_resident", "measured_peak"]
-
-
-class ResidentState:
-    """Device copies of one layer unit's master, moments, step counters and compute weights."""
-
-    def __init__(self, u: Unit, dtype: torch.dtype, device: torch.device, with_grad: bool = False):
-        self.unit = u
-        self.master = torch.empty(u.numel, dtype=torch.float32, device=device)
-        self.exp_avg = torch.empty_like(self.master)
-        self.exp_avg_sq = torch.empty_like(self.master)
-        self.weights = torch.empty(u.numel, dtype=dtype, device=device) if dtype != torch.float32 else self.master
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in u.entries]
-        # The step's gradient, kept until optimizer.step() when it clips, or summed over the
-        # micro-batches with accumulation (layers in-backward with one backward share one).
-        self.grad = torch.empty_like(self.master) if with_grad else None
-        self.grad_valid = False           # with accumulation: `grad` holds this step's running sum
-
-    def _pairs(self):
-        """(device tensor, host tensor) of the master, the moments and each step counter."""
-        u = self.unit
-        return [(self.master, u.master), (self.exp_avg, u.exp_avg), (self.exp_avg_sq, u.exp_avg_sq),
-                *zip(self.steps, u.steps)]
-
-    def load_from_host(self) -> None:
-        for dev, host in self._pairs():
-            dev.copy_(host)
-        if self.weights is not self.master:
-            self.weights.copy_(self.master)
-
-    def store_to_host(self) -> None:
-        """Write moments, counters and master back (the caller has synchronized the device)."""
-        for dev, host in self._pairs():
-            host.copy_(dev)
-
-    def views(self) -> list[torch.Tensor]:
-        return self.unit.views(self.weights)
+__all__ = ["ResidentState", "ResidentLayer", "ResidentPlan", "plan_resident", "measured_peak"]   # ResidentState: resident_state.py
 
 
 class ResidentLayer(LayerPlacement):
@@ -210,7 +176,8 @@ class ResidentPlan:
         plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
                              layer_numel=max(u.numel for u in e.layer_units), n_layers=len(e.layer_units),
                              embed_numel=e.embed_unit.numel, dtype=e.dtype, embed=embed, layers=layers,
-                             clipping=c.max_grad_norm is not None)
+                             clipping=c.max_grad_norm is not None,
+                             layer_bytes_per_param=resident_bytes_per_param_of(e.layer_units[0].state_format, e.dtype))
         logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
         return plan
 
@@ -247,7 +214,7 @@ class ResidentPlan:
         emb = self.engine.embedding
         ts = [emb.rgrad, self.shared_grad]
         for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
-            ts += [r.master, r.exp_avg, r.exp_avg_sq, r.grad] + ([r.weights] if r.weights is not r.master else [])
+            ts += r.tensors()
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def fit(self, tokens: int) -> None:
@@ -274,9 +241,9 @@ class ResidentPlan:
     def make_state(self, u: Unit, with_grad: bool = False) -> ResidentState:
         """`u`'s state copied to the device once its last update has landed; its host moments given back."""
         e = self.engine
-        if u.state_format is not None and u.state_format.name != "adamw":
-            raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: only fp32 "
-                                  "AdamW state moves to the GPU (use resident_embedding=False or 'auto')")
+        if u.kind == "embed" and u.state_format is not None and u.state_format.name != "adamw":
+            raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: a resident "
+                                  "embedding keeps fp32 AdamW (use resident_embedding=False or 'auto')")
         e.clock.wait(u.updated, "update")           # its last CPU update has landed in the host store
         e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
         e.streams.wait(u.host_write)
@@ -285,8 +252,7 @@ class ResidentPlan:
         # The host moments are not read again until evict() writes them back; a clipping layer's
         # host accumulator is not used while its gradient stays on the device (it reads as zeros,
         # its reset state).
-        release_pages(u.exp_avg)
-        release_pages(u.exp_avg_sq)
+        r.release_host(release_pages)
         if u.grad is not None and not u.grad_valid:
             release_pages(u.grad)
         return r

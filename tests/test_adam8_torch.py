@@ -111,3 +111,61 @@ def test_a_found_inf_leaves_the_state_as_it_was(name):
                  found_inf=torch.tensor(1.0))
     after = arrays(fmt, u)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@needs_kernel
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_the_update_on_cuda_equals_the_native_kernel(name):
+    """On CUDA the same arithmetic: codes and scales as the host kernel's but where the fp64 powers
+    of the bias corrections round otherwise (none here), the master within one ulp."""
+    fmt = state_format(name)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen) for s in SHAPES + [(4096, 300)]]
+    native, dev = make_unit(fmt, params), make_unit(fmt, params)
+    for k, t in fmt.tensors(dev).items():
+        setattr(dev, k, t.cuda())
+    dev.steps = [s.cuda() for s in dev.steps]
+    for t in range(4):
+        grads = torch.randn(native.numel, generator=gen) * (1 + t)
+        step(fmt, KERNEL, native, grads, GROUPS, 1.3 if t % 2 else None)
+        step(fmt, None, dev, grads.cuda(), GROUPS, 1.3 if t % 2 else None)
+    a, b = arrays(fmt, native), {k: v.cpu() for k, v in arrays(fmt, dev).items()}
+    for k in a:
+        if k == "master":
+            ulp = (a[k].float().view(torch.int32) - b[k].float().view(torch.int32)).abs()
+            assert int(ulp.max()) <= (1 << 16 if name.endswith("bf16") else 1), k
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_resident_and_device_layers_on_cuda_equal_the_host_run(name):
+    """A tiny model on the GPU: resident layers and the device-updated share in a compact format
+    against the host-only run of the format (the forward and backward are the same kernels; the
+    updates agree to the rounding of the bias corrections)."""
+    import hf_slideformer as hs
+    from helpers import batches, family_config
+    from transformers import AutoModelForCausalLM
+
+    data = [{k: v.cuda() for k, v in b.items()} for b in batches(4, pad=True)]
+    out = []
+    for kw in (dict(resident_layers=0, device_update_share=0.0), dict(resident_layers=2, device_update_share=0.0),
+               dict(resident_layers=0, device_update_share=1.0)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(family_config("llama", False)).float()
+        slid = hs.slide(model, hs.SlideConfig(device="cuda", dtype=torch.float32, optimizer_state=name,
+                                              max_grad_norm=0.5, **kw))
+        opt = slid.create_optimizer(lr=1e-2, weight_decay=0.1)
+        for b in data:
+            slid(**b).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        eng = slid.slide_engine
+        assert bool(eng.residents.layers) == (kw["resident_layers"] > 0)
+        assert bool(eng.device_updates.units) == (kw["device_update_share"] > 0)
+        out.append({k: v.float().cpu() for k, v in slid.state_dict().items()})
+    for s in out[1:]:
+        for k in out[0]:
+            torch.testing.assert_close(s[k], out[0][k], rtol=0, atol=2e-2 if name.endswith("bf16") else 1e-4)
