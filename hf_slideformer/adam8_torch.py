@@ -47,8 +47,7 @@ def rounding_key_t(seed: int, unit_index: int, step: torch.Tensor) -> torch.Tens
     device, without reading it on the host): an int64 scalar holding the 64-bit key's bits."""
     from .host_optim import _mix64
 
-    base = _signed64(_mix64(_mix64(seed) ^ unit_index))
-    return _mix64_t(torch.as_tensor(base, dtype=torch.int64, device=step.device) ^ step.to(torch.int64))
+    return _mix64_t(step.to(torch.int64) ^ _signed64(_mix64(_mix64(seed) ^ unit_index)))
 
 
 def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
@@ -88,15 +87,13 @@ class Hyper8:
         f = lambda x: torch.tensor(x, dtype=torch.float32).item()          # noqa: E731 - fp32 as the kernel holds it
         beta1, beta2 = (float(b) for b in hp["betas"])
         lr, wd = float(hp["lr"]), float(hp["weight_decay"])
-        dev = step.device
         sign = -1.0 if hp.get("maximize", False) else 1.0
-        if scale is None:
-            gclip = torch.ones((), dtype=torch.float32, device=dev)
-        else:
-            scale = scale.to(dev, torch.float64) if torch.is_tensor(scale) else torch.tensor(float(scale), dtype=torch.float64,
-                                                                                              device=dev)
-            gclip = (1.0 / scale).to(torch.float32)
-        self.gscale = (torch.tensor(f(grad_mul), device=dev) * gclip) * sign
+        if torch.is_tensor(scale):          # on the device (the clip factor's reciprocal): not read here
+            gclip = (1.0 / scale.to(step.device, torch.float64)).to(torch.float32)
+            self.gscale = (gclip * f(grad_mul)) * sign
+        else:                               # Python floats holding fp32 values: the same products
+            gclip = 1.0 if scale is None else f(1.0 / float(scale))
+            self.gscale = f(f(f(grad_mul) * gclip) * sign)
         self.wd_mul = f(1.0 - lr * wd) if wd > 0.0 else 1.0
         self.beta1, self.c1, self.beta2, self.c2 = f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2)
         self.eps = f(float(hp["eps"]))
