@@ -152,3 +152,24 @@ def test_patched_kernel_model_gradients_match_hf():
     scale = (labels[..., 1:] != -100).sum().item() / 40   # the patched loss is a sum over 40
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name] * scale, rtol=2e-4, atol=2e-5, msg=name)
+
+
+def test_rows_forward_gives_the_same_output_and_its_fp8_rows():
+    from triton_ops.patching import patched_op, rows_forward
+    model = tiny_model("qwen3", dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    handle = triton_ops.patch(model)
+    assert patched_op(layer.input_layernorm) == "rms_norm" and patched_op(layer.mlp) == "swiglu"
+    assert patched_op(layer.self_attn.q_proj) is None and rows_forward(layer.self_attn.q_proj, print) is None
+    x = torch.randn(2, 5, 64).bfloat16()
+    for module in (layer.input_layernorm, layer.mlp):
+        given = []
+        out = rows_forward(module, lambda t, rows: given.append((t, rows)))(x)
+        assert torch.equal(out, module(x))
+        (t, (q, inv)), = given
+        inner = t.reshape(-1, t.shape[-1])
+        rq, rinv = reference.fp8_quantize_rows(inner)
+        assert t.shape[-1] == (64 if module is layer.input_layernorm else 96)     # the norm's output, the activation
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(inv, rinv)
+    handle.revert()
+    assert patched_op(layer.input_layernorm) is None

@@ -19,6 +19,10 @@ HF's module):
 
 Each op dispatches at call time, so a patched model on CPU keeps computing the reference
 mathematics. `unpatch(model)` or `handle.revert()` restores the originals.
+
+`patched_op(module)` says which op a module's forward became, and `rows_forward(module, give)`
+is that forward for an output that FP8 projections read next: the same output, whose e4m3 rows
+the same kernel writes and hands to `give` (the FP8 mode's `hf_slideformer.layer_matmuls`).
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ FP8 (hf_slideformer.fp8), with the quantization kernels timed on their own.
 
 Prints, per projection shape (CUDA events, median of --iters): the bf16 linear's forward +
 backward, the FP8 linear's (weights pre-quantized, as the engine's slot cache has them), and
-each quantization kernel alone on that projection's operands; then the sums. The gap between
+each quantization kernel alone on that projection's operands (the backward's are rows+amax(gy)
+and cols_t(gy|amax); rows(gy) and cols_t(gy) are the separate passes they replace); then the sums. The gap between
 the FP8 sum and bf16 sum / 1.70 (docs/fp8.md, "GEMM rates") is the quantization's share.
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ def probe(m: int, k: int, n: int, iters: int) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(n, k, device="cuda") * 0.02).bfloat16().requires_grad_()
     gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
-    qw = QuantizedWeight(w, ops)
-    qw.cols_t                                               # noqa: B018 - made once, as the cache has it
+    qw = QuantizedWeight(w, ops)          # its forward form kept, its dgrad form made in each backward (one per fill)
+    g_amax = gy.float().abs().amax(0)
 
     def bf16():
         torch.autograd.grad(torch.nn.functional.linear(x, w), [x, w], gy)
@@ -53,7 +54,9 @@ def probe(m: int, k: int, n: int, iters: int) -> dict:
     return {"shape": f"{m} x {k} -> {n}", "bf16": timed(bf16, iters), "fp8": timed(fp8, iters),
             "rows(x)": timed(lambda: ops.quantize_rows(x.detach()), iters),
             "rows(gy)": timed(lambda: ops.quantize_rows(gy), iters),
+            "rows+amax(gy)": timed(lambda: ops.quantize_rows_col_amax(gy), iters),
             "cols_t(gy)": timed(lambda: ops.quantize_cols_t(gy), iters),
+            "cols_t(gy|amax)": timed(lambda: ops.quantize_cols_t(gy, g_amax), iters),
             "cols_t(x)": timed(lambda: ops.quantize_cols_t(x.detach()), iters)}
 
 
@@ -68,12 +71,12 @@ def main() -> int:
     T, H, I = a.tokens, a.hidden, a.inter
     shapes = [(T, H, H), (T, H, a.kv), (T, H, a.kv), (T, H, H), (T, H, I), (T, H, I), (T, I, H)]
     rows = [probe(*s, a.iters) for s in shapes]
-    keys = ["bf16", "fp8", "rows(x)", "rows(gy)", "cols_t(gy)", "cols_t(x)"]
-    print(f"{'projection':>24} " + " ".join(f"{k:>10}" for k in keys) + "   (ms)")
+    keys = ["bf16", "fp8", "rows(x)", "rows(gy)", "rows+amax(gy)", "cols_t(gy)", "cols_t(gy|amax)", "cols_t(x)"]
+    print(f"{'projection':>24} " + " ".join(f"{k:>15}" for k in keys) + "   (ms)")
     for r in rows:
-        print(f"{r['shape']:>24} " + " ".join(f"{r[k]:10.2f}" for k in keys))
+        print(f"{r['shape']:>24} " + " ".join(f"{r[k]:15.2f}" for k in keys))
     sums = {k: sum(r[k] for r in rows) for k in keys}
-    print(f"{'sum':>24} " + " ".join(f"{sums[k]:10.2f}" for k in keys))
+    print(f"{'sum':>24} " + " ".join(f"{sums[k]:15.2f}" for k in keys))
     print(f"bf16 / 1.70 = {sums['bf16'] / 1.70:.2f} ms; FP8 over that: {sums['fp8'] - sums['bf16'] / 1.70:.2f} ms")
     return 0
 

@@ -6,18 +6,22 @@ The dispatching entry points (`triton_ops.rms_norm`, ...) choose between these a
 `triton_ops.reference`.
 """
 from .cross_entropy import LinearCrossEntropyFunction, default_chunk_tokens, linear_cross_entropy
-from .rms_norm import RMSNormFunction, rms_norm
+from .rms_norm import RMSNormFunction, RMSNormRowsFunction, rms_norm, rms_norm_rows
 from .rope import RopeFunction, rope
-from .swiglu import SwiGLUFunction, swiglu
+from .swiglu import SwiGLUFunction, SwiGLURowsFunction, swiglu, swiglu_rows
 
 __all__ = [
     "LinearCrossEntropyFunction",
     "RMSNormFunction",
+    "RMSNormRowsFunction",
     "RopeFunction",
     "SwiGLUFunction",
+    "SwiGLURowsFunction",
     "default_chunk_tokens",
     "linear_cross_entropy",
     "rms_norm",
+    "rms_norm_rows",
     "rope",
     "swiglu",
+    "swiglu_rows",
 ]
