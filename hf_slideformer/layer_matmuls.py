@@ -14,7 +14,8 @@ several projections read (q, k, v; gate, up) is quantized once per form (`fp8.Sh
 the layer runs the project's kernels (`triton_ops.patch`), the RMSNorms before the attention and the
 MLP and the SwiGLU activation write their output's per-token e4m3 form in the same kernel and hand
 it to the projections through `SharedInputs.provide` (`triton_ops.patching.rows_forward`), in the
-forward and in the recompute. Norms, attention, the embedding, the loss head and the gradients
+forward and in the recompute (but for the MLP whose down projection is the recompute's
+output-free one). Norms, attention, the embedding, the loss head and the gradients
 sent to the host are unchanged.
 
 Note: [Why FP8 weights are cached by the slot's fill] a layer's weights are quantized once per
@@ -108,7 +109,10 @@ class Fp8Matmuls:
     @contextlib.contextmanager
     def _patched(self, i: int, slot, skip, last_forward: bool):
         self._prune()
-        projs, makers = self.projections[i], self.producers[i]
+        projs = self.projections[i]
+        # A producer holding the output-free projection (the MLP, whose down projection is the
+        # layer's last) keeps its plain forward: nothing would read its output's FP8 rows.
+        makers = [m for m in self.producers[i] if skip is None or not any(c is skip for c in m.modules())]
         mods = projs + makers
         shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
         before = [m.__dict__.get("forward") for m in mods]     # an instance forward of its own stays

@@ -159,15 +159,18 @@ def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
         take_fp8_recipe([tensorwise], "fp8")
 
 
-def _fp8_layers_run(model, ids, fused, recompute=True):
+def _fp8_layers_run(model, ids, fused, recompute=True, skip_down=False):
     """The model's hidden states and every parameter's gradient with each layer's projections in
-    FP8 (the CPU emulation), the norms and the SwiGLU handing their outputs over quantized or not."""
+    FP8 (the CPU emulation), the norms and the SwiGLU handing their outputs over quantized or not;
+    with `skip_down` the down projections are the recompute's output-free ones."""
     import contextlib
-    mm = Fp8Matmuls(list(model.model.layers), layer_matmuls.EmulatedFp8(), fused=fused)
+    layers = list(model.model.layers)
+    mm = Fp8Matmuls(layers, layer_matmuls.EmulatedFp8(), fused=fused)
     model.zero_grad(set_to_none=True)
     with contextlib.ExitStack() as stack:
-        for i in range(len(model.model.layers)):
-            stack.enter_context(mm.recompute(i, None, None) if recompute else mm.forward(i, None))
+        for i, layer in enumerate(layers):
+            skip = layer.mlp.down_proj if skip_down else None
+            stack.enter_context(mm.recompute(i, None, skip) if recompute else mm.forward(i, None))
         h = model.model(input_ids=ids).last_hidden_state
     h.float().pow(2).mean().backward()
     return mm, h.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -199,6 +202,17 @@ def test_fused_producers_leave_the_fp8_layers_unchanged(monkeypatch):
     assert not any("forward" in m.__dict__ for mods in mm.projections for m in mods)   # patches undone
     from triton_ops.patching import patched_op
     assert all(patched_op(m) for mods in mm.producers for m in mods)                  # the kernels' forwards back
+
+    # The recompute with the down projections output-free: the MLP keeps its plain forward (no rows
+    # that nothing reads), the norms still hand theirs over; the gradients are the same.
+    calls.clear()
+    _, _, g_skip_ref = _fp8_layers_run(model, ids, fused=False, skip_down=True)
+    plain = len(calls)
+    calls.clear()
+    _, _, g_skip = _fp8_layers_run(model, ids, fused=True, skip_down=True)
+    assert plain - len(calls) == 2 * len(model.model.layers), (plain, len(calls))
+    for name in g_skip_ref:
+        assert (g_skip[name] is None and g_skip_ref[name] is None) or torch.equal(g_skip[name], g_skip_ref[name]), name
 
     # The projections read the handed-over form, not a quantization of their own: a scale off by
     # a power of two in it moves the output.
