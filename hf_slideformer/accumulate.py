@@ -43,68 +43,68 @@ class DeviceAccumulator:
         self.free = None                          # d2h event: the last sum has left it
         self._pinned = False
 
-    def active(self, u) -> bool:
+    def active(self, unit) -> bool:
         """Does the GPU add `u`'s micro-batches (accumulation, a layer with a host accumulator)?"""
-        return not self.engine.single_micro and u.grad is not None and u.kind == "layer"
+        return not self.engine.single_micro and unit.grad is not None and unit.kind == "layer"
 
     def _pin_accumulators(self) -> None:
         """Pin the layers' host accumulators once (they are read and written by DMA every micro-batch)."""
         if self._pinned:
             return
         self._pinned = True
-        e = self.engine
-        slab = getattr(e.store, "grad_slab", None)
-        if slab is None or not e.pinned.enabled or slab.is_pinned():
+        engine = self.engine
+        slab = getattr(engine.store, "grad_slab", None)
+        if slab is None or not engine.pinned.enabled or slab.is_pinned():
             return
         t0 = time.perf_counter()
-        e.pinned.adopt(slab)
+        engine.pinned.adopt(slab)
         logger.info("gradient accumulation: pinned the %.1f GiB of host accumulators in %.1f s",
                     slab.numel() * 4 / GiB, time.perf_counter() - t0)
 
     def prefetch(self, place) -> None:
         """Backward of layer `place.unit`, a micro-batch after its first: bring its running sum in
         on the h2d stream while the layer is recomputed."""
-        u = place.unit
-        if not self.active(u) or not u.grad_valid or self.unit is u:
+        unit = place.unit
+        if not self.active(unit) or not unit.grad_valid or self.unit is unit:
             return
-        e = self.engine
-        st = e.streams
+        engine = self.engine
+        st = engine.streams
         if self.buf is None:
-            self.buf = torch.empty(max(x.numel for x in e.layer_units), dtype=torch.float32, device=e.device)
+            self.buf = torch.empty(max(x.numel for x in engine.layer_units), dtype=torch.float32, device=engine.device)
         st.wait(self.free, st.h2d)                 # the previous layer's sum has left the buffer
         st.wait(place.grad_ev, st.h2d)             # this layer's last copy out has landed
         with st.on(st.h2d):
-            self.buf[:u.numel].copy_(u.grad, non_blocking=True)
+            self.buf[:unit.numel].copy_(unit.grad, non_blocking=True)
         self.ready = st.record(st.h2d)
-        self.unit = u
-        e.stats.add_h2d(u.numel * 4)
+        self.unit = unit
+        engine.stats.add_h2d(unit.numel * 4)
 
     def fold(self, place, grads: list):
         """Fold this micro-batch's gradient of layer `place.unit` into its host accumulator through
         the device; the d2h event after which the accumulator holds the sum."""
         self._pin_accumulators()
-        e, u = self.engine, place.unit
-        st = e.streams
+        engine, unit = self.engine, place.unit
+        st = engine.streams
         # The last micro-batch's running norm lands with the sum (host_tasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = e.norm.slot(u) if e.backward_plan.ends_step else None
-        if not u.grad_valid:
+        norm = engine.norm.slot(unit) if engine.backward_plan.ends_step else None
+        if not unit.grad_valid:
             if norm is not None:
-                e.norm.dev += _sq_norm([g for g in grads if g is not None])
-            done = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries], norm_dst=norm)
+                engine.norm.dev += _sq_norm([g for g in grads if g is not None])
+            done = engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries], norm_dst=norm)
         else:
             self.prefetch(place)                   # a no-op when the recompute already started it
             st.wait(self.ready)
-            acc = self.buf[:u.numel]
-            for x, g in zip(u.entries, grads):
+            acc = self.buf[:unit.numel]
+            for x, g in zip(unit.entries, grads):
                 if g is not None:
                     x.view(acc).add_(g)
             if norm is not None:
-                e.norm.dev += _sq_norm([acc])
-            done = e.grad_ring.d2h([acc], [u.grad], norm_dst=norm)
+                engine.norm.dev += _sq_norm([acc])
+            done = engine.grad_ring.d2h([acc], [unit.grad], norm_dst=norm)
             self.free = done
             self.unit = None
-        u.grad_valid = True
+        unit.grad_valid = True
         place.grad_ev = done
         return done
 

@@ -99,29 +99,29 @@ class HostUpdates:
         if t1 - t0 > 1e-4:
             stats.event(label, t0, t1)
 
-    def consume(self, u: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None,
+    def consume(self, unit: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None,
                 grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
         """Fold this micro-batch's gradient of `u` (times `grad_mul`) in, and update when the step
         ends here. With `span` (a data-parallel rank's shard [lo, hi)), `src` is that range's
         gradient and only that range is folded and updated."""
-        if u.grad is None:                      # no accumulator: GA == 1, no clipping
+        if unit.grad is None:                      # no accumulator: GA == 1, no clipping
             g = src
         else:
-            if u.host_write is not None:        # a device update's copies have read it (device_update.py)
-                self.sync(u.host_write, f"wait_readers:{u.name}")
-            acc = u.grad if span is None else u.grad[span[0]:span[1]]
-            self.fold(acc, src, grad_mul, first=not u.grad_valid)
-            u.grad_valid = True
+            if unit.host_write is not None:        # a device update's copies have read it (device_update.py)
+                self.sync(unit.host_write, f"wait_readers:{unit.name}")
+            acc = unit.grad if span is None else unit.grad[span[0]:span[1]]
+            self.fold(acc, src, grad_mul, first=not unit.grad_valid)
+            unit.grad_valid = True
             g, grad_mul = acc, 1.0
         if ends_step and not self.engine.single_micro:
             sq = float(torch.linalg.vector_norm(g)) ** 2
             if span is not None:                # every rank's verdict from the whole unit's norm
                 sq = self.engine.dp.worker_sum(sq)
             self.norm_sq.append(sq)
-            self.check_norm(self.norm_sq[-1], f"the gradient of {u.name}")
+            self.check_norm(self.norm_sq[-1], f"the gradient of {unit.name}")
         if update:
-            self.update(u, g, hp, on_progress=on_progress, grad_mul=grad_mul, span=span)
-            u.grad_valid = False
+            self.update(unit, g, hp, on_progress=on_progress, grad_mul=grad_mul, span=span)
+            unit.grad_valid = False
 
     def fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float, first: bool = False) -> None:
         """acc += src * mul (acc = src * mul when `first`), with src widened to fp32 and multiplied
@@ -142,39 +142,39 @@ class HostUpdates:
             w.copy_(src[a:b]).mul_(mul)
             acc[a:b].add_(w)
 
-    def update(self, u: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
+    def update(self, unit: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
                grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
         """AdamW of `u`'s host state with the flat gradient `g`, in pieces (see UPDATE_PIECE); with
         `span`, of that shard alone (`g` holds its range)."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return
-        self._wait_readers(u)
+        self._wait_readers(unit)
         t0 = time.perf_counter()
         if span is not None:
             # A shard's prefix is not the unit's: readers wait for every rank (data_parallel.py).
             on_piece = on_progress
         else:
-            on_piece = u.set_progress if on_progress is None else _both(u.set_progress, on_progress)
-        optim.apply_adamw(u, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
+            on_piece = unit.set_progress if on_progress is None else _both(unit.set_progress, on_progress)
+        optim.apply_adamw(unit, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
                           clip_coef=clip_coef, kernel=self.engine.host_adam, grad_mul=grad_mul, span=span)
-        self._count(u, t0, u.numel if span is None else span[1] - span[0])
+        self._count(unit, t0, unit.numel if span is None else span[1] - span[0])
 
-    def _wait_readers(self, u: Unit) -> None:
+    def _wait_readers(self, unit: Unit) -> None:
         # Note: [Why the update waits for the readers] h2d copies of the old master may still be in
         # flight; the master is rewritten only once every one of them has completed.
-        readers, u.readers = u.readers, []
+        readers, unit.readers = unit.readers, []
         for ev in readers:
-            self.sync(ev, f"wait_readers:{u.name}")
+            self.sync(ev, f"wait_readers:{unit.name}")
 
-    def _count(self, u: Unit, t0: float, params: int) -> None:
+    def _count(self, unit: Unit, t0: float, params: int) -> None:
         """An update of `params` parameters of `u` that began at `t0` has ended: time and count it."""
         t1 = time.perf_counter()
         stats = self.engine.stats
         stats.adam_s += t1 - t0
-        stats.event(f"adam:{u.name}", t0, t1)
+        stats.event(f"adam:{unit.name}", t0, t1)
         stats.updated_params += params
 
-    def update_rows(self, u: Unit, grad: torch.Tensor, rows: torch.Tensor, hp, *, advance: bool,
+    def update_rows(self, unit: Unit, grad: torch.Tensor, rows: torch.Tensor, hp, *, advance: bool,
                     sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> bool:
         """AdamW of some rows of a one-entry (V, H) unit (the embedding table), in place, with the
         gradient's rows (plus `sums`), or of every row but `rows` (`exclude`); the step counter
@@ -183,46 +183,46 @@ class HostUpdates:
         leaves everything as it is."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return False
-        (entry,) = u.entries
+        (entry,) = unit.entries
         groups, group_of = hp
         gi = group_of.get(id(entry.param))
         if gi is None or not entry.param.requires_grad:
             return False
-        self._wait_readers(u)
+        self._wait_readers(unit)
         if advance:
-            u.steps[0].add_(1)
+            unit.steps[0].add_(1)
         shape = grad.shape
         t0 = time.perf_counter()
-        u.state_format.run_rows(self.engine.host_adam, groups[gi], u, grad, rows, u.steps[0], sums=sums,
+        unit.state_format.run_rows(self.engine.host_adam, groups[gi], unit, grad, rows, unit.steps[0], sums=sums,
                                 zero_grad=zero_grad, exclude=exclude)    # the unit's format (host_optim.py)
-        self._count(u, t0, ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1])
+        self._count(unit, t0, ((shape[0] - rows.numel()) if exclude else rows.numel()) * shape[1])
         return True
 
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:
         """The clip factor of this step. `host_grads`: the summed gradients whose norms the worker
         takes (a step that ends before its last micro-batch); `norm_ev`'s value holds the norms
         taken on the device."""
-        e = self.engine
-        if e.single_micro:
+        engine = self.engine
+        if engine.single_micro:
             self.sync(norm_ev, "wait_d2h:norm")
-            norm = float(e.norm.host_sq[0]) ** 0.5
+            norm = float(engine.norm.host_sq[0]) ** 0.5
         else:
             if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
                 if grads_ev is not None:
                     self.sync(grads_ev, "wait_d2h:grads")
                 self.norm_sq = [float(torch.linalg.vector_norm(g)) ** 2 for g in host_grads]
-                if e.dp is not None:     # the ranks' shards of the sums
-                    self.norm_sq = [e.dp.worker_sum(sum(self.norm_sq))]
+                if engine.dp is not None:     # the ranks' shards of the sums
+                    self.norm_sq = [engine.dp.worker_sum(sum(self.norm_sq))]
             dev = 0.0   # the layers' part taken on the device (accumulate.py), or the resident sums
             if norm_ev is not None:
                 self.sync(norm_ev, "wait_d2h:norm")
-                dev = float(e.norm.host_sq[0])
+                dev = float(engine.norm.host_sq[0])
             norm = (sum(self.norm_sq) + dev) ** 0.5
         self.check_norm(norm, "the gradient norm")
-        mx = e.config.max_grad_norm
+        mx = engine.config.max_grad_norm
         self.clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
 
-    def deferred_task(self, u: Unit, hp, grads_ev=None, grad: torch.Tensor | None = None, after=None,
+    def deferred_task(self, unit: Unit, hp, grads_ev=None, grad: torch.Tensor | None = None, after=None,
                       span: tuple[int, int] | None = None) -> None:
         """The update at optimizer.step() from the step's summed gradient (`grad`, default the
         unit's accumulator; with `span`, the shard of it), with the worker's clip factor;
@@ -230,11 +230,11 @@ class HostUpdates:
         # The clip factor is applied inside the fused AdamW (its grad_scale): a separate multiply
         # was a full pass over the gradient, 8 ms per 3B layer on the path of the next forward.
         if grads_ev is not None:           # the device's last copy into the accumulator (accumulate.py)
-            self.sync(grads_ev, f"wait_d2h:{u.name}")
+            self.sync(grads_ev, f"wait_d2h:{unit.name}")
         if grad is None:
-            grad = u.grad if span is None else u.grad[span[0]:span[1]]
-        self.update(u, grad, hp, clip_coef=self.clip_coef, span=span)
+            grad = unit.grad if span is None else unit.grad[span[0]:span[1]]
+        self.update(unit, grad, hp, clip_coef=self.clip_coef, span=span)
         if after is not None:
             after()
         else:
-            u.grad_valid = False
+            unit.grad_valid = False

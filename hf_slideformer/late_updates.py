@@ -60,8 +60,8 @@ class LateUpdates:
         if k >= self.count:
             return None
         if k == len(self.buffers):
-            e = self.engine
-            self.buffers.append(e.pinned.empty(self.size, dtype=e.grad_ring.dtype))
+            engine = self.engine
+            self.buffers.append(engine.pinned.empty(self.size, dtype=engine.grad_ring.dtype))
             self.free.append(threading.Event())
             self.free[-1].set()
         self.engine.clock.wait(self.free[k], "grad_buffer")

@@ -125,8 +125,8 @@ def merge_and_unload(peft_model) -> nn.Module:
     for p in engine.lora.params:
         p.data = p.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
     merged = peft_model.merge_and_unload()
-    for u in engine.store.units:        # the entries carry the plain HF names already (model.build_units)
-        u.version += 1                                     # device copies of the old weights are stale
+    for unit in engine.store.units:        # the entries carry the plain HF names already (slide_build.build_units)
+        unit.version += 1                                     # device copies of the old weights are stale
     engine.lora.clear()
     return merged
 
@@ -175,14 +175,14 @@ class AdapterSet:
         make the layers whose own parameters no longer train `FrozenLayer`s. Raises for a trainable
         parameter no gradient would reach, or for adapters added after the optimizer was built (it
         would never update them)."""
-        e = self.engine
+        engine = self.engine
         known = len(self.params)
-        if e.store.disk is not None and self.foreign():
+        if engine.store.disk is not None and self.foreign():
             raise SlideStateError("LoRA adapters were added to a slid model whose last layers keep their state on "
                                   "disk (host_memory_limit): not supported. Apply get_peft_model before slide(), "
                                   "or slide with host_memory_limit=None.")
-        if e.optimizer is not None and self.foreign():
-            names = [n for n, p in e.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
+        if engine.optimizer is not None and self.foreign():
+            names = [n for n, p in engine.model_ref().named_parameters() if p.requires_grad and id(p) not in self._held]
             more = f" and {len(names) - 3} more" if len(names) > 3 else ""
             raise SlideStateError(
                 f"trainable parameters were added to the slid model after its optimizer was built ({', '.join(names[:3])}"
@@ -191,24 +191,24 @@ class AdapterSet:
                 "(requires_grad=False).")
         refuse_outside_layers(self._adopt())
         self._held |= {id(p) for p in self.params}
-        e.find_dropouts()                                  # a LoRA adapter's lora_dropout
-        if len(self.params) == known and e.places.trainable_match_units():
+        engine.find_dropouts()                                  # a LoRA adapter's lora_dropout
+        if len(self.params) == known and engine.places.trainable_match_units():
             return
-        e.residents.evict()
-        for place in e.places.newly_frozen():
-            e.set_place(place.unit, FrozenLayer(e, place.unit))
+        engine.residents.evict()
+        for place in engine.places.newly_frozen():
+            engine.set_place(place.unit, FrozenLayer(engine, place.unit))
 
     def _adopt(self) -> list[str]:
         """Take the layers' trainable parameters that the engine does not hold onto the device in
         fp32; the names of anything else trainable and not held, which no gradient would reach."""
-        e = self.engine
+        engine = self.engine
         owned = self._held
         layer_of = {}
-        for i, layer in enumerate(e.layers):
+        for i, layer in enumerate(engine.layers):
             for p in layer.parameters():
                 layer_of.setdefault(id(p), i)
         stray = []
-        for name, p in e.model_ref().named_parameters():
+        for name, p in engine.model_ref().named_parameters():
             if not p.requires_grad or id(p) in owned or any(p is q for q in self.params):
                 continue
             i = layer_of.get(id(p))
@@ -216,7 +216,7 @@ class AdapterSet:
                 stray.append(name)
                 continue
             with torch.no_grad():
-                p.data = p.data.to(e.device, torch.float32)
+                p.data = p.data.to(engine.device, torch.float32)
             self.by_layer[i].append(p)
             self.params.append(p)
             self.names.append(name)
@@ -257,7 +257,7 @@ class AdapterSet:
     def take_gradient(self, i: int, grads) -> None:
         """The micro-batch's gradients of layer i's adapters: summed into `.grad` on the device,
         their squared norm added to the step's where the step's norm is taken on the device."""
-        e = self.engine
+        engine = self.engine
         ps = self.by_layer[i]
         if not ps:
             return
@@ -268,8 +268,8 @@ class AdapterSet:
                 p.grad = g.to(torch.float32)
             else:
                 p.grad.add_(g)
-        if e.single_micro or e.backward_plan.ends_step:
-            e.norm.dev += _sq_norm([p.grad for p in ps if p.grad is not None])
+        if engine.single_micro or engine.backward_plan.ends_step:
+            engine.norm.dev += _sq_norm([p.grad for p in ps if p.grad is not None])
 
     def sq_norm(self) -> torch.Tensor | None:
         """The squared norm of the summed gradients so far (a step that ends early), or None."""

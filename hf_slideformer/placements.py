@@ -23,6 +23,8 @@ and the backward takes only the input's gradient and the adapters' (`lora.Adapte
 
 A new place for a layer's state (a frozen base under LoRA, unit state on disk, a shard of a
 data-parallel group) is a new subclass of `LayerPlacement`, not a new set of branches.
+`Placements` (`SlideEngine.places`) is the one owner that assigns them and the one place that
+asks which kind a placement is (the class attributes below); every other part asks it.
 
 Methods named `*_task` run on the CPU worker thread; the others on the main thread.
 """

@@ -34,10 +34,10 @@ class Slot:
 
     def views(self, unit: Unit) -> list[torch.Tensor]:
         base = 0
-        for u in self.units:
-            if u is unit:
-                return [self.flat[base + e.offset: base + e.offset + e.numel].view(e.shape) for e in u.entries]
-            base += u.numel
+        for held in self.units:
+            if held is unit:
+                return [self.flat[base + e.offset: base + e.offset + e.numel].view(e.shape) for e in held.entries]
+            base += held.numel
         raise KeyError(unit.name)
 
 
@@ -110,41 +110,41 @@ class SlotQueue:
         base = 0
         cast = self.staging is not None and self.dtype != torch.float32
         cap = min(self.chunk, self.staging.numel()) if self.staging is not None else self.chunk
-        for u in units:
-            dst = slot.flat[base:base + u.numel]
-            fill = self.filler(u, dst) if self.filler is not None else None
+        for unit in units:
+            dst = slot.flat[base:base + unit.numel]
+            fill = self.filler(unit, dst) if self.filler is not None else None
             if fill is not None:
                 yield from fill
-                base += u.numel
+                base += unit.numel
                 continue
             # The host store's copy of a device update lands on the d2h stream (see device_update.py).
-            st.wait(u.host_write, st.h2d)
-            for a in range(0, u.numel, cap):
-                b = min(a + cap, u.numel)
+            st.wait(unit.host_write, st.h2d)
+            for a in range(0, unit.numel, cap):
+                b = min(a + cap, unit.numel)
                 lo = a
                 while lo < b:
                     # Note: [Why the copy waits for the update] the master must hold the finished
                     # update of the previous step before it is read: block until the CPU worker
                     # has finished element `lo` (it reports finished prefixes), copy what is final.
-                    hi = min(b, self.wait_host(u, lo))
+                    hi = min(b, self.wait_host(unit, lo))
                     with st.on(st.h2d):        # entered per copy: never held across a yield
-                        if cast and u.master.dtype != self.dtype:     # fp32 -> compute dtype on the GPU
-                            staged_copy(dst[lo:hi], u.master[lo:hi], self.staging)
+                        if cast and unit.master.dtype != self.dtype:     # fp32 -> compute dtype on the GPU
+                            staged_copy(dst[lo:hi], unit.master[lo:hi], self.staging)
                         else:
-                            dst[lo:hi].copy_(u.master[lo:hi], non_blocking=True)
+                            dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=True)
                     lo = hi
                 yield
-            self.count(u.numel * u.master.element_size())
-            base += u.numel
+            self.count(unit.numel * unit.master.element_size())
+            base += unit.numel
         slot.ready = st.record(st.h2d)
-        for u in units:
+        for unit in units:
             # The CPU worker waits for this before it writes the master again (its update empties
             # the list). A frozen unit is never updated: it keeps only the latest event, which
             # covers the earlier ones (every copy is on the one h2d stream).
-            if u.trainable:
-                u.readers.append(slot.ready)
+            if unit.trainable:
+                unit.readers.append(slot.ready)
             else:
-                u.readers = [slot.ready]
+                unit.readers = [slot.ready]
         slot.key, slot.units = self.key_of(units), units
         slot.fills += 1
         self.clock += 1
@@ -163,9 +163,9 @@ class SlotQueue:
         slot.free = self.streams.record()
 
 
-def _wait_updated(u: Unit, start: int) -> int:
-    u.updated.wait()
-    return u.numel
+def _wait_updated(unit: Unit, start: int) -> int:
+    unit.updated.wait()
+    return unit.numel
 
 
 def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:

@@ -33,19 +33,18 @@ class StepNorm:
 
     def __init__(self, engine):
         self.engine = engine
-        e = engine
-        pin = e.config.pin_memory and e.config.is_cuda
-        self.dev = torch.zeros((), dtype=torch.float32, device=e.device)
+        pin = engine.config.pin_memory and engine.config.is_cuda
+        self.dev = torch.zeros((), dtype=torch.float32, device=engine.device)
         self.host_sq = torch.zeros(1, dtype=torch.float32, pin_memory=pin)
         self.dev_valid = False
-        self._snap = torch.zeros(len(e.store.units), dtype=torch.float32, pin_memory=pin)
-        self._snap_of = {id(u): k for k, u in enumerate(e.store.units)}
+        self._snap = torch.zeros(len(engine.store.units), dtype=torch.float32, pin_memory=pin)
+        self._snap_of = {id(u): k for k, u in enumerate(engine.store.units)}
         self._steps = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
 
-    def slot(self, u) -> torch.Tensor:
+    def slot(self, unit) -> torch.Tensor:
         """The pinned scalar that receives the running norm with `u`'s gradient. Written again only
         by `u`'s next backward, which follows its update (the forward in between waits for it)."""
-        k = self._snap_of[id(u)]
+        k = self._snap_of[id(unit)]
         return self._snap[k:k + 1]
 
     def step_slot(self, step_no: int) -> torch.Tensor:
@@ -68,26 +67,26 @@ class StepNorm:
         """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
         sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
         arithmetic (see HostUpdates.clip_task), so that the results are identical there."""
-        e = self.engine
-        mx = e.config.max_grad_norm
-        if e.streams.cuda:
+        engine = self.engine
+        mx = engine.config.max_grad_norm
+        if engine.streams.cuda:
             return (mx / (self.dev.sqrt() + 1e-6)).clamp(max=1.0)
         return min(mx / (float(self.dev) ** 0.5 + 1e-6), 1.0)
 
     def grad_scale(self):
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and
         the compute-stream event after which it is valid."""
-        e = self.engine
-        return grad_scale(self.clip_coef(), e.device), e.streams.record()
+        engine = self.engine
+        return grad_scale(self.clip_coef(), engine.device), engine.streams.record()
 
     def last(self) -> float:
         """The L2 norm of the last step's gradients (before clipping)."""
-        e = self.engine
-        if e.single_micro:              # on the GPU: no need to wait for the CPU updates
-            e.worker.raise_if_failed()
+        engine = self.engine
+        if engine.single_micro:              # on the GPU: no need to wait for the CPU updates
+            engine.worker.raise_if_failed()
             return float(self.dev) ** 0.5
-        e.worker.join()
-        norm_sq = e.host_updates.norm_sq
+        engine.worker.join()
+        norm_sq = engine.host_updates.norm_sq
         if not norm_sq and not self.dev_valid:
             return float("nan")
         return (sum(norm_sq) + (float(self.dev) if self.dev_valid else 0.0)) ** 0.5

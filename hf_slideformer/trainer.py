@@ -7,7 +7,7 @@ groups, hands `gradient_accumulation_steps` and `max_grad_norm` to the engine (w
 tokens/s and step breakdown, and writes exact, atomic checkpoints (`train_checkpoint.py`).
 
 A plain `transformers.Trainer(model=..., args=SlideArgs(...))` slides too: one hook on
-`Trainer.__init__` turns a Trainer given `SlideArgs` into its sliding subclass before anything
+`Trainer.__init__` (trainer_hook.py) turns a Trainer given `SlideArgs` into its sliding subclass before anything
 else runs. It is installed by one explicit, idempotent call, `install_trainer_hook()`, which
 `hf_slideformer` makes when `hs.SlideArgs` or `hs.SlideTrainer` is first loaded from it;
 constructing `SlideArgs` has no side effect.
