@@ -1,9 +1,11 @@
-"""Unit state on disk: fp32 master weights and AdamW moments of models larger than host memory,
+"""Unit state on disk: master weights and AdamW moments (in the dtypes their state format declares)
+of models larger than host memory,
 kept in preallocated files and moved through a few pinned, aligned host buffers by I/O threads.
 
 - `backends`: positional file I/O on threads, plain POSIX or kvikio (GPUDirect Storage).
 - `space`: files created at full size up front, with a clear error when the disk is too small.
 - `buffers`: the pool of aligned (pinned) host buffers.
+- `records`: the state file's layout (each unit's arrays, dtypes and counts) and its headers.
 - `unit_state`: the on-disk records of N units, crash-safe, read and written in order per unit.
 
 docs/disk.md describes the layer.

@@ -1,20 +1,22 @@
-"""Units' fp32 master weights and AdamW moments in one preallocated file, read and written on I/O
-threads while the caller computes.
+"""Units' optimizer state records (master and moments, in the dtypes their state format declares) in
+one preallocated file, read and written on I/O threads while the caller computes.
 
-Layout (every offset a multiple of 4096 bytes; little-endian):
+Layout (every offset a multiple of 4096 bytes; little-endian; packing and checks in records.py):
 
-    file header   magic, version, file id, unit count, each unit's numel, CRC-32    (rounded up to 4096)
-    unit 0        slot 0: record header (4096) | master | exp_avg | exp_avg_sq
-                  slot 1: record header (4096) | master | exp_avg | exp_avg_sq     (a kept file only)
+    file header   magic, version, file id, unit count, each unit's layout, CRC-32     (rounded up to 4096)
+    unit 0        slot 0: record header (4096) | array 0 | array 1 | ...
+                  slot 1: record header (4096) | array 0 | array 1 | ...            (a kept file only)
     unit 1        ...
+
+A unit's layout is its record's arrays, (dtype, count) each: a unit given as a numel has three
+fp32 arrays of it (fp32 master, exp_avg, exp_avg_sq); a compact state format's record declares
+others (`disk_record.StateRecord`). Each array starts on a 4096-byte boundary, so a record's
+payload is the sum of its arrays' bytes, each rounded up to 4096: the buffer a read fills and a
+write sends (`UnitStateFile.payload_bytes`). A record header holds (file id, unit, slot,
+generation, a key of the layout) and a CRC-32 of them.
 
 A file kept for a resume (`keep=True`) has two slots per unit; a file that lives only as long as
 its process (the default: its name is removed at once) has one, half the space (see the Notes).
-
-Each of a record's three arrays holds numel fp32 values and starts on a 4096-byte boundary, so a
-record's payload is `3 * round_up(4 * numel, 4096)` bytes: the buffer a read fills and a write
-sends (`UnitStateFile.payload_bytes`). A record header holds (file id, unit, slot, generation,
-numel) and a CRC-32 of them.
 
 Note: [Why an interrupted write never reads as valid] a unit's generation g lives in one of its
 two slots. A write of generation g + 1 goes to the other slot, in this order: the payload; then,
@@ -50,70 +52,37 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import os
-import struct
 import threading
 import uuid
 import weakref
-import zlib
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from .backends import DiskIOError, FileBackend, make_backend
 from .buffers import ALIGN, HostBuffer, round_up
 from .names import create_unlinked
+from .records import (HEADER_BYTES, array_offsets, pack_file_header, pack_record, parse_file_header, parse_record,
+                      payload_bytes, record_layout, unit_layout)
 from .space import allocate, check_room, preallocate
 
 __all__ = ["UnitState", "UnitStateFile", "UnitStateError", "record_layout"]
 
-_FILE_MAGIC, _RECORD_MAGIC, _VERSION = b"SLIDEUS1", b"SLIDREC1", 1
-_FILE_HEAD = struct.Struct("<8sIIQ")             # magic, version, unit count, file id
-_RECORD = struct.Struct("<8sQIIQQ")              # magic, file id, unit, slot, generation, numel
-_CRC = struct.Struct("<I")
-HEADER_BYTES = ALIGN                             # one record header
-
 
 class UnitStateError(RuntimeError):
-    """A unit's state cannot be read (never written) or the file is not a state file."""
+    """A unit's state cannot be read (never written, or lost to a failed write), or the file is
+    not a state file."""
 
 
-class UnitState(NamedTuple):
-    """A unit's state as read: three fp32 tensors of numel values and the generation they are."""
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+class UnitState(tuple):
+    """A unit's state as read: its record's arrays (in its layout's dtypes), and `generation`."""
+
     generation: int
 
-
-def record_layout(numels: Sequence[int], slots: int = 2) -> tuple[int, list[int], list[int]]:
-    """(file header bytes, each unit's offset, each unit's slot bytes) for units of these sizes,
-    with `slots` slots per unit (2 in a kept file, 1 otherwise)."""
-    if slots not in (1, 2):
-        raise ValueError(f"a unit has one or two slots, not {slots}")
-    head = round_up(_FILE_HEAD.size + 8 * len(numels) + _CRC.size)
-    offsets, sizes, pos = [], [], head
-    for n in numels:
-        size = HEADER_BYTES + 3 * round_up(4 * n)
-        offsets.append(pos)
-        sizes.append(size)
-        pos += slots * size
-    return head, offsets, sizes
-
-
-def _pack_record(file_id: int, unit: int, slot: int, generation: int, numel: int) -> bytes:
-    body = _RECORD.pack(_RECORD_MAGIC, file_id, unit, slot, generation, numel)
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-def _parse_record(raw: bytes, file_id: int, unit: int, slot: int, numel: int) -> int:
-    """The generation a record header names, or 0 when it is not a valid header of this slot."""
-    body, (crc,) = raw[:_RECORD.size], _CRC.unpack_from(raw, _RECORD.size)
-    if zlib.crc32(body) != crc:
-        return 0
-    magic, fid, u, s, gen, n = _RECORD.unpack(body)
-    if (magic, fid, u, s, n) != (_RECORD_MAGIC, file_id, unit, slot, numel):
-        return 0
-    return gen
+    def __new__(cls, arrays, generation: int):
+        self = super().__new__(cls, arrays)
+        self.generation = generation
+        return self
 
 
 def _host_bytes(data: bytes) -> torch.Tensor:
@@ -132,7 +101,8 @@ def _close(handle, backend: FileBackend | None) -> None:
 
 
 class UnitStateFile:
-    """N units' fp32 master, exp_avg and exp_avg_sq on disk (layout and invariants in the module).
+    """N units' state records on disk, each of the arrays its layout names (the module's layout
+    and invariants).
 
     The file is created at its full size up front (`preallocate`) and reused across steps. Unless
     `keep`, its name is removed as soon as it is open: the space comes back when the file is
@@ -142,7 +112,8 @@ class UnitStateFile:
 
     Args:
         path: the file to create (its directory must exist); an existing file is overwritten.
-        numels: each unit's parameter count.
+        units: each unit's layout: a numel (three fp32 arrays of it: master, exp_avg, exp_avg_sq)
+            or its record's arrays as (dtype, count) pairs (`records.unit_layout`).
         backend: the I/O backend (default `make_backend("auto")`, closed with this file).
         keep: leave the file in place at close, for `UnitStateFile.open` (a resume): two slots per
             unit; otherwise one (see the Notes).
@@ -150,22 +121,20 @@ class UnitStateFile:
         workers: operations (of different units) that run at once.
     """
 
-    def __init__(self, path: str, numels: Sequence[int], backend: FileBackend | None = None, *,
+    def __init__(self, path: str, units: Sequence, backend: FileBackend | None = None, *,
                  keep: bool = False, durable: bool | None = None, workers: int = 4,
                  _file_id: int | None = None):
         self.path = os.path.abspath(path)
-        self.numels = [int(n) for n in numels]
-        if any(n < 0 for n in self.numels):
-            raise ValueError("a unit's numel cannot be negative")
+        self.layouts = [unit_layout(u) for u in units]
         self.keep = keep
         self.durable = keep if durable is None else durable
         self.slots = 2 if keep else 1
-        self.header_bytes, self._offsets, self._slot_bytes = record_layout(self.numels, self.slots)
+        self.header_bytes, self._offsets, self._slot_bytes = record_layout(self.layouts, self.slots)
         self.nbytes = self.header_bytes + self.slots * sum(self._slot_bytes)
         self._owns_backend = backend is None
         self.backend = backend or make_backend("auto")
-        self._slot: list[int | None] = [None] * len(self.numels)       # the slot holding the current generation
-        self._gen = [0] * len(self.numels)
+        self._slot: list[int | None] = [None] * len(self.layouts)       # the slot holding the current generation
+        self._gen = [0] * len(self.layouts)
         self._torn: set[int] = set()            # one slot: units whose write failed part-way
         self._lock = threading.Lock()
         self._tail: dict[int, cf.Future] = {}
@@ -200,27 +169,27 @@ class UnitStateFile:
     # ------------------------------------------------------------------ layout
     def payload_bytes(self, unit: int) -> int:
         """Bytes of unit `unit`'s record payload: the flat buffer a read fills or a write sends."""
-        return 3 * round_up(4 * self.numels[unit])
+        return payload_bytes(self.layouts[unit])
 
     @property
     def max_payload_bytes(self) -> int:
         """The host buffer size that holds any unit's payload."""
-        return max((self.payload_bytes(u) for u in range(len(self.numels))), default=0)
+        return max((self.payload_bytes(u) for u in range(len(self.layouts))), default=0)
 
     def slot_offset(self, unit: int, slot: int) -> int:
         """Where slot `slot` (0, or 1 in a kept file) of `unit` starts: its record header, then the payload."""
         return self._offsets[unit] + slot * self._slot_bytes[unit]
 
-    def views(self, unit: int, buf) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The master, exp_avg and exp_avg_sq (fp32, numel each) inside a flat payload buffer (a
-        tensor or a `HostBuffer`)."""
+    def views(self, unit: int, buf) -> tuple[torch.Tensor, ...]:
+        """The unit's arrays (in its layout's dtypes and counts: for a numel, the fp32 master,
+        exp_avg and exp_avg_sq) inside a flat payload buffer (a tensor or a `HostBuffer`)."""
         if isinstance(buf, HostBuffer):
             buf = buf.tensor
-        n, stride = self.numels[unit], round_up(4 * self.numels[unit])
         flat = buf.detach().reshape(-1).view(torch.uint8)
         if flat.numel() < self.payload_bytes(unit):
             raise ValueError(f"unit {unit} needs a buffer of {self.payload_bytes(unit)} bytes, got {flat.numel()}")
-        return tuple(flat[k * stride:k * stride + 4 * n].view(torch.float32) for k in range(3))
+        lay = self.layouts[unit]
+        return tuple(flat[o:o + d.itemsize * n].view(d) for (d, n), o in zip(lay, array_offsets(lay)))
 
     def generation(self, unit: int) -> int:
         """The generation of the unit's last completed write (0: none)."""
@@ -229,9 +198,7 @@ class UnitStateFile:
 
     # ------------------------------------------------------------------ the file header
     def _write_file_header(self) -> None:
-        body = _FILE_HEAD.pack(_FILE_MAGIC, _VERSION, len(self.numels), self.file_id)
-        body += struct.pack(f"<{len(self.numels)}Q", *self.numels)
-        data = body + _CRC.pack(zlib.crc32(body))
+        data = pack_file_header(self.file_id, self.layouts)
         buf = torch.zeros(self.header_bytes, dtype=torch.uint8)
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self.handle.pwrite(buf, self.header_bytes, 0).result()
@@ -244,31 +211,21 @@ class UnitStateFile:
         """Open a file kept by an earlier run: each unit at its newest valid record (see the Note);
         a unit with none reads as never written. The file stays in place at close."""
         with open(path, "rb") as f:
-            head = f.read(_FILE_HEAD.size)
-            if len(head) < _FILE_HEAD.size:
-                raise UnitStateError(f"{path} is not a unit state file (too short)")
-            magic, version, count, file_id = _FILE_HEAD.unpack(head)
-            if magic != _FILE_MAGIC or version != _VERSION:
-                raise UnitStateError(f"{path} is not a unit state file of version {_VERSION}")
-            numels_raw = f.read(8 * count)
-            (crc,) = _CRC.unpack(f.read(_CRC.size))
-        if zlib.crc32(head + numels_raw) != crc:
-            raise UnitStateError(f"{path}: its file header is damaged (CRC mismatch)")
-        numels = struct.unpack(f"<{count}Q", numels_raw)
-        self = cls(path, numels, backend, keep=True, durable=durable, workers=workers, _file_id=file_id)
+            file_id, layouts = parse_file_header(f, path, UnitStateError)
+        self = cls(path, layouts, backend, keep=True, durable=durable, workers=workers, _file_id=file_id)
         raw = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        for u, n in enumerate(numels):
+        for u, lay in enumerate(layouts):
             for s in (0, 1):
                 self.handle.pread(raw, HEADER_BYTES, self.slot_offset(u, s)).result()
-                gen = _parse_record(raw.numpy().tobytes(), file_id, u, s, n)
+                gen = parse_record(raw.numpy().tobytes(), file_id, u, s, lay)
                 if gen > self._gen[u]:
                     self._gen[u], self._slot[u] = gen, s
         return self
 
     # ------------------------------------------------------------------ operations
     def _submit(self, unit: int, fn, *args) -> cf.Future:
-        if not 0 <= unit < len(self.numels):
-            raise IndexError(f"unit {unit} out of range (the file holds {len(self.numels)})")
+        if not 0 <= unit < len(self.layouts):
+            raise IndexError(f"unit {unit} out of range (the file holds {len(self.layouts)})")
         with self._lock:
             if self._closed:
                 raise UnitStateError(f"{self.path}: the unit state file is closed")
@@ -289,7 +246,6 @@ class UnitStateFile:
 
     def _arrays(self, unit: int, data) -> tuple[list[torch.Tensor], list[int]]:
         """The tensors of one request and their offsets inside the payload."""
-        nbytes = 4 * self.numels[unit]
         if isinstance(data, HostBuffer):
             data = data.tensor
         if isinstance(data, torch.Tensor):
@@ -298,14 +254,16 @@ class UnitStateFile:
                 raise ValueError(f"unit {unit} needs a contiguous buffer of {self.payload_bytes(unit)} bytes, "
                                  f"got {have}{'' if data.is_contiguous() else ' (not contiguous)'}")
             return [data], [0]
-        arrays = list(data)[:3]
-        if len(arrays) != 3 or any(a.dtype != torch.float32 or a.numel() != self.numels[unit] for a in arrays):
-            raise ValueError(f"unit {unit} takes a flat buffer or three fp32 tensors of {self.numels[unit]} values")
-        return arrays, [k * round_up(nbytes) for k in range(3)]
+        lay = self.layouts[unit]
+        arrays = list(data)[:len(lay)]
+        if len(arrays) != len(lay) or any((a.dtype, a.numel()) != x for a, x in zip(arrays, lay)):
+            what = ", ".join(f"{n} {str(d).replace('torch.', '')}" for d, n in lay)
+            raise ValueError(f"unit {unit} takes a flat buffer or {len(lay)} tensors ({what} values)")
+        return arrays, array_offsets(lay)
 
     def read(self, unit: int, into, span: tuple[int, int] | None = None) -> cf.Future:
         """Read the unit's current generation into `into`: a flat buffer of at least
-        `payload_bytes(unit)` bytes (a `HostBuffer` of a `HostBufferPool`, say) or three fp32 tensors (CPU or
+        `payload_bytes(unit)` bytes (a `HostBuffer` of a `HostBufferPool`, say) or its arrays as tensors (CPU or
         CUDA). Runs after every operation asked for earlier on this unit.
 
         Args:
@@ -328,8 +286,10 @@ class UnitStateFile:
         return self._submit(unit, self._read, arrays[0] if len(arrays) == 1 else None, arrays, offs)
 
     def array_bytes(self, unit: int) -> int:
-        """Bytes of one of the unit's arrays in a payload (its numel's fp32, rounded up to 4096)."""
-        return round_up(4 * self.numels[unit])
+        """Bytes of the unit's first array in a payload (rounded up to 4096): the span of a
+        record's master, where it holds one."""
+        d, n = self.layouts[unit][0]
+        return round_up(d.itemsize * n)
 
     def write(self, unit: int, source) -> cf.Future:
         """Write `source` (as for `read`) as the unit's next generation. The future's result is
@@ -341,7 +301,7 @@ class UnitStateFile:
     def _payload_sizes(self, unit: int, arrays) -> list[int]:
         if len(arrays) == 1:                        # a flat buffer (maybe larger), or one span of its payload
             return [min(arrays[0].numel() * arrays[0].element_size(), self.payload_bytes(unit))]
-        return [4 * self.numels[unit]] * 3
+        return [d.itemsize * n for d, n in self.layouts[unit]]
 
     @staticmethod
     def _all(start, requests) -> None:
@@ -374,7 +334,7 @@ class UnitStateFile:
         sizes = self._payload_sizes(unit, arrays)
         self._all(self.handle.pread, [(a, n, base + o) for a, n, o in zip(arrays, sizes, offs)])
         views = self.views(unit, into) if into is not None else tuple(arrays)
-        return UnitState(*views, gen)
+        return UnitState(views, gen)
 
     def _write(self, unit: int, arrays, offs) -> int:
         with self._lock:
@@ -387,7 +347,7 @@ class UnitStateFile:
         self._all(self.handle.pwrite, [(a, n, start + HEADER_BYTES + o) for a, n, o in zip(arrays, sizes, offs)])
         if self.durable:
             self.handle.sync()
-        header = _host_bytes(_pack_record(self.file_id, unit, target, gen, self.numels[unit]))
+        header = _host_bytes(pack_record(self.file_id, unit, target, gen, self.layouts[unit]))
         self.handle.pwrite(header, HEADER_BYTES, start).result()
         if self.durable:
             self.handle.sync()
