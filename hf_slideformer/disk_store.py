@@ -2,17 +2,18 @@
 
 A model larger than host memory keeps part of its last decoder layers' state in one preallocated
 `disk.UnitStateFile` under `nvme_path`, as much as `SlideConfig.host_memory_limit` leaves out of
-host memory, in two tiers (`split_layers`): first the AdamW moments alone of the last layers (8
-bytes per parameter; the fp32 master stays in host memory), and only when the moments of every
-trainable layer are on disk and the host's part still does not fit, the whole state (master and
-moments, 12 bytes per parameter) of the last of them. A `StateRecord` says which arrays a unit's
-record holds. `DiskStates` owns the file and a `disk.HostBufferPool` of a few buffers, each the
+host memory, in two tiers (`disk_plan.split_layers`): first the AdamW moments alone of the last
+layers (the master stays in host memory), and only when the moments of every trainable layer are
+on disk and the host's part still does not fit, the whole state (master and moments) of the last
+of them. A `disk_record.StateRecord` says which arrays a unit's record holds, in the dtypes of
+the unit's optimizer state format (fp32 moments, or 8-bit ones with their block scales; an fp32
+or bf16 master). `DiskStates` owns the file and a `disk.HostBufferPool` of a few buffers, each the
 size of the largest record. A unit is *resident* while its record is in a buffer: the arrays the
 record holds (`exp_avg` and `exp_avg_sq`, and `master` for the whole state) are then views of
 that buffer, as a host unit's are views of the host store; otherwise they are None. A unit with
 only its moments on disk keeps its master in the host store at all times.
 
-`record_bytes` and `pool_buffers` are the arithmetic of the records; which layers and which part go
+`disk_record.record_bytes` and `pool_buffers` are the arithmetic of the records; which layers and which part go
 to disk is `disk_plan.py`'s, whose functions the planner shares, so the engine and the plan cannot
 drift apart.
 
@@ -32,13 +33,20 @@ pin), so the copy's wait for the update's finished prefix (`Unit.set_progress`) 
 wait for copies of the old master (`Unit.readers`) are the host store's, unchanged.
 
 Note: [Why a copy reads the master alone] a slot copy needs a whole-state layer's master and
-nothing else, so a pin or a read-ahead for a copy reads the first array of the record (4 of its
-12 bytes per parameter) and marks the residency partial; a pin or read-ahead for an update or a
+nothing else, so a pin or a read-ahead for a copy reads the first array of the record (its
+master: 4 of 12 bytes per parameter under 'adamw', 2 of 4.03 under 'adamw_8bit_bf16') and marks the residency partial; a pin or read-ahead for an update or a
 checkpoint reads the rest into the same buffer first (the unit's operations run in order, so
 both reads see one generation: a partial residency never has a write pending, since a write
 follows an update, which needs the whole record). A partial residency is evicted like any other:
 nothing of it is newer than the file. A write of a partial one would write moments never read,
 and is refused.
+
+Note: [Why a record read is checked] a record's header has a CRC, its payload none: a damaged
+block scale of a compact format would turn a block of moments into NaNs or garbage at the next
+update, silently. So once a record's moments have been read in, the values its format cannot
+hold are looked for (`StateFormat.check`: a scale that is not a finite absmax >= 0), before
+anyone uses them; a bad one raises `CorruptOptimizerStateError`, naming the unit and the array.
+The scales are one value per 256 parameters, so the check costs little; fp32 AdamW has none.
 
 Note: [Why pinning cannot deadlock] only a pin of a unit that is not resident waits, for a
 buffer. The main thread holds at most one pin while it waits for the worker (a slot copy of a
@@ -61,9 +69,10 @@ from typing import Sequence
 
 import torch
 
-from .disk.buffers import ALIGN, HostBufferPool, round_up
+from .disk.buffers import HostBufferPool
 from .disk.names import engine_file, remove_leftovers
 from .disk.unit_state import UnitStateFile
+from .disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
 
 # `Unit` in the annotations is `store.Unit`, which imports this module (annotations are not evaluated).
 
@@ -73,68 +82,6 @@ __all__ = ["DiskStates", "StateRecord", "MOMENTS", "WHOLE", "STATE_BUFFERS", "re
 # behind, one spare (fewer when fewer layers are on disk).
 STATE_BUFFERS = 4
 _POLL_S = 0.005            # how often a wait for a buffer looks at device copies again
-
-# The part of a layer's state on disk: its AdamW moments alone, or its whole state.
-MOMENTS, WHOLE = "moments", "all"
-_ARRAYS = {MOMENTS: ("exp_avg", "exp_avg_sq"), WHOLE: ("master", "exp_avg", "exp_avg_sq")}
-
-
-class StateRecord:
-    """What one disk unit's record holds, and where its arrays sit in a buffer.
-
-    The arrays are fp32, numel values each, each starting on a 4096-byte boundary, in the order
-    of `arrays`. The file lays every record out as three arrays of the numel it is told
-    (`disk/unit_state.py`); a moments record, two arrays, is told the smallest numel whose
-    three arrays hold its two (`file_numel`: at most 8 KiB more per record).
-
-    Args:
-        numel: the unit's parameter count.
-        part: MOMENTS (exp_avg, exp_avg_sq) or WHOLE (master, exp_avg, exp_avg_sq).
-    """
-
-    __slots__ = ("numel", "part", "arrays")
-
-    def __init__(self, numel: int, part: str = WHOLE):
-        if part not in _ARRAYS:
-            raise ValueError(f"a record holds {MOMENTS!r} or {WHOLE!r}, not {part!r}")
-        self.numel, self.part, self.arrays = int(numel), part, _ARRAYS[part]
-
-    @property
-    def master(self) -> bool:
-        """Does the record hold the master (a slot copy then reads the buffer)?"""
-        return self.part == WHOLE
-
-    @property
-    def file_numel(self) -> int:
-        """The numel the state file is told for this record."""
-        if self.master:
-            return self.numel
-        pages = len(self.arrays) * round_up(4 * self.numel) // ALIGN
-        return -(-pages // 3) * ALIGN // 4
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the record in a buffer, and moved by each read or write (the file's payload)."""
-        return 3 * round_up(4 * self.file_numel)
-
-    def attach(self, u: Unit, buf) -> None:
-        """Make the unit's arrays of this record views of `buf` (a tensor or a `HostBuffer`)."""
-        flat = getattr(buf, "tensor", buf).detach().reshape(-1).view(torch.uint8)
-        n, stride = self.numel, round_up(4 * self.numel)
-        for k, name in enumerate(self.arrays):
-            setattr(u, name, flat[k * stride:k * stride + 4 * n].view(torch.float32))
-
-    def detach(self, u: Unit) -> None:
-        """The record left its buffer: its arrays are no longer in memory."""
-        for name in self.arrays:
-            setattr(u, name, None)
-
-
-def record_bytes(numel: int, part: str = WHOLE) -> int:
-    """Bytes of one unit's record in a buffer (the file's payload): master, exp_avg and
-    exp_avg_sq (WHOLE) or the moments alone (MOMENTS), each array rounded up to 4096."""
-    return StateRecord(numel, part).nbytes
-
 
 def pool_buffers(n_disk: int) -> int:
     """Buffers of the pool for `n_disk` layers on disk."""
@@ -146,10 +93,11 @@ class _Residency:
     whether all of its record is in the buffer or only the master (`whole`: [Why a copy reads
     the master alone])."""
 
-    __slots__ = ("buf", "reads", "write", "pins", "used", "whole")
+    __slots__ = ("buf", "reads", "write", "pins", "used", "whole", "checked")
 
     def __init__(self, buf, read, whole: bool):
         self.buf, self.reads, self.write, self.pins, self.used, self.whole = buf, [read] if read else [], None, 0, 0, whole
+        self.checked = read is None or not whole     # [Why a record read is checked]: nothing read to check yet
 
     def reading(self) -> bool:
         return any(not f.done() for f in self.reads)
@@ -179,11 +127,11 @@ class DiskStates:
         parts = [WHOLE] * len(self.units) if parts is None else list(parts)
         if len(parts) != len(self.units):
             raise ValueError(f"{len(parts)} parts for {len(self.units)} disk units")
-        self.records = [StateRecord(u.numel, p) for u, p in zip(self.units, parts)]
+        self.records = [StateRecord.of(u, p) for u, p in zip(self.units, parts)]
         os.makedirs(directory, exist_ok=True)
         remove_leftovers(directory)                 # what killed runs left (disk/names.py)
         path = engine_file(directory, "state")
-        self.file = UnitStateFile(path, [r.file_numel for r in self.records], backend)
+        self.file = UnitStateFile(path, [r.layout for r in self.records], backend)
         try:
             self.pool = HostBufferPool(buffers or pool_buffers(len(self.units)), self.file.max_payload_bytes, pin=pin)
         except BaseException:
@@ -275,7 +223,7 @@ class DiskStates:
         k = self._index[id(u)]
         lo, hi = self.file.array_bytes(k), self.file.payload_bytes(k)
         r.reads.append(self.file.read(k, r.buf, (lo, hi)))
-        r.whole = True
+        r.whole, r.checked = True, False
         self.read_bytes += hi - lo
 
     def _raise_failure(self) -> None:
@@ -318,15 +266,20 @@ class DiskStates:
             self._cond.notify_all()
 
     def ready(self, u: Unit) -> None:
-        """Wait until a pinned unit's state has been read in (raises the read's failure)."""
+        """Wait until a pinned unit's state has been read in (raises the read's failure, and
+        `CorruptOptimizerStateError` for values its format cannot hold: [Why a record read is checked])."""
         with self._cond:
-            reads = list(self._res[id(u)].reads)
+            r = self._res[id(u)]
+            reads = list(r.reads)
         for fut in reads:
             if not fut.done():
                 t0 = time.perf_counter()
                 fut.exception()                 # waits
                 self._waited(t0, f"wait_disk_read:{u.name}")
             fut.result()
+        if not r.checked and r.whole:
+            self.record(u).check(u, f"{u.name}'s record in {self.file.path}")
+            r.checked = True
 
     def before_update(self, u: Unit) -> None:
         """Wait until the previous write of a pinned unit no longer reads its buffer."""

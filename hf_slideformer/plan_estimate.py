@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from .budget import DEVICE_PIECE, balanced_share
 from .disk.unit_state import record_layout
 from .disk_plan import DiskSplit
-from .disk_store import MOMENTS, WHOLE, StateRecord, pool_buffers, record_bytes
+from .disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
+from .disk_store import pool_buffers
 from .host_optim import embed_format, state_format
 from .memory import COPY_CHUNK
 from .plan_calibration import (  # noqa: F401 - the calibration, importable from here as well
@@ -93,14 +94,15 @@ class Estimator:
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         acts = self.layer_inputs_host(B, tier)
         out = {self.state_key: self.state_bytes(disk_layers.layers)}
+        fmt = state_format(self.optimizer_state)        # the records hold its arrays (disk_record.py)
         if disk_layers.moments:
-            out["fp32 masters of the layers with moments on disk (4 B/param)"] = \
-                4 * disk_layers.moments * s.layer_params
+            b = fmt.master_dtype.itemsize
+            out[f"masters of the layers with moments on disk ({b} B/param)"] = b * disk_layers.moments * s.layer_params
         if disk_layers.layers:
             n = pool_buffers(disk_layers.layers)
             part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
             out[f"state buffers of the layers on disk ({n} x one layer's {what}, pinned)"] = \
-                n * record_bytes(s.layer_params, part)
+                n * record_bytes(s.layer_params, part, fmt)
         if self.gpus > 1:
             return self._host_data_parallel(out, tok_h, acts, tier, deferred)
         head = s.head_params + (s.embed_params if s.tied and deferred else 0)
@@ -310,14 +312,16 @@ class Estimator:
         if not disk_layers.layers:
             return 0
         P = self.s.layer_params
-        head, _, sizes = record_layout([StateRecord(P, part).file_numel
+        fmt = state_format(self.optimizer_state)
+        head, _, sizes = record_layout([StateRecord(P, part, fmt).layout
                                         for part in disk_layers.parts(disk_layers.layers)], slots=1)
         return head + sum(sizes)
 
     def disk_traffic(self, N: int, disk_layers: DiskSplit, deferred: bool | None = None) -> int:
         """Bytes the layers on disk read and write per optimizer step of N micro-batches (deferred:
         default N > 1). A layer with its moments on disk reads them once for its update and writes
-        them once after it: 2 records of 8 B/param, whatever N. A layer with its whole state there
+        them once after it: 2 records of its moments (8 B/param under 'adamw', 2.03 under the 8-bit
+        formats), whatever N. A layer with its whole state there
         reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
         and its whole record for its update, and writes it once after: updating in backward, the
         forward's copy (4 B/param) then the recompute's copy, which the update shares (12), per
@@ -325,12 +329,11 @@ class Estimator:
         and the whole record once for the update at the step. Evictions in between are assumed
         (the pool holds four records), so a record read for the forward is read again."""
         deferred = N > 1 if deferred is None else deferred
-        P = self.s.layer_params
-        master = record_bytes(P, WHOLE) // 3
-        whole = (N * 2 * master + record_bytes(P, WHOLE) if deferred
-                 else N * (master + record_bytes(P, WHOLE)))
-        return (disk_layers.moments * 2 * record_bytes(P, MOMENTS)
-                + disk_layers.whole * (whole + record_bytes(P, WHOLE)))
+        P, fmt = self.s.layer_params, state_format(self.optimizer_state)
+        rec = StateRecord(P, WHOLE, fmt)
+        master, full = rec.master_bytes, rec.nbytes
+        whole = N * 2 * master + full if deferred else N * (master + full)
+        return disk_layers.moments * 2 * record_bytes(P, MOMENTS, fmt) + disk_layers.whole * (whole + full)
 
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
               res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:

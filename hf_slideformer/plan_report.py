@@ -141,7 +141,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
     if p.disk_fits is False:
         out.append(f"disk short by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
                    f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (one record each, of "
-                   "8 B/param for the moments, 12 for the whole state); free space there or use a larger disk")
+                   "the moments or the whole state in the optimizer state format: docs/disk.md); free space there or use a larger disk")
     if p.host_fits is False:
         short = p.host_total - p.host_mem_bytes
         fixes = []
@@ -149,7 +149,7 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
         if compact and not p.lora_r and G == 1:
             fixes.append(f"optimizer_state='{compact}' (--optim {compact}) saves "
                          f"{gib(_state_saving(s, p.optimizer_state, compact))} (docs/host_state.md)")
-        if p.disk_mem_bytes is None and G == 1 and p.optimizer_state == "adamw":
+        if p.disk_mem_bytes is None and G == 1:
             fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
                          "last layers' masters and moments there")
         if deferred:

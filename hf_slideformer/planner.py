@@ -15,6 +15,7 @@ import torch
 
 from .budget import balanced_share, plan_resident, resident_bytes_per_param
 from .disk_plan import DiskSplit, split_layers
+from .host_optim import state_format
 from .memory import GiB, available_host_bytes
 from .plan_estimate import (
     ADAM_GPS, DEVICE_UPDATE_LINK, ENGINE_EFFICIENCY, FORWARD_SHARE, GPU_CONTEXT_BYTES, GPU_EFFICIENCY, GPU_USABLE, PEAK_TFLOPS,
@@ -62,8 +63,9 @@ def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_byt
     s = est.s
     state = est.state_bytes()
     others = sum(items.values()) - state
-    fixed = 12 * (s.n_params - s.layers * s.layer_params) + others
-    split = split_layers(host_bytes, fixed, [s.layer_params] * s.layers)
+    fmt = state_format(est.optimizer_state)             # the layers' records hold its arrays (disk_record.py)
+    fixed = state - int(fmt.bytes_per_param * s.layers * s.layer_params) + others
+    split = split_layers(host_bytes, fixed, [s.layer_params] * s.layers, fmt)
     return DiskSplit(0, s.layers) if split is None else split
 
 
@@ -147,8 +149,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             and no GPU-side updates (the engine turns them off); no nvme_gb, no LoRA.
         optim: SlideConfig.optimizer_state ("adamw", "adamw_8bit", "adamw_8bit_bf16"), or one of the
             Trainer's 8-bit AdamW names (adamw_8bit, adamw_bnb_8bit, ...): the host bytes per
-            parameter follow the format's declaration (host_optim.py); a compact format keeps no
-            resident layers and no state on disk (the engine refuses them), and its AdamW rate is
+            parameter, and the records of the layers on disk, follow the format's declaration
+            (host_optim.py, disk_record.py); a compact format keeps no resident layers (the engine
+            refuses them), and its AdamW rate is
             `adam_gps` too unless measured ("host" measures that format's update).
         fp8: SlideConfig.matmuls='fp8': the decoder layers' projection GEMMs at 1.70x the bf16 rate
             (`plan_estimate.FP8_GEMM_SPEEDUP`), each slot's FP8 weights on the GPU; not with LoRA.
@@ -182,9 +185,6 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
                              "plan these with one GPU (gpus=1), or leave them out")
     from .host_optim import optimizer_state_of
     optim = optimizer_state_of(optim)
-    if optim != "adamw" and nvme_gb is not None:
-        raise ValueError(f"optim={optim!r} keeps no state on disk (the engine refuses host_memory_limit with it): "
-                         "plan it without nvme_gb, or with optim='adamw'")
     if optim != "adamw" and lora_r is not None:
         raise ValueError(f"optim={optim!r} is a setting of full fine-tuning: plan a LoRA run with optim='adamw'")
     if fp8 and lora_r is not None:

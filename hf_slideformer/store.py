@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 
 from .disk_plan import plan_disk_units
-from .disk_store import WHOLE, DiskStates, pool_buffers, record_bytes
+from .disk_record import WHOLE, StateRecord
+from .disk_store import DiskStates, pool_buffers
 from .host_optim import state_format, unit_format
 from .memory import PinnedBuffers, PrivateHostMemory, check_host_memory, lazy_zeros
 
@@ -137,10 +138,11 @@ class HostStore:
         self._frozen = {id(u) for u in frozen}
         frozen_numel = sum(u.numel for u in frozen)
         if config.check_host_memory:
-            pool = pool_buffers(len(on_disk)) * max((record_bytes(u.numel, part) for u, part in on_disk), default=0)
+            pool = pool_buffers(len(on_disk)) * max((StateRecord.of(u, part).nbytes for u, part in on_disk), default=0)
             held = [u for u in units if not self.on_disk(u) and id(u) not in self._frozen]
             need = (sum(u.numel * u.state_format.master_dtype.itemsize for u in held)
-                    + 4 * sum(u.numel for u in units if self.on_disk(u) and not self.master_on_disk(u))
+                    + sum(u.numel * u.state_format.master_dtype.itemsize for u in units
+                          if self.on_disk(u) and not self.master_on_disk(u))
                     + sum(u.state_format.state_bytes(u) for u in held)
                     + 2 * frozen_numel + pool
                     + (4 * sum(u.numel for u in units if u.kind != "embed" and u.trainable) if self.deferred else 0))
