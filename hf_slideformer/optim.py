@@ -254,7 +254,7 @@ class SlideOptimizer(torch.optim.Optimizer):
         return out
 
     def _indexed_units(self):
-        """(unit, [(entry, the state dict's index of its parameter)]) of the layers on disk."""
+        """(unit, [(entry index, entry, the state dict's index of its parameter)]) of the layers on disk."""
         index, start = {}, 0
         for g in self.param_groups:                  # torch.optim's numbering of the parameters
             for i, p in enumerate(g["params"], start):
@@ -263,16 +263,17 @@ class SlideOptimizer(torch.optim.Optimizer):
         store = self.engine.store
         for u in store.units:
             if store.on_disk(u):
-                yield u, [(e, index[id(e.param)]) for e in u.entries if id(e.param) in index]
+                yield u, [(k, e, index[id(e.param)]) for k, e in enumerate(u.entries) if id(e.param) in index]
 
     def _disk_moments(self, state: dict) -> None:
-        """Fill in the moments of the layers on disk, read one unit at a time (copies)."""
+        """Fill in the moments of the layers on disk (the arrays of their format), read one unit at
+        a time (copies)."""
         for u, entries in self._indexed_units():
             with self.engine.store.unit_state(u):
-                for e, i in entries:
+                for k, _, i in entries:
                     if i in state:
-                        state[i] = {**state[i], "exp_avg": e.view(u.exp_avg).clone(),
-                                    "exp_avg_sq": e.view(u.exp_avg_sq).clone()}
+                        arrays = u.state_format.entry_state(u, k)
+                        state[i] = {**state[i], **{n: t.clone() for n, t in arrays.items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyper-parameters and moments in place (the moments are views of the host store)."""
@@ -283,7 +284,7 @@ class SlideOptimizer(torch.optim.Optimizer):
         saved = state_dict["state"]
         on_disk = {}                                # id(param) -> (unit, entry) of the layers on disk
         for u, entries in self._indexed_units():
-            on_disk.update({id(e.param): (u, e) for e, _ in entries})
+            on_disk.update({id(e.param): (u, k) for k, e, _ in entries})
         disk_moments: dict[int, list] = {}
         fmt_of = {id(e.param): u.state_format for u in self.engine.store.units for e in u.entries}
         for sg, g in zip(groups, self.param_groups):
@@ -298,19 +299,15 @@ class SlideOptimizer(torch.optim.Optimizer):
                     continue
                 st = self.state[p]
                 if id(p) in on_disk:                # written to disk below, one unit at a time
-                    if s["exp_avg"].shape != p.shape:
-                        raise ValueError(f"optimizer state for a parameter of shape {tuple(p.shape)} has shape "
-                                         f"{tuple(s['exp_avg'].shape)}")
-                    disk_moments.setdefault(id(on_disk[id(p)][0]), []).append((*on_disk[id(p)], s))
+                    disk_moments.setdefault(id(on_disk[id(p)][0]), []).append((*on_disk[id(p)], p, s))
                 else:
                     _copy_entry_state(st, s, p, fmt_of[id(p)])
                 st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
         for items in disk_moments.values():
             u = items[0][0]
             with self.engine.store.unit_state(u, write=True):
-                for _, e, s in items:
-                    e.view(u.exp_avg).copy_(s["exp_avg"])
-                    e.view(u.exp_avg_sq).copy_(s["exp_avg_sq"])
+                for _, k, p, s in items:             # checked as a host unit's, before its copy
+                    _copy_entry_state(u.state_format.entry_state(u, k), s, p, u.state_format)
         self.engine.note_restored(optimizer=True)
 
 

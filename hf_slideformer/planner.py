@@ -259,7 +259,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     p.disk_bytes_per_step = est.disk_traffic(N, k_disk, deferred)
     if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
-        state = [k for k in p.host if k.startswith(("fp32 masters", "fp32 gradient accumulator", "state buffers"))
+        state = [k for k in p.host if k.startswith(("fp32 masters", "masters of the layers", "fp32 gradient accumulator", "state buffers"))
                  or k == est.state_key]
         p.host_memory_limit_gib = math.ceil(sum(p.host[k] for k in state) / GiB * 10) / 10
     p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)

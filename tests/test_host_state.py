@@ -35,6 +35,7 @@ def state(model, opt):
 
 # A model whose embedding rows are whole 8-bit blocks (hidden 256): the embedding keeps the format.
 WIDE = dict(hidden_size=256, intermediate_size=128, num_hidden_layers=2)
+WIDE_LAYERS = dict(hidden_size=256, intermediate_size=128)        # three layers of them
 
 
 @pytest.mark.parametrize("name", COMPACT)
@@ -198,11 +199,27 @@ def test_a_compact_format_refuses_the_torch_host_route_and_keeps_the_gpu_placeme
     assert cfg.resident_layers == "auto" and cfg.device_update_share == "auto"
 
 
-def test_a_compact_format_under_host_memory_limit_keeps_everything_in_ram(tmp_path):
+def test_a_compact_format_under_host_memory_limit_goes_to_disk_only_past_its_bytes(tmp_path, monkeypatch):
+    """The split counts the format's declared bytes (disk_plan.py): what fits stays in host
+    memory, a limit below it puts the last layers' compact moments on disk (two pool buffers for
+    three layers: tests/test_disk_record.py), and one below even every layer's whole state on
+    disk is refused naming the format."""
+    from hf_slideformer import disk_store
+    monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
     _, slid = make_pair(optimizer_state="adamw_8bit_bf16", host_memory_limit=1.0, nvme_path=str(tmp_path))
     assert slid.slide_engine.store.disk is None          # all of it fits: nothing on disk
+    units = make_pair(optimizer_state="adamw_8bit_bf16", cfg_kw=WIDE_LAYERS)[1].slide_engine.store.units
+    need = sum(u.numel * u.state_format.master_dtype.itemsize + u.state_format.state_bytes(u) for u in units)
+    _, fits = make_pair(optimizer_state="adamw_8bit_bf16", host_memory_limit=need / 2 ** 30, nvme_path=str(tmp_path),
+                        cfg_kw=WIDE_LAYERS)
+    assert fits.slide_engine.store.disk is None
+    _, short = make_pair(optimizer_state="adamw_8bit_bf16", host_memory_limit=(need - 64) / 2 ** 30,
+                         nvme_path=str(tmp_path), cfg_kw=WIDE_LAYERS)
+    assert short.slide_stats()["disk_layers"] > 0
+    assert {short.slide_engine.store.disk.record(u).format.name for u in short.slide_engine.store.disk.units} == {
+        "adamw_8bit_bf16"}
     from hf_slideformer.memory import HostMemoryError
-    with pytest.raises(HostMemoryError, match="adamw_8bit.*keeps no state on disk"):
+    with pytest.raises(HostMemoryError, match="all 3 trainable decoder layers on disk.*optimizer_state='adamw_8bit'"):
         make_pair(optimizer_state="adamw_8bit", host_memory_limit=1e-4, nvme_path=str(tmp_path))
 
 
