@@ -182,3 +182,45 @@ def test_a_record_of_a_unit_holds_its_parameters_blocks():
                           (torch.float32, 3))
     assert array_offsets(rec.layout) == [0, 4096, 8192, 12288, 16384] and rec.nbytes == 5 * 4096
     assert StateRecord(310, WHOLE).layout == ((torch.float32, 310),) * 3          # fp32 AdamW by default
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", COMPACT)
+@pytest.mark.parametrize("parts", ["MMM", "MAA"])
+def test_compact_records_on_disk_train_as_in_host_memory_on_cuda(tmp_path, monkeypatch, name, parts):
+    """On CUDA the records go through pinned buffers (and kvikio where it is installed), and a
+    whole layer's slot copy reads its master (bf16 under adamw_8bit_bf16) from the pinned buffer:
+    bf16 compute, clipping and accumulation give the same bits as the format in host memory."""
+    import copy
+
+    import hf_slideformer as hs
+    from helpers import family_config
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(family_config("llama", **CFG)).float()
+    ref.config.use_cache = False
+    runs = []
+    for target in (parts, None):
+        force_parts(monkeypatch, PARTS[target] if target else [])
+        disk = dict(host_memory_limit=1.0, nvme_path=str(tmp_path / "nvme")) if target else {}
+        model = hs.slide(copy.deepcopy(ref), hs.SlideConfig(
+            device="cuda", dtype=torch.bfloat16, optimizer_state=name, max_grad_norm=0.5,
+            gradient_accumulation_steps=2, **disk))
+        opt = model.create_optimizer(lr=LR, weight_decay=0.1)
+        for i, b in enumerate(batches(6, bsz=2, seq=33)):
+            (model(**{k: v.cuda() for k, v in b.items()}).loss / 2).backward()
+            if i % 2:
+                opt.step()
+                opt.zero_grad()
+        runs.append((model, opt))
+    (on_disk, a), (in_ram, b) = runs
+    stats = on_disk.slide_stats()
+    assert stats["disk_layers"] == 3 and stats["disk_read_bytes"] > 0
+    assert on_disk.slide_engine.store.disk.pool.count == 2
+    sd_disk, sd_ram = on_disk.state_dict(), in_ram.state_dict()
+    for k in sd_ram:
+        assert torch.equal(sd_disk[k], sd_ram[k]), k
+    same_state(a, b)
