@@ -1,10 +1,11 @@
-"""`DiskLayer`: the placement of a decoder layer whose AdamW moments, or fp32 master and
-moments, live on disk.
+"""`DiskLayer`: the placement of a decoder layer whose AdamW moments, or master and moments,
+live on disk.
 
-It is a `HostLayer` whose record (`disk_store.StateRecord`: the moments, or the whole state) is
-resident in host memory only around its uses (`disk_store.DiskStates`): the CPU worker updates
-it with the same host AdamW, from the same gradient ring, so training is bit-identical to the
-host store's (`tests/test_disk_placement.py`).
+It is a `HostLayer` whose record (`disk_record.StateRecord`: the moments, or the whole state, in
+the arrays of its optimizer state format) is resident in host memory only around its uses
+(`disk_store.DiskStates`): the CPU worker updates it with the same host AdamW, from the same
+gradient ring, so training is bit-identical to the host store's (`tests/test_disk_placement.py`,
+`tests/test_disk_record.py`).
 
 Note: [When a disk layer's state is in memory] the record is read into a pool buffer for each
 use and written back after each update:
@@ -193,7 +194,7 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- the module's state_dict
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        """`module.state_dict()`: the layer's fp32 masters, read from disk (copies)."""
+        """`module.state_dict()`: the layer's masters (in their format's dtype), read from disk (copies)."""
         keys = [(prefix + n, e) for n, e in self._names if prefix + n in state_dict]
         if not keys:
             return

@@ -34,8 +34,9 @@ wait for copies of the old master (`Unit.readers`) are the host store's, unchang
 
 Note: [Why a copy reads the master alone] a slot copy needs a whole-state layer's master and
 nothing else, so a pin or a read-ahead for a copy reads the first array of the record (its
-master: 4 of 12 bytes per parameter under 'adamw', 2 of 4.03 under 'adamw_8bit_bf16') and marks the residency partial; a pin or read-ahead for an update or a
-checkpoint reads the rest into the same buffer first (the unit's operations run in order, so
+master: 4 of 12 bytes per parameter under 'adamw', 2 of 4.03 under 'adamw_8bit_bf16') and marks
+the residency partial; a pin or read-ahead for an update or a checkpoint reads the rest into the
+same buffer first (the unit's operations run in order, so
 both reads see one generation: a partial residency never has a write pending, since a write
 follows an update, which needs the whole record). A partial residency is evicted like any other:
 nothing of it is newer than the file. A write of a partial one would write moments never read,

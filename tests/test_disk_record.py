@@ -153,17 +153,21 @@ def test_a_torn_compact_record_is_a_named_error(tmp_path, monkeypatch, name):
     as a mix of two generations."""
     on_disk = slid(tmp_path, monkeypatch, name, "MAA")
     train(on_disk, batches(1))
+    on_disk.slide_engine.synchronize()
     disk = on_disk.slide_engine.store.disk
+    disk.flush()                                              # no write of the training in flight
     u = disk.units[0]
+    k = disk.units.index(u)
+    start = disk.file.slot_offset(k, 0)
     orig, calls = disk.file.handle.pwrite, []
 
     def torn(buf, nbytes, offset):
-        calls.append(offset)
-        if len(calls) == 2:                                   # the second piece of the payload
-            raise DiskIOError(5, f"write of {nbytes} bytes at offset {offset} of {disk.file.path} failed: simulated")
+        if start <= offset < start + 4096 + disk.file.payload_bytes(k):
+            calls.append(offset)
+            if len(calls) == 2:                               # the second piece of the unit's payload
+                raise DiskIOError(5, f"write of {nbytes} bytes at offset {offset} of {disk.file.path} failed: simulated")
         return orig(buf, nbytes, offset)
     monkeypatch.setattr(disk.file.handle, "pwrite", torn)
-    k = disk.units.index(u)
     with pytest.raises(DiskIOError, match=f"{disk.file.path}.*simulated"):
         disk.file.write(k, tuple(torch.zeros(n, dtype=d) for d, n in disk.record(u).layout)).result()
     monkeypatch.setattr(disk.file.handle, "pwrite", orig)
@@ -190,7 +194,8 @@ def test_a_record_of_a_unit_holds_its_parameters_blocks():
 def test_compact_records_on_disk_train_as_in_host_memory_on_cuda(tmp_path, monkeypatch, name, parts):
     """On CUDA the records go through pinned buffers (and kvikio where it is installed), and a
     whole layer's slot copy reads its master (bf16 under adamw_8bit_bf16) from the pinned buffer:
-    bf16 compute, clipping and accumulation give the same bits as the format in host memory."""
+    bf16 compute, clipping and accumulation give the same bits as the format in host memory
+    (updated there too: a resident or device-updated layer's torch-ops update may round otherwise)."""
     import copy
 
     import hf_slideformer as hs
@@ -208,7 +213,7 @@ def test_compact_records_on_disk_train_as_in_host_memory_on_cuda(tmp_path, monke
         disk = dict(host_memory_limit=1.0, nvme_path=str(tmp_path / "nvme")) if target else {}
         model = hs.slide(copy.deepcopy(ref), hs.SlideConfig(
             device="cuda", dtype=torch.bfloat16, optimizer_state=name, max_grad_norm=0.5,
-            gradient_accumulation_steps=2, **disk))
+            gradient_accumulation_steps=2, resident_layers=0, device_update_share=0.0, **disk))
         opt = model.create_optimizer(lr=LR, weight_decay=0.1)
         for i, b in enumerate(batches(6, bsz=2, seq=33)):
             (model(**{k: v.cuda() for k, v in b.items()}).loss / 2).backward()
