@@ -29,16 +29,19 @@ from .fp8_quant import _pow2_scale
 __all__ = ["RMSNormFunction", "RMSNormRowsFunction", "rms_norm", "rms_norm_rows"]
 
 
-@triton.jit
+# Note: [Why the norm's FP8 rows are a runtime switch] `quant` is an argument, not a constexpr,
+# and not specialized: the plain norm and the one that also writes FP8 rows run one compiled
+# kernel, so their y is the same bits. Two compilations may lay out the row's sum of squares
+# differently, and rstd then moves by an ulp (seen at H = 4096 on the H200).
+@triton.jit(do_not_specialize=["quant"])
 def _rms_norm_fwd_kernel(
     x_ptr, y_ptr, w_ptr, rstd_ptr, q_ptr, inv_ptr,
-    n_rows, H, eps,
+    n_rows, H, eps, quant,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    QUANT: tl.constexpr,
 ):
     """y = w * (x * rstd).to(x.dtype) for a tile of BLOCK_R rows; stores rstd (n_rows,) fp32. With
-    QUANT also q (n_rows, H) e4m3 and inv (n_rows,) fp32: y's rows quantized (the fp8 recipe)."""
+    quant != 0 also q (n_rows, H) e4m3 and inv (n_rows,) fp32: y's rows quantized (the fp8 recipe)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]   # (R, 1)
     cols = tl.arange(0, BLOCK_H)[None, :]                                              # (1, BH)
     mask = (rows < n_rows) & (cols < H)
@@ -49,7 +52,7 @@ def _rms_norm_fwd_kernel(
     y = (w * n).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows * H + cols, y, mask=mask)
     tl.store(rstd_ptr + rows, rstd[:, None], mask=rows < n_rows)
-    if QUANT:
+    if quant != 0:
         yf = y.to(tl.float32)                          # the rounded output, as a separate pass reads it
         scale, inv = _pow2_scale(tl.max(tl.abs(yf), axis=1))           # masked columns are 0
         tl.store(q_ptr + rows * H + cols, tl.clamp(yf * scale[:, None], -448.0, 448.0).to(tl.float8e4nv), mask=mask)
@@ -124,10 +127,11 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if quant:
         rows = (torch.empty((n_rows, H), dtype=torch.float8_e4m3fn, device=x.device),
                 torch.empty((n_rows, 1), dtype=torch.float32, device=x.device))
-    q, inv = rows if quant else (rstd, rstd)            # unused pointers without QUANT
+    # Unused without quant, but of the same dtypes: [Why the norm's FP8 rows are a runtime switch]
+    q, inv = rows if quant else (y.view(torch.float8_e4m3fn), rstd)
     block_r, block_h, num_warps = _tile(H)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
-        x2, y, weight, rstd, q, inv, n_rows, H, eps, BLOCK_R=block_r, BLOCK_H=block_h, QUANT=quant,
+        x2, y, weight, rstd, q, inv, n_rows, H, eps, int(quant), BLOCK_R=block_r, BLOCK_H=block_h,
         num_warps=num_warps,
     )
     return y, rstd, rows
