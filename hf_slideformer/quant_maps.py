@@ -90,8 +90,10 @@ def code_search_table(signed: bool) -> torch.Tensor:
     is `(base[key] + sum_k (lo >= t_k[key])) mod 256` over the level's thresholds (the offsets in
     the bucket where the table's code steps up; an unused threshold is 0 and its step is taken out
     of `base`). Layout after the table: for each level, `_SEARCH_ROWS` rows of 256 bytes (base, then
-    the thresholds), then one byte per level: how many thresholds it uses. Checked exhaustively
-    against the table when built.
+    the thresholds), then one byte per level: how many thresholds it uses (and one unused); then the
+    map's codes as four planes of 256 bytes (byte b of each fp32 code, little-endian), which the
+    kernel's dequantization looks up the same way. Checked exhaustively against the table when
+    built.
     """
     lut = quantize_lut(signed).to(torch.int64)
     steps = torch.zeros(LUT_SIZE, dtype=torch.int64)
@@ -122,7 +124,8 @@ def code_search_table(signed: bool) -> torch.Tensor:
             rows[level, 0, b] -= k - len(ts)          # each unused threshold (0) always steps up
         counts.append(k)
     rows %= 256
-    table = torch.cat([lut, rows.view(-1), torch.tensor(counts + [0])]).to(torch.uint8)
+    planes = dynamic_map(signed).contiguous().view(torch.uint8).view(256, 4).t().to(torch.int64)
+    table = torch.cat([lut, rows.view(-1), torch.tensor(counts + [0]), planes.reshape(-1)]).to(torch.uint8)
     if not torch.equal(_search(table, torch.arange(LUT_SIZE)), lut.to(torch.uint8)):
         raise AssertionError("the code search's buckets disagree with the rounding table")
     return table
@@ -132,7 +135,8 @@ def _search(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The bucket form's code of each grid index `idx` (what the vector kernel computes)."""
     rows = table[LUT_SIZE:LUT_SIZE + len(SEARCH_LEVELS) * _SEARCH_ROWS * 256].to(torch.int64).view(
         len(SEARCH_LEVELS), _SEARCH_ROWS, 256)
-    counts = table[-len(SEARCH_LEVELS) - 1:-1].tolist()
+    at = LUT_SIZE + len(SEARCH_LEVELS) * _SEARCH_ROWS * 256
+    counts = table[at:at + len(SEARCH_LEVELS)].tolist()
     code = torch.zeros_like(idx)
     for level, (shift, origin) in enumerate(SEARCH_LEVELS):
         off = idx - origin

@@ -53,6 +53,7 @@ typedef struct {
     uint8_t lut[65536];
     uint8_t rows[Q_LEVELS][Q_ROWS][256];     /* per level: base code, then thresholds */
     uint8_t k[Q_LEVELS + 1];                 /* thresholds used per level */
+    uint8_t planes[4][256];                  /* byte b of each code of the map (fp32, little-endian) */
 } slide_q8_table;
 static const int q_shift[Q_LEVELS] = {8, 5, 0};
 static const int q_origin[Q_LEVELS] = {0, 32768 - 4096, 32768 - 128};
@@ -98,6 +99,41 @@ static inline __m512i search64(__m512i i0, __m512i i1, const slide_q8_table *t) 
     return code;
 }
 #endif
+
+#ifdef SLIDE_Q8_VBMI
+/* The positions the four byte planes' unpacks put 64 values at (see dequantize): position
+ * 16 L + 4 k + i holds value 16 k + 4 L + i. */
+static inline __m512i unpack_order(void) {
+    uint8_t o[64];
+    for (int pos = 0; pos < 64; pos++) o[pos] = (uint8_t)(16 * ((pos >> 2) & 3) + 4 * (pos >> 4) + (pos & 3));
+    return _mm512_loadu_si512(o);
+}
+#endif
+
+/* out[j] = map[q[j]] * s: the codes' values from the table's byte planes, 64 at a time (four byte
+ * lookups from registers, interleaved back into fp32 by unpacks), instead of a gathered load each. */
+static inline void dequantize(const unsigned char *restrict q, float *restrict out, int64_t len,
+                              const float *restrict map, const slide_q8_table *restrict t, float s) {
+    int64_t j = 0;
+#ifdef SLIDE_Q8_VBMI
+    const __m512i order = unpack_order();
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; j + 64 <= len; j += 64) {
+        const __m512i key = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(q + j));
+        const __m512i b0 = row_lookup(key, t->planes[0]), b1 = row_lookup(key, t->planes[1]);
+        const __m512i b2 = row_lookup(key, t->planes[2]), b3 = row_lookup(key, t->planes[3]);
+        const __m512i wl = _mm512_unpacklo_epi8(b0, b1), wh = _mm512_unpackhi_epi8(b0, b1);
+        const __m512i xl = _mm512_unpacklo_epi8(b2, b3), xh = _mm512_unpackhi_epi8(b2, b3);
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(wl, xl)), vs));
+        _mm512_storeu_ps(out + j + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(wl, xl)), vs));
+        _mm512_storeu_ps(out + j + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(wh, xh)), vs));
+        _mm512_storeu_ps(out + j + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(wh, xh)), vs));
+    }
+#else
+    (void)t;
+#endif
+    for (; j < len; j++) out[j] = map[q[j]] * s;
+}
 
 /* q[j] = code of grid index x[j] (0 for every j when zero: an all-zero block). */
 static inline void requantize(const int32_t *restrict x, unsigned char *restrict q, int64_t len,
@@ -164,12 +200,14 @@ static inline __attribute__((always_inline)) void adam8_block(
     uint16_t *restrict m16 = (uint16_t *)master_;
     const float *restrict g32 = (const float *)grad_;
     const uint16_t *restrict g16 = (const uint16_t *)grad_;
+    dequantize(q1 + lo, m, len, code1, lut1, s1);
+    dequantize(q2 + lo, v, len, code2, lut2, s2);
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
         const float g = (gbf ? bf16_to_f32(g16[i - goff]) : g32[i - goff]) * gscale;
-        float mm = code1[q1[i]] * s1;
-        float vv = code2[q2[i]] * s2;
+        float mm = m[j];
+        float vv = v[j];
         mm = fmaf(g, c1, mm * beta1);
         vv = fmaf(c2 * g, g, vv * beta2);
         m[j] = mm;
