@@ -145,8 +145,8 @@ class SlideConfig:
         "AdamW8bit, about 6 bytes) or 'adamw_8bit_bf16' (those and a bf16 master with stochastic rounding, about 4 "
         "bytes). The embedding keeps the format where its hidden size is a multiple of 256 (else 'adamw'), and "
         "'adamw' when resident_embedding=True (its state then lives on the GPU; 'auto' keeps it on the host). "
-        "Resident layers and device-updated layers keep the compact format on the GPU too; the compact formats "
-        "keep no state on disk (host_memory_limit must hold it all) and run in one process "
+        "Resident layers and device-updated layers keep the compact format on the GPU too, and under "
+        "host_memory_limit the layers on disk keep it in their records; the compact formats run in one process "
         "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
     matmuls: str = option(
         "dtype", Choice("dtype", "fp8"),
