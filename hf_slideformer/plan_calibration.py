@@ -9,6 +9,7 @@ from .memory import GiB
 __all__ = [
     "PEAK_TFLOPS", "GPU_EFFICIENCY", "ACT_HIDDEN", "ACT_INTER", "PROCESS_HOST_BYTES", "NVME_BUFFERS",
     "GRAD_BYTES", "GPU_USABLE", "GPU_CONTEXT_BYTES", "DUPLEX", "ADD_VS_ADAM", "ADAM_GPS", "FP8_GEMM_SPEEDUP",
+    "FP8_QUANT_HBM_SHARE",
     "ENGINE_EFFICIENCY", "FORWARD_SHARE", "DEVICE_UPDATE_LINK", "RESERVED_VS_ALLOCATED",
 ]
 
@@ -28,6 +29,7 @@ ADAM_GPS = 3.5               # the H200 machine's host AdamW, G params/s, the CP
 # FP8 (e4m3, row-wise scales, torch._scaled_mm) over bf16 GEMM time at the Llama-3.1-8B layer shapes
 # of a 16 x 2048 micro-batch on the H200 (docs/fp8.md, "Planner").
 FP8_GEMM_SPEEDUP = 1.70
+FP8_QUANT_HBM_SHARE = 0.75   # achieved share of the HBM peak by the FP8 quantization passes (as the LoRA kernels')
 ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bound / measured step
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way

@@ -21,7 +21,7 @@ from .host_optim import embed_format, state_format
 from .memory import COPY_CHUNK
 from .plan_calibration import (  # noqa: F401 - the calibration, importable from here as well
     PEAK_TFLOPS, GPU_EFFICIENCY, ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, NVME_BUFFERS, GRAD_BYTES,
-    GPU_USABLE, GPU_CONTEXT_BYTES, DUPLEX, ADD_VS_ADAM, ADAM_GPS, FP8_GEMM_SPEEDUP, ENGINE_EFFICIENCY,
+    GPU_USABLE, GPU_CONTEXT_BYTES, DUPLEX, ADD_VS_ADAM, ADAM_GPS, FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, ENGINE_EFFICIENCY,
     FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED,
 )
 from .plan_shape import ModelShape, load_model_config, model_shape
@@ -262,9 +262,21 @@ class Estimator:
         r = self.rates
         T = B * self.seq
         flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)
+        quant = 0.0
         if self.fp8:      # bf16-equivalent FLOPs: the projections' GEMMs run FP8_GEMM_SPEEDUP times faster
             flops -= self.projection_flops(recompute) * (1 - 1 / FP8_GEMM_SPEEDUP)
-        return N * T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"])
+            quant = self.fp8_quant_bytes(T) / (r["gpu_hbm_gbs"] * 1e9 * FP8_QUANT_HBM_SHARE)
+        return N * (T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]) + quant)
+
+    def fp8_quant_bytes(self, T: int) -> float:
+        """Bytes of the FP8 quantization passes per micro-batch of T tokens (docs/fp8.md, "Fused
+        quantization"), per layer: 6 per element of the output gradients, 5 of the inputs'
+        transposed forms, 6 of the attention output's rows, 9 per weight parameter."""
+        s = self.s
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        outputs = q + 2 * kv + s.hidden + 2 * s.intermediate + s.hidden      # q, k, v, o, gate, up, down
+        inputs = s.hidden + q + s.hidden + s.intermediate                     # q/k/v, o, gate/up, down
+        return s.layers * (T * (6 * outputs + 5 * inputs + 6 * q) + 9 * s.compute_layer_params)
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches

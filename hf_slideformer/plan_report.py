@@ -354,7 +354,7 @@ def _format_report(p: Plan) -> str:
         "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
                 f"+ {p.adapter_s:.3f} s of the adapters' fp32 work" if p.lora_r else
                 f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
-                + (" (the layers' projections in FP8 at 1.70x)" if p.fp8 else "") + " "
+                + (" (the layers' projections in FP8 at 1.70x, their quantization passes at the HBM rate)" if p.fp8 else "") + " "
                 f"(resident, no recompute: {p.gpu_resident_s:.3f} s)" + (", each GPU" if G > 1 else "")),
         "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s"
                 + (f" per GPU, each on its own link (d2h: 1/{G} of each gradient)" if G > 1 else ""),
