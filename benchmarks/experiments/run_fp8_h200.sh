@@ -39,7 +39,7 @@ case "${1:-}" in
     e) timeout 330 python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" --max-seconds "${QUALITY_S:-280}" \
            --log-every 25 --json "$OUT/fp8_quality.json" --svg "$OUT/fp8_quality.svg" 2>&1 | tail -30 ;;
     f) SECONDS=0
-       timeout 110 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py -p no:cacheprovider -rf > "$OUT/gpu.log" 2>&1
+       timeout 150 python3 -m pytest -q -m gpu tests/test_fp8_gpu.py -p no:cacheprovider -rf > "$OUT/gpu.log" 2>&1
        echo "gpu tests: $(tail -1 "$OUT/gpu.log") after $SECONDS s"; grep -E "^FAILED" "$OUT/gpu.log" | head -5
        files=()
        for row in ${ROWS:-8b12 3b9 8b24}; do
