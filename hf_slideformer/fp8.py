@@ -9,8 +9,8 @@ the forward, scaled per output feature, and one for dgrad, scaled per input feat
 gradient and the input one for wgrad, scaled per feature over the tokens); the forward GEMM uses
 fast accumulation, the two gradient GEMMs do not.
 
-Two implementations of the three primitives (quantize rows, quantize columns transposed, scaled
-GEMM), chosen once: `CudaFp8` (the Triton kernels of `triton_ops.kernels.fp8_quant` and
+Two implementations of the primitives (quantize rows, quantize rows and take the column maxima in
+the same read, quantize columns transposed, scaled GEMM), chosen once: `CudaFp8` (the Triton kernels of `triton_ops.kernels.fp8_quant` and
 `torch._scaled_mm`) and `EmulatedFp8` (the pure-torch reference, and a scaled GEMM emulated as
 dequantize + float32 matmul), which runs anywhere and is how the CPU tests exercise the logic.
 """
@@ -27,7 +27,7 @@ GEMM_ALIGN = 16          # torch._scaled_mm needs every dimension of its operand
 
 
 class Fp8Ops:
-    """The three primitives of the recipe (see the module docstring)."""
+    """The primitives of the recipe (see the module docstring)."""
 
     def quantize_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (M, K) -> (q (M, K) e4m3, inverse scales (M, 1) float32)."""
