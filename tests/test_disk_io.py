@@ -353,6 +353,41 @@ def test_layout_is_aligned_and_the_file_is_preallocated(tmp_path):
         f.close()
 
 
+def test_a_typed_layout_round_trips_and_reopens_with_its_dtypes(tmp_path):
+    """A unit's record of (dtype, count) arrays (a compact state format's: bf16 master, 8-bit
+    moments, fp32 block scales): each array on a 4096-byte boundary, the same bits back through a
+    flat buffer and through tensors, and a kept file reopens with the layout from its header."""
+    lay = ((torch.bfloat16, 1000), (torch.uint8, 1000), (torch.uint8, 1000), (torch.float32, 4), (torch.float32, 4))
+    f = UnitStateFile(str(tmp_path / "s.bin"), [lay, 5], make_backend("plain"), keep=True)
+    try:
+        assert f.payload_bytes(0) == 5 * 4096 and f.array_bytes(0) == 4096 and f.payload_bytes(1) == 3 * 4096
+        pool = HostBufferPool(1, f.max_payload_bytes, pin=False)
+        arrays = (torch.randn(1000).bfloat16(), _random_bytes(1000, 1), _random_bytes(1000, 2), torch.rand(4),
+                  torch.rand(4))
+        with pool.acquire_one() as buf:
+            views = f.views(0, buf)
+            assert [(v.dtype, v.numel()) for v in views] == list(lay)
+            assert all((v.data_ptr() - buf.tensor.data_ptr()) % 4096 == 0 for v in views)
+            for v, a in zip(views, arrays):
+                v.copy_(a)
+            assert f.write(0, buf).result() == 1
+        f.write(0, arrays).result()
+        got = f.read(0, tuple(torch.empty(n, dtype=d) for d, n in lay)).result()
+        assert got.generation == 2 and all(torch.equal(a, b) for a, b in zip(got, arrays))
+        with pytest.raises(ValueError, match=r"takes a flat buffer or 5 tensors \(1000 bfloat16"):
+            f.read(0, tuple(torch.empty(1000) for _ in range(5)))
+    finally:
+        f.close()
+        pool.close()
+    g = UnitStateFile.open(f.path, PlainFileBackend(threads=2))
+    try:
+        assert g.layouts == [lay, ((torch.float32, 5),) * 3] and g.generation(0) == 2 and g.generation(1) == 0
+        got = g.read(0, tuple(torch.empty(n, dtype=d) for d, n in lay)).result()
+        assert all(torch.equal(a, b) for a, b in zip(got, arrays))
+    finally:
+        g.close()
+
+
 def test_unit_state_round_trip_is_bit_exact_through_pool_buffers_and_tensors(tmp_path):
     f = _file(tmp_path)
     pool = HostBufferPool(2, f.max_payload_bytes, pin=False)

@@ -23,7 +23,7 @@ two slots. A write of generation g + 1 goes to the other slot, in this order: th
 once every payload byte is written (and, with `durable`, flushed by fdatasync), the slot's
 record header naming g + 1; with `durable`, that header is flushed too before the write counts
 as done. A record is valid when its header's CRC matches and it names this file, this unit, this
-slot and the unit's numel; the newest valid record wins. So a write cut short in its payload
+slot and the unit's layout; the newest valid record wins. So a write cut short in its payload
 leaves the target slot's header as it was (invalid, or the older generation g - 1), and one cut
 short in its header leaves a header whose CRC fails or the old one: either way the other slot's
 g wins. The slot holding g is not touched until g + 1 is complete in the other slot. In the
