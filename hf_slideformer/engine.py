@@ -162,6 +162,7 @@ class SlideEngine:
         self.router_aux = adapter.router_aux(model, self.layers)   # a mixture of experts' aux loss, or None
         norm_fn = adapter.final_norm(model).forward      # HF's or the kernel's (model.py replaces it later)
         self.head = head(self, self.head_unit, adapter.lm_head(model), norm_fn, head_slots)
+        self.places.attach_ends(self.embedding, self.head)
         cfg = getattr(model, "config", None)
         self.residents = ResidentPlan(self, cfg.to_dict() if hasattr(cfg, "to_dict") else None)
         self.device_updates = DeviceUpdater(self)
@@ -314,10 +315,9 @@ class SlideEngine:
         return self.places.of(unit)
 
     def updater_of(self, unit: Unit):
-        """What runs unit `unit`'s deferred update: its placement, the embedding or the head."""
-        if unit.kind == "layer":
-            return self.place_of(unit)
-        return self.embedding if unit is self.embed_unit else self.head
+        """What runs unit `unit`'s deferred update: its placement, the embedding or the head
+        (`Placements.updater_of`)."""
+        return self.places.updater_of(unit)
 
     def set_place(self, unit: Unit, place) -> None:
         """Give layer unit `unit` another placement (between optimizer steps; `Placements.assign`)."""

@@ -31,6 +31,7 @@ Methods named `*_task` run on the CPU worker thread; the others on the main thre
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -38,7 +39,7 @@ from .functions import leaves as _leaves
 from .optim import sq_norm as _sq_norm
 from .store import Unit
 
-__all__ = ["LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep", "Placements"]
+__all__ = ["UnitPlacement", "LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep", "Placements"]
 
 
 @dataclass
@@ -70,6 +71,16 @@ class DeferredStep:
         if self._clip is None:
             self._clip = self.device_clip()
         return self._clip
+
+
+class UnitPlacement(Protocol):
+    """What the schedule asks of every unit's place at `optimizer.step()`: each layer's
+    (`LayerPlacement`), the embedding's (`embedding.Embedding`) and the head's (`head.LossHead`)."""
+
+    unit: Unit
+
+    def step(self, deferred: DeferredStep) -> None:
+        """`optimizer.step()` after a backward that did not update: queue the update where it runs."""
 
 
 class LayerPlacement:
@@ -244,7 +255,9 @@ class FrozenLayer(LayerPlacement):
 
 class Placements(list):
     """The decoder layers' placements in layer order (`SlideEngine.places`): the one owner that
-    assigns them, and the one place that asks which kind a layer's placement is.
+    assigns them, and the one place that asks which kind a layer's placement is. It also knows
+    the embedding's and the head's places (`attach_ends`), so that every unit's update is found
+    in one place (`updater_of`).
 
     Args:
         units: the layer units in layer order.
@@ -254,6 +267,16 @@ class Placements(list):
     def __init__(self, units: list[Unit], make):
         super().__init__(make(unit) for unit in units)
         self._layer_no = {id(unit): i for i, unit in enumerate(units)}
+        self._ends: dict[int, UnitPlacement] = {}
+
+    def attach_ends(self, embedding: UnitPlacement, head: UnitPlacement) -> None:
+        """The embedding's and the head's places (embedding.py, head.py), made once at `slide()`."""
+        self._ends = {id(embedding.unit): embedding, id(head.unit): head}
+
+    def updater_of(self, unit: Unit) -> UnitPlacement:
+        """What runs unit `unit`'s deferred update: its layer's placement, the embedding or the head."""
+        end = self._ends.get(id(unit))
+        return end if end is not None else self.of(unit)
 
     def layer_no(self, unit: Unit) -> int:
         """The index of layer unit `unit` in the model."""
