@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from .quant_maps import BLOCK, dynamic_map, quantize_lut
+from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut
 
 __all__ = ["CHUNK_BLOCKS", "adamw8_range", "rounding_key_t", "round_bf16_stochastic_t", "Hyper8"]
 
@@ -36,7 +36,7 @@ def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64_t(x: torch.Tensor) -> torch.Tensor:
-    """host_optim._mix64 on int64 tensors (products wrap mod 2^64, as the unsigned ones)."""
+    """quant_maps.mix64 on int64 tensors (products wrap mod 2^64, as the unsigned ones)."""
     x = (x ^ _shr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
     x = (x ^ _shr(x, 27)) * _signed64(0x94D049BB133111EB)
     return x ^ _shr(x, 31)
@@ -45,9 +45,7 @@ def _mix64_t(x: torch.Tensor) -> torch.Tensor:
 def rounding_key_t(seed: int, unit_index: int, step: torch.Tensor) -> torch.Tensor:
     """`host_optim.rounding_key(seed, unit_index, int(step))` from the step counter tensor (on its
     device, without reading it on the host): an int64 scalar holding the 64-bit key's bits."""
-    from .host_optim import _mix64
-
-    return _mix64_t(step.to(torch.int64) ^ _signed64(_mix64(_mix64(seed) ^ unit_index)))
+    return _mix64_t(step.to(torch.int64) ^ _signed64(mix64(mix64(seed) ^ unit_index)))
 
 
 def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:

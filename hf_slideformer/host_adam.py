@@ -27,7 +27,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HostAdam", "HostRate", "NativeKernelError", "measure_rate", "native_library", "torch_fused_adamw", "triad"]
+__all__ = ["HostAdam", "NativeKernelError", "native_library", "torch_fused_adamw", "triad"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.c"
 _SOURCE8 = "host_adam8.c"          # the 8-bit moments' update (host_optim.py binds it), in the same library
@@ -383,5 +383,3 @@ def _calibrated_v_order(lib) -> int:
     return chosen
 
 
-# The rate measurement (host_rate.py), kept importable from here.
-from .host_rate import STATE_BYTES, HostRate, measure_rate  # noqa: E402

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from .host_adam import torch_fused_adamw
-from .quant_maps import BLOCK, code_search_table, dynamic_map, num_blocks
+from .quant_maps import BLOCK, code_search_table, dynamic_map, mix64, num_blocks
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
            "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES",
-           "measure_state_rate", "rate_unit", "StateFormatMismatchError", "CorruptOptimizerStateError",
+           "StateFormatMismatchError", "CorruptOptimizerStateError",
            "round_bf16_stochastic"]
 
 
@@ -172,16 +172,9 @@ def _bind(lib):
 _M64 = (1 << 64) - 1
 
 
-def _mix64(x: int) -> int:
-    x &= _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
 def rounding_key(seed: int, unit_index: int, step: int) -> int:
     """The stochastic rounding's key of one unit's update at `step` (a pure function of the three)."""
-    return _mix64(_mix64(_mix64(seed) ^ unit_index) ^ step)
+    return mix64(mix64(mix64(seed) ^ unit_index) ^ step)
 
 
 def round_bf16_stochastic(x: torch.Tensor, key: int, ctr: int = 0, threads: int = 1) -> torch.Tensor:
@@ -388,5 +381,3 @@ def unit_format(u, config) -> StateFormat:
     return embed_format(config.optimizer_state, int(u.entries[0].shape[-1]), config.resident_embedding is True)
 
 
-# The rate measurement (host_rate.py), kept importable from here.
-from .host_rate import measure_state_rate, rate_unit  # noqa: E402

@@ -47,7 +47,7 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
             of the memory available here would not hold them (`HostRate.params` says how many).
         repeat: timed updates.
         update: `update(kernel, params, hp, grad, step)` returns the callable timed, for another
-            state than fp32 AdamW's (`host_optim.measure_state_rate`); None: fp32 master and moments.
+            state than fp32 AdamW's (`measure_state_rate`); None: fp32 master and moments.
 
     Note: the rate is the kernel's alone on the machine. In a training step the host's memory
     also serves the copy engines (about 0.85 of this rate on the H200 machine, docs/engine.md);
@@ -120,12 +120,10 @@ def rate_unit(fmt: StateFormat, numel: int):
 
 def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threads: int | None = None,
                        params: int = 1 << 26, repeat: int = 5):
-    """`host_adam.measure_rate` of the update of `optimizer_state` (its master and moments in their
+    """`measure_rate` of the update of `optimizer_state` (its master and moments in their
     dtypes, a bf16 gradient): a `HostRate`."""
-    from . import host_adam                 # its measure_rate, as tests and callers may replace it
     from .host_optim import state_format
 
-    measure_rate = host_adam.measure_rate
     if optimizer_state == "adamw":
         return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat)
     fmt = state_format(optimizer_state)

@@ -85,7 +85,7 @@ def _adam_rate(adam_gps, optim: str = "adamw") -> tuple:
         if adam_gps.strip().lower() != "host":
             raise ValueError(f"adam_gps must be a positive number of G parameters/s or 'host' (measure this machine's), "
                              f"got {adam_gps!r}")
-        from .host_optim import measure_state_rate
+        from .host_rate import measure_state_rate
         r = measure_state_rate(optim)
         return round(r.params_per_s / 1e9, 2), r.describe()
     return adam_gps, "given"
@@ -112,7 +112,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         host_mem: host memory in GiB (default: this machine's MemAvailable).
         pcie_gbs: pinned host<->device bandwidth, GB/s each way (H200 machine: 54.6).
         adam_gps: the host AdamW's rate alone on the machine, G parameters/s, or "host" to measure
-            this machine's (`host_adam.measure_rate`: the route and threads the engine would use,
+            this machine's (`host_rate.measure_rate`: the route and threads the engine would use,
             about a second and 1 GiB of memory). Default: the H200 machine's calibration figure,
             ADAM_GPS (its 16 cores measured 3.5-4.1 G/s).
         gpu_tflops: the GPU's dense bf16 peak, TFLOPS (H100 / H200 SXM: 989.4).

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-__all__ = ["BLOCK", "LUT_SIZE", "dynamic_map", "quantize_lut", "quantize_blockwise", "dequantize_blockwise",
+__all__ = ["BLOCK", "LUT_SIZE", "mix64", "dynamic_map", "quantize_lut", "quantize_blockwise", "dequantize_blockwise",
            "num_blocks", "block_at", "code_search_table", "SEARCH_LEVELS"]
 
 BLOCK = 256
@@ -179,3 +179,15 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool
     n = codes.numel()
     scale = absmax.repeat_interleave(BLOCK)[:n]
     return dynamic_map(signed)[codes.long()] * scale
+
+
+_M64 = (1 << 64) - 1
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finalizer on a Python int (mod 2^64): the stochastic rounding's key hash, as the
+    native kernel and the torch-ops update compute it."""
+    x &= _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)

@@ -305,32 +305,6 @@ def test_the_source_ships_with_the_package():
     assert all(host_adam._SOURCE.with_name(h).exists() for h in host_adam._HEADERS)
 
 
-@pytest.mark.parametrize("mode", ["auto", "torch"])
-def test_measure_rate_times_the_route_the_engine_takes(mode):
-    r = host_adam.measure_rate(mode, threads=1, params=1 << 16, repeat=2)
-    assert r.route == HostAdam(mode, threads=1).name
-    assert (r.threads, r.params) == (1, 1 << 16)
-    assert 0 < r.params_per_s < float("inf")
-    assert r.describe() == f"measured here: the {r.route} route, 1 threads"
-
-
-def test_measure_rate_refuses_bad_sizes():
-    with pytest.raises(ValueError, match="params"):
-        host_adam.measure_rate(params=10)
-    with pytest.raises(ValueError, match="repeat"):
-        host_adam.measure_rate(params=1 << 12, repeat=0)
-    with pytest.raises(ValueError, match="host_adam"):
-        host_adam.measure_rate("fast", params=1 << 12)
-
-
-def test_measure_rate_takes_less_on_a_small_machine(monkeypatch):
-    from hf_slideformer import memory
-
-    monkeypatch.setattr(memory, "available_host_bytes", lambda: 4 * host_adam.STATE_BYTES * 5000)
-    r = host_adam.measure_rate("torch", threads=1, params=1 << 20, repeat=1)
-    assert r.params == 5000 and r.params_per_s > 0
-
-
 @needs_native
 def test_the_update_does_not_depend_on_the_thread_count():
     """The native kernel hands out blocks of 64k elements as threads free up: every element is

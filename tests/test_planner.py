@@ -656,15 +656,15 @@ def test_late_layers_are_counted_where_the_engine_makes_them():
 
 def test_adam_rate_measured_on_this_host(monkeypatch, capsys):
     """adam_gps="host" times the engine's host AdamW here and plans the CPU term with that rate."""
-    from hf_slideformer import host_adam
+    from hf_slideformer import host_rate
 
     seen = {}
 
     def fake(**kw):
         seen.update(kw)
-        return host_adam.HostRate("native", 15, 1 << 26, 2.0e9)
+        return host_rate.HostRate("native", 15, 1 << 26, 2.0e9)
 
-    monkeypatch.setattr(host_adam, "measure_rate", lambda **kw: fake(**kw))
+    monkeypatch.setattr(host_rate, "measure_rate", lambda **kw: fake(**kw))
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=12, host_mem=120, adam_gps="host")
     assert p.rates["adam_gps"] == 2.0 and p.adam_source == "measured here: the native route, 15 threads"
     assert p.times["cpu"] == pytest.approx(p.shape.n_params / 2.0e9)
