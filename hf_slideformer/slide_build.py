@@ -157,6 +157,12 @@ def fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool) 
         # The embedding's scale buffer is not read: the engine's embedding scales (install_proxies).
         if buf.device.type == "meta" and not name.endswith(("inv_freq", "embed_scale")) and "rotary" not in name:
             raise NotImplementedError(f"buffer {name} is uninitialized (meta)")
+    # A layer's own buffers (Gemma 4's layer_scalar) are read by its forward on the compute device.
+    for layer in adapter.layers(model):
+        for module in layer.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device.type != "meta" and buf.device != config.torch_device:
+                    setattr(module, key, buf.to(config.torch_device))
     rot = adapter.rotary(model)
     if rot is not None:
         if any(b.device.type == "meta" for b in rot.buffers()):

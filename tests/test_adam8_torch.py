@@ -17,7 +17,7 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no native host kernel 
 SHAPES = [(37, 41), (300,), (1000, 3), (256,), (5,)]
 GROUPS = [dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
           dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, maximize=True)]
-GROUP_OF = [0, 1, 0, 1, 0]
+GROUP_OF = [0, 1, 0, 1, 0, 1]       # the parameter ranges' groups (the CUDA test adds a sixth)
 
 
 def make_unit(fmt, params, index=3):

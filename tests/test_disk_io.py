@@ -656,6 +656,6 @@ def test_device_tensors_go_to_disk_and_back(tmp_path, kind):
             assert got.generation == 1 and _same([t.cpu() for t in got[:3]], _state(n, u))
         flat = torch.zeros(f.payload_bytes(1), dtype=torch.uint8, device="cuda")
         got = f.read(1, flat).result()
-        assert got.master.is_cuda and _same([t.cpu() for t in got[:3]], _state(1000, 1))
+        assert got[0].is_cuda and _same([t.cpu() for t in got[:3]], _state(1000, 1))
     finally:
         f.close()
