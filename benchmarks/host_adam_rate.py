@@ -33,7 +33,8 @@ import torch  # noqa: E402
 
 from hf_slideformer.config import _host_cores, worker_threads  # noqa: E402
 from hf_slideformer.host_adam import HostAdam, triad  # noqa: E402
-from hf_slideformer.host_optim import rate_unit, state_format  # noqa: E402
+from hf_slideformer.host_optim import state_format  # noqa: E402
+from hf_slideformer.host_rate import rate_unit  # noqa: E402
 
 
 def timed(fn, repeat: int) -> list[float]:
