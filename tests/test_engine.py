@@ -12,7 +12,8 @@ PARAM_TOL = 0.05 * LR        # a few percent of one learning-rate step
 LOSS_RTOL = 1e-5
 
 
-def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_by_ga=True, items=False, scale=1.0):
+def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_by_ga=True, items=False, scale=1.0,
+               norm_rtol=1e-4):
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=wd)
     opt = slid.create_optimizer(lr=LR, weight_decay=wd)
     scheds = []
@@ -42,7 +43,7 @@ def train_both(ref, slid, data, *, ga=1, clip=None, wd=0.0, sched=False, scale_b
             sc.step()
         norms.append((opt.last_grad_norm, rn.item()))
     for a, b in norms:
-        assert math.isclose(a, b, rel_tol=1e-4), norms
+        assert math.isclose(a, b, rel_tol=norm_rtol), norms
     return max_param_diff(ref, slid)
 
 
