@@ -32,8 +32,8 @@ from .model_inputs import check_label_dtype, check_token_ids
 from .model_state import SlideModelState
 from .optim import SlideOptimizer
 from .layer_matmuls import check_matmuls
-from .slide_build import (build_units, check_on_cpu, fill_and_build, install_proxies, lora_held_params,
-                          refuse_adapters_outside_layers, released_on_failure)
+from .slide_build import (build_units, check_on_cpu, drop_hub_kernels, fill_and_build, install_proxies,
+                          lora_held_params, refuse_adapters_outside_layers, released_on_failure)
 from .slide_checks import align_grouped_experts, check_finite_weights, check_gpu_limit, rank_fingerprint
 from .store import HostStore
 
@@ -103,6 +103,7 @@ def slide(model: nn.Module, config: SlideConfig | None = None, *, _fill: bool = 
         refuse_adapters_outside_layers(model, adapter, adapters)
     if config.expandable_segments and config.is_cuda:
         enable_expandable_segments()
+    drop_hub_kernels(model)
     units = build_units(model, adapter, skip=adapters | originals)
     if _fill:
         check_on_cpu(units)

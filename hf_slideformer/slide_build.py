@@ -22,7 +22,7 @@ from .tiled_mlp import tile_mlps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_units", "check_on_cpu", "fill_and_build", "install_proxies", "lora_held_params",
+__all__ = ["build_units", "check_on_cpu", "drop_hub_kernels", "fill_and_build", "install_proxies", "lora_held_params",
            "refuse_adapters_outside_layers", "released_on_failure"]
 
 
@@ -195,6 +195,20 @@ def _apply_kernels(model, config, built: dict) -> None:
         return
     triton_ops.patch(model, cross_entropy=False)
     built["kernels"] = model                # unpatched if slide() fails after this
+
+
+def drop_hub_kernels(model: nn.Module) -> None:
+    """Reset the `kernels` hub kernelization transformers gives a loaded model (5.25: on by default
+    where the `kernels` package is installed).
+
+    A kernelized model kernelizes again at every `train()` / `eval()` switch, which puts each
+    kernelized module's class forward back in place of its instance's: the engine's proxies and
+    Triton kernels, installed as instance forwards, would be dropped at the next mode switch (the
+    final norm, applied by the head, would then be applied twice). A slid model's compute is the
+    engine's, so the hub's kernels are reset before they are installed."""
+    for module in model.modules():
+        if getattr(module, "use_kernels", False) and hasattr(module, "reset_kernels"):
+            module.reset_kernels()
 
 
 def install_proxies(model, adapter, engine) -> None:

@@ -184,3 +184,25 @@ def test_slide_synchronize_makes_parameters_read_directly_the_stepped_masters(mo
     slid.slide_synchronize()
     for name, p in slid.named_parameters():
         torch.testing.assert_close(p, theirs[name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("mode_at_slide", ["eval", "train"])
+def test_a_loaded_model_computes_as_hf_after_a_mode_switch(tmp_path, mode_at_slide):
+    """A model from from_pretrained, slid in either mode and switched to the other, computes HF's
+    logits: transformers (5.25 on, with the `kernels` package) kernelizes a loaded model again at
+    every train() / eval() switch, which must not drop the engine's forwards (the final norm is the
+    head's: run twice, it moves the logits)."""
+    ref, _ = make_pair("llama")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))     # off 1: a norm applied twice shows
+    ref.save_pretrained(tmp_path)
+    loaded = getattr(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32), mode_at_slide)()
+    slid = hs.slide(loaded, hs.SlideConfig(device="cpu"))
+    ids = batches(1)[0]["input_ids"]
+    with torch.no_grad():
+        expected = ref(input_ids=ids).logits
+        for mode in ("train", "eval", "train"):
+            getattr(slid, mode)()
+            torch.testing.assert_close(slid(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
