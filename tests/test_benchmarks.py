@@ -607,28 +607,6 @@ def test_trainer_providers_take_the_slide_providers_step(name):
         torch.testing.assert_close(theirs[key], ours[key], rtol=0, atol=1e-5)
 
 
-def test_fp8_quality_script_writes_both_curves(tmp_path):
-    import importlib
-    quality = importlib.import_module("benchmarks.fp8_quality")
-    out = tmp_path / "q.json"
-    assert quality.main(["--steps", "4", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "2", "--heads",
-                         "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--warmup", "1",
-                         "--log-every", "2", "--emulate", "--device", "cpu", "--json", str(out),
-                         "--svg", str(tmp_path / "q.svg")]) == 0
-    doc = json.loads(out.read_text())
-    assert len(doc["bf16"]) == len(doc["fp8"]) == 4 and doc["bf16"] != doc["fp8"]
-    assert 0 < doc["max_rel_gap_after_warmup"] < 0.02 and doc["fp8_emulated"]
-    assert quality.gap_after([2.0, 4.0], [1.0, 5.0], 1) == (0.25, 2)
-    svg = (tmp_path / "q.svg").read_text()
-    assert svg.startswith("<svg") and svg.count("<polyline") == 2
-    # out of time after the first bf16 step: the FP8 arm makes the same one step
-    assert quality.main(["--steps", "4", "--batch", "2", "--seq", "32", "--hidden", "64", "--layers", "1", "--heads",
-                         "4", "--kv-heads", "2", "--intermediate", "128", "--vocab", "512", "--warmup", "0",
-                         "--emulate", "--device", "cpu", "--json", str(out), "--max-seconds", "0"]) == 0
-    doc = json.loads(out.read_text())
-    assert doc["steps_run"] == len(doc["bf16"]) == len(doc["fp8"]) == 1
-
-
 def test_fp8_table_sets_each_fp8_row_beside_bf16_and_its_target():
     import importlib
     table = importlib.import_module("benchmarks.experiments.fp8_table")
