@@ -612,9 +612,29 @@ def test_fp8_table_sets_each_fp8_row_beside_bf16_and_its_target():
     table = importlib.import_module("benchmarks.experiments.fp8_table")
     doc = {"shape": {"name": "llama3-8b"}, "cap_gib": 12.0, "results": [
         {"provider": "slide_fp8", "status": "ok", "tokens_per_s": 12500.0, "step_s": 2.62, "gpu_peak_reserved_gib": 11.2,
+         "n_params": 8.03e9, "tokens_per_step": 32768,
          "gpu_alloc_retries": 0, "extra": {"slide_stats_per_step": {"gpu_compute_s": 2.01}}},
         {"provider": "slide", "status": "ok", "tokens_per_s": 10000.0, "step_s": 3.28, "extra": {}}]}
     fp8_line = next(line for line in table.lines(doc) if "slide_fp8" in line)
     assert "12,500" in fp8_line and "1.25x" in fp8_line and "target 12,000: met" in fp8_line and "2.010" in fp8_line
+    assert "| 785 |" in fp8_line                          # 6 x 8.03e9 x 32,768 / 2.01 s
     doc["results"][0].update(status="timeout", error="wall-time limit")
     assert "timeout" in next(line for line in table.lines(doc) if "slide_fp8" in line)
+
+
+def test_step_kernels_counts_each_layers_projection_gemms_and_the_head():
+    import importlib
+    from transformers import AutoModelForCausalLM
+
+    from hf_slideformer.demo import tiny_config
+    kernels = importlib.import_module("benchmarks.experiments.step_kernels")
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size=96, num_hidden_layers=3))
+    hidden, inter, kv = 64, 128, 32                       # tiny_config: 4 heads, 2 kv heads of 16
+    n = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter
+    flops = kernels.gemm_flops(model, tokens=10)
+    # forward 2N, recompute 2(N - down) (the output-free down projection), backward 4N
+    assert flops["layers"] == 3 * 10 * (2 * n + 2 * (n - hidden * inter) + 4 * n)
+    assert flops["head"] == 6 * 10 * hidden * 96 and flops["total"] == flops["layers"] + flops["head"]
+    assert kernels.kind_of("nvjet_qqtst_128x256_64x4_2x1_v_bz_TNT") == "gemm"
+    assert kernels.kind_of("_fp8_quantize_rows_kernel") == "triton"
+    assert kernels.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
