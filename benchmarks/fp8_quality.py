@@ -176,7 +176,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=8192)
