@@ -24,6 +24,9 @@ within `--tolerance` (1.5%) of bf16's; and the FP8 train loss within it where bo
 loss is above the floor: the lowest held-out loss either arm reached. Below it the train loss
 measures memorization (the model predicts the training windows better than it predicts any
 unseen paragraph of the same corpus) and falls toward 0, where a relative gap measures noise.
+Also given: whether FP8 is nowhere more than the tolerance above bf16 at those steps (`fp8_not_worse`:
+once the train split is being memorized, the held-out loss rises, and an arm that memorizes
+less is both further from the other and better).
 
 `--max-seconds` bounds the whole run from the start: the bf16 arm stops once half of it has
 passed, and the FP8 arm runs the steps the bf16 arm made (both curves cover the same steps; the
@@ -157,17 +160,23 @@ def rel_gap(a: float, b: float) -> float:
 
 def judge(rows: list[dict], warmup: int, tolerance: float) -> dict:
     """The criterion on the logged rows after `warmup`: the held-out gap at every one, the train gap
-    where both train losses are above the floor (the lowest held-out loss of either arm)."""
+    where both train losses are above the floor (the lowest held-out loss of either arm). `met`:
+    every gap within `tolerance` either way; `fp8_not_worse`: FP8's loss nowhere more than
+    `tolerance` above bf16's at those steps (FP8 may be lower: it costs no quality)."""
     floor = min(min(r["bf16_held_out"], r["fp8_held_out"]) for r in rows)
     judged = [r for r in rows if r["step"] > warmup]
     held = [(rel_gap(r["bf16_held_out"], r["fp8_held_out"]), r["step"]) for r in judged]
     above = [r for r in judged if r["bf16_train"] is not None and min(r["bf16_train"], r["fp8_train"]) > floor]
     train = [(rel_gap(r["bf16_train"], r["fp8_train"]), r["step"]) for r in above]
     worst_held, worst_train = max(held, default=(0.0, 0)), max(train, default=(0.0, 0))
+    excess = [(r[f"fp8_{kind}"] - r[f"bf16_{kind}"]) / r[f"bf16_{kind}"] for kind, rs in
+              (("held_out", judged), ("train", above)) for r in rs]
     return {"floor": floor, "tolerance": tolerance, "held_out_max_gap": worst_held[0], "held_out_max_step": worst_held[1],
             "train_max_gap": worst_train[0], "train_max_step": worst_train[1],
             "train_steps_judged": [r["step"] for r in above], "held_out_steps_judged": [r["step"] for r in judged],
-            "met": bool(held) and worst_held[0] <= tolerance and worst_train[0] <= tolerance}
+            "met": bool(held) and worst_held[0] <= tolerance and worst_train[0] <= tolerance,
+            "fp8_max_excess": max(excess, default=0.0),
+            "fp8_not_worse": bool(held) and max(excess, default=0.0) <= tolerance}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -239,6 +248,8 @@ def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
           f"{verdict['held_out_max_step']}); train above the floor {verdict['floor']:.4f} (the lowest held-out "
           f"loss): max gap {verdict['train_max_gap']:.2%} (step {verdict['train_max_step']}, "
           f"{len(verdict['train_steps_judged'])} logged steps judged)")
+    print(f"FP8 at most {verdict['fp8_max_excess']:+.2%} above bf16 at the judged steps: "
+          f"{'not worse' if verdict['fp8_not_worse'] else 'WORSE'} (within {verdict['tolerance']:.1%} one way)")
     print(f"criterion (every gap within {verdict['tolerance']:.1%}): {'met' if verdict['met'] else 'NOT met'}")
 
 

@@ -82,9 +82,13 @@ def test_judge_reads_the_held_out_gap_and_the_train_gap_above_the_floor():
     assert verdict["held_out_steps_judged"] == [20, 30] and verdict["train_steps_judged"] == [20]
     assert verdict["held_out_max_gap"] == pytest.approx(0.01) and verdict["held_out_max_step"] == 20
     assert verdict["train_max_gap"] == pytest.approx(0.01 / 1.2) and verdict["met"]
-    rows[3]["fp8_held_out"] = 1.2                                  # 9% off on the held-out split
+    assert verdict["fp8_not_worse"] and verdict["fp8_max_excess"] == pytest.approx(0.01)
+    rows[3]["fp8_held_out"] = 1.2                                  # 9% above on the held-out split
     broken = quality.judge(rows, warmup=10, tolerance=0.015)
-    assert not broken["met"] and broken["held_out_max_step"] == 30
+    assert not broken["met"] and broken["held_out_max_step"] == 30 and not broken["fp8_not_worse"]
+    rows[3]["fp8_held_out"] = 1.0                                  # 9% below: apart, and not worse
+    lower = quality.judge(rows, warmup=10, tolerance=0.015)
+    assert not lower["met"] and lower["fp8_not_worse"] and lower["held_out_max_gap"] == pytest.approx(0.1 / 1.1)
     rows[3]["fp8_held_out"] = 1.1
     rows[2]["fp8_train"] = 1.3                                     # above the floor: judged
     assert not quality.judge(rows, warmup=10, tolerance=0.015)["met"]

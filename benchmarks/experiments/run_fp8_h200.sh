@@ -15,8 +15,8 @@
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
 #      1 warm-up, --no-probe) for 8B batch 16 under 12 GiB, 3B batch 16 under 9 GiB and 8B batch 16
 #      under 24 GiB, in that order (ROWS picks others: 8b12 3b9 8b24), then the matmuls' rate in both
-#      modes (benchmarks/experiments/step_kernels.py: the 8B layer shape, 2 layers, a 8,192-token
-#      head, one profiled step each; KERNELS=0 leaves it out); rows are cut at BUDGET seconds from the
+#      modes (benchmarks/experiments/step_kernels.py: the 8B layer shape, 2 sliding layers, an
+#      8,192-token head, one profiled step each; KERNELS=0 leaves it out); rows are cut at BUDGET seconds from the
 #      script's start (default 575), the FP8 provider first; fp8_table.py's table and the kernels' last
 # Timings (H200): a ~150 s; e about QUALITY_S + 20 s; f's tests up to 150 s, an 8B row up to 225 s,
 # the 3B row 155 s, the kernels about 45 s. PARTS="e f" ROWS=8b24 TESTS=0: about 450 s.
@@ -44,7 +44,7 @@ kernels() {   # the matmuls' rate per mode: the 8B layer shape, one profiled ste
     local left; left=$(left)
     if [ 60 -gt "$left" ]; then echo "kernels: skipped (60 s needed, ${left} s left)"; return; fi
     timeout "$left" python3 benchmarks/experiments/step_kernels.py --model llama3-8b --layers 2 --vocab 8192 \
-        --batch 16 --cap-gib 24 --matmuls dtype,fp8 --top 40 --json "$OUT/fp8_kernels.json" > "$OUT/fp8_kernels.log" 2>&1
+        --batch 16 --cap-gib 24 --slide-config '{"resident_layers": 0}' --matmuls dtype,fp8 --top 40 --json "$OUT/fp8_kernels.json" > "$OUT/fp8_kernels.log" 2>&1
     echo "kernels: exit $? after $SECONDS s"
 }
 part_f() {

@@ -15,6 +15,7 @@ time. `--attention` picks the SDPA back end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import re
 import sys
@@ -92,6 +93,7 @@ def measure(args, matmuls: str) -> dict:
     if args.vocab:
         config.vocab_size = args.vocab
     model = build_model(config, "cpu", torch.bfloat16, fill="tiled")
+    flops = gemm_flops(model, args.batch * args.seq)
     cfg = hs.SlideConfig(device="cuda", dtype=torch.bfloat16, gpu_memory_limit=args.cap_gib, matmuls=matmuls,
                          **json.loads(args.slide_config))
     model = hs.slide(model, cfg)
@@ -112,8 +114,10 @@ def measure(args, matmuls: str) -> dict:
     end.record()
     torch.cuda.synchronize()
     by_name, busy = profile_step(step)
-    flops = gemm_flops(model, args.batch * args.seq)
     model.slide_engine.close()
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()                       # the next mode starts from an empty device
     by_kind: dict[str, float] = defaultdict(float)
     for name, (ms, _) in by_name.items():
         by_kind[kind_of(name)] += ms
