@@ -74,22 +74,26 @@ def rows_of(*values):
     return [dict(zip(keys, v)) for v in values]
 
 
-def test_judge_reads_the_held_out_gap_and_the_train_gap_above_the_floor():
+def test_judge_reads_the_learning_phase_and_fp8_above_bf16_after_it():
     rows = rows_of((0, None, None, 6.0, 6.0), (10, 3.0, 3.5, 2.0, 2.01), (20, 1.2, 1.21, 1.0, 1.01),
-                   (30, 0.5, 0.9, 1.1, 1.1))
+                   (30, 0.5, 0.9, 1.1, 1.05), (40, 0.3, 0.2, 1.3, 1.31))
     verdict = quality.judge(rows, warmup=10, tolerance=0.015)
-    assert verdict["floor"] == 1.0
-    assert verdict["held_out_steps_judged"] == [20, 30] and verdict["train_steps_judged"] == [20]
+    assert verdict["floor"] == 1.0 and verdict["best_step"] == 20
+    assert verdict["held_out_steps_judged"] == [20] and verdict["train_steps_judged"] == [20]
     assert verdict["held_out_max_gap"] == pytest.approx(0.01) and verdict["held_out_max_step"] == 20
-    assert verdict["train_max_gap"] == pytest.approx(0.01 / 1.2) and verdict["met"]
-    assert verdict["fp8_not_worse"] and verdict["fp8_max_excess"] == pytest.approx(0.01)
-    rows[3]["fp8_held_out"] = 1.2                                  # 9% above on the held-out split
-    broken = quality.judge(rows, warmup=10, tolerance=0.015)
-    assert not broken["met"] and broken["held_out_max_step"] == 30 and not broken["fp8_not_worse"]
-    rows[3]["fp8_held_out"] = 1.0                                  # 9% below: apart, and not worse
+    assert verdict["train_max_gap"] == pytest.approx(0.01 / 1.2)
+    assert verdict["memorizing_max_gap"] == pytest.approx(0.05 / 1.1) and verdict["memorizing_max_step"] == 30
+    assert verdict["fp8_max_excess"] == pytest.approx(0.01) and verdict["fp8_not_worse"] and verdict["met"]
+    rows[2]["fp8_held_out"] = 1.03                                 # 3% above while learning
+    assert not quality.judge(rows, warmup=10, tolerance=0.015)["met"]
+    rows[2]["fp8_held_out"] = 0.97                                 # 3% below while learning: apart
     lower = quality.judge(rows, warmup=10, tolerance=0.015)
-    assert not lower["met"] and lower["fp8_not_worse"] and lower["held_out_max_gap"] == pytest.approx(0.1 / 1.1)
-    rows[3]["fp8_held_out"] = 1.1
+    assert not lower["met"] and lower["fp8_not_worse"]
+    rows[2]["fp8_held_out"] = 1.01
+    rows[4]["fp8_held_out"] = 1.4                                  # 8% above while memorizing
+    late = quality.judge(rows, warmup=10, tolerance=0.015)
+    assert not late["met"] and not late["fp8_not_worse"] and late["memorizing_max_step"] == 40
+    rows[4]["fp8_held_out"] = 1.31
     rows[2]["fp8_train"] = 1.3                                     # above the floor: judged
     assert not quality.judge(rows, warmup=10, tolerance=0.015)["met"]
 
@@ -107,7 +111,7 @@ def test_run_logs_both_losses_for_both_arms_and_plots_them(tmp_path):
     verdict = doc["verdict"]
     assert verdict["met"] and 0 < verdict["held_out_max_gap"] < 0.015 and doc["fp8_emulated"]
     svg = plot.svg(doc)
-    assert svg.startswith("<svg") and svg.count("<polyline") == 5                  # 2 panels x 2 arms, the floor
+    assert svg.startswith("<svg") and svg.count("<polyline") == 6          # 2 panels x 2 arms, the floor, the lowest
     assert plot.main([str(out), str(tmp_path / "q.svg")]) == 0 and (tmp_path / "q.svg").read_text() == svg
 
 
