@@ -9,7 +9,7 @@
 #   d: Llama-3.2-3B batch 16 under 9 GiB, slide beside slide_fp8
 #   e: the quality run (benchmarks/fp8_quality.py): a 0.76B Llama shape, bf16 and FP8, STEPS steps
 #      (default 500) of 8 x 256 tokens of the bundled corpus's train split, same seed and data, the
-#      train and held-out losses every 25 steps, within QUALITY_S seconds (default 180: both arms
+#      train and held-out losses every 20 steps, within QUALITY_S seconds (default 180: both arms
 #      then cover the steps the bf16 arm made in half of it); $OUT/fp8_quality.json, from which
 #      `python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg` draws the figure
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
