@@ -9,8 +9,11 @@ import argparse
 import json
 import sys
 
+from .config import SETTINGS
 from .models import SUPPORTED_MODEL_TYPES
-from .planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, TIERS, plan
+from .options import Choice
+from .plan_settings import ENGINE_OPTIONS
+from .planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, plan
 
 __all__ = ["main", "build_parser"]
 
@@ -26,6 +29,17 @@ def _adam_gps(text: str):
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of G parameters/s or 'host', got {text!r}")
     return value
+
+
+def _engine_flag(parser: argparse.ArgumentParser, argument: str, help: str, **kw) -> None:
+    """`--<argument>` for one of the engine's settings: its type, choices and default from
+    SlideConfig's table (`plan_settings.ENGINE_OPTIONS`), so that the flag and the engine agree."""
+    opt = SETTINGS[ENGINE_OPTIONS[argument]]
+    if isinstance(opt.kind, Choice):
+        kw["choices"] = opt.kind.values
+    default = "none" if opt.default is None else opt.default
+    parser.add_argument("--" + argument.replace("_", "-"), type=opt.kind.cli_type, default=opt.default,
+                        help=f"{help} (SlideConfig.{opt.name}; default: {default})", **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,14 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"dense bf16 peak of the GPU, TFLOPS (default: {PEAK_TFLOPS}, H100 / H200 SXM)")
     p.add_argument("--gpu-efficiency", type=float, default=GPU_EFFICIENCY,
                    help=f"achieved share of that peak (default: {GPU_EFFICIENCY}, measured on the H200)")
-    p.add_argument("--gradient-accumulation-steps", type=int, default=1, metavar="N",
-                   help="micro-batches per optimizer step (default: 1)")
-    p.add_argument("--max-grad-norm", type=float, default=None, metavar="X",
-                   help="global gradient-norm clipping (default: none; > 0 adds a 4 B/param host accumulator)")
-    p.add_argument("--window", type=int, default=2, help="GPU layer slots (default: 2)")
-    p.add_argument("--activation-tier", choices=TIERS, default="cpu",
-                   help="where the layer inputs wait for backward (default: cpu)")
-    p.add_argument("--grad-buffers", type=int, default=4, help="pinned host gradient buffers (default: 4)")
+    _engine_flag(p, "gradient_accumulation_steps", "micro-batches per optimizer step", metavar="N")
+    _engine_flag(p, "max_grad_norm", "global gradient-norm clipping (> 0 adds a 4 B/param host accumulator)",
+                 metavar="X")
+    _engine_flag(p, "window", "GPU layer slots")
+    _engine_flag(p, "activation_tier", "where the layer inputs wait for backward ('auto' plans 'cpu', as on CUDA)")
+    _engine_flag(p, "grad_buffers", "pinned host gradient buffers")
     p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
     p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
     p.add_argument("--nvme-gb", type=float, default=None, metavar="GB",
@@ -76,8 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "write rate w, as benchmarks/disk_bandwidth.py prints (default: 7, a PCIe 4 NVMe drive)")
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
-    p.add_argument("--mlp-chunk-tokens", type=int, default=None, metavar="N",
-                   help="the MLP in chunks of N tokens (SlideConfig.mlp_chunk_tokens): for long sequences")
+    _engine_flag(p, "mlp_chunk_tokens", "the MLP in chunks of N tokens: for long sequences", metavar="N")
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
                         "and streamed, the adapters on the GPU (default: full fine-tuning)")
@@ -95,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, metavar="N",
                    help="data parallelism over N GPUs of one host, one process each (torchrun): --batch is per GPU, "
                         "the host state is one shared copy; no resident units, no --nvme-gb, no --lora-r (default: 1)")
-    p.add_argument("--optim", default="adamw", metavar="NAME",
+    p.add_argument("--optim", default=SETTINGS["optimizer_state"].default, metavar="NAME",
                    help="the host optimizer state (SlideConfig.optimizer_state): adamw (12 B/param), adamw_8bit (8-bit "
                         "moments, about 6), adamw_8bit_bf16 (and a bf16 master, about 4), or the Trainer's "
                         "adamw_torch / adamw_8bit / adamw_bnb_8bit / adamw_torch_8bit / paged_adamw_8bit "
