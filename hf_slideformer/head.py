@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .errors import SlideStateError
 from .functions import swapped
+from .lm_weight import lm_weight_of
 from .optim import sq_norm as _sq_norm
 from .slots import SlotQueue
 from .store import Unit
@@ -32,6 +33,8 @@ class LossHead:
         slots: its one-slot queue, sized for `units`.
 
     Attributes:
+        lm_weight: where the lm_head weight lives (lm_weight.py): the head unit, or a tied
+            lm_head's embedding table.
         units: what the head slot carries: the head unit, and a tied lm_head's embedding unit.
         host_grad: the host buffer the pending head gradient lands in; `ring`: the ring buffers it holds.
         scale_host, scale_dev: the loss gradient (pinned for the worker, and on the device).
@@ -45,7 +48,8 @@ class LossHead:
         transform = engine.logit_transform
         self.softcap = transform.softcap
         self.norm_fn = norm_fn if transform.divisor == 1.0 else (lambda h: norm_fn(h) / transform.divisor)
-        self.units = (unit, engine.embed_unit) if engine.tied else (unit,)
+        self.lm_weight = lm_weight_of(engine, unit, lm_module)
+        self.units = self.lm_weight.units
         self.host_grad: torch.Tensor | None = None
         self.own_buffer: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
         self.ring: tuple[int, ...] = ()
@@ -59,12 +63,11 @@ class LossHead:
         pin = engine.config.pin_memory and engine.config.is_cuda
         self.scale_host = torch.ones(1, dtype=torch.float32, pin_memory=pin)
         self.scale_dev = None
-        self._lm_index = None if engine.tied else self._find_lm_index()   # a tied one travels with the embedding
 
     @property
     def trainable(self) -> bool:
         """Does the head take gradients (its own parameters, or a tied lm_head's embedding)?"""
-        return self.unit.trainable or (self.engine.tied and self.engine.embed_unit.trainable)
+        return self.lm_weight.trainable()
 
     def step(self, deferred) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the head."""
@@ -113,21 +116,17 @@ class LossHead:
         # one is a leaf without gradient: zeros cross in its place, so the step's norm counts the
         # trained parameters only, as torch's clipping of the trainable parameters does.
         leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
-        wl = leaves[self._lm_index] if not engine.tied else W.detach().requires_grad_()
+        wl, tied_leaves = self.lm_weight.leaf(leaves, W)
         with torch.enable_grad(), swapped(hu, leaves):
             loss = self._loss(hx, wl, sl, num_items_in_batch, poison, token_weights)
         trained = [t for t in leaves if t.requires_grad]
-        wrt = [hx] + trained + ([wl] if engine.tied else [])
+        wrt = [hx] + trained + tied_leaves
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         own = iter(grads[1:1 + len(trained)])
         pgrads = [next(own) if t.requires_grad else None for t in leaves] + list(grads[1 + len(trained):])
-        emb = engine.embedding
         if engine.single_micro:
             self._sq = _sq_norm([g for g in pgrads[:len(leaves)] if g is not None])
-            if engine.tied:
-                dw = pgrads[-1]
-                emb.dw_sq = _sq_norm([dw])
-                emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
+            self.lm_weight.take_norm(pgrads)
         engine.clock.span_end(span)
         self.slots.release(slot)
         self._send(pgrads)
@@ -147,7 +146,7 @@ class LossHead:
     def _send(self, pgrads: list) -> None:
         """The head's gradients (entry order, then a tied lm_head's) to the host now: they are final
         (the loss ends the graph)."""
-        engine, hu, emb = self.engine, self.unit, self.engine.embedding
+        engine, hu = self.engine, self.unit
         if self.pending:        # an earlier forward's gradients were never consumed by a backward
             if self.done is not None:
                 self.done.synchronize()
@@ -157,19 +156,10 @@ class LossHead:
         engine.clock.wait(self.host_free, "other")
         self.host_free.clear()
         try:
-            # A tied lm_head's gradient joins the head's with accumulation (else it goes to the embedding's).
-            extra = engine.tied and emb.resident is None and not engine.single_micro
-            self.host_grad = self._buffer(hu.numel + (engine.embed_unit.numel if extra else 0), own=self.updates_last)
+            # A tied lm_head's gradient may join the head's host buffer (lm_weight.py).
+            self.host_grad = self._buffer(hu.numel + self.lm_weight.host_numel(), own=self.updates_last)
             dsts = [x.view(self.host_grad) for x in hu.entries]
-            if engine.tied and emb.resident is not None:
-                # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
-                # the loss gradient in backward, the batch rows added in the embedding's backward).
-                dw = pgrads.pop()
-                emb.rgrad.view(engine.vocab, engine.hidden).copy_(dw)
-            elif engine.tied:
-                # With one backward per step the tied gradient goes straight into the embedding's
-                # pinned gradient buffer (which the previous step's update has released).
-                dsts.append(emb.grad if engine.single_micro else self.host_grad[hu.numel:])
+            dsts += self.lm_weight.destinations(pgrads, self.host_grad[hu.numel:])
             self.done = engine.grad_ring.d2h(pgrads, dsts)
         except BaseException:
             # Interrupted (Ctrl-C, an error) before the gradients were in flight: the buffers are
@@ -229,8 +219,8 @@ class LossHead:
         accumulation or clipping every update waits for optimizer.step() anyway.
         """
         engine, hu = self.engine, self.unit
-        return (hu.trainable and not engine.tied and engine.single_micro and engine.config.max_grad_norm is None
-                and hu.grad is None)
+        return (hu.trainable and self.lm_weight.may_update_last() and engine.single_micro
+                and engine.config.max_grad_norm is None and hu.grad is None)
 
     def _buffer(self, numel: int, own: bool = False) -> torch.Tensor:
         """Host buffer of `numel` elements (the ring's dtype) for the head's gradient: the front of the ring when the ring
@@ -258,15 +248,9 @@ class LossHead:
         self.engine.grad_ring.give_back(self.ring)
         self.ring = ()
 
-    def _find_lm_index(self) -> int:
-        for entry_no, entry in enumerate(self.unit.entries):
-            if any(attr == "weight" and mod is self.lm_module for mod, attr in entry.holders):
-                return entry_no
-        raise RuntimeError("lm_head weight not found in the head unit")
-
     def slot_units(self) -> tuple:
         """What the head slot carries: the head unit, and a tied lm_head's embedding unless it is resident."""
-        return (self.unit,) if self.engine.tied and self.engine.embedding.resident is not None else self.units
+        return self.lm_weight.slot_units()
 
     def prefetch(self) -> None:
         """One chunk of the head slot's h2d copy per forward layer.
@@ -297,15 +281,8 @@ class LossHead:
     def _weights(self):
         """(slot, the head unit's views, the lm_head weight): a tied lm_head is the resident
         embedding's compute copy when there is one, else it travels in the head slot."""
-        engine, hu = self.engine, self.unit
         self._finish_prefetch()
-        resident = engine.embedding.resident
-        if engine.tied and resident is not None:
-            slot = self.slots.acquire((hu,))
-            return slot, slot.views(hu), resident.weights.view(engine.vocab, engine.hidden)
-        slot = self.slots.acquire(self.units)
-        hv = slot.views(hu)
-        return slot, hv, (slot.views(engine.embed_unit)[0] if engine.tied else hv[self._lm_index])
+        return self.lm_weight.weights(self.slots)
 
     # ----------------------------------------------------------------- backward (main thread)
     def backward(self, gloss: torch.Tensor) -> None:
@@ -334,8 +311,7 @@ class LossHead:
         scale_ev = engine.streams.record()
         update = plan.updates
         embed_on_host = emb.resident is None
-        if engine.tied and not embed_on_host:
-            emb.rgrad.mul_(self.scale_dev)
+        self.lm_weight.scale_on_device(self.scale_dev)
         bulk = embed_on_host and engine.embed_unit.trainable     # the embedding's update starts in the head task
         if update:
             engine.begin_update(hu)
@@ -369,14 +345,7 @@ class LossHead:
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
         # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
         src = self.host_grad[:hu.numel]
-        if engine.tied and embed_on_host:
-            eu = engine.embed_unit
-            if engine.single_micro:            # already in place (see forward)
-                if scale != 1.0:
-                    emb.grad.mul_(scale)
-            else:
-                host_updates.fold(emb.grad, self.host_grad[hu.numel:], scale, first=not eu.grad_valid)
-                eu.grad_valid = True
+        self.lm_weight.scale_on_host(self.host_grad[hu.numel:], scale, embed_on_host)
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = engine.grad_ring.returner(ring) if ring and hu.grad is None else None
         host_updates.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
