@@ -25,8 +25,8 @@ other layers, and the update waits for the worker's clip factor). The update run
 multiples from each parameter's start), so on the CPU device the results are bit-identical to
 the host path's; on CUDA they are torch's fused CUDA AdamW's, as for resident units.
 
-While an update is pending (`Unit.device_pending`, from `optimizer.step()` until the unit is
-next copied in) the host store holds the previous step's state for that unit: everything that
+While an update is pending (`DeviceUpdateLayer.pending`, from `optimizer.step()` until the unit
+is next copied in) the host store holds the previous step's state for that unit: everything that
 reads the host state flushes pending updates first (`engine.synchronize()`, making a unit
 resident, changing the clipping mode).
 """
@@ -112,6 +112,10 @@ class DeviceUpdateLayer(HostLayer):
     device_updatable = False
     updates_on_device = True
 
+    def __init__(self, engine, unit):
+        super().__init__(engine, unit)
+        self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
+
     def take_gradient(self, grads: list) -> None:
         e = self.engine
         if not e.single_micro or e.backward_plan.updates:
@@ -120,7 +124,7 @@ class DeviceUpdateLayer(HostLayer):
         e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
         # One backward per step: the gradient goes straight into its pinned accumulator.
         u = self.unit
-        if u.device_pending is not None:        # never the case in a well-formed step: a guard
+        if self.pending is not None:            # never the case in a well-formed step: a guard
             e.device_updates.flush(u)
         self.grad_ev = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries])
         u.grad_valid = True
@@ -129,17 +133,17 @@ class DeviceUpdateLayer(HostLayer):
         """The update runs when the unit is next copied in (`fill`)."""
         e, u = self.engine, self.unit
         e.begin_update(u)
-        u.device_pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
+        self.pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
                                     deferred.known)
         self.grad_ev = None
         u.updated.set()                          # readers of the host state flush it (see the module note)
 
     def fill(self, dst):
         """The pending update writing the new weights into `dst` one piece per step, or None."""
-        e, u = self.engine, self.unit
-        if u.device_pending is None or e.device_updates.skipped(u):
+        e = self.engine
+        if self.pending is None or e.device_updates.skipped(self):
             return None
-        return e.device_updates.run(u, dst)
+        return e.device_updates.run(self, dst)
 
 
 class DeviceUpdater:
@@ -255,32 +259,42 @@ class DeviceUpdater:
         self._sets = None
         self._free = [None, None]
 
-    def skipped(self, u) -> bool:
-        """Drop the pending device update of `u` when the worker found the step's norm not finite
-        (host_tasks: [Why a non-finite gradient stops the host updates after it]); the slot then
-        copies the unchanged master."""
-        p = u.device_pending
+    def pending(self) -> list[tuple]:
+        """(unit, pieces done) of each device-updated layer whose update waits for its next copy in."""
+        return [(place.unit, place.pending.next) for place in self.engine.places.device_updated()
+                if place.pending is not None]
+
+    def drop_pending(self) -> None:
+        """Forget the pending updates without running them (the engine closes)."""
+        for place in self.engine.places.device_updated():
+            place.pending = None
+
+    def skipped(self, place: DeviceUpdateLayer) -> bool:
+        """Drop the pending device update of `place` when the worker found the step's norm not
+        finite (host_tasks: [Why a non-finite gradient stops the host updates after it]); the slot
+        then copies the unchanged master."""
+        p = place.pending
         if p.batches is not None or p.known is None:
             return False
         e = self.engine
         e.clock.wait(p.known, "update")
         if not e.host_updates.poisoned:
             return False
-        u.device_pending = None
-        u.grad_valid = False
+        place.pending = None
+        place.unit.grad_valid = False
         return True
 
     def flush(self, unit=None) -> None:
-        """Run the pending device updates (of `unit`, else all) without a slot."""
-        for u in ([unit] if unit is not None else self.engine.layer_units):
-            if u.device_pending is not None and not self.skipped(u):
-                for _ in self.run(u, None):
+        """Run the pending device updates (of layer unit `unit`, else all) without a slot."""
+        for place in self.engine.places.device_updated():
+            if (unit is None or place.unit is unit) and place.pending is not None and not self.skipped(place):
+                for _ in self.run(place, None):
                     pass
 
-    def run(self, u, dst):
-        """The pending update of `u`, one piece per step; the new weights cast into `dst` if given."""
-        e = self.engine
-        p = u.device_pending
+    def run(self, place: DeviceUpdateLayer, dst):
+        """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
+        e, u = self.engine, place.unit
+        p = place.pending
         st = e.streams
         groups, group_of = p.hp
         if p.batches is None:
@@ -321,7 +335,7 @@ class DeviceUpdater:
                 self._update_piece(u, lo, hi, batch, u.grad, p.steps, groups, scale=p.scale, dst=dst)
             p.next += 1
             yield
-        u.device_pending = None
+        place.pending = None
 
     def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
         """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and

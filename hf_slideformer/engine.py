@@ -138,7 +138,7 @@ class SlideEngine:
         self.tier.keep_index = len(self.layer_units) - 1   # activation_tiers.py: [Why the last layer's input stays on the device]
         for layer_no, unit in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
             if store.on_disk(unit):
-                self.set_place(unit, DiskLayer(self, unit, store.disk, self.layers[layer_no]))
+                self.places.assign(unit, DiskLayer(self, unit, store.disk, self.layers[layer_no]))
         head_slots = SlotQueue(1, head_numel, self.dtype, self.streams, self.staging, count, waiter)
         self._build_parts(model, adapter, embedding, head, head_slots)
         self.step_no = 0              # optimizer steps taken
@@ -320,7 +320,10 @@ class SlideEngine:
         return self.places.updater_of(unit)
 
     def set_place(self, unit: Unit, place) -> None:
-        """Give layer unit `unit` another placement (between optimizer steps; `Placements.assign`)."""
+        """Give layer unit `unit` another placement (between optimizer steps; `Placements.assign`).
+        A device update still pending on the placement it leaves runs first: its state is that
+        placement's (device_update.py)."""
+        self.device_updates.flush(unit)
         self.places.assign(unit, place)
 
     # ----------------------------------------------------------------- gradients -> host -> update
@@ -378,8 +381,7 @@ class SlideEngine:
     def close(self) -> None:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
         self.worker.close()
-        for unit in self.layer_units:
-            unit.device_pending = None
+        self.device_updates.drop_pending()
         if self.streams.cuda:
             torch.cuda.synchronize(self.device)
         self.tier.close()

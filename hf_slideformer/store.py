@@ -74,9 +74,9 @@ class Unit:
     # progress (the worker updates a unit in offset order, piece by piece; see `set_progress`).
     progress: int = 0
     progress_cv: threading.Condition = field(default_factory=threading.Condition)
-    # A deferred update that runs on the device when the unit is next copied in (see
-    # `device_update.py`), and the device event after which the host store holds its result.
-    device_pending: object = None
+    # The device event after which the host store holds the last write a device update made to
+    # it (device_update.py): every reader of the host state waits for it, whatever the unit's
+    # placement is by then (the update's own state is its placement's, `DeviceUpdateLayer.pending`).
     host_write: object = None
 
     def __post_init__(self):

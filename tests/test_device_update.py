@@ -48,9 +48,9 @@ def test_pending_device_updates_are_flushed_before_the_state_is_read():
         for m, o in zip((host, dev), opts):
             m(**b).loss.backward(); o.step(); o.zero_grad()
     eng = dev.slide_engine
-    assert any(u.device_pending is not None for u in eng.layer_units)
+    assert eng.device_updates.pending()
     a, b = _state(host), _state(dev)                 # flushes
-    assert all(u.device_pending is None for u in eng.layer_units)
+    assert not eng.device_updates.pending()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     sa, sb = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
@@ -143,7 +143,7 @@ def test_checkpoint_with_pending_device_updates_resumes_bit_identically(tmp_path
     _, first = make_pair("llama", False, **kw)
     opt1 = first.create_optimizer(lr=1e-2, weight_decay=0.1)
     train(first, opt1, data[:2 * ga])
-    assert any(u.device_pending is not None for u in first.slide_engine.layer_units)
+    assert first.slide_engine.device_updates.pending()
     save_training_state(str(tmp_path / "ck"), first, opt1)
     _, second = make_pair("llama", False, seed=7, **kw)
     opt2 = second.create_optimizer(lr=1e-2, weight_decay=0.1)
@@ -178,7 +178,7 @@ def test_a_device_update_stopped_half_way_resumes(monkeypatch):
     monkeypatch.setattr(optim, "apply_batch", failing)
     with pytest.raises(RuntimeError, match="injected"):
         dev(**data[2]).loss.backward()
-    assert any(u.device_pending is not None and u.device_pending.next for u in dev.slide_engine.layer_units)
+    assert any(done for _, done in dev.slide_engine.device_updates.pending())
     for slot in dev.slide_engine.slots.slots:       # what the stopped fill wrote there must not count
         slot.flat.zero_()
     for m, o in zip((host, dev), opts):
