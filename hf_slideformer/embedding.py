@@ -175,8 +175,7 @@ class Embedding:
         resident = self.resident
         if resident is not None:
             G = self.rgrad.view(self.vocab, self.hidden)
-            if not engine.tied:
-                G.zero_()                        # tied: it holds the lm_head's gradient (head.backward)
+            engine.head.lm_weight.start_resident_grad(G)     # tied: it holds the lm_head's gradient already
             G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
             if engine.backward_plan.updates:                   # else optimizer.step() clips and updates it
                 engine.residents.resident_step(self.unit, resident, self.rgrad, found_inf=engine.norm.found_inf())
@@ -208,13 +207,7 @@ class Embedding:
         dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
         """
         engine = self.engine
-        if engine.tied:
-            scale = engine.head.scale_dev
-            rows = self.dw_rows * scale
-            sq = self.dw_sq * scale ** 2 - rows.square().sum() + (rows + S).square().sum()
-        else:
-            sq = S.square().sum()
-        engine.norm.dev += sq
+        engine.norm.dev += engine.head.lm_weight.embedding_sq(S)
 
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
@@ -254,7 +247,8 @@ class Embedding:
             # On the path to the next forward: the rows' gradient sums added inside their AdamW, one
             # pass, and the gradient's rows cleared in it (a tied one is overwritten by the next head).
             self.touched.append(rows)
-            if self._rows_update(hp, sums=sums, zero_grad=not engine.tied):
+            cleared = not engine.head.lm_weight.overwrites_embedding_grad
+            if self._rows_update(hp, sums=sums, zero_grad=cleared):
                 self.touched.pop()
             self.reset_grad()
             return
@@ -298,9 +292,7 @@ class Embedding:
             self.unit.grad_valid = False
             return
         table_grad = self.grad.view(self.vocab, self.hidden)
-        if not self.engine.tied:               # tied: the head's contribution overwrites every row first
-            for ids in self.touched:
-                table_grad.index_fill_(0, ids, 0.0)
+        self.engine.head.lm_weight.clear_rows(table_grad, self.touched)
         self.touched = []
         self.unit.grad_valid = False
 
@@ -319,9 +311,7 @@ class Embedding:
         if self.grad is not None:
             return
         self.grad = lazy_zeros(self.unit.numel)
-        target = self.engine.residents.planned
-        if self.engine.tied and (target is None or not target[0]):
-            self.engine.pinned.adopt(self.grad)
+        self.engine.head.lm_weight.adopt_embedding_grad(self.grad, self.engine.residents.planned)
 
     def make_resident(self) -> None:
         """Move the embedding's state to the device and give its host buffers back."""

@@ -10,6 +10,7 @@ What the two differ in, each a method:
 | trains | with the head unit | with the head unit or the embedding |
 | its gradient | an entry of the head's | joins the embedding's: on the device (resident), straight into its pinned gradient (one backward per step), or after the head's in the head's host buffer, folded into the embedding's by the worker |
 | updated last | may be ([Why an untied head is updated when the backward ends]) | never: it is the embedding's table |
+| the embedding's gradient (embedding.py) | the batch rows' alone: cleared after each update | starts as the lm_head's every step: overwritten, never cleared; its host copy pinned, its norm the sum's |
 """
 from __future__ import annotations
 
@@ -81,6 +82,32 @@ class OwnWeight:
     def scale_on_host(self, rest: torch.Tensor, scale: float, embed_on_host: bool) -> None:
         """The worker's head task: the loss gradient scales the part that crossed to the host."""
 
+    # ------------------------------------------------------------- the embedding's gradient (embedding.py)
+    overwrites_embedding_grad = False   # does the lm_head's gradient write every row of the embedding's?
+
+    def start_resident_grad(self, grad: torch.Tensor) -> None:
+        """The resident embedding's (V, H) device gradient before the batch rows' sums join it."""
+        grad.zero_()
+
+    def embedding_sq(self, sums: torch.Tensor) -> torch.Tensor:
+        """The embedding's squared gradient norm from the batch rows' sums `sums` (distinct rows, H)."""
+        return sums.square().sum()
+
+    def clear_rows(self, table_grad: torch.Tensor, touched: list) -> None:
+        """The embedding's dense host gradient back to zeros: the rows batches touched."""
+        for ids in touched:
+            table_grad.index_fill_(0, ids, 0.0)
+
+    def adopt_embedding_grad(self, grad: torch.Tensor, planned) -> None:
+        """The embedding's dense host gradient was just made (`planned`: the resident plan's target)."""
+
+    def embedding_stays_on_host(self) -> None:
+        """The resident plan keeps the embedding on the host from this step (resident.py, `promote`)."""
+
+    def resident_grad_to_host(self) -> None:
+        """The resident embedding is evicted mid-step: its host gradient takes what the head put
+        in the device one (resident.py, `evict`)."""
+
 
 class TiedWeight:
     """A tied lm_head: its weight is the input embedding's table, its gradient the embedding's.
@@ -142,6 +169,45 @@ class TiedWeight:
         emb = self.engine.embedding
         if emb.resident is not None:
             emb.rgrad.mul_(loss_grad)
+
+    overwrites_embedding_grad = True
+
+    def start_resident_grad(self, grad: torch.Tensor) -> None:
+        pass                               # it holds the lm_head's gradient (`destinations`, `scale_on_device`)
+
+    def embedding_sq(self, sums: torch.Tensor) -> torch.Tensor:
+        """|dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2, without the (V, H) gradient."""
+        engine, emb = self.engine, self.engine.embedding
+        scale = engine.head.scale_dev
+        rows = emb.dw_rows * scale
+        return emb.dw_sq * scale ** 2 - rows.square().sum() + (rows + sums).square().sum()
+
+    def clear_rows(self, table_grad: torch.Tensor, touched: list) -> None:
+        pass                               # the head's contribution overwrites every row first
+
+    def adopt_embedding_grad(self, grad: torch.Tensor, planned) -> None:
+        """Pinned: the lm_head's gradient lands there straight from the GPU (embedding.py: [Why only
+        a tied embedding's dense gradient is pinned]), unless the embedding is going resident."""
+        if planned is None or not planned[0]:
+            self.engine.pinned.adopt(grad)
+
+    def embedding_stays_on_host(self) -> None:
+        engine, emb = self.engine, self.engine.embedding
+        if not engine.pinned.enabled:
+            return
+        if emb.grad is not None and not emb.grad.is_pinned():
+            # The dense gradient is written by d2h copies every step again, so it is pinned again
+            # (after an eviction for a checkpoint the embedding comes back at once, and one step's
+            # pageable copy costs less than pinning 2 GB). embedding.py: [Why only a tied
+            # embedding's dense gradient is pinned]
+            engine.pinned.adopt(emb.grad)
+        if not engine.embed_unit.master.is_pinned():
+            engine.pinned.adopt(engine.embed_unit.master)     # the head slot copies it in again
+
+    def resident_grad_to_host(self) -> None:
+        emb = self.engine.embedding
+        if emb.rgrad is not None:
+            emb.grad.copy_(emb.rgrad)
 
     def scale_on_host(self, rest: torch.Tensor, scale: float, embed_on_host: bool) -> None:
         if not embed_on_host:

@@ -264,15 +264,9 @@ class ResidentPlan:
             return
         embed, n = self.target()
         n = min(n, len(e.layer_units))
-        if not embed and e.tied and emb.grad is not None and e.pinned.enabled and not emb.grad.is_pinned():
-            # The plan no longer keeps the embedding resident: a tied one's dense gradient is
-            # written by d2h copies every step again, so it is pinned again (after an eviction for
-            # a checkpoint the embedding comes back at once, and one step's pageable copy costs
-            # less than pinning 2 GB). embedding.py: [Why only a tied embedding's dense gradient is pinned]
-            e.pinned.adopt(emb.grad)
         eu = e.embed_unit
-        if not embed and e.tied and e.pinned.enabled and not eu.master.is_pinned():
-            e.pinned.adopt(eu.master)             # the head slot copies a tied one in again
+        if not embed:
+            e.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
         if not embed and emb.resident is not None:
             self.evict()                          # resident from the first step, not in the measured plan
         if embed and emb.resident is None and eu.trainable:
@@ -301,8 +295,7 @@ class ResidentPlan:
             # A forward's backward is still to come and takes the host path: the host gradient it
             # needs, holding what the head put in the resident one (a tied lm_head's gradient).
             emb.ensure_grad()
-            if e.tied and emb.rgrad is not None:
-                emb.grad.copy_(emb.rgrad)
+            e.head.lm_weight.resident_grad_to_host()
         for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
             r.store_to_host()
             if r.grad_valid:
