@@ -170,8 +170,9 @@ class Embedding:
         token_grads = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(distinct, self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), token_grads, accumulate=True)
-        if engine.backward_plan.running_norm:
-            self._add_norm(S)
+        # The embedding's gradient is S, the per-row sums of the token gradients over the batch's rows
+        # (padding dropped), plus a tied lm_head's dW: its norm without the (V, H) gradient (lm_weight.py).
+        engine.backward_plan.norm.add(engine.head.lm_weight.embedding_sq, S)
         resident = self.resident
         if resident is not None:
             G = self.rgrad.view(self.vocab, self.hidden)
@@ -191,7 +192,7 @@ class Embedding:
         host_rows = self.host_grad[:distinct]
         self.host_free.clear()
         unit = self.unit
-        norm = engine.norm.slot(unit) if engine.backward_plan.running_norm else None
+        norm = engine.backward_plan.norm.slot(unit)
         done = engine.grad_ring.d2h([S], [host_rows], norm_dst=norm)
         update = engine.backward_plan.updates                   # begun with the head's (see head.backward) ...
         if update and not engine.head.trainable:
@@ -199,15 +200,6 @@ class Embedding:
         engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.ends_step,
                              engine.hp, norm, done=(self.host_free,) + ((unit.updated,) if update else ()))
         engine.end_backward()
-
-    def _add_norm(self, S: torch.Tensor) -> None:
-        """Add the embedding's squared gradient norm on the GPU, without the (V, H) gradient.
-
-        The gradient is S, the per-row sums of the token gradients over the batch's rows (padding
-        dropped), plus for a tied lm_head its dW: |dW + S|^2 = |dW|^2 - |dW[rows]|^2 + |dW[rows] + S|^2.
-        """
-        engine = self.engine
-        engine.norm.dev += engine.head.lm_weight.embedding_sq(S)
 
     def step(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""

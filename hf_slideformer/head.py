@@ -296,10 +296,9 @@ class LossHead:
         if self.done is None:                      # a frozen head sent nothing
             return
         plan = engine.backward_plan
-        if plan.running_norm:
-            engine.norm.dev += self._sq * self.scale_dev ** 2
+        plan.norm.add(lambda: self._sq * self.scale_dev ** 2)
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
-        norm = engine.norm.slot(hu) if plan.running_norm else None
+        norm = plan.norm.slot(hu)
         if engine.streams.cuda:
             self.scale_host.copy_(loss_grad, non_blocking=True)
             if norm is not None:

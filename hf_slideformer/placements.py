@@ -161,8 +161,7 @@ class HostLayer(LayerPlacement):
 
     def take_gradient(self, grads: list) -> None:
         engine, unit, plan = self.engine, self.unit, self.engine.backward_plan
-        if plan.running_norm:
-            engine.norm.dev += _sq_norm([g for g in grads if g is not None])
+        plan.norm.add(_sq_norm, [g for g in grads if g is not None])
         if engine.accumulator.active(unit):                 # accumulation: the GPU adds (accumulate.py)
             done = engine.accumulator.fold(self, grads)
             if plan.updates:
@@ -180,7 +179,7 @@ class HostLayer(LayerPlacement):
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
         marks = [] if engine.streams.cuda else None
-        norm = engine.norm.slot(unit) if plan.running_norm else None
+        norm = plan.norm.slot(unit)
         done = engine.grad_ring.d2h(grads, [x.view(buf) for x in unit.entries],
                                     [x.offset + x.numel for x in unit.entries],
                                marks, norm_dst=norm)

@@ -15,8 +15,10 @@
 
 The two plans are made once, where the modes are read (accumulation, clipping, the LoRA
 adapters, the resident and device-updated units, several ranks); the parts do what the plan
-says. What a placement does with a gradient is its own (placements.py); where an update is held
-is `LateUpdates` (late_updates.py), filled as this plan says.
+says: what they give the step's norm is an object the backward's plan hands them
+(`RunningNorm`, or `NoRunningNorm` with accumulation), not a flag they test. What a placement
+does with a gradient is its own (placements.py); where an update is held is `LateUpdates`
+(late_updates.py), filled as this plan says.
 """
 from __future__ import annotations
 
@@ -33,7 +35,42 @@ from .mode import BackwardMode
 from .optim import sq_norm
 from .placements import DeferredStep
 
-__all__ = ["BackwardPlan", "StepPlan", "Schedule"]
+__all__ = ["BackwardPlan", "StepPlan", "Schedule", "RunningNorm", "NoRunningNorm"]
+
+
+class RunningNorm:
+    """The step's running norm on the device, kept with one backward per step: each gradient's
+    squared norm joins it as the gradient is taken (`add`), and it is copied out beside the
+    gradient into the unit's pinned slot (`slot`), which the worker judges before the unit's update.
+
+    Args:
+        step_norm: the engine's `StepNorm` (step_norm.py).
+    """
+
+    def __init__(self, step_norm):
+        self.step_norm = step_norm
+
+    def add(self, squared, *args) -> None:
+        """Add `squared(*args)`, a device scalar (computed only where a running norm is kept)."""
+        self.step_norm.dev += squared(*args)
+
+    def slot(self, unit) -> torch.Tensor:
+        """The pinned scalar the running norm is copied into with `unit`'s gradient."""
+        return self.step_norm.slot(unit)
+
+
+class NoRunningNorm:
+    """No running norm (accumulation: the norm is taken from the step's sums): nothing is added,
+    no slot is copied."""
+
+    def add(self, squared, *args) -> None:
+        pass
+
+    def slot(self, unit) -> None:
+        return None
+
+
+NO_RUNNING_NORM = NoRunningNorm()
 
 
 @dataclass(frozen=True)
@@ -49,12 +86,15 @@ class BackwardPlan:
             unit's update (with accumulation the norm is taken from the step's sums).
         late_layers: how many of the first host layers of the backward land in buffers of their
             own and are updated when it ends (late_updates.py: [Why the top layers are updated late]).
+        norm: what the parts give the step's norm as they take a gradient: a `RunningNorm` when
+            `running_norm`, else `NoRunningNorm`.
     """
 
     ends_step: bool = False
     updates: bool = False
     running_norm: bool = False
     late_layers: int = 0
+    norm: RunningNorm | NoRunningNorm = NO_RUNNING_NORM
 
     @property
     def holds_layer0(self) -> bool:
@@ -69,7 +109,8 @@ class BackwardPlan:
         mode = BackwardMode.of(engine.micro, cfg.gradient_accumulation_steps, clipping=cfg.max_grad_norm is not None)
         single = engine.single_micro
         return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
-                   late_layers=_late_layers(engine, mode.updates and single))
+                   late_layers=_late_layers(engine, mode.updates and single),
+                   norm=RunningNorm(engine.norm) if single else NO_RUNNING_NORM)
 
 
 def _late_layers(engine, updates_alone: bool) -> int:

@@ -39,9 +39,8 @@ class _Shard:
         one backward per step the shard's squares, summed over the ranks, join the running norm
         first (the worker judges it before the update)."""
         e, u, plan = self.engine, self.unit, self.engine.backward_plan
-        if plan.running_norm:
-            e.norm.dev += e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device))
-        norm = e.norm.slot(u) if plan.running_norm else None
+        plan.norm.add(lambda: e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device)))
+        norm = plan.norm.slot(u)
         done = e.grad_ring.d2h([shard], [dst], norm_dst=norm)
         update = plan.updates
         if update:
