@@ -71,7 +71,7 @@ class SlideConfig:
         None, Directory(), "Directory on a fast disk for the 'nvme' activation tier and for the state files of the "
                            "layers that do not fit in host_memory_limit. Its parent must exist; the directory itself "
                            "is created if missing.",
-        none="unset (the 'nvme' tier and host_memory_limit need it)")
+        none="unset (the 'nvme' tier needs it, and host_memory_limit where its split puts a layer on disk)")
     host_memory_limit: float | str | None = option(
         None, Auto(Float(0.0, lo_open=True, unit="GiB")),
         "Host memory the unit state may take, in GiB: the fp32 masters, AdamW moments and gradient accumulators "
@@ -190,9 +190,8 @@ class SlideConfig:
             self.activation_tier = "cpu" if dev.type == "cuda" else "device"
         if self.activation_tier == "nvme" and not self.nvme_path:
             raise ValueError("SlideConfig.activation_tier='nvme' needs nvme_path (a directory on a fast disk)")
-        if self.host_memory_limit is not None and not self.nvme_path:
-            raise ValueError(f"SlideConfig.host_memory_limit={self.host_memory_limit!r} needs nvme_path (a directory "
-                             "on a fast disk for the state of the layers that do not fit), or host_memory_limit=None")
+        # host_memory_limit needs nvme_path only where its split puts a layer on disk: at slide()
+        # (disk_plan.plan_disk_units), once the units' sizes are known.
         self._check_optimizer_state()
         # None: the host's cores (data_parallel.py gives each of several processes its share of them).
         self._auto_threads = self.cpu_threads is None

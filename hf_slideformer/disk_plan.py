@@ -145,6 +145,11 @@ def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
             f"{config.optimizer_state!r}). Raise host_memory_limit, or set it to None to keep every unit in host "
             "memory.")
     out = [(u, p) for u, p in zip(layers, split.parts(len(layers))) if p]
+    if out and not config.nvme_path:
+        raise ValueError(
+            f"SlideConfig.host_memory_limit={config.host_memory_limit!r} ({_size(limit)}) puts the state of "
+            f"{len(out)} of {len(layers)} decoder layers on disk ({_span([u for u, _ in out])}), but nvme_path is "
+            "not set: give nvme_path (a directory on a fast disk), raise host_memory_limit, or set it to None.")
     for part, what in ((MOMENTS, "the moments"), (WHOLE, "the whole state")):
         some = [u for u, p in out if p == part]
         if some:

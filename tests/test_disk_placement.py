@@ -222,6 +222,21 @@ def test_auto_is_what_the_host_has_available_less_a_margin(tmp_path, monkeypatch
     assert disk_plan.host_limit_bytes("auto") is None and disk_plan.host_limit_bytes(2) == 2 * GiB
 
 
+def test_nvme_path_is_needed_only_where_the_split_puts_a_layer_on_disk(tmp_path, monkeypatch):
+    """A limit the whole state fits under slides without a disk; one that puts a layer on disk
+    without nvme_path is refused at slide(), naming both settings."""
+    _, plain = make_pair("llama", False)
+    state = 12 * sum(u.numel for u in plain.slide_engine.store.units)
+    _, slid = make_pair("llama", False, host_memory_limit=state / GiB)
+    assert slid.slide_engine.store.disk is None and all(type(p) is HostLayer for p in slid.slide_engine.places)
+    with pytest.raises(ValueError, match=r"SlideConfig\.host_memory_limit=.* puts the state of [1-3] of 3 decoder "
+                                         r"layers on disk .*nvme_path is not set"):
+        make_pair("llama", False, host_memory_limit=(state - 1) / GiB)
+    monkeypatch.setattr(disk_plan, "available_host_bytes", lambda: disk_plan.AUTO_MARGIN + state)
+    _, slid = make_pair("llama", False, host_memory_limit="auto")                   # 'auto' that fits
+    assert slid.slide_engine.store.disk is None
+
+
 def test_a_limit_below_the_floor_is_refused_naming_the_field(tmp_path):
     with pytest.raises(HostMemoryError, match=r"SlideConfig\.host_memory_limit=1e-06 .* all 3 trainable decoder "
                                               r"layers on disk: .*MiB .*Raise host_memory_limit"):
