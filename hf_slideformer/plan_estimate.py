@@ -61,6 +61,11 @@ class Estimator:
         ebpp = embed_format(self.optimizer_state, s.hidden).bytes_per_param
         return int(bpp * (held - s.embed_params)) + int(ebpp * s.embed_params)
 
+    def master_bytes(self) -> tuple[int, int]:
+        """Bytes per parameter of the masters the slots copy in: (layers' and head's, the embedding's)."""
+        return (state_format(self.optimizer_state).master_dtype.itemsize,
+                embed_format(self.optimizer_state, self.s.hidden).master_dtype.itemsize)
+
     def inter_tokens(self, T: int) -> int:
         """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""
         return min(T, self.mlp_chunk) if self.mlp_chunk else T
@@ -80,9 +85,8 @@ class Estimator:
         return -(-numel // self.gpus)
 
     def accumulator_bytes(self) -> int:
-        """Host bytes of the fp32 gradient accumulators of accumulation or clipping: the embedding
-        excluded with one process (its gradient is the engine's), included with several (each rank
-        writes its shard of every unit's, one copy in total)."""
+        """Host bytes of the fp32 gradient accumulators of accumulation or clipping: the embedding excluded
+        with one process (its gradient is the engine's), included with several (one copy of all shards)."""
         s = self.s
         return 4 * (s.n_params - (s.embed_params if self.gpus == 1 else 0))
 
@@ -135,15 +139,13 @@ class Estimator:
     def late_layers(self, deferred: bool) -> int:
         """Layers whose update waits for the end of the backward (late_updates.py): with updates in
         backward (and no layer on disk), enough to cover the embedding's whole-table update."""
-        s = self.s
-        return 0 if deferred else min(s.layers, -(-s.embed_params // s.layer_params))
+        return 0 if deferred else min(self.s.layers, -(-self.s.embed_params // self.s.layer_params))
 
     def _host_data_parallel(self, out: dict, tok_h: int, acts: int, tier: str, deferred: bool) -> dict:
         """The host items of several processes (data_parallel.py, sharded.py): the state (masters,
         moments, accumulators) once, in memory the ranks share; each rank's shard buffers of the
-        embedding's and the head's gradients (1/N of each, so one copy in total: the tied lm_head's
-        gradient joins the embedding's); the ring, row buffers, layer inputs and process once per
-        rank."""
+        embedding's and the head's gradients (1/N of each, one copy in total: a tied lm_head's gradient
+        joins the embedding's); the ring, row buffers, layer inputs and process once per rank."""
         s, G = self.s, self.gpus
         if deferred:
             out[f"fp32 gradient accumulators (4 B/param, each GPU writes its 1/{G}: one copy)"] = \
@@ -281,7 +283,7 @@ class Estimator:
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
         (res: resident embedding?, resident layers)."""
-        s, TH = self.s, B * self.seq * self.s.hidden
+        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
         if self.gpus > 1:
             return self._traffic_data_parallel(B, N, tier)
         embed_res, k = res
@@ -290,9 +292,9 @@ class Estimator:
         # the last layer's input stays on the device, the first is gathered again from a resident embedding
         acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
         resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
-        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
+        head = mb * s.head_params + (eb * s.embed_params if s.tied and not embed_res else 0)
         rows = 0 if embed_res else 4 * TH
-        h2d = 4 * (layers + resent + head) + rows + acts          # fp32 masters, embedding rows
+        h2d = mb * (layers + resent) + head + rows + acts         # masters in their dtype, embedding rows
         # gradients of the units updated on the host (resident ones stay): in the compute dtype
         # into the ring with one micro-batch, fp32 sums into the accumulators with several
         # (engine: [Why gradients cross in the compute dtype]); embedding rows
@@ -306,11 +308,11 @@ class Estimator:
         shard is added on the host); out, this rank's shard of every unit's gradient, reduced on the
         devices, for every micro-batch: the layers' and the head's in the compute dtype, the
         embedding's dense in fp32 (sharded.py), and its own layer inputs."""
-        s, TH = self.s, B * self.seq * self.s.hidden
+        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
         layers = s.layers * s.layer_params
         acts = 2 * max(0, s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
         resent = max(0, s.layers - self.window) * s.layer_params
-        h2d = 4 * (layers + resent + s.head_slot_params) + 4 * TH + acts
+        h2d = mb * (layers + resent + s.head_params) + (eb * s.embed_params if s.tied else 0) + 4 * TH + acts
         grads = (GRAD_BYTES * (s.layers * self.shard(s.layer_params) + self.shard(s.head_params))
                  + 4 * self.shard(s.embed_params))
         return N * h2d, N * (grads + acts)
@@ -333,8 +335,7 @@ class Estimator:
         """Bytes the layers on disk read and write per optimizer step of N micro-batches (deferred:
         default N > 1). A layer with its moments on disk reads them once for its update and writes
         them once after it: 2 records of its moments (8 B/param under 'adamw', 2.03 under the 8-bit
-        formats), whatever N. A layer with its whole state there
-        reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
+        formats), whatever N. A layer with its whole state there reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
         and its whole record for its update, and writes it once after: updating in backward, the
         forward's copy (4 B/param) then the recompute's copy, which the update shares (12), per
         micro-batch; deferred, the forward's and the recompute's copies (4 + 4) per micro-batch
@@ -395,6 +396,5 @@ def gpu_binds(times: dict) -> bool:
 
 
 def batch_limit(max_gpu: int, max_host: int | None) -> int:
-    """The largest batch to consider: both memories', or the GPU's when the host cannot fit even batch 1
-    (the host advice then says what to change)."""
+    """The largest batch to consider: both memories', or the GPU's when the host cannot fit even batch 1."""
     return max_gpu if not max_host else min(max_gpu, max_host)

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from .budget import balanced_share, pick_device_units
+from .host_optim import embed_format, state_format
 from .memory import GiB
 from .plan_estimate import ENGINE_EFFICIENCY, GRAD_BYTES, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds
 
@@ -212,7 +213,9 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
             out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     elif p.bound_by == "disk":
         if p.disk_layers:
-            more = (8 * p.disk_moment_layers + 12 * p.disk_whole_layers) * s.layer_params
+            fmt = state_format(p.optimizer_state or "adamw")     # its moments alone, or master and moments
+            moments = fmt.bytes_per_param - fmt.master_dtype.itemsize
+            more = int((moments * p.disk_moment_layers + fmt.bytes_per_param * p.disk_whole_layers) * s.layer_params)
             out.append(f"disk-bound: the state of the {p.disk_layers} layers on disk moves "
                        f"{p.disk_bytes_per_step / 1e9:.0f} GB per step at {p.rates['nvme_bw']} GB/s; it does not grow "
                        f"with the batch, so a larger batch (or gradient accumulation) spreads it over more tokens; "
@@ -242,7 +245,6 @@ def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
 
 def _state_saving(s: ModelShape, have: str, other: str) -> float:
     """Host bytes of masters and state that optimizer_state `other` saves against `have`."""
-    from .host_optim import embed_format, state_format
 
     layers = state_format(have).bytes_per_param - state_format(other).bytes_per_param
     embed = embed_format(have, s.hidden).bytes_per_param - embed_format(other, s.hidden).bytes_per_param

@@ -718,6 +718,30 @@ def test_the_host_state_follows_the_optimizer_states_declared_bytes():
         plan(CONFIGS / "llama3-8b.json", batch=16, optim="lion")
 
 
+def test_the_weights_cross_pcie_in_the_master_s_dtype_and_the_disk_hint_counts_the_format_s_bytes():
+    """h2d: the slots copy each master in its format's dtype (a bf16 master: 2 B/param, the embedding
+    of a tied head slot in its own format); the disk-bound hint's "more host memory" is what the
+    layers on disk hold in the format (their moments, or master and moments), not fp32 AdamW's."""
+    from hf_slideformer.host_optim import state_format
+    for cfg in ("llama3-8b.json", "llama3-3b.json"):
+        fp32, m8, bf16 = (plan(CONFIGS / cfg, batch=16, gpu_mem=24, host_mem=120, optim=o, resident=False)
+                          for o in ("adamw", "adamw_8bit", "adamw_8bit_bf16"))
+        s = fp32.shape
+        copied = 2 * s.layers * s.layer_params - 2 * s.layer_params + s.head_params + (s.embed_params if s.tied else 0)
+        assert m8.h2d_bytes == fp32.h2d_bytes                                  # an fp32 master either way
+        assert fp32.h2d_bytes - bf16.h2d_bytes == 2 * copied, cfg              # 4 - 2 bytes per copied parameter
+        assert bf16.times["pcie"] < fp32.times["pcie"]
+    for o in ("adamw", "adamw_8bit"):
+        p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=48 if o == "adamw_8bit" else 64,
+                 nvme_gb=2000, nvme_bw=7, optim=o)
+        assert p.bound_by == "disk" and p.disk_layers, o
+        fmt, P = state_format(o), p.shape.layer_params
+        more = (fmt.bytes_per_param - fmt.master_dtype.itemsize) * p.disk_moment_layers + fmt.bytes_per_param * \
+            p.disk_whole_layers
+        hint = next(a for a in p.advice if "more host memory keeps every layer in RAM" in a)
+        assert f"{more * P / GiB:.1f} GiB more host memory" in hint, (o, hint)
+
+
 def test_fp8_speeds_up_the_projection_gemms_only():
     from hf_slideformer.plan_estimate import FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, Estimator
     cfg = "benchmarks/configs/llama3-8b.json"
