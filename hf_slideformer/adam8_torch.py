@@ -10,6 +10,11 @@ where the fp64 sum itself rounds at a tie of fp32 (double rounding: about one va
 on the CPU it equals the native kernel code for code and bit for bit up to those
 (`tests/test_adam8_torch.py` holds them to within one code step on a few elements). Blocks are
 processed `CHUNK_BLOCKS` at a time, which bounds the temporaries on a GPU under a memory cap.
+
+`adamw8_range` runs the same arithmetic as one Triton kernel where Triton runs for the tensors
+(`triton_ops.kernels.adamw8`: one pass over the range, no temporaries, bit for bit this module's
+result, `tests/test_adam8_triton.py`); the torch ops (`adamw8_range_torch`) are the reference and
+the fallback.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch
 
 from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut
 
-__all__ = ["CHUNK_BLOCKS", "adamw8_range", "rounding_key_t", "round_bf16_stochastic_t", "Hyper8"]
+__all__ = ["CHUNK_BLOCKS", "adamw8_range", "adamw8_range_torch", "adamw8_range_triton", "rounding_key_t",
+           "round_bf16_stochastic_t", "Hyper8"]
 
 CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
 _M32 = 0xFFFFFFFF
@@ -141,7 +147,9 @@ def _blocks(h: Hyper8, w, q1, q2, a1, a2, g, ctr0: int, skip) -> None:
 
 def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
                  scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
-    """One 8-bit AdamW step of a flat range from a block of its parameter, in place.
+    """One 8-bit AdamW step of a flat range from a block of its parameter, in place: the Triton
+    kernel (adam8_triton.py) where it runs for these tensors (CUDA, or Triton's interpreter), else
+    `adamw8_range_torch`; the two agree bit for bit.
 
     Args:
         hp: the param group. master (n,) fp32 or bf16, q1, q2 (n,) uint8 codes, a1, a2
@@ -151,6 +159,36 @@ def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key
         scale: divide the gradient by it (a float or a scalar tensor), None for 1.
         found_inf: where nonzero, nothing changes (decided on the device).
     """
+    from triton_ops import kernels_apply
+
+    if kernels_apply(master) and all(t.is_contiguous() for t in (master, q1, q2, a1, a2, grad)):
+        adamw8_range_triton(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf)
+    else:
+        adamw8_range_torch(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf)
+
+
+def _dev_scalar(x, device) -> torch.Tensor:
+    """`x` (a Python float or a 0-dim tensor) as a 0-dim fp32 tensor on `device`, not read on the host."""
+    if torch.is_tensor(x):
+        return x.to(device, torch.float32).reshape(())
+    return torch.full((), x, dtype=torch.float32, device=device)
+
+
+def adamw8_range_triton(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
+                        scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+    """`adamw8_range` in one launch of the Triton kernel (`triton_ops.kernels.adamw8`): its tensors
+    contiguous, on CUDA (or on the CPU under Triton's interpreter)."""
+    from triton_ops.kernels.adamw8 import adamw8_blocks
+
+    h, dev = Hyper8(hp, scale, grad_mul, step, key), master.device
+    scalars = torch.stack([_dev_scalar(h.gscale, dev), _dev_scalar(h.bc2, dev), _dev_scalar(h.neg_step, dev)])
+    adamw8_blocks(master, q1, q2, a1, a2, grad, scalars, h.key.to(dev, torch.int64).reshape(()), _tables(dev), ctr,
+                  (h.wd_mul, h.beta1, h.c1, h.beta2, h.c2, h.eps), BLOCK, found_inf)
+
+
+def adamw8_range_torch(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
+                       scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+    """`adamw8_range` in torch ops, `CHUNK_BLOCKS` blocks at a time: the reference."""
     h = Hyper8(hp, scale, grad_mul, step, key)
     skip = None if found_inf is None else (found_inf != 0)
     n = master.numel()
