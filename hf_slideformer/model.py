@@ -325,7 +325,8 @@ class SlideModel(SlideModelState):
         wait_other_s (main thread blocked on the worker); step_wall_s (time between optimizer
         steps), tokens_per_s and gpu_busy (GPU kernel time / wall time) from it; peak GPU memory
         and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
-        SlideConfig.resident_layers); device_updated_layers (host-held layers whose clipping-mode
+        SlideConfig.resident_layers) and resident_plan (what the measured plan read: the limit, the
+        step's reserved and allocated peaks, a resident layer's bytes per parameter); device_updated_layers (host-held layers whose clipping-mode
         update runs on the GPU, see SlideConfig.device_update_share); worker_wait_s (the worker
         blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers
         (with any state on disk), disk_moment_layers (of them, those with only their moments there),
@@ -340,6 +341,7 @@ class SlideModel(SlideModelState):
         out["host_state_bytes"] = eng.store.state_bytes()
         out["resident_layers"] = len(eng.residents.layers)
         out["resident_embedding"] = eng.embedding.resident is not None
+        out["resident_plan"] = dict(eng.residents.inputs)     # the measured plan's peak, limit and bytes
         out["device_updated_layers"] = len(eng.device_updates.units)
         if eng.store.disk is not None:                  # host_memory_limit: layers' state on disk
             out.update(eng.store.disk.stats())

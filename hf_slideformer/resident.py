@@ -116,6 +116,11 @@ def measured_peak(device) -> int:
     return torch.cuda.max_memory_reserved(device)
 
 
+def allocated_peak(device) -> int:
+    """The allocator's allocated peak (reported beside the reserved one the plan reads)."""
+    return torch.cuda.max_memory_allocated(device)
+
+
 class ResidentPlan:
     """Which units are resident on the GPU, planned from a measured step, and their updates.
 
@@ -137,6 +142,7 @@ class ResidentPlan:
         self.tokens: int | None = None                 # ... and the tokens of that step's batch
         self.last_tokens = 0
         self._pace_ev = None
+        self.inputs: dict = {}                         # what the measured plan was made from (slide_stats)
 
     @property
     def layers(self) -> dict[int, ResidentState]:
@@ -173,12 +179,15 @@ class ResidentPlan:
         if self.peak is None:      # the first step's peak, less the resident state it began with
             self.peak = max(0, measured_peak(e.device) - self.resident_bytes())
             self.tokens = self.last_tokens
+        per = resident_bytes_per_param_of(e.layer_units[0].state_format, e.dtype)
         plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
                              layer_numel=max(u.numel for u in e.layer_units), n_layers=len(e.layer_units),
                              embed_numel=e.embed_unit.numel, dtype=e.dtype, embed=embed, layers=layers,
-                             clipping=c.max_grad_norm is not None,
-                             layer_bytes_per_param=resident_bytes_per_param_of(e.layer_units[0].state_format, e.dtype))
-        logger.info("resident on the GPU: embedding %s, layers 0..%d", "yes" if plan[0] else "no", plan[1] - 1)
+                             clipping=c.max_grad_norm is not None, layer_bytes_per_param=per)
+        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak, "allocated_peak_bytes": allocated_peak(e.device),
+                       "layer_bytes_per_param": per, "embedding": plan[0], "layers": plan[1]}
+        logger.info("resident on the GPU: embedding %s, layers 0..%d (reserved peak %.2f GiB of %.2f, %.2f B/param)",
+                    "yes" if plan[0] else "no", plan[1] - 1, self.peak / GiB, limit / GiB, per)
         return plan
 
     def first_embed_plan(self, tokens: int) -> bool:

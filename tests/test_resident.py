@@ -341,6 +341,28 @@ def test_first_plan_decides_the_embedding_from_the_estimate(monkeypatch):
     assert eng.residents.first_embed_plan(16 * 2048) is False
 
 
+@pytest.mark.parametrize("name,per,layers", [("adamw", 12, 1), ("adamw_8bit", 6.03125, 2), ("adamw_8bit_bf16", 8.03125, 1)])
+def test_the_measured_plan_sizes_layers_by_the_format_s_bytes_and_says_what_it_read(monkeypatch, name, per, layers):
+    """The engine's plan from one measured peak: a resident layer takes its format's GPU bytes (fp32
+    compute here: the fp32 master is the weights; a bf16 master keeps fp32 weights beside it), so a
+    compact format keeps at least as many layers as fp32 AdamW in the same room; slide_stats()
+    reports what the plan read."""
+    from hf_slideformer import resident
+    from hf_slideformer.memory import GiB
+    _, slid = make_pair("llama", False, optimizer_state=name, resident_embedding=False)
+    eng = slid.slide_engine
+    numel = max(u.numel for u in eng.layer_units)
+    budget = int(4 * numel + 12 * numel * 1.2)                    # one shared gradient, 1.2 fp32 layers
+    monkeypatch.setattr(eng.streams, "cuda", True)
+    monkeypatch.setattr(eng.config, "gpu_memory_limit", 4)
+    monkeypatch.setattr(resident, "measured_peak", lambda device: 2 * GiB - budget)     # the margin: 2 GiB
+    monkeypatch.setattr(resident, "allocated_peak", lambda device: GiB)
+    assert eng.residents.plan() == (False, layers)
+    stats = slid.slide_stats()["resident_plan"]
+    assert stats == {"limit_bytes": 4 * GiB, "peak_bytes": 2 * GiB - budget, "allocated_peak_bytes": GiB,
+                     "layer_bytes_per_param": per, "embedding": False, "layers": layers}
+
+
 def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
     data = batches(3, pad=True)
     _, slid = make_pair("llama", True, resident_layers=0, resident_embedding=True)
