@@ -113,7 +113,11 @@ class DataParallel:
         if config.device_update_share not in ("auto", 0, 0.0):
             unsupported.append(f"device_update_share={config.device_update_share!r} (use 0)")
         if config.optimizer_state != "adamw":
-            unsupported.append(f"optimizer_state={config.optimizer_state!r} (use 'adamw')")
+            # Each rank updates a flat 1/N of every unit (`span`), from a reduce-scatter of equal
+            # shards; an 8-bit update starts at a block of 256 values of a parameter, so its shards
+            # would have to follow the parameters' blocks, which the collectives do not.
+            unsupported.append(f"optimizer_state={config.optimizer_state!r} (use 'adamw': the ranks' shards are "
+                               "flat ranges of a unit, the 8-bit moments' blocks of 256 follow its parameters)")
         if frozen:
             unsupported.append("frozen parameters (a LoRA / PEFT model, or requires_grad=False): every parameter "
                                "must train")

@@ -203,7 +203,8 @@ def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
     for kw, word in ((dict(host_memory_limit=8, nvme_path="/tmp"), "host_memory_limit"),
                      (dict(resident_layers=2), "resident_layers"),
-                     (dict(device_update_share=0.5), "device_update_share")):
+                     (dict(device_update_share=0.5), "device_update_share"),
+                     (dict(optimizer_state="adamw_8bit"), r"optimizer_state='adamw_8bit' \(use 'adamw': .*blocks")):
         with pytest.raises(ValueError, match=word):
             DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
     with pytest.raises(ValueError, match="frozen parameters"):
