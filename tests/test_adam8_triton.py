@@ -113,6 +113,31 @@ def test_the_dispatch_takes_the_kernel_and_a_broken_kernel_is_seen(monkeypatch):
         assert_same(ker, ref)
 
 
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="the CPU device under the interpreter (on CUDA: test_adam8_torch)")
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_kernel_in_resident_and_device_updated_layers_equals_the_host_run(name, monkeypatch):
+    """The engine's GPU placements on the CPU device take the kernel (the interpreter runs it there):
+    resident layers, and the device-updated share in pieces, end bit for bit where the host-only
+    run of the format ends (its native kernel)."""
+    from hf_slideformer import device_update
+    from helpers import batches, make_pair
+    from test_resident_state import _equal, _state, _train
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    calls = []
+    real = adam8_torch.adamw8_range_triton
+    monkeypatch.setattr(adam8_torch, "adamw8_range_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
+    data = batches(3, pad=True)
+    states = []
+    for kw in (dict(resident_layers=0), dict(resident_layers=2),
+               dict(resident_layers=0, max_grad_norm=0.3, device_update_share=1.0)):
+        _, slid = make_pair("llama", False, optimizer_state=name, **kw)
+        states.append(_state(slid, _train(slid, data)))
+    assert calls
+    _equal(states[0], states[1])
+    _, slid = make_pair("llama", False, optimizer_state=name, resident_layers=0, max_grad_norm=0.3)
+    _equal(_state(slid, _train(slid, data)), states[2])
+
+
 @pytest.mark.skipif(ON_GPU or INTERPRET, reason="the kernel runs in this process")
 def test_kernels_under_interpreter():
     if not triton_ops.is_triton_available():
