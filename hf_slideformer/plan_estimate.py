@@ -292,9 +292,9 @@ class Estimator:
         # the last layer's input stays on the device, the first is gathered again from a resident embedding
         acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
         resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
-        head = mb * s.head_params + (eb * s.embed_params if s.tied and not embed_res else 0)
+        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
         rows = 0 if embed_res else 4 * TH
-        h2d = mb * (layers + resent) + head + rows + acts         # masters in their dtype, embedding rows
+        h2d = mb * (layers + resent + s.head_params) + eb * (head - s.head_params) + rows + acts   # masters, rows
         # gradients of the units updated on the host (resident ones stay): in the compute dtype
         # into the ring with one micro-batch, fp32 sums into the accumulators with several
         # (engine: [Why gradients cross in the compute dtype]); embedding rows

@@ -730,6 +730,7 @@ def test_the_weights_cross_pcie_in_the_master_s_dtype_and_the_disk_hint_counts_t
         copied = 2 * s.layers * s.layer_params - 2 * s.layer_params + s.head_params + (s.embed_params if s.tied else 0)
         assert m8.h2d_bytes == fp32.h2d_bytes                                  # an fp32 master either way
         assert fp32.h2d_bytes - bf16.h2d_bytes == 2 * copied, cfg              # 4 - 2 bytes per copied parameter
+        assert fp32.d2h_bytes == m8.d2h_bytes == bf16.d2h_bytes                # gradients in the compute dtype
         assert bf16.times["pcie"] < fp32.times["pcie"]
     for o in ("adamw", "adamw_8bit"):
         p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=48 if o == "adamw_8bit" else 64,
