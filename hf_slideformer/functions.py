@@ -19,8 +19,23 @@ __all__ = ["swapped", "leaves", "GradOnlyLinear", "grad_only", "RngReplay", "Emb
 
 @contextlib.contextmanager
 def swapped(unit: Unit, tensors: list[torch.Tensor]):
-    """Make the HF modules of `unit` compute with `tensors` instead of their host masters."""
+    """Make the HF modules of `unit` compute with `tensors` instead of their host masters.
+
+    Note: [Why a parametrized weight is swapped in as a Parameter] PEFT's `ParamWrapper` (LoRA on
+    a parameter, as a mixture of experts' 3-D expert weights) registers a parametrization on the
+    weight's module for each forward and removes it after; the removal registers the original
+    back as a parameter only if it is an `nn.Parameter`, else as a buffer, which would leave the
+    module with both. The registration also calls `set_` on the original, which bumps its version
+    counter, and a view's counter is that of the whole slot: the layer's other weights, saved for
+    backward by the ops before the experts (the router's linear), would then read as modified in
+    place. So the Parameter is an alias of the device view with a version counter of its own. Such
+    a weight is frozen (its layer is a `FrozenLayer`: no gradient is taken with respect to it, and
+    the parametrization's output, not the weight, is what the experts' ops save), so the alias
+    loses nothing.
+    """
     for e, t in zip(unit.entries, tensors):
+        if e.parametrized and not isinstance(t, torch.nn.Parameter):
+            t = _own_parameter(t)
         for mod, attr in e.holders:
             mod._parameters[attr] = t
     try:
@@ -29,6 +44,12 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
         for e in unit.entries:
             for mod, attr in e.holders:
                 mod._parameters[attr] = e.param
+
+
+def _own_parameter(t: torch.Tensor) -> torch.nn.Parameter:
+    """A frozen nn.Parameter on `t`'s memory whose version counter is not `t`'s."""
+    alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return torch.nn.Parameter(alias, requires_grad=False)
 
 
 class RngReplay:

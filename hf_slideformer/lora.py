@@ -27,7 +27,8 @@ from .modules_to_save import saved_wrappers
 from .optim import grad_scale, sq_norm as _sq_norm
 from .placements import FrozenLayer
 
-__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload", "peft_on_meta"]
+__all__ = ["AdapterSet", "peft_base", "check_lora", "refuse_outside_layers", "merge_and_unload", "peft_on_meta",
+           "parametrized_params"]
 
 
 def _peft_model_class():
@@ -51,8 +52,9 @@ def check_lora(peft_model) -> None:
     """Raise unless `peft_model` is what the engine trains exactly: one LoRA adapter without DoRA.
 
     Where the adapters and `modules_to_save` may be is checked at `slide()`, which knows the family:
-    LoRA on linear layers inside the decoder layers (`refuse_outside_layers`), modules_to_save of the
-    input embedding and the lm_head (`modules_to_save.check_modules_to_save`)."""
+    LoRA on linear layers and on parameters (`target_parameters`) inside the decoder layers
+    (`refuse_outside_layers`, `parametrized_params`), modules_to_save of the input embedding and the
+    lm_head (`modules_to_save.check_modules_to_save`)."""
     configs = getattr(peft_model, "peft_config", {})
     if len(configs) != 1:
         raise ValueError(f"hf_slideformer trains one LoRA adapter at a time; this PEFT model has {len(configs)} "
@@ -65,15 +67,42 @@ def check_lora(peft_model) -> None:
     unsupported = []
     if getattr(cfg, "use_dora", False):
         unsupported.append("use_dora=True (DoRA)")
-    if getattr(cfg, "target_parameters", None):
-        # PEFT wraps a targeted parameter (a mixture of experts' expert weights) in a
-        # parametrization at call time, which the engine's weight swap into the slots conflicts with.
-        unsupported.append(f"target_parameters={list(cfg.target_parameters)} (LoRA on parameters, as the "
-                           "experts' weights of a mixture of experts)")
     if unsupported:
         raise ValueError(f"LoRA adapter {name!r}: not supported by hf_slideformer: {'; '.join(unsupported)}. "
-                         "Supported: LoRA on any linear layers inside the decoder layers, and modules_to_save "
+                         "Supported: LoRA on any linear layers inside the decoder layers and on their parameters "
+                         "(target_parameters: the experts' weights of a mixture of experts), and modules_to_save "
                          "of the input embedding and the lm_head.")
+
+
+def parametrized_params(model: nn.Module) -> set[int]:
+    """The ids of the base parameters PEFT's `ParamWrapper` adapts (LoRA `target_parameters`: a
+    mixture of experts' 3-D expert weights, say).
+
+    PEFT adds such an adapter's delta `B A` to the weight through a `torch.nn.utils.parametrize`
+    parametrization registered for each forward of the wrapper, so the layer's recompute in
+    backward rebuilds it from the same factors and their gradients come back with the adapters'.
+    The weight itself must stay frozen: its layer streams as a `FrozenLayer`, and its device copy
+    is swapped in as a Parameter (note [Why a parametrized weight is swapped in as a Parameter]).
+
+    Raises:
+        ValueError: for a targeted parameter that trains (`requires_grad=True`): it would be the
+            leaf of both its own update and the adapter's parametrization.
+    """
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:          # an older PEFT without LoRA on parameters
+        return set()
+    out = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, ParamWrapper):
+            continue
+        param = module.get_param()
+        if param.requires_grad:
+            raise ValueError(f"{name}: the parameter {module.parameter_name!r} that LoRA adapts (target_parameters) "
+                             "trains too (requires_grad=True): not supported. Train its adapter with the base "
+                             "weight frozen, as get_peft_model leaves it.")
+        out.add(id(param))
+    return out
 
 
 @torch.no_grad()

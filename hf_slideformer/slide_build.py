@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from .engine import SlideEngine
-from .lora import refuse_outside_layers
+from .lora import parametrized_params, refuse_outside_layers
 from .memory import GiB
 from .modules_to_save import check_modules_to_save, copy_params, original_params
 from .store import ParamEntry, Unit
@@ -36,13 +36,14 @@ def _holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
 
 
 # A PEFT wrapper's inner module is `<module>.base_layer` (LoRA's frozen linear) or
-# `<module>.modules_to_save.<adapter>` (a trainable copy); under the model's own name
+# `<module>.modules_to_save.<adapter>` (a trainable copy), nested where PEFT wraps a module
+# twice (a `ParamWrapper` per targeted parameter); under the model's own name
 # (`<module>.weight`) its weight loads from and saves as an HF checkpoint.
-_PEFT_PART = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)\.")
+_PEFT_PART = re.compile(r"\.(base_layer|modules_to_save\.[^.]+)(?=\.)")
 
 
 def _hf_name(name: str) -> str:
-    return _PEFT_PART.sub(".", name)
+    return _PEFT_PART.sub("", name)
 
 
 def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list[Unit]:
@@ -55,6 +56,7 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
         paths.setdefault(id(module), name)
     holders = _holders(model)
     seen: set[int] = set(skip)
+    parametrized = parametrized_params(model)
 
     def entries(module: nn.Module) -> list[ParamEntry]:
         out = []
@@ -64,7 +66,8 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
                 continue
             seen.add(id(param))
             name = _hf_name(f"{prefix}.{own_name}" if prefix else own_name)
-            out.append(ParamEntry(name, param.shape, 0, param.numel(), holders[id(param)], param))
+            out.append(ParamEntry(name, param.shape, 0, param.numel(), holders[id(param)], param,
+                                  parametrized=id(param) in parametrized))
         return out
 
     units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]

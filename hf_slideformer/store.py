@@ -42,6 +42,9 @@ class ParamEntry:
     numel: int
     holders: list[tuple[nn.Module, str]]        # (module, attribute) pairs that reference it
     param: nn.Parameter | None = None
+    # PEFT adapts it through torch's parametrize (LoRA `target_parameters`, lora.py): the device
+    # tensor standing in for it must be an nn.Parameter (functions.swapped).
+    parametrized: bool = False
 
     def view(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.offset:self.offset + self.numel].view(self.shape)
