@@ -110,7 +110,8 @@ def peft_on_meta(model: nn.Module, peft_config) -> nn.Module:
     """`get_peft_model` of a model built on the meta device: the base stays on meta (its weights
     are read into the host store later, the copies of `modules_to_save` too: they are units), the
     adapters are made on the CPU and initialised as PEFT initialises them (`reset_lora_parameters`
-    with the config's `init_lora_weights`)."""
+    with the config's `init_lora_weights`; with `init_lora_weights=False`, the linears' own
+    `reset_parameters`, as their construction does)."""
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
 
@@ -123,6 +124,9 @@ def peft_on_meta(model: nn.Module, peft_config) -> nn.Module:
             for part in (module.lora_A, module.lora_B):
                 if name in part:
                     part[name].to_empty(device="cpu")
+                    if peft_config.init_lora_weights is False:
+                        # PEFT keeps the linears' own init there (`reset_lora_parameters` returns at once)
+                        part[name].reset_parameters()
             module.reset_lora_parameters(name, peft_config.init_lora_weights)
     return peft_model
 
@@ -220,6 +224,10 @@ class AdapterSet:
                 "(requires_grad=False).")
         refuse_outside_layers(self._adopt())
         self._held |= {id(p) for p in self.params}
+        targeted = parametrized_params(engine.model_ref())      # wrappers added after slide() too
+        for unit in engine.store.units:
+            for entry in unit.entries:
+                entry.parametrized = id(entry.param) in targeted
         engine.find_dropouts()                                  # a LoRA adapter's lora_dropout
         if len(self.params) == known and engine.places.trainable_match_units():
             return

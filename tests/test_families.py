@@ -277,14 +277,6 @@ def test_the_fused_head_path_returns_a_differentiable_aux_loss(family):
     assert slid(**b, fused_lm_head=True).aux_loss is None            # neither the config nor the forward asks
 
 
-def test_lora_on_the_experts_weights_is_refused():
-    """PEFT's way to the experts (`target_parameters`) is refused at slide(), not trained wrong."""
-    base = AutoModelForCausalLM.from_config(family_config("qwen3_moe"))
-    pm = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
-    with pytest.raises(ValueError, match="target_parameters"):
-        hs.slide(pm, hs.SlideConfig(device="cpu"))
-
-
 def test_a_layer_the_family_does_not_prove_is_refused():
     """A Llama whose second layer is another class (here: an OLMo 2 layer, whose MLP feeds a norm)."""
     from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer
