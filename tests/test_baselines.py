@@ -86,6 +86,23 @@ def test_liger_is_preferred_when_it_imports(monkeypatch):
                           fused_linear_cross_entropy=True, model=model)]
 
 
+def test_gemma3_takes_ligers_geglu_patch(monkeypatch):
+    """Gemma 3's Liger patch is asked for its GeGLU (its keyword), not a SwiGLU it does not have."""
+    from helpers import family_config
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_gemma3_text = lambda **kw: calls.append(kw)
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    model = AutoModelForCausalLM.from_config(family_config("gemma3_text"))
+    text = recipe.apply_kernels(model, "auto")
+    assert "apply_liger_kernel_to_gemma3_text(rope, geglu, rms_norm" in text
+    assert calls == [dict(rope=True, geglu=True, rms_norm=True, cross_entropy=False,
+                          fused_linear_cross_entropy=True, model=model)]
+
+
 def test_auto_falls_back_to_triton_ops_when_ligers_patch_fails(monkeypatch):
     fake = types.ModuleType("liger_kernel.transformers")
 

@@ -638,3 +638,34 @@ def test_step_kernels_counts_each_layers_projection_gemms_and_the_head():
     assert kernels.kind_of("nvjet_qqtst_128x256_64x4_2x1_v_bz_TNT") == "gemm"
     assert kernels.kind_of("_fp8_quantize_rows_kernel") == "triton"
     assert kernels.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+
+
+def test_lora_rows_take_the_experts_weights_of_a_mixture_of_experts(tmp_path):
+    """slide_lora and hf_lora on a tiny Qwen3-MoE shape: LoRA on the attention and on the experts'
+    3-D weights (PEFT's target_parameters), the same adapters both ways, and a step of each trains
+    them (the engine's on the CPU, the frozen base streamed)."""
+    import hf_slideformer as hs
+    from benchmarks.providers.base import random_batch
+    from benchmarks.providers.lora import lora_config
+    from helpers import family_config
+
+    family_config("qwen3_moe", num_hidden_layers=2).to_json_file(tmp_path / "config.json")
+    spec = RunSpec(provider="hf_lora", model=str(tmp_path / "config.json"), seq=16, batches=[2], device="cpu",
+                   dtype="float32", lora_r=4, checkpointing="on", kernels="none")
+    ids, labels = random_batch(97, 2, 16, torch.device("cpu"))
+    lora = lora_config(build_model(load_config(spec.model), "cpu", torch.float32, fill="tiled"), 4)
+    assert lora.target_parameters == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    adapters = {}
+    for name in ("hf_lora", "slide_lora"):
+        provider = get_provider(name)(dataclasses.replace(spec, provider=name))
+        provider.setup()
+        model = provider.model
+        adapters[name] = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+        assert any("experts" in n for n in adapters[name]) and any("experts" in note for note in provider.notes)
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n and "lora_B" in n}
+        assert torch.isfinite(provider.train_step(ids, labels))
+        if hs.is_slid(model):
+            model.slide_engine.synchronize()
+        after = dict(model.named_parameters())
+        assert all(not torch.equal(before[n], after[n].detach()) for n in before)
+    assert adapters["hf_lora"] == adapters["slide_lora"]

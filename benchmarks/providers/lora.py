@@ -1,7 +1,9 @@
 """LoRA rows: `slide_lora`, `hf_lora` and `hf_lora_offload`, PEFT LoRA three ways.
 
 All three put a LoRA adapter of rank `RunSpec.lora_r` (alpha 2r, no dropout) on every linear layer
-of the decoder layers, as a PEFT user does for instruction tuning. `hf_lora` is what a LoRA user
+of the decoder layers, as a PEFT user does for instruction tuning; `slide_lora` and `hf_lora` also
+on the experts' fused 3-D weights of a mixture of experts (`target_parameters`, PEFT's
+`ParamWrapper`: rank r per expert), where the model has them (`lora_config`). `hf_lora` is what a LoRA user
 with a GPU large enough for the model runs: bf16 weights on the GPU, the fused kernels
 (`recipe.apply_kernels`), HF's gradient checkpointing and `torch.optim.AdamW(fused=True)` over
 the adapters (fp32: PEFT keeps adapters of a bf16 model in fp32). `hf_lora_offload` is the same
@@ -24,9 +26,10 @@ from .recipe import apply_kernels, enable_checkpointing
 from .slide import SlideProvider
 
 __all__ = ["SlideLoraProvider", "HFLoraProvider", "HFLoraOffloadProvider", "OffloadPlan", "plan_offload",
-           "LINEAR_TARGETS"]
+           "LINEAR_TARGETS", "EXPERT_TARGETS", "lora_config"]
 
 LINEAR_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_TARGETS = ["gate_up_proj", "down_proj"]       # the fused expert weights of HF's MoE modules
 # hf_lora_offload's activation reserve, per decoder layer's (B, S, H) checkpointed input: the input itself
 # and as much again for what the checkpointed forward keeps besides (hf_lora, GPU-resident, batch 16 on
 # the 8B shape: 33.9 GiB allocated at peak, 15 of them weights; docs/benchmarks.md)
@@ -34,10 +37,29 @@ CHECKPOINT_COPIES = 2
 RECOMPUTE_COPIES = 4     # (B, S, I) activations alive at the recompute peak of one MLP
 
 
-def _lora(model, r: int):
-    from peft import LoraConfig, get_peft_model
+def lora_config(model, r: int, experts: bool = True):
+    """PEFT's LoraConfig of these rows for `model` (on any device, meta too): rank r, alpha 2r, no
+    dropout, on every linear layer of `LINEAR_TARGETS` and, with `experts`, on the 3-D expert
+    weights of `EXPERT_TARGETS` of each module named `experts` (Qwen3-MoE, Mixtral, Qwen3.5-MoE,
+    gpt-oss, Gemma 4's MoE), named by their path below the decoder layer (`mlp.experts.down_proj`)."""
+    from peft import LoraConfig
 
-    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LINEAR_TARGETS))
+    layer = model.get_decoder().layers[0]
+    params = [f"{path}.{name}" for path, module in layer.named_modules() if path.split(".")[-1] == "experts"
+              for name in EXPERT_TARGETS if getattr(module, name, None) is not None
+              and getattr(module, name).dim() == 3] if experts else []
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LINEAR_TARGETS,
+                      target_parameters=params or None)
+
+
+def _lora(model, r: int, experts: bool = True):
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(model, r, experts))
+
+
+def _experts_note(lora) -> str:
+    return f" and the experts' {', '.join(lora.target_parameters)}" if lora.target_parameters else ""
 
 
 def _adapter_params(model) -> int:
@@ -55,7 +77,6 @@ class SlideLoraProvider(SlideProvider):
     def build_slid(self):
         import hf_slideformer as hs
         from accelerate import init_empty_weights
-        from peft import LoraConfig
         from transformers import AutoModelForCausalLM
 
         from hf_slideformer.lora import peft_on_meta
@@ -65,8 +86,10 @@ class SlideLoraProvider(SlideProvider):
                                                     attn_implementation="sdpa")
         self.count(base)
         r = self.spec.lora_r
-        model = peft_on_meta(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LINEAR_TARGETS))
-        self.notes.append(f"LoRA r={r} on every linear layer: {_adapter_params(model) / 1e6:.1f}M adapter parameters")
+        lora = lora_config(base, r)
+        model = peft_on_meta(base, lora)
+        self.notes.append(f"LoRA r={r} on every linear layer{_experts_note(lora)}: {_adapter_params(model) / 1e6:.1f}M "
+                          "adapter parameters")
         model = hs.slide(model, self.slide_config, _fill=False)        # the weights are written below
         block = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(self.spec.seed)) * INIT_STD)
         store = model.slide_engine.store
@@ -84,10 +107,13 @@ class HFLoraProvider(HFProvider):
 
     def setup(self) -> None:
         super().setup()                   # the bf16 model on the GPU, the kernels, HF's checkpointing
-        self.model = _lora(self.model, self.spec.lora_r)
+        from peft import get_peft_model
+
+        lora = lora_config(self.model, self.spec.lora_r)
+        self.model = get_peft_model(self.model, lora)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.notes.append(f"LoRA r={self.spec.lora_r}: {sum(p.numel() for p in params) / 1e6:.1f}M adapter "
-                          f"parameters ({params[0].dtype})")
+        self.notes.append(f"LoRA r={self.spec.lora_r}{_experts_note(lora)}: {sum(p.numel() for p in params) / 1e6:.1f}M "
+                          f"adapter parameters ({params[0].dtype})")
         self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, weight_decay=0.0,
                                            fused=self.device.type == "cuda")
 
@@ -203,7 +229,9 @@ class HFLoraOffloadProvider(HFProvider):
         self.notes.append(f"kernels: {self.kernels}")
         enable_checkpointing(base)
         self.checkpointing = True
-        self.model = _lora(base, self.spec.lora_r)          # on the CPU: the adapters exist before dispatch
+        # on the CPU: the adapters exist before dispatch; the linears only (its offload plan moves the
+        # frozen `base_layer` of each LoRA linear)
+        self.model = _lora(base, self.spec.lora_r, experts=False)
         cap = None
         if cuda:
             cap = (int(self.spec.cap_gib * GIB) if self.spec.cap_gib is not None

@@ -20,12 +20,15 @@ __all__ = ["KERNEL_CHOICES", "LIGER_PATCHES", "apply_kernels", "enable_checkpoin
 
 KERNEL_CHOICES = ("auto", "liger", "triton_ops", "none")
 
-# model_type -> Liger's patch function for that family (liger_kernel.transformers)
+# model_type -> Liger's patch function for that family (liger_kernel.transformers) and the ops it is
+# asked for besides rope, rms_norm and the fused linear cross-entropy: the MLP's gated activation
+# (SwiGLU; Gemma 3's GeGLU, which its patch names `geglu`)
 LIGER_PATCHES = {
-    "llama": "apply_liger_kernel_to_llama",
-    "qwen2": "apply_liger_kernel_to_qwen2",
-    "qwen3": "apply_liger_kernel_to_qwen3",
-    "mistral": "apply_liger_kernel_to_mistral",
+    "llama": ("apply_liger_kernel_to_llama", {"swiglu": True}),
+    "qwen2": ("apply_liger_kernel_to_qwen2", {"swiglu": True}),
+    "qwen3": ("apply_liger_kernel_to_qwen3", {"swiglu": True}),
+    "mistral": ("apply_liger_kernel_to_mistral", {"swiglu": True}),
+    "gemma3_text": ("apply_liger_kernel_to_gemma3_text", {"geglu": True}),
 }
 
 
@@ -54,7 +57,8 @@ def apply_kernels(model: nn.Module, choice: str) -> str:
     """Patch the fused kernels into `model` in place; return what was applied, for the row.
 
     Args:
-        model: a Hugging Face causal LM (llama, qwen2, qwen3 or mistral family).
+        model: a Hugging Face causal LM (a family of `LIGER_PATCHES` for Liger; any family the
+            engine slides for triton_ops, which patches the ops the family's entry lists).
         choice: "auto" (Liger if it imports, else triton_ops), "liger", "triton_ops" or "none".
 
     Raises:
@@ -69,16 +73,16 @@ def apply_kernels(model: nn.Module, choice: str) -> str:
         if family not in LIGER_PATCHES:
             raise ImportError(f"Liger has no patch for model_type {family!r} here; known: {sorted(LIGER_PATCHES)}")
         liger = importlib.import_module("liger_kernel.transformers")
-        fn = getattr(liger, LIGER_PATCHES[family])
+        name, mlp = LIGER_PATCHES[family]
         try:
-            fn(rope=True, swiglu=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True,
-               model=model)
+            getattr(liger, name)(rope=True, **mlp, rms_norm=True, cross_entropy=False,
+                                 fused_linear_cross_entropy=True, model=model)
         except Exception as exc:  # a Liger that does not know this transformers: "auto" falls back, and says so
             if choice == "liger":
                 raise
-            why = f"Liger's {LIGER_PATCHES[family]} failed: {type(exc).__name__}: {str(exc)[:120]}"
+            why = f"Liger's {name} failed: {type(exc).__name__}: {str(exc)[:120]}"
         else:
-            return f"liger {_version('liger-kernel')}: {LIGER_PATCHES[family]}(rope, swiglu, rms_norm, fused linear CE)"
+            return f"liger {_version('liger-kernel')}: {name}(rope, {', '.join(mlp)}, rms_norm, fused linear CE)"
     else:
         why = "Liger not importable"
     import triton_ops
