@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from transformers.utils import logging as hf_logging
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .expert_layout import per_expert_sources, read_stacked, renamed_source
 from .atomic_save import fsync_dir, fsync_file, leftover_path, one_save_at_a_time, remove_leftovers
 from .models import get_adapter
 from .slide_checks import check_finite
@@ -120,7 +121,8 @@ def _index(path) -> dict[str, str]:
 
 
 def load_weights(model, path) -> None:
-    """Read every tensor of the checkpoint at `path` into the slid model's masters, one at a time."""
+    """Read every tensor of the checkpoint at `path` into the slid model's masters, one at a time (a
+    mixture of experts stored one tensor per expert is stacked as HF stacks it: expert_layout.py)."""
     store = model.slide_engine.store
     check = model.slide_engine.config.check_finite_weights
     weight_map = _index(path)
@@ -128,11 +130,13 @@ def load_weights(model, path) -> None:
     for u in store.units:
         for e in u.entries:
             expected[e.name] = (u, e)
-    aliases = {}
     tied = model.slide_engine.tied
     missing = [n for n in expected if n not in weight_map]
     packed = {n for n in missing if all(n + end in weight_map for end in _PACKED)}     # MXFP4 weights
     missing = [n for n in missing if n not in packed]
+    stacked = {n: src for n in missing if (src := per_expert_sources(n, weight_map))}      # one tensor per expert
+    aliases = {n: src for n in missing if n not in stacked and (src := renamed_source(n, weight_map))}
+    missing = [n for n in missing if n not in stacked and n not in aliases]
     if tied:
         for n in list(missing):
             alt = "lm_head.weight"
@@ -151,7 +155,7 @@ def load_weights(model, path) -> None:
                               f"{' ...' if len(missing) > 20 else ''}")
     by_file: dict[str, list[str]] = {}
     for n in expected:
-        src = n + _PACKED[0] if n in packed else aliases.get(n, n)
+        src = n + _PACKED[0] if n in packed else stacked[n][0][0] if n in stacked else aliases.get(n, n)
         by_file.setdefault(weight_map[src], []).append(n)
     mismatched = []
     # HF's own bar: silenced as HF's loading bar is (`transformers.utils.logging.disable_progress_bar()`).
@@ -171,6 +175,7 @@ def load_weights(model, path) -> None:
                         for n in group:
                             e = expected[n][1]
                             t = (_dequantized(f, fname, path, weight_map, n) if n in packed
+                                 else read_stacked(path, weight_map, stacked[n]) if n in stacked
                                  else f.get_tensor(aliases.get(n, n)))
                             if check:
                                 check_finite(n, t, f"in {fpath}")
@@ -183,6 +188,7 @@ def load_weights(model, path) -> None:
     if mismatched:
         raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {'; '.join(mismatched[:20])}")
     unexpected = set(weight_map) - {aliases.get(n, n) for n in expected} - {n + end for n in packed for end in _PACKED}
+    unexpected -= {src for groups in stacked.values() for group in groups for src in group}
     unexpected -= set(persistent_buffers(model))
     unexpected = {n for n in unexpected if not (tied and n == "lm_head.weight")}
     if unexpected:

@@ -135,9 +135,8 @@ def test_merged_expert_adapter_saves_as_a_full_hf_checkpoint(tmp_path):
 def test_from_pretrained_with_expert_targets_equals_sliding_the_peft_model(tmp_path):
     """SlideModel.from_pretrained(path, peft_config=...) with `target_parameters`: PEFT's wrappers
     built on the meta device, the checkpoint read into the frozen store, the same training as
-    sliding the PEFT model of the loaded checkpoint (the checkpoint in the fused layout a slid
-    model saves; HF's own save writes one tensor per expert)."""
-    hs.slide(_base(), hs.SlideConfig(device="cpu", dtype=torch.float32)).save_pretrained(tmp_path / "base")
+    sliding the PEFT model of the loaded checkpoint (HF's save: one tensor per expert)."""
+    _base().save_pretrained(tmp_path / "base")
     cfg = hs.SlideConfig(device="cpu", dtype=torch.float32)
     loaded = hs.SlideModel.from_pretrained(tmp_path / "base", cfg, peft_config=_lora())
     other = hs.slide(get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), _lora()), cfg)
