@@ -103,6 +103,20 @@ def test_gemma3_takes_ligers_geglu_patch(monkeypatch):
                           fused_linear_cross_entropy=True, model=model)]
 
 
+def test_a_family_neither_patches_runs_plain_and_says_so(monkeypatch):
+    """A mixture of experts without Liger: triton_ops has no entry for it, so "auto" leaves HF's
+    layers and loss and the row says why; asking for triton_ops raises."""
+    from helpers import family_config
+    from transformers import AutoModelForCausalLM
+
+    _no_liger(monkeypatch)
+    model = AutoModelForCausalLM.from_config(family_config("qwen3_moe"))
+    text = recipe.apply_kernels(model, "auto")
+    assert text.startswith("none") and "triton_ops does not patch 'qwen3_moe'" in text
+    with pytest.raises(ValueError, match="qwen3_moe"):
+        recipe.apply_kernels(model, "triton_ops")
+
+
 def test_auto_falls_back_to_triton_ops_when_ligers_patch_fails(monkeypatch):
     fake = types.ModuleType("liger_kernel.transformers")
 

@@ -7,7 +7,9 @@
 #             fused AdamW, uncapped) at batches 16 and 32, its best counting; target slide >= 0.95x hf
 #   qwen3moe  Qwen3-30B-A3B shape, LoRA r16 on the attention and the experts' weights, batch 8:
 #             slide_lora under 24 GiB against hf_lora (PEFT on the GPU-resident bf16 model, uncapped,
-#             checkpointing); target slide_lora >= 0.85x hf_lora, within the host's memory
+#             checkpointing, Liger's qwen3_moe patch without its experts where Liger has it, else
+#             plain HF: the row's kernels note says which); target slide_lora >= 0.85x hf_lora,
+#             within the host's memory
 #   gptoss    gpt-oss-20b shape, full fine-tuning, batch 16 under 24 GiB, slide_8bit_bf16 (8-bit
 #             moments and a bf16 master: the fp32 state does not fit 125 GiB), beside the planner
 #   tests     pytest -m gpu tests/test_families_gpu.py tests/test_lora*.py

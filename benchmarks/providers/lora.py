@@ -59,6 +59,7 @@ def _lora(model, r: int, experts: bool = True):
 
 
 def _experts_note(lora) -> str:
+    """What the row's LoRA adapts besides the linears (read before PEFT, which extends the list)."""
     return f" and the experts' {', '.join(lora.target_parameters)}" if lora.target_parameters else ""
 
 
@@ -87,9 +88,9 @@ class SlideLoraProvider(SlideProvider):
         self.count(base)
         r = self.spec.lora_r
         lora = lora_config(base, r)
+        note = f"LoRA r={r} on every linear layer{_experts_note(lora)}"
         model = peft_on_meta(base, lora)
-        self.notes.append(f"LoRA r={r} on every linear layer{_experts_note(lora)}: {_adapter_params(model) / 1e6:.1f}M "
-                          "adapter parameters")
+        self.notes.append(f"{note}: {_adapter_params(model) / 1e6:.1f}M adapter parameters")
         model = hs.slide(model, self.slide_config, _fill=False)        # the weights are written below
         block = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(self.spec.seed)) * INIT_STD)
         store = model.slide_engine.store
@@ -110,10 +111,10 @@ class HFLoraProvider(HFProvider):
         from peft import get_peft_model
 
         lora = lora_config(self.model, self.spec.lora_r)
+        note = f"LoRA r={self.spec.lora_r}{_experts_note(lora)}"
         self.model = get_peft_model(self.model, lora)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.notes.append(f"LoRA r={self.spec.lora_r}{_experts_note(lora)}: {sum(p.numel() for p in params) / 1e6:.1f}M "
-                          f"adapter parameters ({params[0].dtype})")
+        self.notes.append(f"{note}: {sum(p.numel() for p in params) / 1e6:.1f}M adapter parameters ({params[0].dtype})")
         self.optimizer = torch.optim.AdamW(params, lr=self.spec.lr, weight_decay=0.0,
                                            fused=self.device.type == "cuda")
 

@@ -29,6 +29,9 @@ LIGER_PATCHES = {
     "qwen3": ("apply_liger_kernel_to_qwen3", {"swiglu": True}),
     "mistral": ("apply_liger_kernel_to_mistral", {"swiglu": True}),
     "gemma3_text": ("apply_liger_kernel_to_gemma3_text", {"geglu": True}),
+    # the experts stay HF's grouped GEMMs, as a slid Qwen3-MoE runs them (swiglu would swap in
+    # Liger's fused MoE function)
+    "qwen3_moe": ("apply_liger_kernel_to_qwen3_moe", {"swiglu": False}),
 }
 
 
@@ -86,7 +89,10 @@ def apply_kernels(model: nn.Module, choice: str) -> str:
     else:
         why = "Liger not importable"
     import triton_ops
+    from triton_ops.patching import supported_families
 
+    if choice == "auto" and family not in supported_families():
+        return f"none (plain Hugging Face layers and loss: {why}, and triton_ops does not patch {family!r})"
     triton_ops.patch(model)
     return "triton_ops.patch(rms_norm, rope, swiglu, linear_cross_entropy)" + (
         "" if choice == "triton_ops" else f" ({why})")
