@@ -8,7 +8,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hf_slideformer", "hf_slideformer.*", "triton_ops", "triton_ops.*"]),
-    package_data={"hf_slideformer": ["data/*.txt", "csrc/*.c", "csrc/*.h"]},
+    package_data={"hf_slideformer": ["data/*.txt", "host/csrc/*.c", "host/csrc/*.h"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "hf_slideformer"
 
 # The engine and the parts of its schedule (what a reader opens to follow one step).
-ENGINE_PARTS = ("engine.py", "schedule.py", "placements.py", "late_updates.py", "head.py", "lm_weight.py", "embedding.py",
+ENGINE_PARTS = ("slide_engine.py", "schedule.py", "placements.py", "late_updates.py", "head.py", "lm_weight.py", "embedding.py",
                 "resident.py", "device_update.py", "accumulate.py", "disk_placement.py", "lora.py",
                 "host_tasks.py", "grad_ring.py", "step_norm.py", "sharded.py", "slots.py", "mode.py")
 
@@ -130,7 +130,7 @@ def collect(package: Path = PACKAGE) -> dict:
         out["long_functions"] += [(f"{rel}:{ln}", name, n) for ln, name, n in long_functions(path, tree)]
         out["private"] += [(f"{rel}:{ln}", call) for ln, call in private_calls(path, tree)]
         out["dispatch"] += [(f"{rel}:{ln}", code) for ln, code in kind_dispatch(path, tree)]
-        if path.parent == package and path.name in ENGINE_PARTS:
+        if path.name in ENGINE_PARTS and package in path.parents:     # the engine, host and disk parts
             out["flags"] += [(flag, f"{rel}:{ln}", text) for flag, ln, text in mode_flags(path, tree)]
     return out
 

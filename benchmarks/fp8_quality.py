@@ -111,7 +111,7 @@ def train_arm(args, matmuls: str, data: list[torch.Tensor], blocks: torch.Tensor
     emulate = matmuls == "fp8" and args.emulate
     model = hs.slide(model, hs.SlideConfig(device=device, dtype=torch.bfloat16, matmuls="dtype" if emulate else matmuls))
     if emulate:
-        from hf_slideformer.layer_matmuls import install_emulation
+        from hf_slideformer.compute.layer_matmuls import install_emulation
         install_emulation(model)
     opt = model.create_optimizer(lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))

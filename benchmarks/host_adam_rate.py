@@ -32,9 +32,9 @@ if str(REPO_ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from hf_slideformer.config import _host_cores, worker_threads  # noqa: E402
-from hf_slideformer.host_adam import HostAdam, triad  # noqa: E402
-from hf_slideformer.host_optim import state_format  # noqa: E402
-from hf_slideformer.host_rate import rate_unit  # noqa: E402
+from hf_slideformer.host.host_adam import HostAdam, triad  # noqa: E402
+from hf_slideformer.host.host_optim import state_format  # noqa: E402
+from hf_slideformer.host.host_rate import rate_unit  # noqa: E402
 
 
 def timed(fn, repeat: int) -> list[float]:

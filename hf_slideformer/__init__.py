@@ -4,23 +4,24 @@ The GPU is a sliding window over the model's layers; fp32 master weights and Ada
 in host memory; a CPU worker runs AdamW while the GPU computes.
 """
 from .config import SlideConfig
-from .engine import SlideEngine, SlideStateError
+from .engine.slide_engine import SlideEngine, SlideStateError
 from .errors import NonFiniteGradientError, NonFiniteWeightError, RankMismatchError, RankTimeoutError
-from .lora import merge_and_unload
-from .memory import HostMemoryError
+from .engine.lora import merge_and_unload
+from .host.memory import HostMemoryError
 from .model import SlideModel, is_slid, slide
 from .models import SUPPORTED_MODEL_TYPES
-from .optim import SlideOptimizer
-from .planner import Plan, plan
-from .checkpoint import CheckpointError
-from .worker import WorkerError
+from .host.optim import SlideOptimizer
+from .planner.planner import Plan, plan
+from .checkpoints.checkpoint import CheckpointError
+from .host.worker import WorkerError
 
 __version__ = "0.1.0"
 
 _LAZY = {  # the HF integration imports transformers.Trainer: loaded on first use
     "SlideArgs": "training_args", "SlideArgsError": "training_args", "SlideTrainer": "trainer",
     "SlidePlugin": "accelerate_plugin", "SlideAccelerator": "accelerate_plugin",
-    "save_training_state": "train_checkpoint", "load_training_state": "train_checkpoint",
+    "save_training_state": "checkpoints.train_checkpoint",
+    "load_training_state": "checkpoints.train_checkpoint",
     "SlideSFTConfig": "trl_support", "SlideDPOConfig": "trl_support",     # need trl
 }
 

@@ -265,8 +265,8 @@ class SlideAccelerator(Accelerator):
         new one. With automatic checkpoint naming Accelerate writes a fresh folder, whose
         `slide_state/index.json`, written last, marks it complete: `load_state` refuses one without it.
         """
-        from .atomic_save import final_paths_in_logs, fsync_tree
-        from .train_checkpoint import atomic_directory, save_training_state
+        from .checkpoints.atomic_save import final_paths_in_logs, fsync_tree
+        from .checkpoints.train_checkpoint import atomic_directory, save_training_state
 
         model, opt = self._slid_pair()
         if model is None:
@@ -295,8 +295,8 @@ class SlideAccelerator(Accelerator):
         """`save_state` with several ranks (every rank calls it): rank 0 stages the directory, every
         rank writes Accelerate's files there (its RNG state among them), rank 0 adds the shared
         `slide_state/` and swaps the directory in."""
-        from .atomic_save import final_paths_in_logs
-        from .train_checkpoint import atomic_directory, save_training_state
+        from .checkpoints.atomic_save import final_paths_in_logs
+        from .checkpoints.train_checkpoint import atomic_directory, save_training_state
 
         if output_dir is None or self.project_configuration.automatic_checkpoint_naming:
             raise ValueError("with several processes, SlideAccelerator.save_state needs an explicit output_dir "
@@ -328,7 +328,7 @@ class SlideAccelerator(Accelerator):
         left half-written is refused (`CheckpointError`), and one whose swap was interrupted is
         first resolved to the old or the new state (`train_checkpoint.recover_checkpoint`).
         """
-        from .train_checkpoint import load_training_state, recover_checkpoint, verify_training_state
+        from .checkpoints.train_checkpoint import load_training_state, recover_checkpoint, verify_training_state
 
         model, opt = self._slid_pair()
         if model is None:
@@ -351,7 +351,7 @@ class SlideAccelerator(Accelerator):
         return out
 
     def prepare_optimizer(self, optimizer, device_placement=None):
-        from .optim import SlideOptimizer
+        from .host.optim import SlideOptimizer
 
         if isinstance(optimizer, SlideOptimizer):
             optimizer = wrap_optimizer(optimizer)

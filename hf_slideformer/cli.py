@@ -1,5 +1,5 @@
 """The `hf-slideformer` command line: `hf-slideformer plan <model>` answers whether a model fits,
-with which batch, and how fast (hf_slideformer.planner). Also `python -m hf_slideformer.cli`.
+with which batch, and how fast (hf_slideformer.planner.planner). Also `python -m hf_slideformer.cli`.
 
 Exit status: 0 when the plan fits, 1 when it does not, 2 on bad input.
 """
@@ -12,8 +12,8 @@ import sys
 from .config import SETTINGS
 from .models import SUPPORTED_MODEL_TYPES
 from .options import Choice
-from .plan_settings import ENGINE_OPTIONS
-from .planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, plan
+from .planner.plan_settings import ENGINE_OPTIONS
+from .planner.planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, plan
 
 __all__ = ["main", "build_parser"]
 

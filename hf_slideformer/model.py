@@ -19,23 +19,23 @@ import torch
 import torch.nn as nn
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from .adapter_save import slid_peft_class
+from .checkpoints.adapter_save import slid_peft_class
 from .config import SlideConfig, configure_logging
-from .data_parallel import DataParallel
-from .engine import SlideEngine
-from .fused_head import FusedLMHeadOutput, fused_head
-from .lora import peft_base
-from .memory import enable_expandable_segments
+from .engine.data_parallel import DataParallel
+from .engine.slide_engine import SlideEngine
+from .compute.fused_head import FusedLMHeadOutput, fused_head
+from .engine.lora import peft_base
+from .host.memory import enable_expandable_segments
 from .models import get_adapter
-from .modules_to_save import check_active, fill_originals
-from .model_inputs import check_label_dtype, check_token_ids
-from .model_state import SlideModelState
-from .optim import SlideOptimizer
-from .layer_matmuls import check_matmuls
-from .slide_build import (build_units, check_on_cpu, drop_hub_kernels, fill_and_build, install_proxies,
+from .engine.modules_to_save import check_active, fill_originals
+from .compute.model_inputs import check_label_dtype, check_token_ids
+from .checkpoints.model_state import SlideModelState
+from .host.optim import SlideOptimizer
+from .compute.layer_matmuls import check_matmuls
+from .engine.slide_build import (build_units, check_on_cpu, drop_hub_kernels, fill_and_build, install_proxies,
                           lora_held_params, refuse_adapters_outside_layers, released_on_failure)
-from .slide_checks import align_grouped_experts, check_finite_weights, check_gpu_limit, rank_fingerprint
-from .store import HostStore
+from .engine.slide_checks import align_grouped_experts, check_finite_weights, check_gpu_limit, rank_fingerprint
+from .host.store import HostStore
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _loss_output(engine, hidden, labels, shift_labels, num_items_in_batch, aux, 
     if labels is not None:
         labels = labels.to(engine.device)
     if torch.is_grad_enabled() and hidden.requires_grad:
-        from .functions import HeadFunction
+        from .compute.functions import HeadFunction
         if shift_labels is not None:
             raise NotImplementedError("shift_labels with gradients: pass labels instead")
         loss = HeadFunction.apply(hidden, engine, labels, num_items_in_batch)
@@ -179,7 +179,7 @@ class SlideModel(SlideModelState):
                 train in full. Returns the PEFT model.
             kwargs: extra config overrides (e.g. attn_implementation="sdpa").
         """
-        from .checkpoint import load_model_meta, load_weights
+        from .checkpoints.checkpoint import load_model_meta, load_weights
 
         model = load_model_meta(path, **kwargs)
         if peft_config is None:
@@ -190,7 +190,7 @@ class SlideModel(SlideModelState):
             if dp is not None:
                 dp.barrier()
             return model
-        from .lora import peft_on_meta
+        from .engine.lora import peft_on_meta
 
         peft_model = peft_on_meta(model, peft_config)
         slide(peft_model, slide_config, _fill=False)

@@ -32,13 +32,13 @@ except ImportError:  # pragma: no cover - version dependent
     rotate_checkpoints = None
 
 from .accelerate_plugin import wrap_optimizer
-from .atomic_save import final_paths_in_logs, recover_directories
-from .checkpoint import CheckpointError
-from .engine import SlideStateError
-from .lora import peft_base
+from .checkpoints.atomic_save import final_paths_in_logs, recover_directories
+from .checkpoints.checkpoint import CheckpointError
+from .engine.slide_engine import SlideStateError
+from .engine.lora import peft_base
 from .model import is_slid, slide
-from .optim import SlideOptimizer
-from .train_checkpoint import (STATE_DIR, atomic_directory, load_training_state, recover_checkpoint,
+from .host.optim import SlideOptimizer
+from .checkpoints.train_checkpoint import (STATE_DIR, atomic_directory, load_training_state, recover_checkpoint,
                                save_training_state, verify_training_state, write_plain_resume_refusal)
 from .trainer_hook import install
 from .training_args import SlideArgs, SlideArgsError

@@ -10,7 +10,7 @@ import inspect
 
 from transformers import Trainer
 
-from .lora import peft_base
+from .engine.lora import peft_base
 from .model import is_slid
 from .training_args import SlideArgs, SlideArgsError
 

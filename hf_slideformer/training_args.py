@@ -22,7 +22,7 @@ from transformers.training_args import OptimizerNames
 
 from .accelerate_plugin import launch_environment
 from .config import DTYPES, FLOAT16_REFUSED, SETTINGS, SlideConfig
-from .host_optim import TRAINER_8BIT_NAMES
+from .host.host_optim import TRAINER_8BIT_NAMES
 from .options import check_fields, option_fields
 
 logger = logging.getLogger(__name__)

@@ -169,7 +169,7 @@ def open_fds(match) -> list[str]:
 def record_updates(monkeypatch) -> list:
     """The host updates in the order the worker runs them: unit names, and "<name>:rows" for the
     update of a table's batch rows that follows its whole-table one (embedding.py)."""
-    from hf_slideformer.host_tasks import HostUpdates
+    from hf_slideformer.host.host_tasks import HostUpdates
     order = []
     real, real_rows = HostUpdates.update, HostUpdates.update_rows
 

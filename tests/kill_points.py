@@ -13,8 +13,8 @@ import os
 
 import torch
 
-import hf_slideformer.checkpoint as checkpoint_mod
-import hf_slideformer.train_checkpoint as train_checkpoint_mod
+import hf_slideformer.checkpoints.checkpoint as checkpoint_mod
+import hf_slideformer.checkpoints.train_checkpoint as train_checkpoint_mod
 
 _OS_CALLS = ("replace", "rename", "remove", "unlink", "rmdir", "mkdir", "link")
 

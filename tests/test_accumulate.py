@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hf_slideformer.host_tasks import HostUpdates
+from hf_slideformer.host.host_tasks import HostUpdates
 from helpers import batches, make_pair
 from test_engine import PARAM_TOL, train_both
 

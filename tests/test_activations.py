@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from hf_slideformer.activations import DeviceTier, FileTier, PinnedCpuTier, make_tier
+from hf_slideformer.engine.activations import DeviceTier, FileTier, PinnedCpuTier, make_tier
 from hf_slideformer.config import SlideConfig
-from hf_slideformer.transfer import Streams
+from hf_slideformer.engine.transfer import Streams
 
 CPU = Streams(torch.device("cpu"))
 

@@ -3,10 +3,10 @@ units run: on CPU tensors it equals the native host kernel (csrc/host_adam8.c) s
 import pytest
 import torch
 
-from hf_slideformer.adam8_torch import adamw8_range, round_bf16_stochastic_t, rounding_key_t
-from hf_slideformer.host_adam import HostAdam, NativeKernelError
-from hf_slideformer.host_optim import round_bf16_stochastic, rounding_key, state_format
-from hf_slideformer.store import ParamEntry, Unit
+from hf_slideformer.host.adam8_torch import adamw8_range, round_bf16_stochastic_t, rounding_key_t
+from hf_slideformer.host.host_adam import HostAdam, NativeKernelError
+from hf_slideformer.host.host_optim import round_bf16_stochastic, rounding_key, state_format
+from hf_slideformer.host.store import ParamEntry, Unit
 
 try:
     KERNEL = HostAdam("native", 2)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import triton_ops
-from hf_slideformer import adam8_torch
-from hf_slideformer.adam8_torch import adamw8_range, adamw8_range_torch, adamw8_range_triton, rounding_key_t
-from hf_slideformer.quant_maps import BLOCK, num_blocks
+from hf_slideformer.host import adam8_torch
+from hf_slideformer.host.adam8_torch import adamw8_range, adamw8_range_torch, adamw8_range_triton, rounding_key_t
+from hf_slideformer.host.quant_maps import BLOCK, num_blocks
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ON_GPU = torch.cuda.is_available()
@@ -119,7 +119,7 @@ def test_kernel_in_resident_and_device_updated_layers_equals_the_host_run(name, 
     """The engine's GPU placements on the CPU device take the kernel (the interpreter runs it there):
     resident layers, and the device-updated share in pieces, end bit for bit where the host-only
     run of the format ends (its native kernel)."""
-    from hf_slideformer import device_update
+    from hf_slideformer.engine import device_update
     from helpers import batches, make_pair
     from test_resident_state import _equal, _state, _train
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)

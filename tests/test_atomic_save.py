@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer.atomic_save import leftover_path, recover_directories, staged_directory
+from hf_slideformer.checkpoints.atomic_save import leftover_path, recover_directories, staged_directory
 
 from helpers import batches, make_pair
 from kill_points import every_kill

@@ -567,7 +567,7 @@ def test_row_summary_prints_the_timed_steps_breakdown(tmp_path, capsys):
 def test_host_adam_rate_with_a_busy_core(tmp_path, capsys):
     """host_adam_rate times every route and the triad, here beside one busy process it ends after."""
     from benchmarks.host_adam_rate import main as rate
-    from hf_slideformer import host_adam
+    from hf_slideformer.host import host_adam
 
     if host_adam._compiler() is None:
         pytest.skip("no C compiler: the native route cannot be timed")

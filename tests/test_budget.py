@@ -1,7 +1,9 @@
 """The GPU budget's arithmetic (resident units, the device-update share) is the one the planner and the engine share."""
 import torch
 
-from hf_slideformer import budget, device_update, planner, resident
+from hf_slideformer.planner import budget, planner
+
+from hf_slideformer.engine import device_update, resident
 
 
 def test_engine_and_planner_read_the_same_budget():

@@ -147,8 +147,8 @@ def test_two_threads_saving_into_one_folder_leave_one_save_and_name_the_cause(tm
     import threading
     import time
 
-    import hf_slideformer.checkpoint as checkpoint_mod
-    from hf_slideformer.atomic_save import ConcurrentSaveError
+    import hf_slideformer.checkpoints.checkpoint as checkpoint_mod
+    from hf_slideformer.checkpoints.atomic_save import ConcurrentSaveError
 
     _, slid = make_pair()
     real = checkpoint_mod.save_file

@@ -107,7 +107,7 @@ def _rank_main(rank: int, port: int, out: str, cases: list, fail_at):
             if case.get("resume"):
                 # Save after the first steps (rank 0 writes), go on; a fresh model loads and goes on the same way.
                 ck = os.path.join(out, f"ck_{len(results)}")
-                from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+                from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
                 model2 = _model(tied, dict(gradient_accumulation_steps=ga, max_grad_norm=clip))
                 opt2 = model2.create_optimizer(lr=LR)
                 _train(model2, opt2, data[:2], ga, rows, dp=True)
@@ -197,7 +197,7 @@ def test_a_failing_rank_ends_every_rank_with_its_traceback(tmp_path, capfd):
 def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
     """One process that sees WORLD_SIZE=2 without a group: the options that stay single-process are
     refused before anything is allocated (checked without starting a group)."""
-    from hf_slideformer.data_parallel import DataParallel
+    from hf_slideformer.engine.data_parallel import DataParallel
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 2)
@@ -209,7 +209,7 @@ def test_unsupported_options_are_refused_with_several_processes(monkeypatch):
             DataParallel.from_environment(hs.SlideConfig(device="cpu", **kw))
     with pytest.raises(ValueError, match="frozen parameters"):
         DataParallel.from_environment(hs.SlideConfig(device="cpu"), frozen=True)
-    from hf_slideformer.data_parallel import check_one_host
+    from hf_slideformer.engine.data_parallel import check_one_host
     check_one_host(["gpu-box"] * 4)
     with pytest.raises(ValueError, match="several hosts.*FSDP"):
         check_one_host(["gpu-box", "gpu-box", "other-box"])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer import device_update
-from hf_slideformer.device_update import balanced_share, pick_device_units
+from hf_slideformer.engine import device_update
+from hf_slideformer.engine.device_update import balanced_share, pick_device_units
 from helpers import batches, make_pair
 from test_engine import PARAM_TOL, train_both
 
@@ -90,7 +90,7 @@ def test_device_updates_with_accumulation(tied, monkeypatch):
     accumulators and takes the norm; the device update waits for its clip factor. The worker is
     slowed down so that optimizer.step() returns before it has folded the last micro-batch in."""
     import time
-    from hf_slideformer.host_tasks import HostUpdates
+    from hf_slideformer.host.host_tasks import HostUpdates
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
     consume = HostUpdates.consume
     monkeypatch.setattr(HostUpdates, "consume", lambda *a, **k: (time.sleep(0.01), consume(*a, **k))[1])
@@ -126,7 +126,7 @@ def test_device_layers_beside_resident_layers(monkeypatch):
 def test_checkpoint_with_pending_device_updates_resumes_bit_identically(tmp_path, ga, monkeypatch):
     """A training checkpoint taken right after optimizer.step(), with the device layers' updates
     still pending, holds them applied; a fresh process resumes from it to the same weights."""
-    from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+    from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 512)
     data = batches(4 * ga, pad=True)
     kw = dict(gradient_accumulation_steps=ga, max_grad_norm=0.3, device_update_share=1.0)
@@ -159,7 +159,7 @@ def test_a_device_update_stopped_half_way_resumes(monkeypatch):
     """An error in the middle of a device update (here: the third piece's AdamW call) leaves its
     slot unfilled; the next forward finishes the update and loads the whole layer, so training
     goes on as if nothing had happened."""
-    from hf_slideformer import optim
+    from hf_slideformer.host import optim
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
     data = batches(4, pad=True)
     _, host = make_pair("llama", False, max_grad_norm=0.3, device_update_share=0.0)

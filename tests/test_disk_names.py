@@ -12,7 +12,7 @@ import time
 import pytest
 
 import hf_slideformer as hs
-from hf_slideformer.atomic_save import host_name
+from hf_slideformer.checkpoints.atomic_save import host_name
 from helpers import make_pair
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,8 +23,8 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {here!r})
     import torch
     from helpers import batches, make_pair
-    from hf_slideformer import store as store_module
-    from hf_slideformer.disk_store import WHOLE
+    from hf_slideformer.host import store as store_module
+    from hf_slideformer.disk.disk_store import WHOLE
 
     point, directory = sys.argv[1], sys.argv[2]
 

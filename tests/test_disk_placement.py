@@ -11,16 +11,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer import disk_plan, disk_store, store as store_module
-from hf_slideformer.device_update import DeviceUpdateLayer
+from hf_slideformer.disk import disk_plan, disk_store
+from hf_slideformer.host import store as store_module
+from hf_slideformer.engine.device_update import DeviceUpdateLayer
 from hf_slideformer.disk import DiskSpaceError, UnitStateFile
-from hf_slideformer.disk_placement import DiskLayer
-from hf_slideformer.disk_plan import DiskSplit
-from hf_slideformer.disk_store import MOMENTS, WHOLE
-from hf_slideformer.memory import GiB, HostMemoryError
-from hf_slideformer.placements import HostLayer
-from hf_slideformer.resident import ResidentLayer
-from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from hf_slideformer.disk.disk_placement import DiskLayer
+from hf_slideformer.disk.disk_plan import DiskSplit
+from hf_slideformer.disk.disk_store import MOMENTS, WHOLE
+from hf_slideformer.host.memory import GiB, HostMemoryError
+from hf_slideformer.engine.placements import HostLayer
+from hf_slideformer.engine.resident import ResidentLayer
+from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 from hf_slideformer.demo import tiny_config
 from helpers import batches, family_config, make_pair, max_param_diff, open_fds
 
@@ -390,10 +391,11 @@ _KILLED = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 import torch
-from hf_slideformer import disk_store, host_tasks, store as store_module
+from hf_slideformer.disk import disk_store
+from hf_slideformer.host import host_tasks, store as store_module
 from hf_slideformer.disk import UnitStateFile
-from hf_slideformer.disk_store import MOMENTS, WHOLE
-from hf_slideformer.train_checkpoint import save_training_state
+from hf_slideformer.disk.disk_store import MOMENTS, WHOLE
+from hf_slideformer.checkpoints.train_checkpoint import save_training_state
 from helpers import batches, make_pair
 
 disk_store.STATE_BUFFERS = 2

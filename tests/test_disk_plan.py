@@ -2,10 +2,10 @@
 disk (disk_plan.split_layers; through slide() in tests/test_disk_placement.py)."""
 import pytest
 
-from hf_slideformer.disk_plan import DiskSplit, split_layers
-from hf_slideformer.disk_record import StateRecord, layer_host_bytes
-from hf_slideformer.disk_store import MOMENTS, WHOLE, pool_buffers, record_bytes
-from hf_slideformer.host_optim import state_format
+from hf_slideformer.disk.disk_plan import DiskSplit, split_layers
+from hf_slideformer.disk.disk_record import StateRecord, layer_host_bytes
+from hf_slideformer.disk.disk_store import MOMENTS, WHOLE, pool_buffers, record_bytes
+from hf_slideformer.host.host_optim import state_format
 
 
 def test_the_split_takes_the_fewest_last_layers_that_fit():

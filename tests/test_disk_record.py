@@ -4,14 +4,16 @@ memory, moves the format's bytes, and a torn or damaged record is a named error.
 import pytest
 import torch
 
-from hf_slideformer import disk_store, store as store_module
+from hf_slideformer.disk import disk_store
+
+from hf_slideformer.host import store as store_module
 from hf_slideformer.disk import DiskIOError, UnitStateError
 from hf_slideformer.disk.records import array_offsets
-from hf_slideformer.disk_placement import DiskLayer
-from hf_slideformer.disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
-from hf_slideformer.host_optim import CorruptOptimizerStateError, state_format
-from hf_slideformer.placements import HostLayer
-from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from hf_slideformer.disk.disk_placement import DiskLayer
+from hf_slideformer.disk.disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
+from hf_slideformer.host.host_optim import CorruptOptimizerStateError, state_format
+from hf_slideformer.engine.placements import HostLayer
+from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 
 from helpers import batches, make_pair, max_param_diff
 
@@ -177,7 +179,7 @@ def test_a_torn_compact_record_is_a_named_error(tmp_path, monkeypatch, name):
 
 def test_a_record_of_a_unit_holds_its_parameters_blocks():
     """A unit's per-block arrays count each parameter's blocks from its start (as the host store's)."""
-    from hf_slideformer.store import ParamEntry, Unit
+    from hf_slideformer.host.store import ParamEntry, Unit
     u = Unit("layer.0", "layer", 1, [ParamEntry("a", torch.Size([300]), 0, 300, []),
                                       ParamEntry("b", torch.Size([10]), 300, 10, [])], numel=310)
     u.state_format = state_format("adamw_8bit_bf16")

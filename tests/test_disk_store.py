@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hf_slideformer.disk import DiskIOError
-from hf_slideformer.disk_store import MOMENTS, WHOLE, DiskStates, record_bytes
-from hf_slideformer.store import Unit
+from hf_slideformer.disk.disk_store import MOMENTS, WHOLE, DiskStates, record_bytes
+from hf_slideformer.host.store import Unit
 
 
 def _units(n=3, numel=1000):

@@ -140,7 +140,7 @@ def test_unsupported_architecture_names_supported_types():
 
 
 def test_host_memory_check_fails_before_allocating(monkeypatch):
-    import hf_slideformer.memory as mem
+    import hf_slideformer.host.memory as mem
     monkeypatch.setattr(mem, "available_host_bytes", lambda: 1000)
     with pytest.raises(hs.HostMemoryError, match="GiB of host memory"):
         make_pair("llama", False)
@@ -151,7 +151,7 @@ def test_worker_failure_surfaces_without_hang(monkeypatch):
     opt = slid.create_optimizer(lr=LR)
     def boom(*a, **k):
         raise RuntimeError("adam exploded")
-    monkeypatch.setattr(hs.optim, "apply_adamw", boom)
+    monkeypatch.setattr(hs.host.optim, "apply_adamw", boom)
     b = batches(2)
     with pytest.raises(hs.WorkerError, match="adam exploded"):   # at the latest within the next step
         for x in b:
@@ -199,7 +199,7 @@ def test_nvme_tier_file_work_on_its_own_thread(tmp_path, monkeypatch):
     """activations.py: [Why the nvme tier's file work is on its own thread]: with the disk slowed
     down (every write and read late), the result equals the device tier's, bit for bit."""
     import time
-    from hf_slideformer.activations import FileTier
+    from hf_slideformer.engine.activations import FileTier
     for name in ("_write", "_read"):
         real = getattr(FileTier, name)
 
@@ -211,8 +211,8 @@ def test_nvme_tier_file_work_on_its_own_thread(tmp_path, monkeypatch):
 
 
 def test_nvme_tier_reads_ahead_and_gives_back_its_buffers(tmp_path):
-    from hf_slideformer.activations import FileTier
-    from hf_slideformer.transfer import Streams
+    from hf_slideformer.engine.activations import FileTier
+    from hf_slideformer.engine.transfer import Streams
     tier = FileTier(Streams(torch.device("cpu")), str(tmp_path), buffers=4)
     xs = [torch.randn(3, 5 + i) for i in range(6)]          # sizes differ: buffers grow as needed
     for i, x in enumerate(xs):
@@ -231,7 +231,7 @@ def test_nvme_tier_reads_ahead_and_gives_back_its_buffers(tmp_path):
 
 
 def test_nvme_tier_disk_failure_is_a_clear_error(tmp_path, monkeypatch):
-    from hf_slideformer.activations import FileTier
+    from hf_slideformer.engine.activations import FileTier
 
     def full(self, *a, **k):
         raise OSError(28, "No space left on device")
@@ -271,7 +271,7 @@ def test_zero_grad_discards_accumulated():
 
 def _interrupt_backward(monkeypatch, slid, batch) -> None:
     """Run a backward that an error stops at layer 1 (layers above it already updated)."""
-    import hf_slideformer.engine as engine_mod
+    import hf_slideformer.engine.slide_engine as engine_mod
     real = engine_mod.SlideEngine.layer_backward
 
     def fail(self, i, *a, **k):
@@ -409,7 +409,7 @@ def test_forward_with_gradients_before_the_step_is_refused_and_harmless():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_recompute_without_the_output_projection_is_bit_identical(family):
     """The recompute skips down_proj's product (its value is never read): same bits as recomputing it."""
-    from hf_slideformer.functions import GradOnlyLinear
+    from hf_slideformer.compute.functions import GradOnlyLinear
     data = batches(3, pad=True)
     states, calls = [], []
     for skip in (False, True):
@@ -488,7 +488,7 @@ def test_piecewise_update_is_bit_identical(monkeypatch):
     (On the CPU the embedding's update, the last of the backward, precedes the next forward, so
     no load overlaps an update here: tests/test_engine_gpu.py checks that with a resident embedding.)
     """
-    from hf_slideformer import host_tasks
+    from hf_slideformer.host import host_tasks
     data = batches(3, pad=True)
     states, reports = [], []
     for piece in (1 << 23, 256):

@@ -73,8 +73,8 @@ def test_bf16_tracks_fp32_training(kernels):
 
 
 def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
-    import hf_slideformer.engine as E
-    import hf_slideformer.slots as S
+    import hf_slideformer.engine.slide_engine as E
+    import hf_slideformer.engine.slots as S
     _, slid = _pair(torch.bfloat16, False, activation_tier=tier, gradient_accumulation_steps=ga, **kw)
     if models is not None:
         models.append(slid)
@@ -82,9 +82,9 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
     if slow:
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
         # copy streams slow on purpose; a buffer reused before its reader finished changes the result.
-        from hf_slideformer.device_update import DeviceUpdater
-        from hf_slideformer.grad_ring import GradientRing
-        from hf_slideformer.resident import ResidentLayer
+        from hf_slideformer.engine.device_update import DeviceUpdater
+        from hf_slideformer.engine.grad_ring import GradientRing
+        from hf_slideformer.engine.resident import ResidentLayer
         call, load_steps, d2h = E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h
         res = ResidentLayer.take_gradient
 
@@ -154,8 +154,8 @@ def test_slow_streams_bit_identical(kw):
 def _slow_copies_out(monkeypatch, cycles=30_000_000):
     """Every gradient and layer-input copy to the host starts late (about 15 ms), the compute
     stream runs at full speed."""
-    from hf_slideformer.activations import PinnedCpuTier
-    from hf_slideformer.grad_ring import GradientRing
+    from hf_slideformer.engine.activations import PinnedCpuTier
+    from hf_slideformer.engine.grad_ring import GradientRing
     d2h, act = GradientRing.d2h, PinnedCpuTier._d2h
 
     def late(streams):
@@ -195,7 +195,7 @@ def test_device_updates_under_slow_streams(monkeypatch, ga):
     elements through the two alternating sets of device buffers (and with accumulation, the
     worker folding the micro-batches into the pinned accumulators): with the compute, h2d and
     d2h streams slowed down on purpose the result is bit-identical."""
-    from hf_slideformer import device_update
+    from hf_slideformer.engine import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
     kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5, ga=ga, steps=4 * ga)
     models = []
@@ -214,7 +214,8 @@ def test_layers_on_disk_bit_identical_on_gpu_under_slow_streams(monkeypatch, tmp
     writes behind): with the compute and copy streams slowed down, a buffer reused before the slot
     copy that reads it has run would change the result (disk_store.py: [Why a disk unit's state is
     in one place at a time])."""
-    from hf_slideformer import disk_store, store
+    from hf_slideformer.disk import disk_store
+    from hf_slideformer.host import store
     monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
     monkeypatch.setattr(store, "plan_disk_units", lambda units, config: [
         (u, part) for u in [u for u in units if u.kind == "layer"][1:]] if config.host_memory_limit is not None else [])
@@ -280,14 +281,14 @@ def test_first_layer_loads_while_its_update_runs(monkeypatch):
     CPU worker still updates it (slowed down here): the copies read only finished pieces, so the
     state is bit-identical to whole-unit updates."""
     import time as _time
-    from hf_slideformer import host_optim, host_tasks
+    from hf_slideformer.host import host_optim, host_tasks
     kw = {"resident_layers": 0, "resident_embedding": True}
     ref = _train_state(False, **kw)
     monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 1 << 12)
     orig_run = host_optim.AdamW32.run
     monkeypatch.setattr(host_optim.AdamW32, "run", lambda *a, **k: (_time.sleep(0.001), orig_run(*a, **k))[1])
     partial = []
-    from hf_slideformer.telemetry import MainClock
+    from hf_slideformer.engine.telemetry import MainClock
     orig_wait = MainClock.wait_master
 
     def wait_master(self, u, start):

@@ -30,7 +30,7 @@ def test_a_per_expert_checkpoint_loads_as_hf_loads_it(tmp_path, family, caplog):
     keys = _keys(tmp_path)
     assert f"model.layers.0.{LAYOUT[family]}" in keys and len(set(keys.values())) > 3
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="hf_slideformer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hf_slideformer.checkpoints.checkpoint"):
         slid = hs.SlideModel.from_pretrained(tmp_path, slide_config=hs.SlideConfig(device="cpu", dtype=torch.float32))
     assert "not used" not in caplog.text
     theirs = hf.state_dict()

@@ -71,7 +71,7 @@ def test_save_reloads_with_auto_model_and_from_pretrained(tmp_path, family):
 
 @pytest.mark.parametrize("family", QUIRK_VARIANTS)
 def test_resume_equals_the_uninterrupted_run(tmp_path, family):
-    from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+    from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
     data = batches(4 * GA, pad=True)
     kw = dict(gradient_accumulation_steps=GA, max_grad_norm=CLIP)
 
@@ -323,13 +323,13 @@ def test_misaligned_expert_weights_leave_grouped_mm_for_batched_mm(caplog):
     and the 8-element router bias leave the tiny gpt_oss's expert weights at an offset of 4 bf16
     elements in the slot, so the experts switch to HF's batched_mm (the same loss); with 4 the
     router bias realigns them and grouped_mm stays."""
-    from hf_slideformer.slide_checks import align_grouped_experts
+    from hf_slideformer.engine.slide_checks import align_grouped_experts
 
     _, aligned = make_pair("gpt_oss", False)
     assert not align_grouped_experts(aligned, aligned.slide_engine.store.units, torch.bfloat16)
     assert aligned.config._experts_implementation == "grouped_mm"
     ref, slid = make_pair("gpt_oss", False, cfg_kw=dict(num_local_experts=8))
-    with caplog.at_level("WARNING", logger="hf_slideformer.slide_checks"):
+    with caplog.at_level("WARNING", logger="hf_slideformer.engine.slide_checks"):
         assert align_grouped_experts(slid, slid.slide_engine.store.units, torch.bfloat16)
     assert slid.config._experts_implementation == "batched_mm" and "batched_mm" in caplog.text
     b = batches(1)[0]

@@ -1,4 +1,4 @@
-"""The FP8 recipe (hf_slideformer/fp8.py, triton_ops.reference's fp8 quantization): scales and values
+"""The FP8 recipe (hf_slideformer/compute/fp8.py, triton_ops.reference's fp8 quantization): scales and values
 against a float64 oracle, the FP8 linear's forward and gradients against the exact linear, and
 the same far off when the scaling is broken on purpose."""
 import math
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from hf_slideformer import fp8
-from hf_slideformer.fp8 import EmulatedFp8, Fp8Linear, QuantizedWeight, SharedInputs, fp8_linear, fp8_unsupported
+from hf_slideformer.compute import fp8
+from hf_slideformer.compute.fp8 import EmulatedFp8, Fp8Linear, QuantizedWeight, SharedInputs, fp8_linear, fp8_unsupported
 from triton_ops import reference
 
 SHAPES = [(5, 123), (37, 4099), (1, 16), (64, 48)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
+from hf_slideformer.compute.fp8 import CudaFp8, EmulatedFp8, fp8_linear, fp8_unsupported
 from triton_ops import reference
 from test_engine_gpu import HOST_ONLY, _pair, _train_state
 from test_fp8 import LINEAR_RTOL, _exact, _rel
@@ -62,7 +62,7 @@ def test_swiglu_rows_bit_equal_on_cuda(shape):
 
 def test_fused_producers_train_bit_identical_to_the_unfused_path():
     _need_fp8()
-    from hf_slideformer.layer_matmuls import Fp8Matmuls
+    from hf_slideformer.compute.layer_matmuls import Fp8Matmuls
     data = batches(3, bsz=2, seq=96, vocab=1001)
     states = []
     for fused in (True, False):

@@ -27,7 +27,7 @@ def test_head_gradient_borrows_the_ring(buffers, in_ring, slow_head, monkeypatch
     """With clipping the head's gradient lands in the first ring buffers when they hold it (else
     in a buffer of its own); the layers' gradients take the other buffers first, then wait for the
     head's task to hand its buffers back. A slowed head task must not see its gradient overwritten."""
-    from hf_slideformer.head import LossHead
+    from hf_slideformer.engine.head import LossHead
     if slow_head:
         slow_down(monkeypatch, LossHead, "_head_task", 0.05)
     ref, slid = _wide_head_pair(grad_buffers=buffers, max_grad_norm=0.5)
@@ -46,7 +46,7 @@ def test_untied_head_is_updated_last_from_a_buffer_of_its_own(slow, monkeypatch)
     """Updates in backward: an untied head's update runs after the embedding's (the next forward
     needs the embedding and layer 0 first), from its own buffer (the ring is the layers'), and
     training equals the reference; slowed tasks change nothing."""
-    from hf_slideformer.head import LossHead
+    from hf_slideformer.engine.head import LossHead
     from helpers import record_updates
     if slow != "none":
         slow_down(monkeypatch, LossHead, "_" + slow, 0.05)
@@ -130,7 +130,7 @@ def test_a_forward_right_after_the_step_reads_the_head_updated(monkeypatch):
     """The untied head's update is still queued (slowed) when optimizer.step() returns: the next
     forward's head waits for it, and the loss is the reference's after the same step."""
     import math
-    from hf_slideformer.head import LossHead
+    from hf_slideformer.engine.head import LossHead
     from helpers import losses_after_each_step, slow_down
     from test_engine import LOSS_RTOL
     slow_down(monkeypatch, LossHead, "_update_task", 0.2)

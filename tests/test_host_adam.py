@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer import host_adam
-from hf_slideformer.host_adam import HostAdam, NativeKernelError
+from hf_slideformer.host import host_adam
+from hf_slideformer.host.host_adam import HostAdam, NativeKernelError
 
 from helpers import batches, family_config
 
@@ -172,7 +172,7 @@ def test_clearing_rows_of_a_gradient_that_is_zero_backs_no_page():
     gradient that only ever reads as zeros (an untied embedding's with one backward per step) stays
     unbacked, and a row that held a value is cleared (embedding.py: [Why only a tied embedding's
     dense gradient is pinned])."""
-    from hf_slideformer.memory import lazy_zeros
+    from hf_slideformer.host.memory import lazy_zeros
 
     V, h = 4096, 1024                              # 16 MiB of fp32 gradient
     tables = [torch.randn(V, h), torch.zeros(V, h), torch.zeros(V, h)]
@@ -224,7 +224,7 @@ def test_the_bf16_gather_equals_gathering_then_casting(h, threads):
 def test_without_a_compiler_auto_falls_back_with_a_notice(monkeypatch, caplog):
     monkeypatch.setattr(host_adam, "_LIB", None)
     monkeypatch.setattr(host_adam, "_compiler", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host_adam"):
+    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host.host_adam"):
         k = HostAdam("auto", threads=2)
     assert k.name == "torch"
     assert "native host AdamW is not available" in caplog.text
@@ -291,7 +291,7 @@ def test_a_missing_source_falls_back_with_a_notice(monkeypatch, tmp_path, caplog
     """An install without the C source (a packaging mistake) degrades to torch's kernel, not a crash."""
     monkeypatch.setattr(host_adam, "_LIB", None)
     monkeypatch.setattr(host_adam, "_SOURCE", tmp_path / "missing.c")
-    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host_adam"):
+    with caplog.at_level(logging.WARNING, logger="hf_slideformer.host.host_adam"):
         assert HostAdam("auto").name == "torch"
     assert "source" in caplog.text
 
@@ -301,7 +301,7 @@ def test_the_source_ships_with_the_package():
     build the kernel."""
     from pathlib import Path
     setup = (Path(__file__).resolve().parent.parent / "setup.py").read_text()
-    assert '"csrc/*.c"' in setup and '"csrc/*.h"' in setup and host_adam._SOURCE.exists()
+    assert '"host/csrc/*.c"' in setup and '"host/csrc/*.h"' in setup and host_adam._SOURCE.exists()
     assert all(host_adam._SOURCE.with_name(h).exists() for h in host_adam._HEADERS)
 
 

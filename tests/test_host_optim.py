@@ -3,10 +3,10 @@ AdamW8bit step by step, the stochastic rounding of a bf16 master, and what each 
 import pytest
 import torch
 
-from hf_slideformer.host_adam import HostAdam
-from hf_slideformer.host_optim import (FORMATS, AdamW8bit, round_bf16_stochastic, rounding_key, state_format)
-from hf_slideformer.quant_maps import BLOCK, dequantize_blockwise, dynamic_map, quantize_blockwise
-from hf_slideformer.store import ParamEntry, Unit
+from hf_slideformer.host.host_adam import HostAdam
+from hf_slideformer.host.host_optim import (FORMATS, AdamW8bit, round_bf16_stochastic, rounding_key, state_format)
+from hf_slideformer.host.quant_maps import BLOCK, dequantize_blockwise, dynamic_map, quantize_blockwise
+from hf_slideformer.host.store import ParamEntry, Unit
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -220,7 +220,7 @@ def test_the_kernels_code_search_equals_the_rounding_table_at_every_grid_point(n
     """With beta1 = beta2 = 0 and lr 0 the update stores m = g and v = g * g quantized: blocks of
     one 1.0 (the absmax) and values on and between every point of the 65536-point grid, and values
     over many decades, each coded as the rounding table codes it (the vector search included)."""
-    from hf_slideformer.quant_maps import LUT_SIZE
+    from hf_slideformer.host.quant_maps import LUT_SIZE
 
     fmt = state_format(name)
     gen = torch.Generator().manual_seed(3)

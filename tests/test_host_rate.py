@@ -2,8 +2,8 @@
 
 import pytest
 
-from hf_slideformer import host_rate
-from hf_slideformer.host_adam import HostAdam
+from hf_slideformer.host import host_rate
+from hf_slideformer.host.host_adam import HostAdam
 
 
 @pytest.mark.parametrize("mode", ["auto", "torch"])
@@ -25,7 +25,7 @@ def test_measure_rate_refuses_bad_sizes():
 
 
 def test_measure_rate_takes_less_on_a_small_machine(monkeypatch):
-    from hf_slideformer import memory
+    from hf_slideformer.host import memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 4 * host_rate.STATE_BYTES * 5000)
     r = host_rate.measure_rate("torch", threads=1, params=1 << 20, repeat=1)

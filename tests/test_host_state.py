@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
 from hf_slideformer.demo import tiny_config, token_blocks, train_tokenizer
-from hf_slideformer.host_optim import CorruptOptimizerStateError, StateFormatMismatchError
-from hf_slideformer.train_checkpoint import STATE_DIR, load_training_state, save_training_state, tensor_crc32
+from hf_slideformer.host.host_optim import CorruptOptimizerStateError, StateFormatMismatchError
+from hf_slideformer.checkpoints.train_checkpoint import STATE_DIR, load_training_state, save_training_state, tensor_crc32
 
 from helpers import batches, make_pair
 
@@ -204,7 +204,7 @@ def test_a_compact_format_under_host_memory_limit_goes_to_disk_only_past_its_byt
     memory, a limit below it puts the last layers' compact moments on disk (two pool buffers for
     three layers: tests/test_disk_record.py), and one below even every layer's whole state on
     disk is refused naming the format."""
-    from hf_slideformer import disk_store
+    from hf_slideformer.disk import disk_store
     monkeypatch.setattr(disk_store, "STATE_BUFFERS", 2)
     _, slid = make_pair(optimizer_state="adamw_8bit_bf16", host_memory_limit=1.0, nvme_path=str(tmp_path))
     assert slid.slide_engine.store.disk is None          # all of it fits: nothing on disk
@@ -218,7 +218,7 @@ def test_a_compact_format_under_host_memory_limit_goes_to_disk_only_past_its_byt
     assert short.slide_stats()["disk_layers"] > 0
     assert {short.slide_engine.store.disk.record(u).format.name for u in short.slide_engine.store.disk.units} == {
         "adamw_8bit_bf16"}
-    from hf_slideformer.memory import HostMemoryError
+    from hf_slideformer.host.memory import HostMemoryError
     with pytest.raises(HostMemoryError, match="all 3 trainable decoder layers on disk.*optimizer_state='adamw_8bit'"):
         make_pair(optimizer_state="adamw_8bit", host_memory_limit=1e-4, nvme_path=str(tmp_path))
 
@@ -348,7 +348,7 @@ def test_host_memory_per_parameter_stays_within_its_declaration(name, fp32_host_
     in an untied 32k x 512 embedding and lm_head, three steps; each in a process of its own (a
     clean RSS)."""
     r = _host_bytes(name)
-    fmt = hs.host_optim
+    fmt = hs.host.host_optim
     declared = sum(numel * (fmt.embed_format(name, 512) if kind == "embed" else fmt.state_format(name)).bytes_per_param
                    for kind, numel in r["units"])                    # the embedding's in the format too
     assert abs(r["state"] - declared) <= 4 * 4 * len(r["units"])    # the last partial block's scales

@@ -17,7 +17,7 @@ def test_late_layers_are_updated_after_the_embedding_in_forward_order(tied, slow
     0 (held behind them), layers 1 and 2 (late), in forward order, then an untied head (a tied one,
     the final norm, keeps its place at the front); with the worker's layer task slowed the result
     is the same, equal to plain PyTorch, and every buffer is free at the end."""
-    from hf_slideformer.placements import HostLayer
+    from hf_slideformer.engine.placements import HostLayer
     if slow:
         slow_down(monkeypatch, HostLayer, "layer_task", 0.03)
     order = record_updates(monkeypatch)
@@ -56,7 +56,7 @@ def test_an_interrupted_backward_with_late_layers_held_goes_on_after_a_restore(m
     """An error below the late layers (their updates held, not yet queued): nothing hangs, the
     buffers come back, and after restoring the state training equals plain PyTorch's again."""
     import hf_slideformer as hs
-    import hf_slideformer.engine as engine_mod
+    import hf_slideformer.engine.slide_engine as engine_mod
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301))
     eng = slid.slide_engine
     data = batches(3, pad=True)
@@ -111,7 +111,7 @@ def test_a_forward_right_after_the_step_reads_the_late_layers_updated(monkeypatc
     after the same step; so is the next training step's."""
     import math
 
-    from hf_slideformer.placements import HostLayer
+    from hf_slideformer.engine.placements import HostLayer
     from test_engine import LOSS_RTOL, LR
     slow_down(monkeypatch, HostLayer, "layer_task", 0.1)
     ref, slid = make_pair("llama", False, cfg_kw=dict(vocab_size=301))

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer import layer_matmuls
-from hf_slideformer.fp8 import Fp8Linear
-from hf_slideformer.layer_matmuls import Fp8Matmuls, fp8_refusals, install_emulation
+from hf_slideformer.compute import layer_matmuls
+from hf_slideformer.compute.fp8 import Fp8Linear
+from hf_slideformer.compute.layer_matmuls import Fp8Matmuls, fp8_refusals, install_emulation
 from hf_slideformer.models import get_adapter
 from helpers import batches, family_config
 

@@ -3,7 +3,7 @@ embedding's table; the head asks it which units its slot carries and which weigh
 import torch
 
 from helpers import batches, make_pair
-from hf_slideformer.lm_weight import OwnWeight, TiedWeight
+from hf_slideformer.engine.lm_weight import OwnWeight, TiedWeight
 
 
 def _head_weight(model):

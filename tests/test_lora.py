@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer.placements import FrozenLayer
+from hf_slideformer.engine.placements import FrozenLayer
 from helpers import batches, family_config, trainer_args
 
 LR = 1e-2
@@ -319,7 +319,7 @@ def test_lora_dropout_draws_the_same_masks_in_the_recompute(after, chunk):
     ref = get_peft_model(copy.deepcopy(base), lora)
     cfg = hs.SlideConfig(device="cpu", dtype=torch.float32, mlp_chunk_tokens=chunk)
     if chunk:           # chunked, the masks are drawn a chunk at a time: the reference chunks its MLPs too
-        from hf_slideformer.tiled_mlp import tile_mlps
+        from hf_slideformer.compute.tiled_mlp import tile_mlps
         tile_mlps(ref.get_base_model().model.layers, chunk)
     if after:
         slid = get_peft_model(hs.slide(copy.deepcopy(base), cfg), lora)

@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import hf_slideformer as hs
-from hf_slideformer.placements import FrozenLayer
+from hf_slideformer.engine.placements import FrozenLayer
 from helpers import batches, family_config
 
 LR = 1e-2
@@ -164,7 +164,7 @@ def test_get_peft_model_with_expert_targets_on_a_slid_model_trains_as_peft():
 
 
 def test_expert_lora_resume_equals_uninterrupted(tmp_path):
-    from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+    from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 
     data = batches(4)
 

@@ -5,9 +5,9 @@ import mmap
 import pytest
 import torch
 
-from hf_slideformer import memory
+from hf_slideformer.host import memory
 from hf_slideformer.config import SlideConfig
-from hf_slideformer.memory import (GiB, HostMemoryError, PinnedBuffers, check_host_memory, estimate_host_bytes,
+from hf_slideformer.host.memory import (GiB, HostMemoryError, PinnedBuffers, check_host_memory, estimate_host_bytes,
                                    lazy_zeros, release_pages)
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 import hf_slideformer as hs
-from hf_slideformer.mode import BackwardMode
+from hf_slideformer.engine.mode import BackwardMode
 
 
 @pytest.mark.parametrize("micro,ga,clip,ends,updates", [
@@ -26,7 +26,7 @@ def test_mode_is_frozen():
 
 
 def test_guard_marks_an_interrupted_backward_until_both_halves_are_restored():
-    from hf_slideformer.mode import BackwardGuard
+    from hf_slideformer.engine.mode import BackwardGuard
     released = []
     guard = BackwardGuard(lambda: released.append(1))
     guard.check()                                 # nothing open: fine

@@ -97,7 +97,7 @@ def test_load_state_dict_reaches_the_next_forward():
 # ---------------------------------------------------------------------------------------- a failed slide()
 def _failing_build(monkeypatch):
     """slide() fails late: after the store, the slots, the worker and the activation tier exist."""
-    import hf_slideformer.engine as engine_mod
+    import hf_slideformer.engine.slide_engine as engine_mod
 
     def broken(engine):
         raise RuntimeError("injected failure")
@@ -131,7 +131,7 @@ def test_a_gpu_cap_below_one_layer_is_refused_then_a_failed_slide_then_one_that_
     """The cap is refused naming the minimum, before anything is allocated (torch's raw
     OutOfMemoryError, and a process whose next slide() died on host memory still registered);
     a slide() that fails after pinning releases its registrations; the next one trains."""
-    from hf_slideformer.slide_checks import GpuLimitError
+    from hf_slideformer.engine.slide_checks import GpuLimitError
     from helpers import family_config
     before = torch.cuda.get_per_process_memory_fraction()
     try:
@@ -165,7 +165,7 @@ def test_slide_synchronize_makes_parameters_read_directly_the_stepped_masters(mo
     """optimizer.step() returns with the late layers' updates still queued (here slowed by 0.1 s
     each): after `slide_synchronize()`, every parameter read through `named_parameters()` is the
     reference's after the same step (a read before it would see some layers a step behind)."""
-    from hf_slideformer.placements import HostLayer
+    from hf_slideformer.engine.placements import HostLayer
 
     from helpers import slow_down
     slow_down(monkeypatch, HostLayer, "layer_task", 0.1)

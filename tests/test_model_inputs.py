@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-import hf_slideformer.model_inputs
+import hf_slideformer.compute.model_inputs
 
 from helpers import batches, make_pair
 
@@ -52,9 +52,9 @@ def test_labels_outside_the_vocabulary_raise_naming_the_value(bad):
     labels = batch["labels"].clone()
     labels[0, 3] = bad
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(hs.model_inputs.LabelError, match=rf"in \[0, 97\) or -100.*\[{bad}\]"):
+    with pytest.raises(hs.compute.model_inputs.LabelError, match=rf"in \[0, 97\) or -100.*\[{bad}\]"):
         model(input_ids=batch["input_ids"], labels=labels).loss.backward()
-    with pytest.raises(hs.model_inputs.LabelError):
+    with pytest.raises(hs.compute.model_inputs.LabelError):
         model(input_ids=batch["input_ids"], labels=labels, fused_lm_head=True)
     opt.zero_grad()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -80,7 +80,7 @@ def test_labels_outside_the_vocabulary_on_cuda_train_nothing_and_raise(bad):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
-    with pytest.raises(hs.model_inputs.LabelError, match=rf"\[{bad}\]"):
+    with pytest.raises(hs.compute.model_inputs.LabelError, match=rf"\[{bad}\]"):
         opt.step()
     assert torch.isnan(loss).item()
     opt.zero_grad()

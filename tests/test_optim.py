@@ -2,8 +2,8 @@
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer import optim
-from hf_slideformer.store import ParamEntry, Unit
+from hf_slideformer.host import optim
+from hf_slideformer.host.store import ParamEntry, Unit
 
 
 def test_piecewise_adamw_is_bit_identical_and_reports_prefixes():

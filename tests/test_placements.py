@@ -2,9 +2,9 @@
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer.device_update import DeviceUpdateLayer
-from hf_slideformer.placements import HostLayer, LayerPlacement
-from hf_slideformer.resident import ResidentLayer
+from hf_slideformer.engine.device_update import DeviceUpdateLayer
+from hf_slideformer.engine.placements import HostLayer, LayerPlacement
+from hf_slideformer.engine.resident import ResidentLayer
 from helpers import batches, make_pair, max_param_diff
 
 LR = 1e-2
@@ -96,7 +96,7 @@ def test_the_base_placement_names_what_a_subclass_must_give():
 def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
     """With one d2h event per gradient (CUDA), each piece of a layer's update first waits for the
     copies covering it, and no later one: checked with stand-in events on the CPU."""
-    from hf_slideformer import host_tasks
+    from hf_slideformer.host import host_tasks
     monkeypatch.setattr(host_tasks, "UPDATE_PIECE", 256)
     results = []
     for with_marks in (False, True):

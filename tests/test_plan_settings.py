@@ -7,8 +7,8 @@ import pytest
 
 from hf_slideformer.cli import build_parser
 from hf_slideformer.config import SETTINGS, SlideConfig
-from hf_slideformer.plan_settings import ENGINE_OPTIONS
-from hf_slideformer.planner import plan
+from hf_slideformer.planner.plan_settings import ENGINE_OPTIONS
+from hf_slideformer.planner.planner import plan
 
 TINY = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "tiny.json"
 MACHINE = dict(gpu_mem=24, host_mem=24, pcie_gbs=54.6, adam_gps=3.5)

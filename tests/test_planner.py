@@ -11,7 +11,7 @@ import torch
 
 import hf_slideformer as hs
 from hf_slideformer.cli import main
-from hf_slideformer.planner import GiB, load_model_config, model_shape, plan
+from hf_slideformer.planner.planner import GiB, load_model_config, model_shape, plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
 H200 = dict(host_mem=125, pcie_gbs=54.6, adam_gps=3.5)
@@ -299,8 +299,8 @@ def test_a_disk_for_the_state_splits_the_layers_as_the_engine_would():
     """--host-mem 64 --nvme-gb 2000: the moments of the last layers go to disk until the host
     items fit; the host_memory_limit it names gives the engine the same split, and the disk's
     bytes per step over its bandwidth are a term of the step."""
-    from hf_slideformer.disk_plan import DiskSplit, split_layers
-    from hf_slideformer.disk_store import MOMENTS, record_bytes
+    from hf_slideformer.disk.disk_plan import DiskSplit, split_layers
+    from hf_slideformer.disk.disk_store import MOMENTS, record_bytes
 
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=64, nvme_gb=2000, nvme_bw=7)
     s = p.shape
@@ -328,8 +328,8 @@ def test_a_tighter_host_puts_every_moment_and_the_last_whole_states_on_disk(N, h
     enough; the whole state of the last layers goes too. Each of those reads its master alone
     (4 B/param) for each copy and its whole record (12) for its update, and writes it once: 4 + 12
     + 12 with one micro-batch, 2 N x 4 + 12 + 12 with accumulation (the moments still 2 x 8)."""
-    from hf_slideformer.disk_plan import DiskSplit, split_layers
-    from hf_slideformer.disk_store import MOMENTS, WHOLE, record_bytes
+    from hf_slideformer.disk.disk_plan import DiskSplit, split_layers
+    from hf_slideformer.disk.disk_store import MOMENTS, WHOLE, record_bytes
 
     p = plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, host_mem=host_mem, nvme_gb=2000, nvme_bw=7,
              gradient_accumulation_steps=N)
@@ -399,7 +399,7 @@ def test_lora_plan_lands_near_the_measured_8b_row():
 def test_lora_adapter_work_matches_peft_own_run():
     """The adapters' time is fitted on the slide_lora row; PEFT's own run of the same adapters (HF's
     checkpointing recomputes the whole layer, down_proj included) checks it."""
-    from hf_slideformer.plan_lora import LoraEstimator
+    from hf_slideformer.planner.plan_lora import LoraEstimator
 
     p = lora_8b()
     s = p.shape
@@ -465,7 +465,7 @@ def test_lora_adapter_counts_match_peft(model_type, r):
     from transformers import AutoModelForCausalLM
 
     from helpers import family_config
-    from hf_slideformer.plan_lora import adapter_params
+    from hf_slideformer.planner.plan_lora import adapter_params
 
     cfg = family_config(model_type)
     model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=r, target_modules="all-linear"))
@@ -656,7 +656,7 @@ def test_late_layers_are_counted_where_the_engine_makes_them():
 
 def test_adam_rate_measured_on_this_host(monkeypatch, capsys):
     """adam_gps="host" times the engine's host AdamW here and plans the CPU term with that rate."""
-    from hf_slideformer import host_rate
+    from hf_slideformer.host import host_rate
 
     seen = {}
 
@@ -688,7 +688,7 @@ def test_the_host_state_follows_the_optimizer_states_declared_bytes():
     """--optim: the masters and moments item is the format's bytes per parameter, the embedding's
     too where its rows are whole blocks (hidden 4096; the tiny shape's 64 keeps 12); a compact
     format keeps nothing on disk and its resident layers take its bytes on the GPU, as the engine."""
-    from hf_slideformer.host_optim import state_format
+    from hf_slideformer.host.host_optim import state_format
     for cfg, embed_compact in (("llama3-8b.json", True), ("tiny.json", False)):
         plans = {o: plan(CONFIGS / cfg, batch=16, gpu_mem=24, host_mem=120, optim=o, resident=False)
                  for o in ("adamw", "adamw_8bit", "adamw_8bit_bf16")}
@@ -722,7 +722,7 @@ def test_the_weights_cross_pcie_in_the_master_s_dtype_and_the_disk_hint_counts_t
     """h2d: the slots copy each master in its format's dtype (a bf16 master: 2 B/param, the embedding
     of a tied head slot in its own format); the disk-bound hint's "more host memory" is what the
     layers on disk hold in the format (their moments, or master and moments), not fp32 AdamW's."""
-    from hf_slideformer.host_optim import state_format
+    from hf_slideformer.host.host_optim import state_format
     for cfg in ("llama3-8b.json", "llama3-3b.json"):
         fp32, m8, bf16 = (plan(CONFIGS / cfg, batch=16, gpu_mem=24, host_mem=120, optim=o, resident=False)
                           for o in ("adamw", "adamw_8bit", "adamw_8bit_bf16"))
@@ -744,7 +744,7 @@ def test_the_weights_cross_pcie_in_the_master_s_dtype_and_the_disk_hint_counts_t
 
 
 def test_fp8_speeds_up_the_projection_gemms_only():
-    from hf_slideformer.plan_estimate import FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, Estimator
+    from hf_slideformer.planner.plan_estimate import FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, Estimator
     cfg = "benchmarks/configs/llama3-8b.json"
     bf16 = plan(cfg, batch=16, gpu_mem=24, host_mem=120, adam_gps=3.5)
     fp8 = plan(cfg, batch=16, gpu_mem=24, host_mem=120, adam_gps=3.5, fp8=True)
@@ -765,7 +765,7 @@ def test_a_mixture_of_experts_computes_with_its_top_k_and_moves_every_parameter(
     """The compute term counts a token's parameters (the top-k experts' share of the routed ones,
     plus the dense rest), the host and PCIe terms every parameter; a dense shape is unchanged."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from hf_slideformer.plan_estimate import Estimator
+    from hf_slideformer.planner.plan_estimate import Estimator
 
     raw = load_model_config(CONFIGS / "qwen3-30b-a3b.json")
     s = model_shape(raw)

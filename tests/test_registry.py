@@ -7,7 +7,7 @@ import triton_ops
 from helpers import FAMILIES, QUIRK_FAMILIES, family_config
 from hf_slideformer.models import SUPPORTED_MODEL_TYPES, get_adapter, get_family
 from hf_slideformer.models.registry import FAMILIES as REGISTRY
-from hf_slideformer.planner import model_shape
+from hf_slideformer.planner.planner import model_shape
 
 
 def test_every_reader_sees_the_registry():

@@ -3,9 +3,9 @@ import torch
 import pytest
 
 import hf_slideformer as hs
-from hf_slideformer.memory import release_pages
-from hf_slideformer.resident import plan_resident
-from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from hf_slideformer.host.memory import release_pages
+from hf_slideformer.engine.resident import plan_resident
+from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 from helpers import batches, make_pair
 from test_engine import LR, PARAM_TOL, train_both
 
@@ -272,7 +272,7 @@ def test_model_load_state_dict_reaches_resident_units():
 
 
 def test_expandable_segments_follow_the_environment(monkeypatch):
-    from hf_slideformer import memory
+    from hf_slideformer.host import memory
     calls = []
     monkeypatch.setattr(memory, "_set_allocator_settings", calls.append)
     monkeypatch.setattr(memory, "_expandable_set", False)
@@ -291,8 +291,8 @@ def test_expandable_segments_follow_the_environment(monkeypatch):
 def test_resident_embedding_gives_back_its_host_memory(monkeypatch, tied):
     """Once the embedding is resident, its host master, moments, dense gradient and row buffers are
     given back; an eviction writes the master back, and training goes on as on the host."""
-    import hf_slideformer.embedding as E
-    import hf_slideformer.resident as R
+    import hf_slideformer.engine.embedding as E
+    import hf_slideformer.engine.resident as R
     released = []
     real = R.release_pages
     for module in (R, E):
@@ -347,8 +347,8 @@ def test_the_measured_plan_sizes_layers_by_the_format_s_bytes_and_says_what_it_r
     compute here: the fp32 master is the weights; a bf16 master keeps fp32 weights beside it), so a
     compact format keeps at least as many layers as fp32 AdamW in the same room; slide_stats()
     reports what the plan read."""
-    from hf_slideformer import resident
-    from hf_slideformer.memory import GiB
+    from hf_slideformer.engine import resident
+    from hf_slideformer.host.memory import GiB
     _, slid = make_pair("llama", False, optimizer_state=name, resident_embedding=False)
     eng = slid.slide_engine
     numel = max(u.numel for u in eng.layer_units)

@@ -4,8 +4,8 @@ kernel's bit for bit, so a run with those placements equals the host-only run of
 import pytest
 import torch
 
-from hf_slideformer import device_update
-from hf_slideformer.train_checkpoint import load_training_state, save_training_state
+from hf_slideformer.engine import device_update
+from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 from helpers import batches, make_pair
 
 COMPACT = ["adamw_8bit", "adamw_8bit_bf16"]

@@ -2,7 +2,7 @@
 import torch
 
 from helpers import batches, make_pair
-from hf_slideformer.schedule import NoRunningNorm, RunningNorm
+from hf_slideformer.engine.schedule import NoRunningNorm, RunningNorm
 
 
 def _plans(**slide_kw):

@@ -1,9 +1,9 @@
 """The slot queue's chunked loads (CPU: the same code path, every event already complete)."""
 import torch
 
-from hf_slideformer.slots import SlotQueue, staged_copy
-from hf_slideformer.store import ParamEntry, Unit
-from hf_slideformer.transfer import Streams
+from hf_slideformer.engine.slots import SlotQueue, staged_copy
+from hf_slideformer.host.store import ParamEntry, Unit
+from hf_slideformer.engine.transfer import Streams
 
 
 def _unit(name, numel, seed):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from hf_slideformer import memory
+from hf_slideformer.host import memory
 from hf_slideformer.config import SlideConfig
-from hf_slideformer.memory import HostMemoryError
-from hf_slideformer.store import HostStore, ParamEntry, Unit
+from hf_slideformer.host.memory import HostMemoryError
+from hf_slideformer.host.store import HostStore, ParamEntry, Unit
 
 
 class Tiny(nn.Module):

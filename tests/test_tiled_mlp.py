@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hf_slideformer as hs
-from hf_slideformer.tiled_mlp import TiledMLP, chunk_rows, tile_mlps
+from hf_slideformer.compute.tiled_mlp import TiledMLP, chunk_rows, tile_mlps
 from helpers import batches, make_pair, max_param_diff
 
 LR = 1e-2

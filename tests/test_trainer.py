@@ -11,7 +11,7 @@ from transformers.trainer_utils import SchedulerType
 
 import hf_slideformer as hs
 from hf_slideformer import CheckpointError
-from hf_slideformer.optim import SlideOptimizer
+from hf_slideformer.host.optim import SlideOptimizer
 from hf_slideformer.training_args import SlideArgsError
 from helpers import trainer_args
 
@@ -316,7 +316,7 @@ def test_plain_trainer_refuses_to_resume_a_sliding_checkpoint(tmp_path):
                     train_dataset=tiny_data())
     with pytest.raises(Exception, match="resume_this_checkpoint_with_SlideTrainer"):
         plain.train(resume_from_checkpoint=str(tmp_path / "src" / "checkpoint-3"))
-    from hf_slideformer.train_checkpoint import resume_this_checkpoint_with_SlideTrainer
+    from hf_slideformer.checkpoints.train_checkpoint import resume_this_checkpoint_with_SlideTrainer
     with pytest.raises(CheckpointError, match="Resume it with hf_slideformer.SlideTrainer"):
         with torch.serialization.safe_globals([resume_this_checkpoint_with_SlideTrainer]):
             torch.load(tmp_path / "src" / "checkpoint-3" / "optimizer.pt", weights_only=True)
@@ -367,7 +367,7 @@ def test_killed_saves_are_finished_or_removed_by_the_next_save(tmp_path):
     """A save killed between its two renames left `.new-checkpoint-6.*` and no checkpoint-6: resuming
     from checkpoint-6 finishes the swap; a half-written `.tmp-*` and a `.slide-save-*` staging
     folder are removed by the next save."""
-    from hf_slideformer.atomic_save import leftover_path
+    from hf_slideformer.checkpoints.atomic_save import leftover_path
 
     full, full_model = run(tmp_path, "full")
     out = tmp_path / "full"

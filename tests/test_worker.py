@@ -6,7 +6,7 @@ import time
 import pytest
 
 from hf_slideformer.errors import NonFiniteGradientError
-from hf_slideformer.worker import CpuWorker, WorkerError
+from hf_slideformer.host.worker import CpuWorker, WorkerError
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ mathematics. `unpatch(model)` or `handle.revert()` restores the originals.
 
 `patched_op(module)` says which op a module's forward became, and `rows_forward(module, give)`
 is that forward for an output that FP8 projections read next: the same output, whose e4m3 rows
-the same kernel writes and hands to `give` (the FP8 mode's `hf_slideformer.layer_matmuls`).
+the same kernel writes and hands to `give` (the FP8 mode's `hf_slideformer.compute.layer_matmuls`).
 """
 from __future__ import annotations
 

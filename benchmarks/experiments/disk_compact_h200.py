@@ -28,15 +28,15 @@ GiB = 2 ** 30
 
 
 def _shape():
-    from hf_slideformer.plan_estimate import load_model_config, model_shape
+    from hf_slideformer.planner.plan_estimate import load_model_config, model_shape
     return model_shape(load_model_config(str(ROOT / "benchmarks/configs/llama3-8b.json")))
 
 
 def split_at(limit_gib: float, fmt_name: str):
     """The engine's split of the 8B shape's layers at this limit (no clipping, no accumulation:
     bench_train's step, so no accumulators; the embedding and head in the format)."""
-    from hf_slideformer.disk_plan import host_limit_bytes, split_layers
-    from hf_slideformer.host_optim import embed_format, state_format
+    from hf_slideformer.disk.disk_plan import host_limit_bytes, split_layers
+    from hf_slideformer.host.host_optim import embed_format, state_format
 
     s, fmt = _shape(), state_format(fmt_name)
     emb = embed_format(fmt_name, s.hidden)

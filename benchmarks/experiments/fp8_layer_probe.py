@@ -1,5 +1,5 @@
 """Where an FP8 layer's time goes: one Llama layer's projections, forward + backward, in bf16 and in
-FP8 (hf_slideformer.fp8), with the quantization kernels timed on their own.
+FP8 (hf_slideformer.compute.fp8), with the quantization kernels timed on their own.
 
     python3 benchmarks/experiments/fp8_layer_probe.py [--tokens 32768] [--hidden 4096] [--inter 14336]
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hf_slideformer.fp8 import CudaFp8, Fp8Linear, QuantizedWeight  # noqa: E402
+from hf_slideformer.compute.fp8 import CudaFp8, Fp8Linear, QuantizedWeight  # noqa: E402
 
 
 def timed(fn, iters: int) -> float:

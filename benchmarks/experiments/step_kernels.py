@@ -48,7 +48,7 @@ def gemm_flops(model, tokens: int) -> dict[str, float]:
     2(N - N_last) in the recompute (which skips the last projection), 4N in the backward; the
     loss head's three matmuls (logits, dh, dW) 6HV per token. Attention's matmuls (inside SDPA)
     are not counted."""
-    from hf_slideformer.layer_matmuls import projections
+    from hf_slideformer.compute.layer_matmuls import projections
     layers = 0.0
     for layer in model.model.layers:
         proj = projections(layer)

@@ -80,7 +80,7 @@ class SlideLoraProvider(SlideProvider):
         from accelerate import init_empty_weights
         from transformers import AutoModelForCausalLM
 
-        from hf_slideformer.lora import peft_on_meta
+        from hf_slideformer.engine.lora import peft_on_meta
 
         with init_empty_weights(include_buffers=False):
             base = AutoModelForCausalLM.from_config(self.config, dtype=self.spec.torch_dtype,

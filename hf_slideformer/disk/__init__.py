@@ -8,6 +8,11 @@ kept in preallocated files and moved through a few pinned, aligned host buffers 
 - `records`: the state file's layout (each unit's arrays, dtypes and counts) and its headers.
 - `unit_state`: the on-disk records of N units, crash-safe, read and written in order per unit.
 
+- `disk_store`, `disk_record`, `disk_placement`: the store's units whose state is on disk, their
+  records, and the placement that reads and writes them around each update; `disk_plan`: the split
+  between host memory and disk.
+
+The I/O modules import nothing of the engine; `disk_placement` builds on `engine.placements`.
 docs/disk.md describes the layer.
 """
 from .backends import (KVIKIO_INSTALL_HINT, BackendFile, DiskIOError, FileBackend, IOFuture, KvikioBackend,

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-from ..memory import PinnedBuffers
+from ..host.memory import PinnedBuffers
 
 __all__ = ["ALIGN", "round_up", "aligned_host_buffer", "HostBuffer", "HostBufferPool", "BufferPoolError"]
 

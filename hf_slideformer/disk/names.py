@@ -17,7 +17,7 @@ import os
 import re
 import uuid
 
-from ..atomic_save import alive_elsewhere, host_name
+from ..checkpoints.atomic_save import alive_elsewhere, host_name
 
 __all__ = ["engine_file", "create_unlinked", "remove_leftovers", "ENGINE_FILE"]
 

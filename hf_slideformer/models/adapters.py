@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from ..modules_to_save import trained_copy
+from ..engine.modules_to_save import trained_copy
 from .registry import FAMILIES, SUPPORTED_MODEL_TYPES, Family, LogitTransform, get_family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "DecoderAdapter", "get_adapter"]
@@ -45,7 +45,7 @@ class DecoderAdapter:
         family = self.family
         if family.router_class is None:
             return None
-        from ..router_aux import RouterAux
+        from ..compute.router_aux import RouterAux
         return RouterAux(model, layers, family.router_class)
 
     def logit_transform(self, model: nn.Module) -> LogitTransform:

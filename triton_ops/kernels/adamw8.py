@@ -3,9 +3,9 @@ update of a GPU unit (resident layers, the device-updated share) in one pass ove
 
 Per block of `BLOCK` values (256) the kernel reads the gradient (fp32 or bf16), the master (fp32
 or bf16), the two 8-bit codes and the two block scales, and writes the codes, scales and master
-back: the arithmetic of `hf_slideformer.adam8_torch.adamw8_range_torch` operation by operation,
+back: the arithmetic of `hf_slideformer.host.adam8_torch.adamw8_range_torch` operation by operation,
 so its result is that one's bit for bit (which on CPU tensors is the native host kernel's,
-hf_slideformer/csrc/host_adam8.c; tests/test_adam8_triton.py). For each block of m, v (the
+hf_slideformer/host/csrc/host_adam8.c; tests/test_adam8_triton.py). For each block of m, v (the
 moments), g (the scaled gradient), w (the master):
 
     m = fma64(g, 1 - beta1, (code1[q1] * absmax1) * beta1)        # rounded once to fp32

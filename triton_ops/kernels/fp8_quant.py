@@ -23,8 +23,8 @@ programs each loop over a band of rows, quantize each row as the row kernel does
 band's column maxima in registers, written as one partial per program and reduced by a max
 (exact, so the scales equal the separate column pass's). The gradient is then read twice for its
 two forms instead of three times.
-The autograd tier of these kernels is `hf_slideformer.fp8.Fp8Linear`, which calls them through
-`hf_slideformer.fp8.CudaFp8`.
+The autograd tier of these kernels is `hf_slideformer.compute.fp8.Fp8Linear`, which calls them through
+`hf_slideformer.compute.fp8.CudaFp8`.
 """
 from __future__ import annotations
 

@@ -1,0 +1,372 @@
+"""Deferred updates on the device: with clipping, a share of the host-held layers is updated by
+the GPU as they are copied in for the next forward, in parallel with the CPU worker.
+
+Note: [Why part of the clipping-mode update runs on the GPU] the clip factor needs the global
+gradient norm, known only when the backward ends, so with clipping no host update can overlap
+the backward: the CPU AdamW of every host layer runs after it and paces the next forward
+(the CPU's time per layer is several times the GPU's; docs/benchmarks.md). Meanwhile the PCIe link and the GPU are mostly idle. A device layer's
+update is streamed through the GPU instead: its fp32 master, moments and gradient go in
+(16 bytes per parameter), torch's fused CUDA AdamW updates them, the new weights are cast
+straight into the layer's slot, and master and moments go back to the host store (12 bytes per
+parameter, on the other copy engine); under a compact state format the layer's master, codes and
+block scales go in and back instead, and its update is the format's in torch ops (adam8_torch.py).
+The CPU updates the other layers meanwhile, 4 bytes per parameter of h2d each. With the CPU's rate r and the link's B (both ways at once), a share
+
+    f = (B - 4 r) / (B + 12 r)
+
+of the layers makes the two finish together (`budget.balanced_share`, from the rates
+`budget.PCIE_BOTH_WAYS` and `budget.CPU_ADAMW_RATE`: about 0.32 on the H200 host).
+
+The device layers are picked once, at the first clipping step, spread evenly over the layers the
+GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
+(page-locked, as the masters already are), and their gradients are copied straight into the
+accumulator by the backward (with accumulation the worker folds every micro-batch in, as for the
+other layers, and the update waits for the worker's clip factor). The update runs in pieces cut like the CPU worker's (power-of-two
+multiples from each parameter's start), so on the CPU device the results are bit-identical to
+the host path's; on CUDA they are torch's fused CUDA AdamW's, as for resident units.
+
+While an update is pending (`DeviceUpdateLayer.pending`, from `optimizer.step()` until the unit
+is next copied in) the host store holds the previous step's state for that unit: everything that
+reads the host state flushes pending updates first (`engine.synchronize()`, making a unit
+resident, changing the clipping mode).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..host import optim as _optim
+from ..planner.budget import DEVICE_PIECE, balanced_share, pick_device_units
+from ..host.host_optim import ADAMW
+from ..host.memory import release_pages
+from .placements import DeferredStep, HostLayer
+from ..host.quant_maps import block_at, num_blocks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DeviceUpdateLayer", "DeviceUpdater", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
+
+class _Pending:
+    """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
+    factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
+
+    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None, known=None):
+        self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
+        # With accumulation the clip factor comes from the worker's norms (its clip task sets this).
+        self.clip_done = clip_done
+        # Set once the worker has judged the step's norm: a non-finite one skips the update.
+        self.known = known
+        self.batches = None
+        self.steps = None
+        self.next = 0
+
+
+class _Piece:
+    """One set of device buffers of a piece update: the gradient (fp32) and the state format's
+    master and arrays for up to `numel` elements (a block array: their blocks, a piece spanning up
+    to `entries` parameters' partial blocks)."""
+
+    def __init__(self, fmt, numel: int, entries: int, device):
+        self.format, self.numel = fmt, numel
+        self.grad = torch.empty(numel, dtype=torch.float32, device=device)
+        self.master = torch.empty(numel, dtype=fmt.master_dtype, device=device)
+        blocks = num_blocks(numel) + entries
+        self.arrays = {a.name: torch.empty(numel if a.per == "param" else blocks, dtype=a.dtype, device=device)
+                       for a in fmt.arrays}
+        self.base = (0, 0)
+
+    def pairs(self, u, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device view, host view) of the master and each array for [lo, hi) of unit `u`."""
+        b0, b1 = block_at(u.entries, lo), block_at(u.entries, hi)
+        self.base = (lo, b0)
+        out = [(self.master[:hi - lo], u.master[lo:hi])]
+        for a in self.format.arrays:
+            i, j = (lo, hi) if a.per == "param" else (b0, b1)
+            out.append((self.arrays[a.name][:j - i], getattr(u, a.name)[i:j]))
+        return out
+
+    def __getattr__(self, name):                   # the format's arrays, as `StateFormat.run` reads them
+        arrays = self.__dict__.get("arrays", {})
+        if name in arrays:
+            return arrays[name]
+        raise AttributeError(name)
+
+    def update(self, u, batch: dict, lo: int, grad, steps, groups: list[dict], scale) -> None:
+        """The format's update of one `piece_batches` batch starting at `lo` (after `pairs`)."""
+        if self.format is ADAMW:
+            _optim.apply_batch(batch, lo, self.master, grad, self.arrays["exp_avg"], self.arrays["exp_avg_sq"],
+                               steps, groups, scale)
+            return
+        for gi, ranges in batch.items():
+            self.format.run(None, groups[gi], u, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
+                            [steps[k] for k, _, _ in ranges], scale)
+
+
+class DeviceUpdateLayer(HostLayer):
+    """A host-held layer whose clipping-mode update is streamed through the GPU as the layer is
+    copied in for the next forward (the module note). With accumulation it is a `HostLayer`
+    until the update: the worker folds its micro-batches in."""
+
+    device_updatable = False
+    updates_on_device = True
+
+    def __init__(self, engine, unit):
+        super().__init__(engine, unit)
+        self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
+
+    def take_gradient(self, grads: list) -> None:
+        e = self.engine
+        if not e.single_micro or e.backward_plan.updates:
+            super().take_gradient(grads)
+            return
+        e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
+        # One backward per step: the gradient goes straight into its pinned accumulator.
+        u = self.unit
+        if self.pending is not None:            # never the case in a well-formed step: a guard
+            e.device_updates.flush(u)
+        self.grad_ev = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries])
+        u.grad_valid = True
+
+    def step(self, deferred: DeferredStep) -> None:
+        """The update runs when the unit is next copied in (`fill`)."""
+        e, u = self.engine, self.unit
+        e.begin_update(u)
+        self.pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
+                                    deferred.known)
+        self.grad_ev = None
+        u.updated.set()                          # readers of the host state flush it (see the module note)
+
+    def fill(self, dst):
+        """The pending update writing the new weights into `dst` one piece per step, or None."""
+        e = self.engine
+        if self.pending is None or e.device_updates.skipped(self):
+            return None
+        return e.device_updates.run(self, dst)
+
+
+class DeviceUpdater:
+    """The device updates of one engine: which layers are updated on the GPU (`DeviceUpdateLayer`
+    placements), the two sets of device buffers their pieces alternate between, and the pending
+    updates' runs.
+
+    Args:
+        engine: the SlideEngine (streams, config, places, worker, the optimizer and the resident plan).
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._chosen = False
+        self._sets: list[tuple[torch.Tensor, ...]] | None = None
+        self._free: list = [None, None]
+        self._turn = 0
+
+    @property
+    def units(self) -> set[int]:
+        """Unit.index of the device-updated layers."""
+        return {place.unit.index for place in self.engine.places.device_updated()}
+
+    @property
+    def on(self) -> bool:
+        """Are some layers updated on the device (clipping only)?"""
+        return (bool(self.engine.places.device_updated())
+                and self.engine.config.max_grad_norm is not None)
+
+    def _ensure_sets(self, numel: int) -> None:
+        """Two sets of device buffers for pieces of `numel`: the gradient (fp32) and the layers' state
+        format's master and arrays (`_Piece`)."""
+        e = self.engine
+        n = min(2 * DEVICE_PIECE, numel)
+        if self._sets is None or self._sets[0].numel < n:
+            if e.streams.cuda and self._sets is not None:
+                torch.cuda.synchronize(e.device)
+            fmt = e.layer_units[0].state_format or ADAMW
+            entries = max(len(u.entries) for u in e.layer_units)
+            self._sets = [_Piece(fmt, n, entries, e.device) for _ in range(2)]
+            self._free = [None, None]
+
+    def share(self) -> float:
+        """The share of the host-held layers to update on the device (the config's, or balanced)."""
+        e = self.engine
+        c = e.config
+        if c.max_grad_norm is None:
+            return 0.0
+        if c.device_update_share == "auto":
+            # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
+            return balanced_share() if e.streams.cuda and e.pinned.enabled else 0.0
+        return float(c.device_update_share)
+
+    def prepare(self) -> None:
+        """At the first clipping step: allocate the device buffers, plan the resident units (the
+        device layers are picked among the others), pick the layers and pin their host state."""
+        e = self.engine
+        if self._chosen or e.optimizer is None:
+            return
+        share = self.share()
+        if share <= 0:
+            return
+        self._chosen = True
+        e.worker.join()                  # the backward's gradient copies into the accumulators have landed
+        self._ensure_sets(max(u.numel for u in e.layer_units))
+        first = e.residents.target()[1]
+        chosen = pick_device_units(e.places.device_updatable(e.layer_units[first:]), share)
+        if not chosen:
+            self._sets = None
+            return
+        t0 = time.perf_counter()
+        self._pin_units(chosen)
+        for u in chosen:
+            e.set_place(u, DeviceUpdateLayer(e, u))
+        logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
+                    "%.1f s", len(chosen), len(e.layer_units), share, time.perf_counter() - t0)
+
+    def _pin_units(self, units: list) -> None:
+        """Move the moments and gradient accumulator of `units` into pinned buffers of their own
+        (the masters are pinned already); the pageable pages they leave are given back.
+
+        Note: [Why the state moves instead of being pinned in place] registering the pages of a
+        unit's range inside the shared slab also registers the boundary pages it shares with its
+        neighbours, and a copy of a neighbour's range that is then partly pinned and partly
+        pageable fails (cudaErrorInvalidValue, seen when a neighbouring layer was made resident).
+        """
+        e = self.engine
+        opt_state = e.optimizer.state if e.optimizer is not None else {}
+        for u in units:
+            fmt = u.state_format or ADAMW
+            for attr in [a.name for a in fmt.arrays] + ["grad"]:
+                old = getattr(u, attr)
+                if old is None or (e.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
+                    continue                                             # with accumulation (accumulate.py)
+                new = e.pinned.empty(old.numel(), dtype=old.dtype)
+                new.copy_(old)
+                setattr(u, attr, new)
+                release_pages(old)
+            for k, x in enumerate(u.entries):
+                st = opt_state.get(x.param)
+                if st is not None:                       # the optimizer's state views the new buffers
+                    st.update(fmt.entry_state(u, k))
+
+    def reset(self) -> None:
+        """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
+        e = self.engine
+        self.flush()
+        if e.streams.cuda:
+            torch.cuda.synchronize(e.device)
+        for place in e.places.device_updated():
+            e.set_place(place.unit, HostLayer(e, place.unit))
+        self._chosen = False
+        self._sets = None
+        self._free = [None, None]
+
+    def pending(self) -> list[tuple]:
+        """(unit, pieces done) of each device-updated layer whose update waits for its next copy in."""
+        return [(place.unit, place.pending.next) for place in self.engine.places.device_updated()
+                if place.pending is not None]
+
+    def drop_pending(self) -> None:
+        """Forget the pending updates without running them (the engine closes)."""
+        for place in self.engine.places.device_updated():
+            place.pending = None
+
+    def skipped(self, place: DeviceUpdateLayer) -> bool:
+        """Drop the pending device update of `place` when the worker found the step's norm not
+        finite (host_tasks: [Why a non-finite gradient stops the host updates after it]); the slot
+        then copies the unchanged master."""
+        p = place.pending
+        if p.batches is not None or p.known is None:
+            return False
+        e = self.engine
+        e.clock.wait(p.known, "update")
+        if not e.host_updates.poisoned:
+            return False
+        place.pending = None
+        place.unit.grad_valid = False
+        return True
+
+    def flush(self, unit=None) -> None:
+        """Run the pending device updates (of layer unit `unit`, else all) without a slot."""
+        for place in self.engine.places.device_updated():
+            if (unit is None or place.unit is unit) and place.pending is not None and not self.skipped(place):
+                for _ in self.run(place, None):
+                    pass
+
+    def run(self, place: DeviceUpdateLayer, dst):
+        """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
+        e, u = self.engine, place.unit
+        p = place.pending
+        st = e.streams
+        groups, group_of = p.hp
+        if p.batches is None:
+            if p.clip_done is not None:
+                # The worker has folded every micro-batch in and taken the norm: the factor is known.
+                e.clock.wait(p.clip_done, "update")
+                with st.on(st.h2d):
+                    p.scale = _optim.grad_scale(e.host_updates.clip_coef, e.device)
+            # This update consumes the accumulator: the next backward overwrites it (the worker is
+            # done with it, see above; with one backward per step it never touches it).
+            u.grad_valid = False
+            by_group = _optim.groups_of(u, group_of)
+            # The host counters are the state (the optimizer's state_dict reads them).
+            torch._foreach_add_([u.steps[k] for ks in by_group.values() for k in ks], 1)
+            p.batches = list(_optim.piece_batches(u, by_group, DEVICE_PIECE, span=True))
+            if st.cuda:
+                with st.on(st.h2d):
+                    p.steps = list(torch.stack(u.steps).to(e.device).unbind())
+            else:
+                p.steps = u.steps
+        # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
+        # write-backs wait for these copies: stream order covers the readers.
+        u.readers = []
+        for ev in (p.ready_ev, p.grad_ev, u.host_write):
+            st.wait(ev, st.h2d)
+        if dst is not None and p.next:
+            # Resumed after an error stopped an earlier fill half way (its slot was dropped): the
+            # pieces done then are final in the host store; copy them into this slot.
+            done = p.batches[p.next][0] if p.next < len(p.batches) else u.numel
+            with st.on(st.h2d):
+                dst[:done].copy_(u.master[:done].to(e.device, non_blocking=True))
+        if st.cuda and torch.is_tensor(p.scale):
+            p.scale.record_stream(st.h2d)
+        while p.next < len(p.batches):
+            lo, hi, batch = p.batches[p.next]
+            n = hi - lo
+            if n:
+                self._update_piece(u, lo, hi, batch, u.grad, p.steps, groups, scale=p.scale, dst=dst)
+            p.next += 1
+            yield
+        place.pending = None
+
+    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
+        """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and
+        moments in on the h2d stream, fused AdamW there (the gradient divided
+        by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
+        stream. Returns the h2d event after the copies in."""
+        e = self.engine
+        st, n = e.streams, hi - lo
+        k = self._turn
+        self._turn ^= 1
+        # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
+        # buffers alternate: set k is overwritten once its last d2h copy has read it.
+        st.wait(self._free[k], st.h2d)
+        piece = self._sets[k]
+        pairs = piece.pairs(u, lo, hi)              # (device view, host view) of the master and arrays
+        g = piece.grad[:n]
+        with st.on(st.h2d):
+            g.copy_(grad[lo:hi], non_blocking=True)
+            for d, src in pairs:
+                d.copy_(src, non_blocking=True)
+            read = st.record(st.h2d)
+            piece.update(u, batch, lo, g, steps, groups, scale)
+            if dst is not None:
+                dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
+        st.wait(st.record(st.h2d), st.d2h)
+        with st.on(st.d2h):
+            for d, src in pairs:
+                src.copy_(d, non_blocking=True)
+        self._free[k] = u.host_write = st.record(st.d2h)
+        moved = sum(d.numel() * d.element_size() for d, _ in pairs)
+        e.stats.add_h2d(moved + n * grad.element_size())
+        e.stats.add_bytes("d2h", moved)
+        e.stats.gpu_adam_params += n
+        return read

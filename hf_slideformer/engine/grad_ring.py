@@ -1,0 +1,148 @@
+"""The gradient ring: the pinned host buffers a layer's gradients cross into, and the d2h copy.
+
+Note: [Why gradients cross in the compute dtype] a layer's parameter gradients are computed in
+the compute dtype (its weights' dtype), so widening them to fp32 on the GPU adds no information:
+they cross PCIe and land in the ring as they are (bf16: half the bytes), and the host AdamW widens
+them in registers (`HostAdam`), exactly.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..host.memory import COPY_CHUNK
+from .slots import staged_copy
+
+__all__ = ["GradientRing"]
+
+
+class GradientRing:
+    """`config.grad_buffers` pinned buffers of one layer's size, taken in turn by the layers'
+    gradients and given back by the worker task that reads each (`free[k]`); the head's gradient
+    borrows the first ones (head.py: [Why the head's gradient borrows the ring]).
+
+    Args:
+        engine: the SlideEngine (streams, stats, pinned memory, the running norm).
+        size: elements per buffer (the largest layer).
+        count: number of buffers.
+        stage_numel: elements of the largest gradient that may be widened on the device.
+    """
+
+    def __init__(self, engine, size: int, count: int, stage_numel: int):
+        self.engine = engine
+        self.dtype = engine.dtype if engine.dtype == torch.bfloat16 else torch.float32
+        self.size, self.count = size, count
+        self._slab: torch.Tensor | None = None         # made when first used (a frozen model never sends one)
+        self._buffers: list[torch.Tensor] = []
+        self.free = [threading.Event() for _ in range(count)]
+        for ev in self.free:
+            ev.set()
+        self.next = 0
+        cast = engine.config.is_cuda and engine.dtype != torch.float32
+        self.stage = (torch.empty(min(stage_numel, COPY_CHUNK), dtype=torch.float32, device=engine.device)
+                      if cast else None)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The ring's pinned memory, one slab registered once (no power-of-two rounding of large pins)."""
+        if self._slab is None:
+            self._slab = self.engine.pinned.empty(self.size * self.count, dtype=self.dtype)
+            self._buffers = list(self._slab.split(self.size))
+        return self._slab
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        self.slab
+        return self._buffers
+
+    def claim(self, k: int) -> None:
+        """Main thread: wait until buffer k is free, then hold it (its task's `done` frees it)."""
+        self.engine.clock.wait(self.free[k], "grad_buffer")
+        self.free[k].clear()
+
+    def claim_next(self) -> int:
+        """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
+        k = self.next
+        self.next = (k + 1) % len(self.buffers)
+        self.claim(k)
+        return k
+
+    # ------------------------------------------------------------- the head's loan (head.py)
+    def borrow_front(self, numel: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Main thread: hold the first buffers for a gradient of `numel` elements, when the ring is
+        large enough; (the slab's first `numel` elements, the buffers held), or None.
+        head.py: [Why the head's gradient borrows the ring]."""
+        if numel > self.size * len(self.buffers):
+            return None
+        count = -(-numel // self.size)
+        for k in range(count):
+            self.claim(k)
+        self.next = count % len(self.buffers)     # the layers' next gradients take the buffers after it
+        return self.slab[:numel], tuple(range(count))
+
+    def give_back(self, held: tuple[int, ...]) -> None:
+        """Free the ring buffers `held` at once."""
+        for k in held:
+            self.free[k].set()
+
+    def returner(self, held: tuple[int, ...]):
+        """A progress callback for a front-to-back reader of a gradient in the buffers `held` (in
+        order): each goes back once the reader has passed its end."""
+        pending = list(held)
+
+        def returned(passed: int) -> None:
+            while pending and (pending[0] + 1) * self.size <= passed:
+                self.free[pending.pop(0)].set()
+        return returned
+
+    def d2h(self, grads: list, dsts: list[torch.Tensor], ends: list[int] | None = None, marks: list | None = None,
+            norm_dst: torch.Tensor | None = None):
+        """Copy device gradients into host buffers on the d2h stream: as they are where the buffer
+        has their dtype, else widened to the buffer's fp32 on the device (never narrowed); the
+        event after the last copy.
+
+        With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
+        gradient's copy: the worker can start on the front of a unit while the rest is in flight.
+        `norm_dst` (a pinned scalar) receives the running squared norm first.
+        """
+        engine = self.engine
+        st, norm = engine.streams, engine.norm.dev
+        if not st.cuda:
+            if norm_dst is not None:
+                norm_dst.copy_(norm.reshape(1))
+            for grad, dst in zip(grads, dsts):
+                if grad is None:
+                    dst.zero_()
+                else:
+                    _check_lossless(grad, dst)
+                    dst.copy_(grad.reshape(dst.shape))
+            return st.record()
+        # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
+        st.wait(st.record(), st.d2h)
+        with st.on(st.d2h):
+            if norm_dst is not None:
+                norm_dst.copy_(norm.reshape(1), non_blocking=True)
+            for grad, dst in zip(grads, dsts):
+                dst = dst.view(-1)
+                if grad is None:
+                    dst.zero_()
+                else:
+                    _check_lossless(grad, dst)
+                    gf = grad.reshape(-1)
+                    if gf.dtype == dst.dtype:
+                        dst.copy_(gf, non_blocking=True)
+                    else:                    # widened on the device, all on the d2h stream
+                        staged_copy(dst, gf, self.stage)
+                    engine.stats.add_bytes("d2h", dst.numel() * dst.element_size())
+                if marks is not None:
+                    marks.append((ends[len(marks)], st.record(st.d2h)))
+        done = st.record(st.d2h)
+        # Note: [Why copy sources are handed over, not recorded] (transfer.py)
+        st.hand_over([g for g in grads if g is not None], done)
+        return done
+
+
+def _check_lossless(grad: torch.Tensor, dst: torch.Tensor) -> None:
+    if dst.dtype != grad.dtype and dst.dtype != torch.float32:
+        raise RuntimeError(f"a {grad.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")

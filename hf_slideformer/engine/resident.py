@@ -1,0 +1,384 @@
+"""Resident units: the optimizer state of the embedding and a few layers kept on the GPU and
+updated there.
+
+Under a memory cap the GPU usually has room left after the window, the activations and the
+head: a 3B model trained at 16 x 2048 under 24 GiB peaks near 13 GiB. That room is worth more
+as optimizer state than as nothing: a resident layer keeps its master, Adam moments (in its state
+format: resident_state.py) and compute-dtype weights on the GPU, is never copied in, and is updated
+there right after its backward (torch's fused CUDA AdamW; the compact formats' update in torch ops,
+adam8_torch.py), instead of by the CPU worker (tens of ms per layer). The CPU
+worker, the bound at small batches, has that much less to do, and the next forward does not
+wait for those layers.
+
+While a unit is resident its device copy is the current state: `ResidentPlan.evict()` writes the
+master, moments and step counters back before anything reads or replaces the host state
+(`engine.synchronize()`: checkpoints, state_dict, save_pretrained, load_state_dict). The embedding goes first (its update, the per-row folding of its
+gradient and, when tied, the lm_head's (V, H) gradient copy all leave the CPU, and it is what
+the next forward needs first), then layers 0..k-1, the next ones the forward needs.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..host import optim as _optim
+from ..planner.budget import plan_resident
+from ..errors import SlideStateError
+from ..host.memory import GiB, release_pages
+from ..host.optim import sq_norm as _sq_norm
+from .placements import DeferredStep, LayerPlacement
+from ..planner.planner import plan as _estimate
+from .resident_state import ResidentState, resident_bytes_per_param_of
+from ..host.store import Unit
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ResidentState", "ResidentLayer", "ResidentPlan", "plan_resident", "measured_peak"]   # ResidentState: resident_state.py
+
+
+class ResidentLayer(LayerPlacement):
+    """A layer whose state is on the GPU: never copied in, updated by torch's fused CUDA AdamW on
+    the compute stream right after its backward (or at `optimizer.step()` with clipping).
+
+    Args:
+        engine, unit: as LayerPlacement.
+        state: its device copies.
+        replaced: the placement it had on the host, which it takes again when evicted.
+    """
+
+    resident = True
+
+    def __init__(self, engine, unit: Unit, state: ResidentState, replaced: LayerPlacement):
+        super().__init__(engine, unit)
+        self.state, self.replaced = state, replaced
+
+    def weights(self, busy: tuple = ()):
+        return self.state.views(), None
+
+    def prefetch(self, busy: tuple = ()) -> None:
+        pass
+
+    def after_forward(self, slot) -> None:
+        self.engine.residents.pace()
+
+    def after_recompute(self, slot) -> None:
+        pass
+
+    def take_gradient(self, grads: list) -> None:
+        """AdamW on the compute stream right after the backward; with clipping the gradient waits
+        on the device for optimizer.step(). With accumulation it is summed on the device over the
+        micro-batches, and the last one updates (or, with clipping, leaves the sum for
+        optimizer.step()); the squared norm is the sum's."""
+        e, u, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
+        if plan.running_norm:
+            e.norm.dev += _sq_norm([g for g in grads if g is not None])
+            g32 = e.residents.shared_grad[:u.numel] if plan.updates else r.grad
+            first = True
+        else:
+            g32, first = r.grad, not r.grad_valid
+        for x, g in zip(u.entries, grads):
+            d = x.view(g32)
+            if g is None:
+                if first:
+                    d.zero_()
+            elif first:
+                d.copy_(g.reshape(d.shape))
+            else:
+                d.add_(g.reshape(d.shape))
+        if not plan.running_norm:
+            r.grad_valid = True
+            if plan.ends_step:
+                e.norm.dev += _sq_norm([g32])
+        if plan.updates:
+            e.residents.resident_step(u, r, g32, found_inf=e.norm.found_inf())
+            r.grad_valid = False
+        e.residents.pace()
+
+    def step(self, deferred: DeferredStep) -> None:
+        coef, found_inf = deferred.resident_clip()
+        # the clip factor applied in the fused AdamW, as on the host; skipped where not finite
+        self.engine.residents.resident_step(self.unit, self.state, self.state.grad, deferred.hp, clip_coef=coef,
+                                            found_inf=found_inf)
+        self.state.grad_valid = False
+
+
+def measured_peak(device) -> int:
+    """The GPU memory a training step needed: the allocator's reserved peak.
+
+    Note: [Why the plan measures reserved memory] what the allocator reserves, not the
+    allocated peak, must stay under the cap: a plan from the allocated peak fills the gap with
+    resident units, the reserved memory then sits at the cap, and the allocator releases and maps
+    pages during the step, which costs more than the extra resident layer saves. Expandable
+    segments lower the reserved peak itself. (docs/benchmarks.md, "Measurements behind the
+    engine's notes".)
+    """
+    return torch.cuda.max_memory_reserved(device)
+
+
+def allocated_peak(device) -> int:
+    """The allocator's allocated peak (reported beside the reserved one the plan reads)."""
+    return torch.cuda.max_memory_allocated(device)
+
+
+class ResidentPlan:
+    """Which units are resident on the GPU, planned from a measured step, and their updates.
+
+    Args:
+        engine: the SlideEngine.
+        model_config: the HF config as a dict (for the estimate before the first step), or None.
+
+    Attributes:
+        planned: (embedding resident, number of resident layers) once planned, else None.
+        shared_grad: one fp32 device gradient all resident layers share when they update in backward.
+    """
+
+    def __init__(self, engine, model_config: dict | None):
+        self.engine = engine
+        self.model_config = model_config
+        self.planned: tuple[bool, int] | None = None   # decided after the first optimizer step
+        self.shared_grad: torch.Tensor | None = None
+        self.peak: int | None = None                   # GPU peak the plan is based on ...
+        self.tokens: int | None = None                 # ... and the tokens of that step's batch
+        self.last_tokens = 0
+        self._pace_ev = None
+        self.inputs: dict = {}                         # what the measured plan was made from (slide_stats)
+
+    @property
+    def layers(self) -> dict[int, ResidentState]:
+        """Layer index -> the device state of each resident layer."""
+        places = self.engine.places
+        return {places.layer_no(place.unit): place.state for place in places.resident()}
+
+    def target(self) -> tuple[bool, int]:
+        """The plan, made now if there is none yet."""
+        if self.planned is None:
+            self.planned = self.plan()
+        return self.planned
+
+    def plan(self) -> tuple[bool, int]:
+        """(embedding resident, number of resident layers) from the config and the measured peak."""
+        e = self.engine
+        c = e.config
+        if not e.single_micro:
+            # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
+            # layer sums its micro-batches' gradients on the GPU and is updated there when the step
+            # ends (`ResidentLayer.take_gradient`); the embedding stays on the host (its tied head
+            # gradient and per-row folding have no device path across micro-batches). The layers
+            # are taken only as many as `resident_layers` asks: "auto" keeps none here until the
+            # mode has been measured on a GPU.
+            return False, (0 if c.resident_layers == "auto" else int(c.resident_layers))
+        embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
+        layers = None if c.resident_layers == "auto" else int(c.resident_layers)
+        if not e.streams.cuda:                       # nothing to gain on a CPU device unless asked
+            return bool(embed), layers or 0
+        if embed is not None and layers is not None:
+            return embed, layers
+        limit = (int(c.gpu_memory_limit * GiB) if c.gpu_memory_limit is not None
+                 else torch.cuda.get_device_properties(e.device).total_memory)
+        if self.peak is None:      # the first step's peak, less the resident state it began with
+            self.peak = max(0, measured_peak(e.device) - self.resident_bytes())
+            self.tokens = self.last_tokens
+        per = resident_bytes_per_param_of(e.layer_units[0].state_format, e.dtype)
+        plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
+                             layer_numel=max(u.numel for u in e.layer_units), n_layers=len(e.layer_units),
+                             embed_numel=e.embed_unit.numel, dtype=e.dtype, embed=embed, layers=layers,
+                             clipping=c.max_grad_norm is not None, layer_bytes_per_param=per)
+        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak, "allocated_peak_bytes": allocated_peak(e.device),
+                       "layer_bytes_per_param": per, "embedding": plan[0], "layers": plan[1]}
+        logger.info("resident on the GPU: embedding %s, layers 0..%d (reserved peak %.2f GiB of %.2f, %.2f B/param)",
+                    "yes" if plan[0] else "no", plan[1] - 1, self.peak / GiB, limit / GiB, per)
+        return plan
+
+    def first_embed_plan(self, tokens: int) -> bool:
+        """Before the first training step: is the embedding resident from the start?
+
+        Note: [Why the embedding can be resident before the first step] the plan measures a step
+        first, and a step with the embedding on the host touches its moments, dense gradient and
+        row buffers (9 GB at 8B, batch 16) only for them to be given back when it goes resident:
+        that first step set the run's peak host memory. When the option says so, or when the
+        planner's estimate (`planner.plan`, the same one `hf-slideformer plan` prints) already
+        finds room for it, the embedding is resident from the first step; the measured plan then
+        confirms it or writes it back (`promote`).
+        """
+        e = self.engine
+        c = e.config
+        if c.resident_embedding != "auto":
+            return bool(c.resident_embedding)
+        if not e.streams.cuda or self.model_config is None:
+            return False
+        limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
+                 else torch.cuda.get_device_properties(e.device).total_memory / GiB)
+        try:
+            p = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
+                          max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
+                          grad_buffers=c.grad_buffers)
+        except (ValueError, KeyError, TypeError) as err:     # a config the planner cannot read: measure first
+            logger.info("no estimate before the first step (%s); the embedding waits for the measured plan", err)
+            return False
+        return bool(p.resident_embedding)
+
+    def resident_bytes(self) -> int:
+        """Device bytes the resident units hold now (outside any step's own peak)."""
+        emb = self.engine.embedding
+        ts = [emb.rgrad, self.shared_grad]
+        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
+            ts += r.tensors()
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    def fit(self, tokens: int) -> None:
+        """Before a training forward: a batch larger than the one the plan measured may need the
+        memory the resident units hold, so they go back to the host for it, and the next plan
+        scales the measured peak by the new size (an over-estimate: part of the peak is fixed).
+        The plan only grows, so a run settles at its longest batch.
+
+        Before the first step, the embedding may go resident at once ([Why the embedding can be
+        resident before the first step])."""
+        e, emb = self.engine, self.engine.embedding
+        self.last_tokens = tokens
+        if (self.peak is None and self.planned is None and emb.resident is None and e.embed_unit.trainable
+                and e.single_micro and e.optimizer is not None and self.first_embed_plan(tokens)):
+            emb.make_resident()
+        if self.peak is None or not self.tokens or tokens <= self.tokens:
+            return
+        if self.layers or emb.resident is not None:
+            self.evict()
+        self.peak = int(self.peak * tokens / self.tokens)
+        self.tokens = tokens
+        self.planned = None
+
+    def make_state(self, u: Unit, with_grad: bool = False) -> ResidentState:
+        """`u`'s state copied to the device once its last update has landed; its host moments given back."""
+        e = self.engine
+        if u.kind == "embed" and u.state_format is not None and u.state_format.name != "adamw":
+            raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: a resident "
+                                  "embedding keeps fp32 AdamW (use resident_embedding=False or 'auto')")
+        e.clock.wait(u.updated, "update")           # its last CPU update has landed in the host store
+        e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
+        e.streams.wait(u.host_write)
+        r = ResidentState(u, e.dtype, e.device, with_grad=with_grad)
+        r.load_from_host()
+        # The host moments are not read again until evict() writes them back; a clipping layer's
+        # host accumulator is not used while its gradient stays on the device (it reads as zeros,
+        # its reset state).
+        r.release_host(release_pages)
+        if u.grad is not None and not u.grad_valid:
+            release_pages(u.grad)
+        return r
+
+    def promote(self) -> None:
+        """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
+        e, emb = self.engine, self.engine.embedding
+        if e.optimizer is None:
+            return
+        embed, n = self.target()
+        n = min(n, len(e.layer_units))
+        eu = e.embed_unit
+        if not embed:
+            e.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
+        if not embed and emb.resident is not None:
+            self.evict()                          # resident from the first step, not in the measured plan
+        if embed and emb.resident is None and eu.trainable:
+            emb.make_resident()
+        if not e.places.any_streamed_trainable(n):
+            return                                # nothing (more) to make resident: a frozen base stays
+        own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
+        if self.shared_grad is None and not own_grad:
+            self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,
+                                           device=e.device)
+        for place in e.places.residency_candidates(n):
+            state = self.make_state(place.unit, with_grad=own_grad)
+            e.set_place(place.unit, ResidentLayer(e, place.unit, state, place))
+
+    def evict(self) -> None:
+        """Write the resident units' state back to the host store and drop the device copies."""
+        e, emb = self.engine, self.engine.embedding
+        if not self.layers and emb.resident is None:
+            return
+        embed_mid_step = emb.resident is not None and e.live_generation is not None
+        if emb.resident is not None:
+            e.tier.materialize()      # a layer input gathered from the embedding's master
+        if e.streams.cuda:
+            torch.cuda.synchronize(e.device)
+        if embed_mid_step:
+            # A forward's backward is still to come and takes the host path: the host gradient it
+            # needs, holding what the head put in the resident one (a tied lm_head's gradient).
+            emb.ensure_grad()
+            e.head.lm_weight.resident_grad_to_host()
+        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
+            r.store_to_host()
+            if r.grad_valid:
+                # Between micro-batches: the running sum goes on in the host accumulator.
+                u = r.unit
+                u.grad.copy_(r.grad)
+                u.grad_valid = True
+                r.grad_valid = False
+        for place in e.places.resident():
+            e.set_place(place.unit, place.replaced)
+        emb.resident = None
+
+    def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
+                      found_inf=None) -> None:
+        """AdamW of resident unit `u` with its fp32 gradient on the device.
+
+        Note: [Why the master is not copied back every step] the device master is the current
+        one while the unit is resident; `evict()` writes it back with the moments. A copy after
+        every update would cost 4 bytes per parameter of d2h each step, and the last ones (layer
+        0, the embedding) would end the step with the GPU idle. Host-side readers of the weights
+        (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
+        """
+        e = self.engine
+        _optim.apply_adamw(u, g32, *(hp or e.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
+        if r.weights is not r.master:
+            r.weights.copy_(r.master)
+        u.version += 1                                   # any slot copy of the old weights is stale
+        e.stats.gpu_adam_params += u.numel
+
+    def pace(self) -> None:
+        """Keep the host at most one resident layer ahead of the GPU.
+
+        Note: [Why resident layers are paced] without a copy or an update to wait for, the host
+        would queue resident layers' kernels as fast as Python runs, and the CPU worker, its
+        AdamW done, could not return from its task until the resident stretch ended (it does
+        not get the interpreter lock back; docs/benchmarks.md has the traces). Waiting on the
+        previous layer's event releases the lock, so a worker task takes its AdamW plus its
+        waits and nothing more. One layer of queued work covers the host's launch overhead.
+        """
+        st = self.engine.streams
+        if not st.cuda:
+            return
+        prev, self._pace_ev = self._pace_ev, st.record()
+        if prev is not None:
+            prev.synchronize()
+
+    def clip(self, clip_done=None) -> tuple:
+        """(clip factor, found_inf) for the resident units' updates at optimizer.step(). With
+        accumulation the clip factor is the worker's (`clip_done`: its clip task has run), from
+        the host units' norms and the device's."""
+        e = self.engine
+        found_inf = e.norm.found_inf() if e.single_micro else None
+        if e.config.max_grad_norm is None:
+            coef = None
+        elif e.single_micro:
+            coef = e.norm.clip_coef()
+        else:
+            e.clock.wait(clip_done, "update")
+            coef = e.host_updates.clip_coef
+            found_inf = torch.tensor(float(e.host_updates.poisoned), device=e.device)
+        return coef, found_inf
+
+    def step(self, deferred: DeferredStep) -> set[int]:
+        """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
+        before its last micro-batch); their unit ids."""
+        e, emb = self.engine, self.engine.embedding
+        places = e.places.resident()
+        ids = {id(p.unit) for p in places}
+        r = emb.resident
+        if r is not None:
+            coef, found_inf = deferred.resident_clip()
+            self.resident_step(e.embed_unit, r, emb.rgrad, deferred.hp, clip_coef=coef, found_inf=found_inf)
+            r.grad_valid = False
+            ids.add(id(e.embed_unit))
+        for p in places:
+            p.step(deferred)
+        return ids

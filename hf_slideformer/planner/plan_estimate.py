@@ -1,0 +1,400 @@
+"""The planner's performance model: the formulas for host and GPU memory, PCIe traffic and the
+step time's terms, for a model's shape (plan_shape.py) and the calibrated constants
+(plan_calibration.py), both re-exported here.
+
+The estimate follows the engine's allocations (slide_engine.py, store.py, activations.py) and the
+step-time bound of docs/benchmarks.md ("Protocol and columns"); its free constants are calibrated on measurements
+of the Llama-3.2-3B and Llama-3.1-8B shapes on an H200 (docs/planner.md has the table). Nothing
+here touches a GPU or builds a model: the parameter counts come from the config's sizes.
+`planner.plan` applies these formulas to one setting; `plan_report` turns the result into text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .budget import DEVICE_PIECE, balanced_share
+from ..disk.unit_state import record_layout
+from ..disk.disk_plan import DiskSplit
+from ..disk.disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
+from ..disk.disk_store import pool_buffers
+from ..host.host_optim import embed_format, state_format
+from ..host.memory import COPY_CHUNK
+from .plan_calibration import (  # noqa: F401 - the calibration, importable from here as well
+    PEAK_TFLOPS, GPU_EFFICIENCY, ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, NVME_BUFFERS, GRAD_BYTES,
+    GPU_USABLE, GPU_CONTEXT_BYTES, DUPLEX, ADD_VS_ADAM, ADAM_GPS, FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, ENGINE_EFFICIENCY,
+    FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED,
+)
+from .plan_shape import ModelShape, load_model_config, model_shape
+
+__all__ = ["FP8_GEMM_SPEEDUP", "ModelShape", "Estimator", "load_model_config", "model_shape", "gpu_binds", "batch_limit"]
+
+@dataclass(frozen=True)
+class Estimator:
+    """The formulas, for one model, sequence length, window and set of rates (docs/planner.md)."""
+
+    s: ModelShape
+    seq: int
+    window: int
+    grad_buffers: int
+    rates: dict
+    mlp_chunk: int | None = None      # SlideConfig.mlp_chunk_tokens
+    gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
+    optimizer_state: str = "adamw"    # SlideConfig.optimizer_state: the host bytes per parameter (host_optim.py)
+    fp8: bool = False                 # SlideConfig.matmuls='fp8': the layers' projection GEMMs at FP8_GEMM_SPEEDUP
+
+    @property
+    def state_key(self) -> str:
+        """The host item of the masters and AdamW state."""
+        if self.optimizer_state == "adamw":
+            return "fp32 masters + Adam m, v (12 B/param)"
+        bpp = state_format(self.optimizer_state).bytes_per_param
+        ebpp = embed_format(self.optimizer_state, self.s.hidden).bytes_per_param
+        embed = "" if ebpp == bpp else f", the embedding's {ebpp:.0f}"
+        return f"masters + AdamW state ({self.optimizer_state}: {bpp:.2f} B/param{embed})"
+
+    def state_bytes(self, layers_on_disk: int = 0) -> int:
+        """Host bytes of the masters and AdamW state of the units in host memory (the embedding's
+        in its own format, `host_optim.embed_format`: the units' where its rows are whole blocks)."""
+        s = self.s
+        bpp = state_format(self.optimizer_state).bytes_per_param
+        held = s.n_params - layers_on_disk * s.layer_params
+        ebpp = embed_format(self.optimizer_state, s.hidden).bytes_per_param
+        return int(bpp * (held - s.embed_params)) + int(ebpp * s.embed_params)
+
+    def master_bytes(self) -> tuple[int, int]:
+        """Bytes per parameter of the masters the slots copy in: (layers' and head's, the embedding's)."""
+        return (state_format(self.optimizer_state).master_dtype.itemsize,
+                embed_format(self.optimizer_state, self.s.hidden).master_dtype.itemsize)
+
+    def inter_tokens(self, T: int) -> int:
+        """Tokens whose MLP intermediates are alive at once in a layer's recompute + backward."""
+        return min(T, self.mlp_chunk) if self.mlp_chunk else T
+
+    def chunk_flops(self, T: int) -> float:
+        """FLOPs per token the chunked MLP adds: its backward recomputes each chunk's forward."""
+        return 6 * self.s.hidden * self.s.intermediate * self.s.layers if self.inter_tokens(T) < T else 0.0
+
+    host_updates = True      # the CPU updates the host store's units: resident units and clipping's wait apply
+
+    def per_gpu(self, name: str) -> str:
+        """A host item's name, marked as counted once per GPU's process when there are several."""
+        return name if self.gpus == 1 else f"{name} x {self.gpus} GPUs"
+
+    def shard(self, numel: int) -> int:
+        """Elements of one rank's shard of a unit of `numel` (data_parallel.DataParallel.per_rank)."""
+        return -(-numel // self.gpus)
+
+    def accumulator_bytes(self) -> int:
+        """Host bytes of the fp32 gradient accumulators of accumulation or clipping: the embedding excluded
+        with one process (its gradient is the engine's), included with several (one copy of all shards)."""
+        s = self.s
+        return 4 * (s.n_params - (s.embed_params if self.gpus == 1 else 0))
+
+    def host(self, B: int, tier: str, deferred: bool, disk_layers: DiskSplit = DiskSplit()) -> dict:
+        """Host bytes by item; `disk_layers`: the last layers with their moments, or their whole
+        state, on disk (host_memory_limit)."""
+        s, tok_h = self.s, B * self.seq * self.s.hidden
+        # Pinned buffers count their exact size: the engine registers what it allocates
+        # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
+        acts = self.layer_inputs_host(B, tier)
+        out = {self.state_key: self.state_bytes(disk_layers.layers)}
+        fmt = state_format(self.optimizer_state)        # the records hold its arrays (disk_record.py)
+        if disk_layers.moments:
+            b = fmt.master_dtype.itemsize
+            out[f"masters of the layers with moments on disk ({b} B/param)"] = b * disk_layers.moments * s.layer_params
+        if disk_layers.layers:
+            n = pool_buffers(disk_layers.layers)
+            part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
+            out[f"state buffers of the layers on disk ({n} x one layer's {what}, pinned)"] = \
+                n * record_bytes(s.layer_params, part, fmt)
+        if self.gpus > 1:
+            return self._host_data_parallel(out, tok_h, acts, tier, deferred)
+        head = s.head_params + (s.embed_params if s.tied and deferred else 0)
+        late = 0 if disk_layers.layers or disk_layers.moments else self.late_layers(deferred)
+        if deferred:
+            out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
+        if s.tied or deferred:     # an untied one with one backward per step reads as zeros, unbacked
+            out[f"embedding gradient (fp32{', pinned' if s.tied else ''})"] = 4 * s.embed_params  # [Why only a tied embedding's dense gradient is pinned]
+        out.update({
+            f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
+                GRAD_BYTES * self.grad_buffers * s.layer_params,
+            # an untied head updated in backward keeps its own until the backward ends (engine: [Why an
+            # untied head is updated when the backward ends]); else borrowed from the ring when it fits
+            # there ([Why the head's gradient borrows the ring]); a tied lm_head's gradient joins it
+            # with accumulation only
+            "head host buffer (bf16, pinned)": (GRAD_BYTES * head if not s.tied and not deferred
+                                                else 0 if head <= self.grad_buffers * s.layer_params
+                                                else GRAD_BYTES * head),
+            # embedding.py: the forward's gather in bf16 (the native kernel; fp32 without it), the
+            # backward's row sums in fp32
+            "embedding row buffers (B*S*H bf16 + fp32, pinned)": (2 + 4) * tok_h,
+            # updates in backward: the top layers' gradients wait for the backward's end (engine:
+            # [Why the top layers are updated late]), about the embedding's size in layers
+            f"late layers' gradients ({late} x largest layer, bf16, pinned)": GRAD_BYTES * late * s.layer_params,
+            f"layer inputs ({tier} tier)": acts,
+            "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
+        })
+        return out
+
+    def late_layers(self, deferred: bool) -> int:
+        """Layers whose update waits for the end of the backward (late_updates.py): with updates in
+        backward (and no layer on disk), enough to cover the embedding's whole-table update."""
+        return 0 if deferred else min(self.s.layers, -(-self.s.embed_params // self.s.layer_params))
+
+    def _host_data_parallel(self, out: dict, tok_h: int, acts: int, tier: str, deferred: bool) -> dict:
+        """The host items of several processes (data_parallel.py, sharded.py): the state (masters,
+        moments, accumulators) once, in memory the ranks share; each rank's shard buffers of the
+        embedding's and the head's gradients (1/N of each, one copy in total: a tied lm_head's gradient
+        joins the embedding's); the ring, row buffers, layer inputs and process once per rank."""
+        s, G = self.s, self.gpus
+        if deferred:
+            out[f"fp32 gradient accumulators (4 B/param, each GPU writes its 1/{G}: one copy)"] = \
+                self.accumulator_bytes()
+        out.update({
+            f"embedding gradient shards (fp32, pinned, 1/{G} on each GPU: one copy)":
+                4 * G * self.shard(s.embed_params),
+            self.per_gpu(f"gradient ring ({self.grad_buffers} x largest layer, bf16)"):
+                G * GRAD_BYTES * self.grad_buffers * s.layer_params,
+            f"head gradient shards (bf16, pinned, 1/{G} on each GPU: one copy)":
+                G * GRAD_BYTES * self.shard(s.head_params),
+            self.per_gpu("embedding row buffers (B*S*H bf16 + fp32, pinned)"): G * (2 + 4) * tok_h,
+            self.per_gpu(f"layer inputs ({tier} tier)"): G * acts,
+            self.per_gpu("process (torch, CUDA runtime, Python)"): G * PROCESS_HOST_BYTES,
+        })
+        return out
+
+    def layer_inputs_host(self, B: int, tier: str) -> int:
+        """Host bytes of the layer inputs kept for backward on `tier` (bf16)."""
+        tok_h = B * self.seq * self.s.hidden
+        # the last layer's input stays on the device (activations.py); nvme: the I/O thread's bounce buffers
+        return {"cpu": (self.s.layers - 1) * 2 * tok_h, "device": 0, "nvme": NVME_BUFFERS * 2 * tok_h}[tier]
+
+    def logits_rows(self, T: int) -> int:
+        """Rows of the fused loss's logits chunk for T tokens (triton_ops' default_chunk_tokens: a
+        (C, V) bf16 buffer of max(T*H, V*H/8) elements, >= 32 MiB)."""
+        s = self.s
+        rows = max(2 * max(T * s.hidden, s.vocab * s.hidden // 8), 32 << 20) // (2 * s.vocab)
+        return min(T, max(64, rows // 64 * 64) if rows >= 64 else max(1, rows))
+
+    def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
+        """(bytes held all step, bytes of each phase); the peak is the first plus the larger phase."""
+        s, T = self.s, B * self.seq
+        H, head = s.hidden, s.head_slot_params
+        fixed = {
+            f"layer slots ({self.window} x largest layer, bf16)": 2 * self.window * s.layer_params,
+            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
+            "head slot (bf16)": 2 * head,
+        }
+        if self.fp8:      # the recomputed layer's forward forms, one at a time its dgrad forms (layer_matmuls.py)
+            fixed["FP8 weights (largest layer, e4m3)"] = s.layer_params
+        if tier == "device":
+            fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
+        if self.gpus > 1:
+            # sharded.py: a layer's gradient copied into a flat buffer and reduce-scattered into a
+            # shard; a tied lm_head's gradient kept from the head's backward to the embedding's
+            fixed[f"reduce-scatter buffers (one layer's gradient + its 1/{self.gpus} shard, bf16)"] = \
+                GRAD_BYTES * (self.gpus * self.shard(s.layer_params) + self.shard(s.layer_params))
+            if s.tied:
+                fixed["tied lm_head gradient, kept for the embedding's reduce-scatter (bf16)"] = 2 * s.embed_params
+        rows = self.logits_rows(T)
+        phases = {
+            # transfer.py: [Why copy sources are handed over, not recorded]: the gradient copied out
+            # before a layer's backward is held until the next hand-over, the head's (the larger)
+            # through the top layer's
+            f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
+            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'}, bf16), the head's gradient still crossing":
+                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate
+                + GRAD_BYTES * max(head, s.layer_params),
+            # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
+            # loss-gradient rows, and the last layer's input, kept for its backward
+            # (with several processes a tied lm_head's gradient is in the fixed part)
+            "head: gradient (bf16), logits chunk, hidden states":
+                2 * (head - (s.embed_params if self.gpus > 1 and s.tied else 0)) + 2 * rows * s.vocab + T * (8 * H + 4),
+        }
+        if self.fp8:
+            # fp8.SharedInputs: a projection input's transposed e4m3 form lives until its last
+            # reader's backward, beside one output gradient's form: at most the activation's and
+            # the MLP input's, or a gate / up gradient's and the MLP input's
+            key = next(k for k in phases if k.startswith("layer recompute"))
+            phases[key + "; FP8 forms of a gradient and an input (I + H, e4m3)"] = \
+                phases.pop(key) + T * (H + s.intermediate)
+        if self.gpus > 1:
+            # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
+            # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered
+            dense = 4 * self.gpus * self.shard(s.embed_params)
+            phases[f"embedding backward: dense fp32 gradient + its 1/{self.gpus} shard, the rows' fp32 gradients"] = \
+                dense + 4 * self.shard(s.embed_params) + 2 * 4 * T * H + (4 * s.embed_params if s.tied else 0)
+        return fixed, phases
+
+    def gpu_extras(self, N: int, clipping: bool) -> dict:
+        """Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
+        (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py)."""
+        out = {}
+        if self.gpus > 1:           # several processes: no device accumulation, no device updates (sharded.py)
+            return out
+        if N > 1:
+            out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
+        if clipping:
+            out["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, self.s.layer_params)
+        return out
+
+    def gpu_peak(self, B: int, tier: str) -> int:
+        fixed, phases = self.gpu(B, tier)
+        return sum(fixed.values()) + max(phases.values())
+
+    def flops_per_token(self, recompute: bool = True) -> float:
+        """Matmul FLOPs per token: layers 6 N (fwd, bwd) plus the recompute's 2 N less down_proj's
+        2 I H (its product is not recomputed), head 6 V H, causal attention (forward 2 S d per
+        layer, backward 2.5 x the forward). N counts the parameters a token computes with: a
+        mixture of experts' top-k experts (`active_layer_params`), whose recompute skips nothing;
+        the host and PCIe terms count every parameter."""
+        s = self.s
+        attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
+        return self.projection_flops(recompute) + 6 * s.vocab * s.hidden + attn
+
+    def projection_flops(self, recompute: bool = True) -> float:
+        """The decoder layers' projection FLOPs per token (the GEMMs the FP8 mode runs in FP8)."""
+        s = self.s
+        n = s.compute_layer_params
+        return s.layers * (6 * n + (2 * (n - s.skipped_product_params) if recompute else 0))
+
+    def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
+        """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
+        GPU-resident time, the benchmark's compute bound)."""
+        r = self.rates
+        T = B * self.seq
+        flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)
+        quant = 0.0
+        if self.fp8:      # bf16-equivalent FLOPs: the projections' GEMMs run FP8_GEMM_SPEEDUP times faster
+            flops -= self.projection_flops(recompute) * (1 - 1 / FP8_GEMM_SPEEDUP)
+            quant = self.fp8_quant_bytes(T) / (r["gpu_hbm_gbs"] * 1e9 * FP8_QUANT_HBM_SHARE)
+        return N * (T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]) + quant)
+
+    def fp8_quant_bytes(self, T: int) -> float:
+        """Bytes of the FP8 quantization passes per micro-batch of T tokens (docs/fp8.md, "Fused
+        quantization"), per layer: 6 per element of the output gradients, 5 of the inputs'
+        transposed forms, 6 of the attention output's rows, 9 per weight parameter."""
+        s = self.s
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        outputs = q + 2 * kv + s.hidden + 2 * s.intermediate + s.hidden      # q, k, v, o, gate, up, down
+        inputs = s.hidden + q + s.hidden + s.intermediate                     # q/k/v, o, gate/up, down
+        return s.layers * (T * (6 * outputs + 5 * inputs + 6 * q) + 9 * s.compute_layer_params)
+
+    def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
+        """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
+        (res: resident embedding?, resident layers)."""
+        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
+        if self.gpus > 1:
+            return self._traffic_data_parallel(B, N, tier)
+        embed_res, k = res
+        sent = s.layers - k
+        layers = sent * s.layer_params
+        # the last layer's input stays on the device, the first is gathered again from a resident embedding
+        acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
+        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
+        rows = 0 if embed_res else 4 * TH
+        h2d = mb * (layers + resent + s.head_params) + eb * (head - s.head_params) + rows + acts   # masters, rows
+        # gradients of the units updated on the host (resident ones stay): in the compute dtype
+        # into the ring with one micro-batch, fp32 sums into the accumulators with several
+        # (engine: [Why gradients cross in the compute dtype]); embedding rows
+        d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
+        # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
+        return N * h2d + (N - 1) * 4 * layers, N * d2h
+
+    def _traffic_data_parallel(self, B: int, N: int, tier: str) -> tuple[int, int]:
+        """One rank's bytes each way per optimizer step of several processes (no resident units):
+        the same h2d as one process's, without the accumulation's running sums (each micro-batch's
+        shard is added on the host); out, this rank's shard of every unit's gradient, reduced on the
+        devices, for every micro-batch: the layers' and the head's in the compute dtype, the
+        embedding's dense in fp32 (sharded.py), and its own layer inputs."""
+        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
+        layers = s.layers * s.layer_params
+        acts = 2 * max(0, s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, s.layers - self.window) * s.layer_params
+        h2d = mb * (layers + resent + s.head_params) + (eb * s.embed_params if s.tied else 0) + 4 * TH + acts
+        grads = (GRAD_BYTES * (s.layers * self.shard(s.layer_params) + self.shard(s.head_params))
+                 + 4 * self.shard(s.embed_params))
+        return N * h2d, N * (grads + acts)
+
+    def resident_params(self, res: tuple[bool, int]) -> int:
+        return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
+
+    def disk_state_bytes(self, disk_layers: DiskSplit) -> int:
+        """Bytes of the state file of the layers on disk (one record each: the engine's file is not
+        kept, disk/unit_state.py)."""
+        if not disk_layers.layers:
+            return 0
+        P = self.s.layer_params
+        fmt = state_format(self.optimizer_state)
+        head, _, sizes = record_layout([StateRecord(P, part, fmt).layout
+                                        for part in disk_layers.parts(disk_layers.layers)], slots=1)
+        return head + sum(sizes)
+
+    def disk_traffic(self, N: int, disk_layers: DiskSplit, deferred: bool | None = None) -> int:
+        """Bytes the layers on disk read and write per optimizer step of N micro-batches (deferred:
+        default N > 1). A layer with its moments on disk reads them once for its update and writes
+        them once after it: 2 records of its moments (8 B/param under 'adamw', 2.03 under the 8-bit
+        formats), whatever N. A layer with its whole state there reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
+        and its whole record for its update, and writes it once after: updating in backward, the
+        forward's copy (4 B/param) then the recompute's copy, which the update shares (12), per
+        micro-batch; deferred, the forward's and the recompute's copies (4 + 4) per micro-batch
+        and the whole record once for the update at the step. Evictions in between are assumed
+        (the pool holds four records), so a record read for the forward is read again."""
+        deferred = N > 1 if deferred is None else deferred
+        P, fmt = self.s.layer_params, state_format(self.optimizer_state)
+        rec = StateRecord(P, WHOLE, fmt)
+        master, full = rec.master_bytes, rec.nbytes
+        whole = N * 2 * master + full if deferred else N * (master + full)
+        return disk_layers.moments * 2 * record_bytes(P, MOMENTS, fmt) + disk_layers.whole * (whole + full)
+
+    def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
+              res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:
+        """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
+        deferred = N > 1 if deferred is None else deferred
+        r, s = self.rates, self.s
+        h2d, d2h = self.traffic(B, N, tier, res)
+        bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
+        on_cpu = s.n_params - self.resident_params(res)
+        layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
+        if self.gpus > 1:
+            # One host's AdamW over every parameter, the ranks' workers sharing its cores and memory;
+            # deferred, every micro-batch's shards are copied (first) or added into the accumulators.
+            cpu = s.n_params / adam + (N * s.n_params if deferred else 0) / (adam * ADD_VS_ADAM)
+        else:
+            # deferred mode: each micro-batch's gradients are copied (first) or added into the host
+            # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
+            # alone the device-updated layers' land there directly (device_update.py)
+            cpu = on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
+                                   (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM)
+        out = {
+            "gpu": self.gpu_seconds(B, N),
+            "pcie": max(h2d / bw, d2h / bw, (h2d + d2h) / (2 * DUPLEX * bw)),
+            "cpu": cpu,
+        }
+        if tier == "nvme":          # several processes: their layer inputs share the one disk
+            acts = self.gpus * N * 2 * s.layers * B * self.seq * s.hidden
+            out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
+        if disk_layers.layers:       # the layers' state shares the disk with the nvme tier's inputs
+            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers, deferred) / (r["nvme_bw"] * 1e9)
+        return out
+
+    def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None, disk_of=None) -> int:
+        """Smallest power-of-two batch whose GPU term is the largest, capped at `limit` (0 if < 1);
+        `disk_of(batch)`: the layers on disk at that batch (none by default)."""
+        b = 1
+        while b < limit:
+            if gpu_binds(self.times(b, N, tier, deferred, disk_layers=disk_of(b) if disk_of else DiskSplit())):
+                return b
+            b *= 2
+        return max(0, limit)
+
+
+def gpu_binds(times: dict) -> bool:
+    """Whether the GPU's term is the largest of a step's `times` (the other terms hide behind it)."""
+    return times["gpu"] >= max(times.values())
+
+
+def batch_limit(max_gpu: int, max_host: int | None) -> int:
+    """The largest batch to consider: both memories', or the GPU's when the host cannot fit even batch 1."""
+    return max_gpu if not max_host else min(max_gpu, max_host)

@@ -1,0 +1,100 @@
+"""A model's shape for the planner: its config.json read (`load_model_config`) and the parameters
+of what the engine slides counted from the config's sizes (`model_shape`), without building it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ..models import LayerDims, get_family
+
+__all__ = ["ModelShape", "load_model_config", "model_shape"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a Llama-layout decoder: what the engine slides, in parameters."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    layer_params: int        # one decoder layer
+    embed_params: int        # the token embedding (V * H)
+    head_params: int         # final norm + lm_head (the norm alone when tied)
+    max_positions: int | None = None     # the config's max_position_embeddings
+    active_layer_params: int | None = None   # one token's share of a layer (a mixture of experts: top-k); None: all
+    moe: bool = False                    # routed experts: the MLP has no down_proj product to skip
+
+    @property
+    def n_params(self) -> int:
+        return self.embed_params + self.layers * self.layer_params + self.head_params
+
+    @property
+    def compute_layer_params(self) -> int:
+        """A layer's parameters one token computes with (the GPU's FLOPs): top-k of a mixture of
+        experts' routed experts, every parameter of a dense layer."""
+        return self.active_layer_params or self.layer_params
+
+    @property
+    def skipped_product_params(self) -> int:
+        """The weights of the product the recompute skips (down_proj, I x H; none with routed experts)."""
+        return 0 if self.moe else self.intermediate * self.hidden
+
+    @property
+    def head_slot_params(self) -> int:
+        """Parameters in the GPU head slot: norm + lm_head, or norm + the tied embedding."""
+        return self.head_params + (self.embed_params if self.tied else 0)
+
+
+def load_model_config(config_or_path) -> dict:
+    """The config as a dict, from a dict, an HF config object, a model directory or a config.json path."""
+    if isinstance(config_or_path, dict):
+        return dict(config_or_path)
+    if hasattr(config_or_path, "to_dict"):
+        return config_or_path.to_dict()
+    path = os.fspath(config_or_path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{os.path.dirname(path)!r} holds no config.json: pass a model directory "
+                                    "with a config.json, or the path of a config.json")
+    elif not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} does not exist: pass a model directory with a config.json, or the path "
+                                "of a config.json (hub ids are not fetched: download the model's config.json first)")
+    with open(path, encoding="utf-8") as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path!r} does not hold a JSON object")
+    return cfg
+
+
+def model_shape(cfg: dict) -> ModelShape:
+    """Count the parameters of a supported family from its config (HF's layouts, biases and norms)."""
+    model_type = cfg.get("model_type")
+    family = get_family(model_type)      # ValueError naming the supported model types
+    try:
+        H, I, L, V = (int(cfg[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        nh = int(cfg["num_attention_heads"])
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}, which a {model_type} config must have") from None
+    nkv = int(cfg.get("num_key_value_heads") or nh)
+    hd = int(cfg.get("head_dim") or H // nh)
+    layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
+    tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
+    maxpos = cfg.get("max_position_embeddings")
+    moe = family.router_class is not None
+    active = family.active_layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd,
+                                                       head_dim=hd)) if moe else None
+    return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
+                      head_params=H + (0 if tied else V * H), max_positions=int(maxpos) if maxpos else None,
+                      active_layer_params=active, moe=moe)
