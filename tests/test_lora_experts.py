@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 import hf_slideformer as hs
 from hf_slideformer.engine.placements import FrozenLayer
 from helpers import batches, family_config
+from test_lora import assert_same_training
 
 LR = 1e-2
 GA, CLIP = 2, 0.5
@@ -141,18 +142,7 @@ def test_from_pretrained_with_expert_targets_equals_sliding_the_peft_model(tmp_p
     loaded = hs.SlideModel.from_pretrained(tmp_path / "base", cfg, peft_config=_lora())
     other = hs.slide(get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), _lora()), cfg)
     other.load_state_dict(loaded.state_dict(), strict=False)
-    opts = [m.create_optimizer(lr=LR) for m in (loaded, other)]
-    for b in batches(2):
-        losses = []
-        for m, opt in zip((loaded, other), opts):
-            loss = m(**b).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        assert losses[0] == losses[1]
-    x, y = _adapters(loaded), _adapters(other)
-    assert all(torch.equal(x[n], y[n]) for n in x)
+    assert_same_training(loaded, other, batches(2))
 
 
 def test_get_peft_model_with_expert_targets_on_a_slid_model_trains_as_peft():
