@@ -26,16 +26,16 @@ def _pair(family, dtype, tied, **kw):
     return ref.cuda(), slid
 
 
-def _data(steps):
-    return [{k: v.cuda() for k, v in b.items()} for b in batches(steps, bsz=4, seq=96, vocab=VOCAB, pad=True)]
+def _data(steps, device="cuda"):
+    return [{k: v.to(device) for k, v in b.items()} for b in batches(steps, bsz=4, seq=96, vocab=VOCAB, pad=True)]
 
 
-def _train_hf(ref, steps, clip=0.5, autocast=False):
-    """HF + torch AdamW (fp32 weights; with `autocast`, bf16 compute): the losses."""
+def _train_hf(ref, steps, clip=0.5, autocast=False, device="cuda"):
+    """HF + torch AdamW on `device` (fp32 weights; with `autocast`, bf16 compute): the losses."""
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     losses = []
-    for b in _data(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    for b in _data(steps, device):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             r = ref(**b).loss
         r.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
@@ -74,31 +74,50 @@ def _routed(family) -> bool:
 
 @pytest.mark.parametrize("family", ALL)
 def test_fp32_cuda_matches_hf(family):
+    """fp32 sliding against fp32 HF on the GPU, three steps: losses within 1e-4 relative, the mean
+    parameter difference under 5% of one lr step, the largest under 2 lr steps per step.
+
+    A mixture of experts: HF's gradients are summed on the device, the engine's on the host; a 1e-7
+    difference of summation order flips a top-k routing choice whose scores tie, and the token then
+    trains another expert. Its bounds are HF's own: the same HF model trained in fp32 on the CPU
+    against fp32 HF on CUDA, the loss tolerance 3 times that gap (the largest over the steps), the
+    mean bound 1.5 times that drift (a wrong gradient moves most weights by a full step: far above
+    either)."""
     ref, slid = _pair(family, torch.float32, tied=False, max_grad_norm=0.5, use_kernels=False)
-    losses = _train(ref, slid, 3)
+    steps = 3
+    hf_cpu = copy.deepcopy(ref).cpu() if _routed(family) else None
+    losses = _train(ref, slid, steps)
+    rel_tol, bound = 1e-4, 0.05 * LR
+    sd, rsd = slid.state_dict(), ref.cpu().state_dict()
+    if hf_cpu is not None:
+        cpu_losses = _train_hf(hf_cpu, steps, device="cpu")
+        gap = max(abs(c - r) / abs(r) for c, (_, r) in zip(cpu_losses, losses))
+        rel_tol = max(rel_tol, 3 * gap)
+        bound = max(bound, 1.5 * _mean_diff(hf_cpu, rsd))
     for s, r in losses:
-        assert math.isclose(s, r, rel_tol=1e-4), losses
+        assert math.isclose(s, r, rel_tol=rel_tol), (losses, rel_tol)
     # Why a mean and a cap: AdamW's first steps move each weight by
     # about lr * g / |g|: where g is ~0, a 1e-7 difference of summation order on the GPU (HF's
     # gradients on the device, the engine's summed on the host) flips the step of that one weight.
-    # A wrong gradient moves most weights: the mean is held to 5% of a step, the largest to 2 steps.
-    sd, rsd = slid.state_dict(), ref.cpu().state_dict()
+    # A wrong gradient moves most weights: the mean is held to 5% of a step (or HF's own CPU-CUDA
+    # drift, routed), the largest to 2 steps per step.
     diffs = torch.cat([(sd[k].cpu() - rsd[k]).abs().flatten() for k in rsd])   # a layer buffer stays on the GPU
-    assert diffs.mean().item() < 0.05 * LR and diffs.max().item() < 2 * LR * 3, (diffs.mean(), diffs.max())
+    assert diffs.mean().item() < bound and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max(), bound)
 
 
 @pytest.mark.parametrize("family", ALL)
 def test_bf16_with_the_family_kernels_tracks_fp32_hf(family):
     """bf16 compute, the kernels the entry lists: losses within 2% per step, the mean parameter
-    difference under 10% of one lr step (bf16 gradients against fp32 ones), the largest under 2 lr
-    steps per step.
+    difference under the larger of 10% of one lr step and 1.5 times HF's own bf16 drift (the same
+    HF model with bf16 autocast against fp32 HF), the largest under 2 lr steps per step.
 
-    A mixture of experts: a token whose top-k scores tie within bf16 rounding picks another expert
-    in bf16 than in fp32, a real divergence that Adam turns into whole lr steps on the experts'
-    weights. Its mean bound is HF's own: the same HF model with bf16 autocast against fp32 HF,
-    times 1.5 (a wrong gradient moves most weights by a full step: far above either)."""
+    bf16 rounding is a perturbation that a chaotic tiny model (Gemma 4's) grows until it moves
+    weights by a large part of a step; in a mixture of experts a token whose top-k scores tie
+    within bf16 rounding picks another expert in bf16 than in fp32, a real divergence that Adam
+    turns into whole lr steps on the experts' weights. HF's own bf16 drift measures both; a wrong
+    gradient moves most weights by a full step: far above either bound."""
     ref, slid = _pair(family, torch.bfloat16, tied=True, max_grad_norm=0.5, use_kernels=True)
-    hf_bf16 = copy.deepcopy(ref) if _routed(family) else None
+    hf_bf16 = copy.deepcopy(ref)
     handle = getattr(slid, "_triton_ops_patch", None)
     if REGISTRY[model_type_of(family)].kernels:
         assert handle is not None and (handle.forwards or handle.rope_module), family
@@ -108,8 +127,6 @@ def test_bf16_with_the_family_kernels_tracks_fp32_hf(family):
         assert abs(s - r) / r < 2e-2, losses
     sd, rsd = slid.state_dict(), ref.cpu().state_dict()
     diffs = torch.cat([(sd[k].cpu() - rsd[k]).abs().flatten() for k in rsd])   # a layer buffer stays on the GPU
-    bound = 0.1 * LR
-    if hf_bf16 is not None:
-        _train_hf(hf_bf16, steps, autocast=True)
-        bound = max(bound, 1.5 * _mean_diff(hf_bf16, rsd))
+    _train_hf(hf_bf16, steps, autocast=True)
+    bound = max(0.1 * LR, 1.5 * _mean_diff(hf_bf16, rsd))
     assert diffs.mean().item() < bound and diffs.max().item() < 2 * LR * steps, (diffs.mean(), diffs.max(), bound)

@@ -200,26 +200,43 @@ def test_what_peft_refuses_on_parameters_stays_refused():
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_bf16_expert_lora_on_the_gpu_tracks_fp32_peft(family):
     """bf16 compute on the streamed base (HF's grouped expert kernels on CUDA), fp32 adapters on the
-    device, against fp32 PEFT on the GPU: losses within 2% per step, adapters within a few lr steps."""
+    device, against fp32 PEFT on the GPU: losses within 2% per step, the adapters' mean difference
+    under the larger of 10% of one lr step and 1.5 times PEFT's own bf16 drift (the same PEFT model
+    with bf16 autocast against fp32 PEFT), the largest within a few lr steps.
+
+    In bf16 a token whose top-k scores tie within rounding picks another expert than in fp32 (as in
+    tests/test_families_gpu.py), a real divergence that Adam turns into whole lr steps on that
+    expert's adapters; a wrong gradient moves most adapters by a full step: far above the bound."""
     torch.manual_seed(0)
+    lr, clip = 1e-3, 1.0
     dims = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, num_attention_heads=8,
                 num_key_value_heads=2, head_dim=32, vocab_size=1024)
     cfg = family_config(family, tied=True, **{k: v for k, v in dims.items() if k != "moe_intermediate_size" or
                                                family == "qwen3_moe"})
     ref = get_peft_model(AutoModelForCausalLM.from_config(cfg).float(), _lora(("q_proj", "o_proj")))
-    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cuda", dtype=torch.bfloat16, max_grad_norm=1.0))
+    slid = hs.slide(copy.deepcopy(ref), hs.SlideConfig(device="cuda", dtype=torch.bfloat16, max_grad_norm=clip))
     ref = ref.cuda()
-    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
-    opt = slid.create_optimizer(lr=1e-3)
+    ref_bf16 = copy.deepcopy(ref)
+    rparams = [p for p in ref.parameters() if p.requires_grad]
+    bparams = [p for p in ref_bf16.parameters() if p.requires_grad]
+    ropt = torch.optim.AdamW(rparams, lr=lr)
+    bopt = torch.optim.AdamW(bparams, lr=lr)
+    opt = slid.create_optimizer(lr=lr)
     for b in batches(4, bsz=4, seq=128, vocab=1024, pad=True):
         b = {k: v.cuda() for k, v in b.items()}
         r = ref(**b).loss
         r.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(rparams, clip)
         ropt.step(); ropt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            q = ref_bf16(**b).loss
+        q.backward()
+        torch.nn.utils.clip_grad_norm_(bparams, clip)
+        bopt.step(); bopt.zero_grad()
         s = slid(**b).loss
         s.backward(); opt.step(); opt.zero_grad()
         assert abs(s.item() - r.item()) / r.item() < 2e-2, (s.item(), r.item())
-    a, b = _adapters(ref), _adapters(slid)
+    a, b, h = _adapters(ref), _adapters(slid), _adapters(ref_bf16)
     diffs = torch.cat([(a[n] - b[n]).abs().flatten() for n in a])
-    assert diffs.mean().item() < 0.1 * 1e-3 and diffs.max().item() < 8e-3, (diffs.mean(), diffs.max())
+    bound = max(0.1 * lr, 1.5 * torch.cat([(a[n] - h[n]).abs().flatten() for n in a]).mean().item())
+    assert diffs.mean().item() < bound and diffs.max().item() < 8e-3, (diffs.mean(), diffs.max(), bound)
