@@ -2,8 +2,9 @@
 
 - `planner`: `plan()` and `Plan`; `plan_shape`: a model's shape from its config;
   `plan_estimate`: the step's time terms (GPU, PCIe, host AdamW, disk); `plan_report`: the text;
-  `plan_lora`: LoRA's terms; `plan_calibration`: measured rates; `budget`: the GPU memory terms,
-  also used by the engine to size what stays resident.
+  `plan_lora`: LoRA's terms; `plan_lora_targets`: what a LoRA run adapts, counted as PEFT
+  does; `plan_calibration`: measured rates; `budget`: the GPU memory terms, also used by the
+  engine to size what stays resident.
 
 May import `host` (state formats, rates, `memory`), `disk` (the split), `engine.resident_state`
 and `models`; never the engine's step.

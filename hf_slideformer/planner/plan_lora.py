@@ -1,17 +1,23 @@
 """The planner's LoRA model: a PEFT LoRA run on a streamed frozen base, as the engine runs it.
 
 `LoraEstimator` is `plan_estimate.Estimator` for a model whose base is frozen (`lora.py`,
-`placements.FrozenLayer`) and whose adapters, rank r on every linear layer of the decoder layers,
-stay on the GPU. What changes against full fine-tuning:
+`placements.FrozenLayer`) and whose adapters, rank r on the targeted linear layers and
+parameters of the decoder layers (`plan_lora_targets`: PEFT's `target_modules` and
+`target_parameters`, the experts' fused weights of a mixture of experts), stay on the GPU. What
+changes against full fine-tuning:
 
 - host: the frozen base alone, without moments, accumulators or gradient buffers (the gradient
   ring is made but unused): the layers and the head at `base_bytes` per parameter, the
   embedding's master in fp32; no CPU AdamW;
 - GPU: the adapters in fp32 with their gradient and moments (16 B/param), and their inputs,
-  which PEFT casts to fp32 and autograd keeps for their gradients;
+  which PEFT casts to fp32 and autograd keeps for their gradients; an adapted parameter (PEFT's
+  `ParamWrapper`) is materialized at each pass as W + B A in its own dtype, and the backward
+  keeps that copy and makes its gradient;
 - compute: the forward and the recompute as for full fine-tuning, the backward the input
-  gradients only (no weight-gradient products of the base); plus the adapters' own work;
+  gradients only (no weight-gradient products of the base), but the weight gradients of the
+  adapted parameters, which their factors' gradients come from; plus the adapters' own work;
 - PCIe: the frozen layers for the forward and the recompute; nothing of theirs crosses back.
+  The adapters never cross: they live on the GPU.
 
 With PEFT `modules_to_save` (`trained`: "embed_tokens", "lm_head"; modules_to_save.py) the
 copy trains in full as the embedding or head unit does in full fine-tuning: fp32 master and
@@ -29,9 +35,11 @@ from dataclasses import dataclass
 from .plan_estimate import (
     ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, Estimator, ModelShape, batch_limit, gpu_binds,
 )
+from .plan_lora_targets import LoraTargets, llama_targets
 from .plan_report import gib
 
-__all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES", "MODULES_TO_SAVE"]
+__all__ = ["LoraEstimator", "advise_lora", "lora_linears", "adapter_params", "FROZEN_BASE_BYTES", "MODULES_TO_SAVE",
+           "ADAPTER_GPU_BYTES", "PARAM_PASS_BYTES", "PARAM_BACKWARD_BYTES", "ADAPTER_STEP_BYTES"]
 
 # Host bytes per parameter of a frozen layer or head: the engine keeps them in the compute dtype
 # (store.py: [Why a frozen unit is kept in the compute dtype]). 4 where the adapters were added to
@@ -49,6 +57,15 @@ ADAPTER_GPU_BYTES = 16       # fp32 weight, gradient, Adam m and v, all on the G
 # base's (6). The rank-r intermediates are negligible while r is small against the features.
 LORA_PASS_BYTES = (10, 28)        # one forward (the engine runs two: forward and recompute)
 LORA_BACKWARD_BYTES = (20, 28)
+# GPU memory traffic of an adapted parameter (PEFT's ParamWrapper, a 3-D expert weight of a bf16
+# base), bytes per element per micro-batch: each pass reads the weight and writes W + B A, one
+# `baddbmm` (2 + 2); the backward writes the adapted weight's gradient (2) and reads it for both
+# factors' gradients (2 + 2). Per micro-batch, whatever its tokens.
+PARAM_PASS_BYTES = 4
+PARAM_BACKWARD_BYTES = 6
+# The adapters' fused AdamW on the GPU, once per optimizer step: reads the fp32 weight, gradient,
+# m and v, writes the weight, m and v.
+ADAPTER_STEP_BYTES = 28
 PEAK_HBM_GBS = 4800.0        # H200 memory bandwidth, GB/s (H100 SXM: 3350)
 PEAK_FP32_TFLOPS = 66.9      # H100 / H200 SXM fp32 peak without TF32 (torch's default for fp32 matmuls)
 # Achieved share of PEAK_HBM_GBS by the adapters' kernels: fitted to the measured slide_lora row
@@ -64,25 +81,36 @@ def lora_linears(s: ModelShape) -> dict[str, tuple[int, int]]:
 
 
 def adapter_params(s: ModelShape, r: int) -> int:
-    """LoRA parameters of rank r on every linear layer of every decoder layer: r (in + out) each."""
+    """LoRA parameters of rank r on every linear layer of every Llama-layout decoder layer: r (in + out) each."""
     return s.layers * sum(r * (i + o) for i, o in lora_linears(s).values())
 
 
 @dataclass(frozen=True)
 class LoraEstimator(Estimator):
-    """The formulas for a LoRA run of rank `r` whose frozen layers and head take `base_bytes`
-    per parameter on the host and over PCIe (rates as `Estimator`'s, plus `gpu_hbm_gbs` and
-    `gpu_fp32_tflops`)."""
+    """The formulas for a LoRA run of rank `r` on `targets` whose frozen layers and head take
+    `base_bytes` per parameter on the host and over PCIe (rates as `Estimator`'s, plus
+    `gpu_hbm_gbs` and `gpu_fp32_tflops`)."""
 
     r: int = 16
     base_bytes: int = FROZEN_BASE_BYTES
     trained: tuple[str, ...] = ()       # PEFT modules_to_save: a subset of MODULES_TO_SAVE
+    targets: LoraTargets | None = None  # what the adapters adapt; None: every linear of a Llama-layout layer
 
     host_updates = False     # the engine keeps frozen layers streaming: no resident units, no device updates
 
     @property
+    def lora_targets(self) -> LoraTargets:
+        return self.targets if self.targets is not None else llama_targets(self.s, self.r)
+
+    @property
     def adapter_params(self) -> int:
-        return adapter_params(self.s, self.r)
+        """The adapters' parameters, as PEFT makes them (`LoraTargets.params`)."""
+        return self.lora_targets.params
+
+    @property
+    def param_adapter_params(self) -> int:
+        """Of them, those on targeted parameters (PEFT's ParamWrapper: the experts' weights)."""
+        return self.lora_targets.param_params
 
     @property
     def frozen_params(self) -> int:
@@ -128,17 +156,31 @@ class LoraEstimator(Estimator):
             out["modules_to_save originals (frozen, bf16)"] = 2 * (head + emb)
         return out
 
+    def layer_adapter_bytes(self, T: int) -> tuple[int, int, int]:
+        """(bytes, its linears' input features, its parameters' bytes) of the layer whose adapters
+        hold the most in its recompute + backward: the adapted linears' fp32 inputs, T x their
+        input features x 4; each adapted parameter's W + B A (2 B/element, kept for the backward)
+        and its bf16 factors, and the largest one's gradient (2 B/element)."""
+        best = (0, 0, 0)
+        for layer in self.lora_targets.layers:
+            params = 2 * layer.param_numel + 2 * layer.param_largest + 2 * layer.param_params
+            best = max(best, (4 * T * layer.linear_in + params, layer.linear_in, params))
+        return best
+
     def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
-        """As full fine-tuning's, plus the adapters and their fp32 inputs; a frozen head has no gradient."""
+        """As full fine-tuning's, plus the adapters, their fp32 inputs and the adapted parameters'
+        copies; a frozen head has no gradient."""
         s, T = self.s, B * self.seq
         fixed, _ = super().gpu(B, tier)
         fixed[f"LoRA adapters (fp32 weight, gradient, Adam m, v: {ADAPTER_GPU_BYTES} B/param)"] = \
             ADAPTER_GPU_BYTES * self.adapter_params
-        ins = sum(i for i, _ in lora_linears(s).values())
+        held, ins, params = self.layer_adapter_bytes(T)
+        copies = f", the adapted parameters' W + B A and the largest's gradient (bf16, {gib(params)})" if params else ""
         phases = {
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
-            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'} bf16, the adapters' fp32 inputs B*S*{ins})":
-                2 * T * ACT_HIDDEN * s.hidden + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate + 4 * T * ins,
+            f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'} bf16, the adapters' fp32 inputs B*S*{ins}"
+            f"{copies})":
+                2 * T * ACT_HIDDEN * s.hidden + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate + held,
             "head: logits chunk, hidden states (frozen: no gradient)" if not self.trained_head_params else
             "head: gradient (bf16, modules_to_save), logits chunk, hidden states":
                 2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4) + 2 * self.trained_head_params,
@@ -152,30 +194,39 @@ class LoraEstimator(Estimator):
     def flops_per_token(self, recompute: bool = True) -> float:
         """bf16 matmul FLOPs per token: layers 4 P (forward, input gradients) plus the recompute's
         2 P less down_proj's 2 I H, head 4 V H (its forward and its input's gradient), attention
-        as for full fine-tuning (its backward has no weights); a trained lm_head (modules_to_save) adds
-        its weight gradient's 2 V H. The adapters' products are timed by
-        `adapter_seconds`. P: the parameters a token computes with (`ModelShape.compute_layer_params`)."""
+        as for full fine-tuning (its backward has no weights); the adapted parameters' weight
+        gradients, 2 per element a token computes with (top-k of the experts), which their
+        factors' gradients are taken from; a trained lm_head (modules_to_save) adds its weight
+        gradient's 2 V H. The adapters' products are timed by `adapter_seconds`. P: the parameters
+        a token computes with (`ModelShape.compute_layer_params`)."""
         s = self.s
         attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
         n = s.compute_layer_params                  # a mixture of experts: its top-k experts' share
         lin = 4 * n + (2 * (n - s.skipped_product_params) if recompute else 0)
         head = (6 if self.trained_head_params else 4) * s.vocab * s.hidden     # a trained head: its weight gradient
-        return s.layers * lin + head + attn
+        return s.layers * lin + head + attn + 2 * self.lora_targets.param_active
 
     def adapter_traffic_seconds(self, B: int, N: int, recompute: bool = True) -> float:
-        """The adapters' memory traffic per optimizer step at the achieved bandwidth."""
-        passes = 2 if recompute else 1
-        per_layer = sum((passes * LORA_PASS_BYTES[0] + LORA_BACKWARD_BYTES[0]) * i
-                        + (passes * LORA_PASS_BYTES[1] + LORA_BACKWARD_BYTES[1]) * o
-                        for i, o in lora_linears(self.s).values())
-        return N * B * self.seq * self.s.layers * per_layer / (self.rates["gpu_hbm_gbs"] * 1e9 * HBM_EFFICIENCY)
+        """The adapters' memory traffic per optimizer step at the achieved bandwidth: the adapted
+        linears' per token, the adapted parameters' per micro-batch, the adapters' AdamW once."""
+        passes, t = 2 if recompute else 1, self.lora_targets
+        per_token = sum((passes * LORA_PASS_BYTES[0] + LORA_BACKWARD_BYTES[0]) * layer.linear_in
+                        + (passes * LORA_PASS_BYTES[1] + LORA_BACKWARD_BYTES[1]) * layer.linear_out
+                        for layer in t.layers)
+        per_micro = (passes * PARAM_PASS_BYTES + PARAM_BACKWARD_BYTES) * t.param_numel
+        total = N * (B * self.seq * per_token + per_micro) + ADAPTER_STEP_BYTES * self.adapter_params
+        return total / (self.rates["gpu_hbm_gbs"] * 1e9 * HBM_EFFICIENCY)
 
     def adapter_product_seconds(self, B: int, N: int, recompute: bool = True) -> float:
-        """The adapters' fp32 products per optimizer step: 2 FLOPs per adapter parameter per token
-        in each forward, 4 in the backward (both of each adapter's gradients)."""
-        r = self.rates
-        flops = N * B * self.seq * (2 * (2 if recompute else 1) + 4) * self.adapter_params
-        return flops / (r["gpu_fp32_tflops"] * 1e12 * r["gpu_efficiency"])
+        """The adapters' products per optimizer step: the linears' in fp32, 2 FLOPs per adapter
+        parameter per token in each forward, 4 in the backward (both of each adapter's
+        gradients); an adapted parameter's per micro-batch in its dtype (bf16), 2 r per element
+        for W + B A in each pass, 4 r in the backward."""
+        r, passes, t = self.rates, 2 if recompute else 1, self.lora_targets
+        linear = N * B * self.seq * (2 * passes + 4) * t.linear_params
+        params = N * (2 * passes + 4) * t.param_rank_numel
+        return (linear / (r["gpu_fp32_tflops"] * 1e12 * r["gpu_efficiency"])
+                + params / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]))
 
     def adapter_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The adapters' GPU time per optimizer step: their memory traffic, or their fp32 products

@@ -61,6 +61,8 @@ class Plan:
     host_memory_limit_gib: float | None = None   # the setting that gives this split
     lora_r: int | None = None         # a LoRA plan's rank (None: full fine-tuning)
     lora_params: int = 0              # its adapter parameters (fp32, on the GPU)
+    lora_targets: str = ""            # what they adapt, in words (plan_lora_targets.LoraTargets.describe)
+    lora_expert_params: int = 0       # of them, those on target_parameters (PEFT's ParamWrapper: the experts' weights)
     lora_base_bytes: int | None = None  # host bytes per parameter of its frozen layers and head
     lora_trained: tuple = ()          # its modules_to_save (trained in full on the host)
     lora_trained_params: int = 0      # their parameters
@@ -295,8 +297,10 @@ def _format_report(p: Plan) -> str:
                      f"one copy on the host; the host items marked 'x {G} GPUs' once per process; no resident units, "
                      f"no GPU-side updates; tokens/s for the {G} GPUs together")
     if p.lora_r:
-        lines.append(f"LoRA plan: rank {p.lora_r} on every linear layer of the decoder layers, "
-                     f"{p.lora_params / 1e6:.1f} M adapter parameters in fp32 on the GPU, updated there; the base "
+        on = (f" ({(p.lora_params - p.lora_expert_params) / 1e6:.1f} M on linears, "
+              f"{p.lora_expert_params / 1e6:.1f} M on target_parameters)" if p.lora_expert_params else "")
+        lines.append(f"LoRA plan: rank {p.lora_r} on {p.lora_targets} of each decoder layer, "
+                     f"{p.lora_params / 1e6:.1f} M adapter parameters{on} in fp32 on the GPU, updated there; the base "
                      f"frozen and streamed ({p.lora_base_bytes} B/param, the embedding fp32), "
                      + (f"modules_to_save {', '.join(p.lora_trained)} trained in full ("
                         f"{p.lora_trained_params / 1e6:.1f} M parameters, CPU AdamW)" if p.lora_trained
@@ -354,7 +358,7 @@ def _format_report(p: Plan) -> str:
                  f"expected about {p.expected_step_s:.2f} s ({p.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
     detail = {
         "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
-                f"+ {p.adapter_s:.3f} s of the adapters' fp32 work" if p.lora_r else
+                f"+ {p.adapter_s:.3f} s of the adapters' own work" if p.lora_r else
                 f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
                 + (" (the layers' projections in FP8 at 1.70x, their quantization passes at the HBM rate)" if p.fp8 else "") + " "
                 f"(resident, no recompute: {p.gpu_resident_s:.3f} s)" + (", each GPU" if G > 1 else "")),

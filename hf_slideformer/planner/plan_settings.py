@@ -17,6 +17,7 @@ from ..host.host_optim import optimizer_state_of
 from ..host.memory import GiB, available_host_bytes
 from .plan_calibration import ADAM_GPS
 from .plan_lora import MODULES_TO_SAVE
+from .plan_lora_targets import DEFAULT_TARGET_MODULES, DEFAULT_TARGET_PARAMETERS, LoraTargets, lora_targets
 from .plan_shape import ModelShape, load_model_config, model_shape
 
 __all__ = ["ENGINE_OPTIONS", "RATES", "PlanSettings", "engine_default"]
@@ -105,7 +106,11 @@ class PlanSettings:
     gpus: int
     optim: str
     fp8: bool
+    lora_target_modules: Any
+    lora_target_parameters: Any
     shape: ModelShape = field(init=False)
+    model_config: dict = field(init=False)      # the config.json as a dict
+    lora_targets: LoraTargets | None = field(init=False)   # what the adapters adapt (a LoRA plan)
     tier: str = field(init=False)               # the activation tier planned ('auto' resolved)
     clip: float | None = field(init=False)      # the clipping threshold, None: no clipping
     rates: dict = field(init=False)
@@ -115,7 +120,8 @@ class PlanSettings:
     host_source: str = field(init=False)
 
     def __post_init__(self):
-        self.shape = model_shape(load_model_config(self.config_or_path))
+        self.model_config = load_model_config(self.config_or_path)
+        self.shape = model_shape(self.model_config)
         self._check_engine_options()
         self._check_gpus()
         self.optim = optimizer_state_of(self.optim)
@@ -159,9 +165,14 @@ class PlanSettings:
                              "plan these with one GPU (gpus=1), or leave them out")
 
     def _check_lora(self) -> None:
+        self.lora_targets = None
         if self.lora_r is None:
             if self.lora_modules_to_save:
                 raise ValueError("lora_modules_to_save needs lora_r: modules_to_save is a setting of a LoRA run")
+            for name, default in (("lora_target_modules", DEFAULT_TARGET_MODULES),
+                                  ("lora_target_parameters", DEFAULT_TARGET_PARAMETERS)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} needs lora_r: the LoRA targets are a setting of a LoRA run")
             return
         _check("lora_r", self.lora_r, isinstance(self.lora_r, int) and self.lora_r >= 1, "an int >= 1")
         _check("lora_base_bytes", self.lora_base_bytes, self.lora_base_bytes in (2, 4),
@@ -171,6 +182,8 @@ class PlanSettings:
         if self.nvme_gb is not None:
             raise ValueError("LoRA on a model whose layers keep their state on disk is not supported (the engine "
                              "refuses it); plan a LoRA run without nvme_gb: its frozen base never goes to disk")
+        self.lora_targets = lora_targets(self.model_config, self.shape, self.lora_r, self.lora_target_modules,
+                                         self.lora_target_parameters)
 
     def _resolve_memories(self) -> None:
         self.gpu_source = "given"

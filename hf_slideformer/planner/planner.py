@@ -28,6 +28,7 @@ from .plan_estimate import (  # noqa: F401 - the rest of the calibration, import
     ACT_HIDDEN, ACT_INTER, ADD_VS_ADAM, DUPLEX, GRAD_BYTES, NVME_BUFFERS, PROCESS_HOST_BYTES,
 )
 from .plan_lora import FROZEN_BASE_BYTES, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora
+from .plan_lora_targets import DEFAULT_TARGET_MODULES, DEFAULT_TARGET_PARAMETERS
 from .plan_report import Plan, advise
 from .plan_settings import DEFAULT_SEQ, PlanSettings, engine_default  # noqa: F401 - DEFAULT_SEQ: importable here
 from ..engine.resident_state import resident_bytes_per_param_of
@@ -50,7 +51,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          nvme_bw: float = 7.0, lora_r: int | None = None, lora_base_bytes: int = FROZEN_BASE_BYTES,
          lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = engine_default("mlp_chunk_tokens"),
          gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1,
-         optim: str = engine_default("optim"), fp8: bool = False) -> Plan:
+         optim: str = engine_default("optim"), fp8: bool = False,
+         lora_target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES,
+         lora_target_parameters: tuple[str, ...] | None = DEFAULT_TARGET_PARAMETERS) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
 
     The stages, in order: the settings (`PlanSettings`), the formulas for them (`_estimator`),
@@ -86,8 +89,14 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         resident: model the engine's resident units (SlideConfig.resident_embedding /
             resident_layers "auto"), decided from the allocated-peak estimate times
             RESERVED_VS_ALLOCATED. None with gradient accumulation or several GPUs.
-        lora_r: plan a PEFT LoRA run (lora.py) of this rank on every linear layer of the decoder
-            layers: the base frozen and streamed, the adapters on the GPU. None: full fine-tuning.
+        lora_r: plan a PEFT LoRA run (lora.py) of this rank on `lora_target_modules` and
+            `lora_target_parameters`: the base frozen and streamed, the adapters on the GPU. None:
+            full fine-tuning.
+        lora_target_modules, lora_target_parameters: PEFT's `target_modules` (names, a regex, or
+            "all-linear") and `target_parameters` (names of 2-D or 3-D parameters: the experts'
+            fused weights), matched as PEFT matches them inside the decoder layers
+            (plan_lora_targets.py). Default: every linear layer named q/k/v/o_proj, gate/up/down_proj
+            and, where the model has experts, `experts.gate_up_proj` and `experts.down_proj`.
         lora_base_bytes: host bytes per parameter of the frozen layers and head: 2 (the compute
             dtype) or 4 (adapters added to a model already slid).
         lora_modules_to_save: PEFT's modules_to_save ("embed_tokens", "lm_head"), trained in full.
@@ -139,7 +148,8 @@ def _estimator(s: PlanSettings) -> Estimator:
     """The formulas for the model and the settings: a LoRA run's or full fine-tuning's."""
     if s.lora:
         return LoraEstimator(s.shape, s.seq, s.window, s.grad_buffers, s.rates, s.mlp_chunk_tokens, r=s.lora_r,
-                             base_bytes=s.lora_base_bytes, trained=tuple(dict.fromkeys(s.lora_modules_to_save)))
+                             base_bytes=s.lora_base_bytes, trained=tuple(dict.fromkeys(s.lora_modules_to_save)),
+                             targets=s.lora_targets)
     return Estimator(s.shape, s.seq, s.window, s.grad_buffers, s.rates, s.mlp_chunk_tokens, gpus=s.gpus,
                      optimizer_state=s.optim, fp8=s.fp8)
 
@@ -189,6 +199,7 @@ def _memory(s: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
     p.fp8 = s.fp8
     if s.lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = s.lora_r, s.lora_base_bytes, est.adapter_params
+        p.lora_targets, p.lora_expert_params = est.lora_targets.describe(), est.param_adapter_params
         p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
         p.adapter_s = est.adapter_seconds(batch, s.gradient_accumulation_steps)
     p.host = est.host(batch, tier, s.deferred, k_disk)
