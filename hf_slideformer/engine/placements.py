@@ -14,7 +14,7 @@ steps and swapped whole when the plan moves the layer:
 The schedule (`schedule.py`) asks the placement and never which case a layer is in:
 
     forward:   ws, slot = place.weights(busy); window.prefetch(busy); y = layer(x, ws); place.after_forward(slot)
-    backward:  place.before_recompute(); ws, slot = place.weights(busy); ...; place.after_recompute(slot);
+    backward:  ws, slot = place.weights(busy); place.before_recompute(); ...; place.after_recompute(slot);
                place.take_gradient(grads)
     step:      place.step(deferred)          (clipping, or a step that ends before its last micro-batch)
 
