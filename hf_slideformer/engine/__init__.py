@@ -6,7 +6,9 @@
   and in `optimizer_step`, in order (docs/engine.md, "How a step flows").
 - `placements`: where each layer's weights and state live and where it is updated (`Placements`
   assigns them); `resident`, `resident_state`, `device_update`, `late_updates`: the placements
-  kept or updated on the GPU; `embedding`, `head`: the embedding and the loss head.
+  kept or updated on the GPU; `embedding`, `head`: the embedding and the loss head; `embedding_table`:
+  where the embedding's table lives (the host store or the GPU) and how it is updated; `lm_weight`:
+  where the lm_head weight lives (the head unit or a tied embedding).
 - `slots`, `transfer`, `grad_ring`: the GPU slots, the copies in and out, the gradient buffers.
 - `activations`, `activation_tiers`, `activation_file`: the layer inputs kept for the recompute.
 - `lora`, `modules_to_save`: PEFT's adapters and trained copies inside a slid model.

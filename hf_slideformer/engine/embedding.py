@@ -1,11 +1,11 @@
 """The token embedding's side of the schedule: its gather in the forward, its gradient in the
 backward, and the CPU worker's two-part update of the (V, H) table.
 
-The embedding is resident on the GPU when the plan has room (`resident`: its device state, and
-`rgrad` its dense device gradient), else its master stays in the host store: the forward gathers
-the batch's rows on the host and copies them in, the backward sums the token gradients per
-distinct row on the GPU and sends those sums, and the worker folds them into the dense host
-gradient (`grad`) and updates.
+Where its table lives is its `table` (embedding_table.py): resident on the GPU when the plan has
+room (`ResidentTable`; `rgrad` its dense device gradient), else in the host store (`HostTable`):
+the forward gathers the batch's rows on the host and copies them in, the backward sums the token
+gradients per distinct row on the GPU and sends those sums, and the worker folds them into the
+dense host gradient (`grad`) and updates.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from ..errors import SlideStateError
 from ..host.memory import lazy_zeros, release_pages
+from .embedding_table import HostTable, ResidentTable
 from .placements import DeferredStep
 from ..host.store import Unit
 
@@ -35,8 +35,9 @@ class Embedding:
     Attributes:
         grad: the host's dense (V * H,) fp32 gradient, made on first use (None while resident).
         host: pinned (n, H) buffer the batch rows' gradient sums land in.
-        resident: its `ResidentState` while it is on the device, else None.
-        rgrad: the resident embedding's (V * H,) fp32 device gradient.
+        table: where its table lives and how it is updated (embedding_table.py): `HostTable` or
+            `ResidentTable`, swapped by the resident plan.
+        rgrad: the resident embedding's (V * H,) fp32 device gradient (kept once made).
         touch: the distinct token ids of the last training forward (host); `rows_dev`: those, the
             inverse index and the non-padding mask, on the device.
         dw_sq, dw_rows: a tied lm_head's squared gradient norm and its gradient's batch rows
@@ -54,7 +55,7 @@ class Embedding:
         self.fwd_ev = None
         self.grad: torch.Tensor | None = None
         self.touched: list[torch.Tensor] = []
-        self.resident = None
+        self.table: HostTable | ResidentTable = HostTable(self)
         self.rgrad: torch.Tensor | None = None
         self.touch = None
         self.rows_dev = None
@@ -83,34 +84,24 @@ class Embedding:
             keep = (ids != self.padding_idx) if self.padding_idx is not None else torch.ones_like(ids, dtype=torch.bool)
             self.touch = uniq
             self.rows_dev = tuple(t.to(engine.device, non_blocking=True) for t in (uniq, inv, keep))
-        T = ids.numel()
-        if with_grad:
-            engine.residents.fit(T)
-            if self.resident is None and unit.trainable:
-                self.ensure_grad()
-        table = unit.master.view(self.vocab, self.hidden)
+            engine.residents.fit(ids.numel())
+            self.table.prepare_gradient()            # after fit: it may have moved the table
         first = engine.places.first_streamed()
         if first is not None and first.unit.updated.is_set():
             first.prefetch()                             # its h2d overlaps the gather below
         # else its update runs behind the embedding's rows (late_updates.py: [Why layer 0 is updated
         # after the embedding's rows]) and its copy would wait for it here: the gather goes first.
-        resident = self.resident
-        if resident is not None:                            # gathered on the device from the resident master
-            ids_dev = ids.to(engine.device, non_blocking=True)
+        return self.table.gather(ids, input_ids.shape, with_grad)
 
-            def gather():
-                if self.resident is not resident:
-                    raise SlideStateError("internal: the resident embedding left the device before the first "
-                                          "layer's input was saved")
-                rows_out = resident.master.view(self.vocab, self.hidden).index_select(0, ids_dev)
-                return rows_out.to(engine.dtype).view(*input_ids.shape, self.hidden)
-            out = gather()
-            # activation_tiers.py: [Why the first layer's input can be gathered again]
-            self._out = (out, out._version, gather) if with_grad else None
-            return out
+    def gather_on_host(self, ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The embedded batch (`shape` + (H,)) in the compute dtype: the rows of the host master
+        (`HostTable`), copied in."""
+        engine = self.engine
+        table = self.unit.master.view(self.vocab, self.hidden)
+        T = ids.numel()
         if not engine.streams.cuda:
             rows_out = table.index_select(0, ids).to(engine.dtype)
-            return rows_out.view(*input_ids.shape, self.hidden)
+            return rows_out.view(*shape, self.hidden)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
         # Note: [Why the rows are gathered in bf16, in chunks] the gather is on the path from the
@@ -137,7 +128,11 @@ class Embedding:
             rows_out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
         self.fwd_ev = engine.streams.record()
         engine.stats.add_h2d(buf.numel() * buf.element_size())
-        return rows_out.to(engine.dtype).view(*input_ids.shape, self.hidden)
+        return rows_out.to(engine.dtype).view(*shape, self.hidden)
+
+    def keep_gather(self, out: torch.Tensor, gather) -> None:
+        """A training forward's output `out` and the `gather` that makes it again (`ResidentTable`)."""
+        self._out = (out, out._version, gather)
 
     def remake_input(self, i: int, x: torch.Tensor):
         """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
@@ -158,9 +153,8 @@ class Embedding:
             engine.end_backward()
             return
         T = gx.numel() // self.hidden
-        rows = self.touch
-        uniq, inv, keep = self.rows_dev
-        distinct = rows.numel()
+        _, inv, keep = self.rows_dev
+        distinct = self.touch.numel()
         # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
         # the path to the next forward. Summed per distinct row on the GPU (a sorted, deterministic
         # accumulate), the d2h copy and the worker's folding shrink from one row per token to one
@@ -173,16 +167,14 @@ class Embedding:
         # The embedding's gradient is S, the per-row sums of the token gradients over the batch's rows
         # (padding dropped), plus a tied lm_head's dW: its norm without the (V, H) gradient (lm_weight.py).
         engine.backward_plan.norm.add(engine.head.lm_weight.embedding_sq, S)
-        resident = self.resident
-        if resident is not None:
-            G = self.rgrad.view(self.vocab, self.hidden)
-            engine.head.lm_weight.start_resident_grad(G)     # tied: it holds the lm_head's gradient already
-            G.index_add_(0, uniq, S)             # distinct rows: one add per element, deterministic
-            if engine.backward_plan.updates:                   # else optimizer.step() clips and updates it
-                engine.residents.resident_step(self.unit, resident, self.rgrad, found_inf=engine.norm.found_inf())
-            engine.clock.span_end(span)
-            engine.end_backward()
-            return
+        self.table.take_sums(S, span)
+
+    def send_sums(self, sums: torch.Tensor, span) -> None:
+        """The batch rows' gradient sums `sums` (distinct rows, H) to the host, and the worker's task
+        that folds them into the dense gradient (and updates, when the backward does); then the
+        backward ends (`HostTable`)."""
+        engine, unit, rows = self.engine, self.unit, self.touch
+        distinct = rows.numel()
         engine.clock.span_end(span)
         engine.clock.wait(self.host_free, "other")          # the worker is done with the previous gradient
         if self.host_grad is None or self.host_grad.shape[0] < distinct:
@@ -191,9 +183,8 @@ class Embedding:
             self.host_grad = engine.pinned.empty(max(distinct, 1), self.hidden)
         host_rows = self.host_grad[:distinct]
         self.host_free.clear()
-        unit = self.unit
         norm = engine.backward_plan.norm.slot(unit)
-        done = engine.grad_ring.d2h([S], [host_rows], norm_dst=norm)
+        done = engine.grad_ring.d2h([sums], [host_rows], norm_dst=norm)
         update = engine.backward_plan.updates                   # begun with the head's (see head.backward) ...
         if update and not engine.head.trainable:
             engine.begin_update(unit)                     # ... unless the head is frozen and sent nothing
@@ -305,13 +296,23 @@ class Embedding:
         self.grad = lazy_zeros(self.unit.numel)
         self.engine.head.lm_weight.adopt_embedding_grad(self.grad, self.engine.residents.planned)
 
+    @property
+    def resident(self):
+        """Its `ResidentState` while it is on the device, else None (for reports and tests: the
+        engine asks `table`)."""
+        return self.table.state
+
     def make_resident(self) -> None:
         """Move the embedding's state to the device and give its host buffers back."""
         engine, unit = self.engine, self.unit
-        self.resident = engine.residents.make_state(unit)
+        self.table = ResidentTable(self, engine.residents.make_state(unit))
         self._release_host()
         if self.rgrad is None:
             self.rgrad = torch.zeros(unit.numel, dtype=torch.float32, device=engine.device)
+
+    def return_to_host(self) -> None:
+        """The resident plan has written the embedding's state back to the host store."""
+        self.table = HostTable(self)
 
     def _release_host(self) -> None:
         """Give back the host memory of an embedding that went resident (at 8B, batch 16: 2.1 GB

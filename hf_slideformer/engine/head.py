@@ -309,9 +309,9 @@ class LossHead:
                 norm.copy_(engine.norm.dev.reshape(1))
         scale_ev = engine.streams.record()
         update = plan.updates
-        embed_on_host = emb.resident is None
+        table = emb.table                         # where the embedding's table is for this backward
         self.lm_weight.scale_on_device(self.scale_dev)
-        bulk = embed_on_host and engine.embed_unit.trainable     # the embedding's update starts in the head task
+        bulk = table.updates_on_worker()          # the embedding's update starts in the head task
         if update:
             engine.begin_update(hu)
             if bulk:
@@ -322,12 +322,12 @@ class LossHead:
             engine.late.hold(len(engine.layer_units), self._update_task, (plan.ends_step, engine.hp),
                         done=(self.host_free, hu.updated))
         engine.worker.submit(self._head_task, self.done, scale_ev, update, plan.ends_step, engine.hp,
-                        emb.touch if bulk else None, embed_on_host, ring, norm, last,
+                        emb.touch if bulk else None, table, ring, norm, last,
                         done=(() if last else (self.host_free,)) + tuple(engine.grad_ring.free[k] for k in ring)
                         + ((hu.updated,) if update and not last else ()))
 
     # ----------------------------------------------------------------- worker side
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, embed_on_host=True, ring=(), norm=None,
+    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, table=None, ring=(), norm=None,
                    last=False):
         engine, host_updates, emb = self.engine, self.engine.host_updates, self.engine.embedding
         host_updates.sync(done, "wait_d2h:head")
@@ -344,7 +344,7 @@ class LossHead:
         # The head's gradient (in the ring's dtype) times the loss gradient `scale`: each element
         # is widened to fp32, then multiplied, wherever that happens (the update, the accumulator).
         src = self.host_grad[:hu.numel]
-        self.lm_weight.scale_on_host(self.host_grad[hu.numel:], scale, embed_on_host)
+        self.lm_weight.scale_on_host(self.host_grad[hu.numel:], scale, table)
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = engine.grad_ring.returner(ring) if ring and hu.grad is None else None
         host_updates.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)

@@ -6,7 +6,7 @@ What the two differ in, each a method:
 
 | | `OwnWeight` | `TiedWeight` |
 |---|---|---|
-| head slot | the head unit | and the embedding unit, unless the embedding is resident (its device copy is the weight) |
+| head slot | the head unit | and the embedding unit, unless the embedding is resident (its device copy is the weight): the embedding's table says (embedding_table.py) |
 | trains | with the head unit | with the head unit or the embedding |
 | its gradient | an entry of the head's | joins the embedding's: on the device (resident), straight into its pinned gradient (one backward per step), or after the head's in the head's host buffer, folded into the embedding's by the worker |
 | updated last | may be ([Why an untied head is updated when the backward ends]) | never: it is the embedding's table |
@@ -79,8 +79,9 @@ class OwnWeight:
     def scale_on_device(self, loss_grad: torch.Tensor) -> None:
         """backward: the loss gradient scales the part of the gradient kept on the device."""
 
-    def scale_on_host(self, rest: torch.Tensor, scale: float, embed_on_host: bool) -> None:
-        """The worker's head task: the loss gradient scales the part that crossed to the host."""
+    def scale_on_host(self, rest: torch.Tensor, scale: float, table) -> None:
+        """The worker's head task: the loss gradient scales the part that crossed to the host
+        (`table`: the embedding's table when the backward began, embedding_table.py)."""
 
     # ------------------------------------------------------------- the embedding's gradient (embedding.py)
     overwrites_embedding_grad = False   # does the lm_head's gradient write every row of the embedding's?
@@ -128,16 +129,12 @@ class TiedWeight:
         return False                           # the embedding's table: updated with the embedding
 
     def slot_units(self) -> tuple:
-        return (self.unit,) if self.engine.embedding.resident is not None else self.units
+        return self.engine.embedding.table.tied_slot_units(self.unit)
 
     def weights(self, slots):
-        engine = self.engine
-        resident = engine.embedding.resident
-        if resident is not None:              # the resident embedding's compute copy
-            slot = slots.acquire((self.unit,))
-            return slot, slot.views(self.unit), resident.weights.view(engine.vocab, engine.hidden)
-        slot = slots.acquire(self.units)
-        return slot, slot.views(self.unit), slot.views(engine.embed_unit)[0]
+        table = self.engine.embedding.table   # in the slot, or the resident embedding's compute copy
+        slot = slots.acquire(table.tied_slot_units(self.unit))
+        return slot, slot.views(self.unit), table.tied_weight(slot)
 
     def leaf(self, leaves: list, weight: torch.Tensor) -> tuple[torch.Tensor, list]:
         wl = weight.detach().requires_grad_()
@@ -150,25 +147,13 @@ class TiedWeight:
         emb.dw_rows = dw.index_select(0, emb.rows_dev[0]).float()
 
     def host_numel(self) -> int:
-        # With accumulation the tied gradient joins the head's on the host (else the embedding's).
-        engine = self.engine
-        return engine.embed_unit.numel if engine.embedding.resident is None and not engine.single_micro else 0
+        return self.engine.embedding.table.tied_host_numel()
 
     def destinations(self, pgrads: list, rest: torch.Tensor) -> list:
-        engine, emb = self.engine, self.engine.embedding
-        if emb.resident is not None:
-            # The resident embedding's gradient starts as the lm_head's, on the device (scaled by
-            # the loss gradient in backward, the batch rows added in the embedding's backward).
-            emb.rgrad.view(engine.vocab, engine.hidden).copy_(pgrads.pop())
-            return []
-        # With one backward per step the tied gradient goes straight into the embedding's pinned
-        # gradient buffer (which the previous step's update has released).
-        return [emb.grad if engine.single_micro else rest]
+        return self.engine.embedding.table.tied_destinations(pgrads, rest)
 
     def scale_on_device(self, loss_grad: torch.Tensor) -> None:
-        emb = self.engine.embedding
-        if emb.resident is not None:
-            emb.rgrad.mul_(loss_grad)
+        self.engine.embedding.table.scale_tied_on_device(loss_grad)
 
     overwrites_embedding_grad = True
 
@@ -209,14 +194,5 @@ class TiedWeight:
         if emb.rgrad is not None:
             emb.grad.copy_(emb.rgrad)
 
-    def scale_on_host(self, rest: torch.Tensor, scale: float, embed_on_host: bool) -> None:
-        if not embed_on_host:
-            return
-        engine, emb = self.engine, self.engine.embedding
-        if engine.single_micro:            # already in place (head.py: forward)
-            if scale != 1.0:
-                emb.grad.mul_(scale)
-        else:
-            eu = engine.embed_unit
-            engine.host_updates.fold(emb.grad, rest, scale, first=not eu.grad_valid)
-            eu.grad_valid = True
+    def scale_on_host(self, rest: torch.Tensor, scale: float, table) -> None:
+        table.scale_tied_on_host(rest, scale)

@@ -190,6 +190,13 @@ class ResidentPlan:
                     "yes" if plan[0] else "no", plan[1] - 1, self.peak / GiB, limit / GiB, per)
         return plan
 
+    def resident_from_start(self, tokens: int) -> bool:
+        """Does the embedding (on the host, trainable) go resident at a training forward of `tokens`
+        tokens, before the plan has measured a step (one backward per step, an optimizer built)?"""
+        e = self.engine
+        return (self.peak is None and self.planned is None and e.single_micro and e.optimizer is not None
+                and self.first_embed_plan(tokens))
+
     def first_embed_plan(self, tokens: int) -> bool:
         """Before the first training step: is the embedding resident from the start?
 
@@ -222,7 +229,7 @@ class ResidentPlan:
         """Device bytes the resident units hold now (outside any step's own peak)."""
         emb = self.engine.embedding
         ts = [emb.rgrad, self.shared_grad]
-        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
+        for r in list(self.layers.values()) + emb.table.device_states():
             ts += r.tensors()
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
@@ -234,15 +241,11 @@ class ResidentPlan:
 
         Before the first step, the embedding may go resident at once ([Why the embedding can be
         resident before the first step])."""
-        e, emb = self.engine, self.engine.embedding
         self.last_tokens = tokens
-        if (self.peak is None and self.planned is None and emb.resident is None and e.embed_unit.trainable
-                and e.single_micro and e.optimizer is not None and self.first_embed_plan(tokens)):
-            emb.make_resident()
+        self.engine.embedding.table.to_device(wanted=lambda: self.resident_from_start(tokens))
         if self.peak is None or not self.tokens or tokens <= self.tokens:
             return
-        if self.layers or emb.resident is not None:
-            self.evict()
+        self.evict()                              # whatever is resident
         self.peak = int(self.peak * tokens / self.tokens)
         self.tokens = tokens
         self.planned = None
@@ -268,18 +271,16 @@ class ResidentPlan:
 
     def promote(self) -> None:
         """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
-        e, emb = self.engine, self.engine.embedding
+        e = self.engine
         if e.optimizer is None:
             return
         embed, n = self.target()
         n = min(n, len(e.layer_units))
-        eu = e.embed_unit
-        if not embed:
+        if embed:
+            e.embedding.table.to_device()
+        else:
             e.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
-        if not embed and emb.resident is not None:
-            self.evict()                          # resident from the first step, not in the measured plan
-        if embed and emb.resident is None and eu.trainable:
-            emb.make_resident()
+            e.embedding.table.to_host()
         if not e.places.any_streamed_trainable(n):
             return                                # nothing (more) to make resident: a frozen base stays
         own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
@@ -293,19 +294,14 @@ class ResidentPlan:
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
         e, emb = self.engine, self.engine.embedding
-        if not self.layers and emb.resident is None:
+        states = list(self.layers.values()) + emb.table.device_states()
+        if not states:
             return
-        embed_mid_step = emb.resident is not None and e.live_generation is not None
-        if emb.resident is not None:
-            e.tier.materialize()      # a layer input gathered from the embedding's master
+        emb.table.prepare_eviction()
         if e.streams.cuda:
             torch.cuda.synchronize(e.device)
-        if embed_mid_step:
-            # A forward's backward is still to come and takes the host path: the host gradient it
-            # needs, holding what the head put in the resident one (a tied lm_head's gradient).
-            emb.ensure_grad()
-            e.head.lm_weight.resident_grad_to_host()
-        for r in list(self.layers.values()) + ([emb.resident] if emb.resident is not None else []):
+        emb.table.keep_backward_gradient()
+        for r in states:
             r.store_to_host()
             if r.grad_valid:
                 # Between micro-batches: the running sum goes on in the host accumulator.
@@ -315,7 +311,7 @@ class ResidentPlan:
                 r.grad_valid = False
         for place in e.places.resident():
             e.set_place(place.unit, place.replaced)
-        emb.resident = None
+        emb.return_to_host()
 
     def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
                       found_inf=None) -> None:
@@ -370,15 +366,8 @@ class ResidentPlan:
     def step(self, deferred: DeferredStep) -> set[int]:
         """Clip and update the resident units at optimizer.step() (clipping, or a step that ends
         before its last micro-batch); their unit ids."""
-        e, emb = self.engine, self.engine.embedding
-        places = e.places.resident()
-        ids = {id(p.unit) for p in places}
-        r = emb.resident
-        if r is not None:
-            coef, found_inf = deferred.resident_clip()
-            self.resident_step(e.embed_unit, r, emb.rgrad, deferred.hp, clip_coef=coef, found_inf=found_inf)
-            r.grad_valid = False
-            ids.add(id(e.embed_unit))
+        places = self.engine.places.resident()
+        ids = self.engine.embedding.table.step_on_device(deferred) | {id(p.unit) for p in places}
         for p in places:
             p.step(deferred)
         return ids

@@ -118,7 +118,7 @@ def _late_layers(engine, updates_alone: bool) -> int:
     to cover the embedding's whole-table update at the worker's front, when there is one."""
     want = engine.config.late_layer_updates
     if (want == 0 or not updates_alone or engine.config.max_grad_norm is not None or engine.dp is not None
-            or engine.embedding.resident is not None or not engine.embed_unit.trainable
+            or not engine.embedding.table.updates_on_worker()
             or any(engine.store.on_disk(u) for u in engine.layer_units)):   # disk-bound: no gain to pay memory for
         return 0
     return math.ceil(engine.embed_unit.numel / engine.late.size) if want == "auto" else int(want)
