@@ -97,10 +97,10 @@ class Embedding:
         """The embedded batch (`shape` + (H,)) in the compute dtype: the rows of the host master
         (`HostTable`), copied in."""
         engine = self.engine
-        table = self.unit.master.view(self.vocab, self.hidden)
+        master = self.unit.master.view(self.vocab, self.hidden)
         T = ids.numel()
         if not engine.streams.cuda:
-            rows_out = table.index_select(0, ids).to(engine.dtype)
+            rows_out = master.index_select(0, ids).to(engine.dtype)
             return rows_out.view(*shape, self.hidden)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
@@ -111,8 +111,8 @@ class Embedding:
         # chunk's copy runs while the next is gathered. It shares the host's memory
         # with layer 0's update, hence half the worker's threads.
         adam = engine.host_adam
-        rounded = adam.native and engine.dtype == torch.bfloat16 and table.dtype == torch.float32
-        dt = torch.bfloat16 if rounded else table.dtype
+        rounded = adam.native and engine.dtype == torch.bfloat16 and master.dtype == torch.float32
+        dt = torch.bfloat16 if rounded else master.dtype
         if self.fwd_buf is None or self.fwd_buf.shape[0] < T or self.fwd_buf.dtype != dt:
             if self.fwd_buf is not None:
                 engine.pinned.release(self.fwd_buf)
@@ -121,10 +121,10 @@ class Embedding:
         rows_out = torch.empty(T, self.hidden, dtype=dt, device=engine.device)
         for lo in range(0, T, GATHER_CHUNK):
             hi = min(lo + GATHER_CHUNK, T)
-            if dt != table.dtype:                 # an fp32 master's rows rounded on the way
-                adam.gather_bf16(table, ids[lo:hi], buf[lo:hi], threads=max(1, adam.threads // 2))
+            if dt != master.dtype:                 # an fp32 master's rows rounded on the way
+                adam.gather_bf16(master, ids[lo:hi], buf[lo:hi], threads=max(1, adam.threads // 2))
             else:
-                torch.index_select(table, 0, ids[lo:hi], out=buf[lo:hi])
+                torch.index_select(master, 0, ids[lo:hi], out=buf[lo:hi])
             rows_out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
         self.fwd_ev = engine.streams.record()
         engine.stats.add_h2d(buf.numel() * buf.element_size())
