@@ -19,7 +19,7 @@ from benchmarks import bench_train  # noqa: E402
 from benchmarks.harness import (emit, flops_per_token, format_table, is_cuda_oom, linear_params,  # noqa: E402
                                 parse_line, peak_tflops)
 from benchmarks.providers import PROVIDERS, RunSpec, get_provider  # noqa: E402
-from benchmarks.providers.base import build_model, call_with_known_fields, load_config  # noqa: E402
+from benchmarks.providers.base import attention_of, build_model, call_with_known_fields, load_config  # noqa: E402
 
 
 @pytest.mark.parametrize("name, n_params", [("tiny", 90_432), ("llama3-3b", 3_212_749_824),
@@ -33,6 +33,21 @@ def test_shape_configs_have_the_real_parameter_counts(name, n_params):
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == n_params
     assert config.use_cache is False
+
+
+@pytest.mark.parametrize("name, attention", [("llama3-8b", "sdpa"), ("gemma3-4b", "sdpa"),
+                                             ("gpt-oss-20b", "flex_attention")])
+def test_a_benchmark_model_runs_sdpa_where_its_family_has_it_else_flex(name, attention):
+    """gpt-oss has no sdpa path in HF (its sinks): building it with sdpa raised, and eager attention's
+    batch x heads x seq x seq scores do not fit a capped GPU at the benchmark's sequence."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name)
+    assert attention_of(config) == attention
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_of(config))
+    assert model.config._attn_implementation == attention
 
 
 def test_build_model_keeps_ties_buffers_and_initialises():

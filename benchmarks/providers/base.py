@@ -137,9 +137,27 @@ def load_config(name: str):
     return config
 
 
+def attention_of(config) -> str:
+    """The attention implementation a benchmark model runs: "sdpa" where the family's HF class
+    supports it, else "flex_attention" (gpt-oss: its sinks have no sdpa path in HF), else "eager".
+
+    Eager attention materializes batch x heads x seq x seq scores, which at the benchmark's
+    sequence lengths does not fit the capped GPU: it is the last resort, never a silent default.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    if getattr(model_class, "_supports_sdpa", False):
+        return "sdpa"
+    if getattr(model_class, "_supports_flex_attn", False):
+        return "flex_attention"
+    return "eager"
+
+
 def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill: str = "normal",
                 seed: int = 0) -> torch.nn.Module:
-    """A random-init causal LM with sdpa attention, its parameters created directly on `device`.
+    """A random-init causal LM with the family's attention (`attention_of`: sdpa where HF has it),
+    its parameters created directly on `device`.
 
     fill: "normal" draws every weight with normal_(0, 0.02) on the device (fast on a GPU);
     "tiled" copies one 16M-element random block over and over (fast on a CPU). Norm weights
@@ -149,7 +167,7 @@ def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill:
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_of(config))
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
     block = None

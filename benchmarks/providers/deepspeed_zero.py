@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .base import Provider, build_model
+from .base import Provider, attention_of, build_model
 from .recipe import apply_kernels, enable_checkpointing
 
 __all__ = ["ZeRO2Provider", "ZeRO3Provider", "ds_config"]
@@ -152,7 +152,7 @@ class ZeRO3Provider(_ZeROProvider):
         from transformers.integrations import HfDeepSpeedConfig
 
         self._hf_ds_config = HfDeepSpeedConfig(self.ds_config)  # transformers' ZeRO-3 switch, on while referenced
-        model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16, attn_implementation=attention_of(self.config))
         model.train()
         return model
 

@@ -1,10 +1,11 @@
 """`hf`: Hugging Face training with the whole model resident on the GPU, uncapped: the ceiling.
 
-bf16 parameters, sdpa attention, `torch.optim.AdamW(fused=True)` on the device (so Adam
-moments are bf16 too: pure bf16 training, as `model.to(torch.bfloat16)` + AdamW gives), the
-loss from `model(input_ids, labels).loss`. Configured as its users run it by default: gradient
-checkpointing on (HF's, non-reentrant) and the fused kernels (`recipe.apply_kernels`: Liger,
-else triton_ops, whose loss head never materialises the logits). `--checkpointing off --kernels
+bf16 parameters, sdpa attention (flex attention where HF has no sdpa path: `base.attention_of`),
+`torch.optim.AdamW(fused=True)` on the device (so Adam moments are bf16 too: pure bf16 training,
+as `model.to(torch.bfloat16)` + AdamW gives), the loss from `model(input_ids, labels).loss`.
+Configured as its users run it by default: gradient checkpointing on (HF's, non-reentrant) and
+the fused kernels (`recipe.apply_kernels`: Liger, else triton_ops, whose loss head never
+materialises the logits). `--checkpointing off --kernels
 none` gives plain HF (full logits, upcast to fp32); `--checkpointing auto` turns checkpointing
 on only after an out-of-memory batch. The row says what ran.
 """

@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.harness import GIB
 
-from .base import INIT_STD, build_model, fill_tensor
+from .base import INIT_STD, attention_of, build_model, fill_tensor
 from .hf import HFProvider
 from .recipe import apply_kernels, enable_checkpointing
 from .slide import SlideProvider
@@ -84,7 +84,7 @@ class SlideLoraProvider(SlideProvider):
 
         with init_empty_weights(include_buffers=False):
             base = AutoModelForCausalLM.from_config(self.config, dtype=self.spec.torch_dtype,
-                                                    attn_implementation="sdpa")
+                                                    attn_implementation=attention_of(self.config))
         self.count(base)
         r = self.spec.lora_r
         lora = lora_config(base, r)
