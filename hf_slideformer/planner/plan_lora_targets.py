@@ -80,28 +80,15 @@ class LoraTargets:
         """LoRA parameters: r (in + out) per linear, E r (d1 + d2) per 3-D parameter."""
         return self.linear_params + self.param_params
 
-    @property
-    def linear_params(self) -> int:
-        return sum(layer.linear_params for layer in self.layers)
+    def total(self, field: str) -> float:
+        """One `LayerTargets` field summed over the layers (`linear_params`, `param_numel`, ...)."""
+        return sum(getattr(layer, field) for layer in self.layers)
 
-    @property
-    def param_params(self) -> int:
-        """The adapters of the targeted parameters (PEFT's `ParamWrapper`: the experts' weights)."""
-        return sum(layer.param_params for layer in self.layers)
-
-    @property
-    def param_numel(self) -> int:
-        """Elements of the adapted parameters over all layers (each materialized per pass)."""
-        return sum(layer.param_numel for layer in self.layers)
-
-    @property
-    def param_active(self) -> float:
-        """Elements of the adapted parameters one token computes with, over all layers."""
-        return sum(layer.param_active for layer in self.layers)
-
-    @property
-    def param_rank_numel(self) -> int:
-        return sum(layer.param_rank_numel for layer in self.layers)
+    linear_params = property(lambda self: self.total("linear_params"))
+    param_params = property(lambda self: self.total("param_params"))        # PEFT's `ParamWrapper` adapters
+    param_numel = property(lambda self: self.total("param_numel"))          # each materialized per pass
+    param_active = property(lambda self: self.total("param_active"))        # what one token computes with
+    param_rank_numel = property(lambda self: self.total("param_rank_numel"))
 
     def describe(self) -> str:
         """The targets in words: "q_proj, k_proj, v_proj, o_proj and the experts' gate_up_proj, down_proj"."""
