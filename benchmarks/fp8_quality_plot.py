@@ -3,9 +3,12 @@
     python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg
 
 Reads the JSON of `benchmarks/fp8_quality.py` (its logged rows) and draws two panels
-side by side, each on a log scale: the train loss (the mean since the last log) with the floor
-below which the criterion no longer judges it (dashed), and the held-out loss with the step of
-bf16's lowest, where the learning phase ends (dashed). One SVG, no plotting library.
+side by side, each on a log scale: the train loss (the mean since the last log) and the held-out
+loss, of bf16, FP8 and the bf16 control where the run has one. With the grammar stream both
+panels show the stream's entropy, the lowest loss any model reaches (dashed); with the corpus
+stream the train panel shows the floor below which the criterion no longer judges the train loss
+and the held-out panel the step of bf16's lowest, where the learning phase ends (dashed). One SVG,
+no plotting library.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import json
 import math
 import sys
 
-COLORS = {"bf16": "#1f77b4", "fp8": "#d62728"}
+COLORS = {"bf16": "#1f77b4", "fp8": "#d62728", "control": "#2ca02c"}
 PANEL_W, PANEL_H, PAD = 380, 300, 52
 
 
@@ -50,24 +53,26 @@ class Panel:
 def svg(doc: dict) -> str:
     """The two panels of a quality run's JSON, as SVG text."""
     rows = doc["rows"]
-    floor = min(min(r["bf16_held_out"], r["fp8_held_out"]) for r in rows)      # as fp8_quality.judge
+    entropy = doc.get("stream", {}).get("entropy_floor")                    # the grammar stream's
+    floor = entropy or min(min(r["bf16_held_out"], r["fp8_held_out"]) for r in rows)   # as fp8_quality.judge
     best = min(rows, key=lambda r: r["bf16_held_out"])["step"]
     steps = rows[-1]["step"]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * PANEL_W}" height="{PANEL_H}" '
            f'font-family="sans-serif" font-size="12">', f'<rect width="{2 * PANEL_W}" height="{PANEL_H}" fill="white"/>']
     for left, kind, title in ((0, "train", "train loss (mean since the last log)"), (PANEL_W, "held_out", "held-out loss")):
         curves = {arm: [(r["step"], r[f"{arm}_{kind}"]) for r in rows if r[f"{arm}_{kind}"] is not None]
-                  for arm in COLORS}
-        values = [v for c in curves.values() for _, v in c] + ([floor] if kind == "train" else [])
+                  for arm in COLORS if f"{arm}_{kind}" in rows[0]}
+        values = [v for c in curves.values() for _, v in c] + ([floor] if kind == "train" or entropy else [])
         panel = Panel(left, steps, values)
         out += panel.frame(title)
-        for (arm, points), y in zip(curves.items(), (PAD - 6, PAD + 8)):
+        for (arm, points), y in zip(curves.items(), (PAD - 6, PAD + 8, PAD + 22)):
             out.append(panel.line(points, COLORS[arm]))
             out.append(f'<text x="{left + PANEL_W - 12}" y="{y}" text-anchor="end" fill="{COLORS[arm]}">{arm}</text>')
-        if kind == "train":
+        if kind == "train" or entropy:
             out.append(panel.line([(0, floor), (steps, floor)], "#777777", "4 3"))
             x, y = panel.xy(steps, floor)
-            out.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="end" fill="#777777">floor {floor:.3f}</text>')
+            label = "entropy" if entropy else "floor"
+            out.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="end" fill="#777777">{label} {floor:.3f}</text>')
         else:                                   # the learning phase ends at bf16's lowest held-out loss
             out.append(panel.line([(best, 10 ** panel.lo), (best, 10 ** panel.hi)], "#777777", "4 3"))
             x, y = panel.xy(best, 10 ** panel.hi)

@@ -8,9 +8,13 @@
 #   c: Llama-3.1-8B batch 16 under 12 GiB, slide beside slide_fp8
 #   d: Llama-3.2-3B batch 16 under 9 GiB, slide beside slide_fp8
 #   e: the quality run (benchmarks/fp8_quality.py): a 0.76B Llama shape, bf16 and FP8, STEPS steps
-#      (default 500) of 8 x 256 tokens of the bundled corpus's train split, same seed and data, the
-#      train and held-out losses every 20 steps, within QUALITY_S seconds (default 180: both arms
-#      then cover the steps the bf16 arm made in half of it); $OUT/fp8_quality.json, from which
+#      (default 500) of 8 x 256 tokens of new text of the bundled corpus's grammar (never a window
+#      twice; STREAM=corpus: the corpus's train split, which the model memorizes), same seed and
+#      data, the train and held-out losses every 20 steps, within QUALITY_S seconds (default 180:
+#      both arms then cover the steps the bf16 arm made in half of it: 500 steps take ~75 s an arm,
+#      ~150 s for two, the build the rest); CONTROL=1 adds a bf16 arm from the weights' last bits
+#      flipped, bf16's own noise beside FP8's gap: ~75 s more, and since the bf16 arm then stops at
+#      a third of QUALITY_S, QUALITY_S=270 keeps 500 steps; $OUT/fp8_quality.json, from which
 #      `python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg` draws the figure
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
 #      1 warm-up, --no-probe) for 8B batch 16 under 12 GiB, 3B batch 16 under 9 GiB and 8B batch 16
@@ -19,8 +23,8 @@
 #      8,192-token head, one profiled step each, at most 120 s; KERNELS=0 leaves it out); rows are cut at BUDGET
 #      seconds from the script's start (default 575), the FP8 provider first; fp8_table.py's table
 #      and the kernels' last
-# Time limits: e QUALITY_S + 60 s (it ends near QUALITY_S); f's tests 150 s, an 8B row 225 s, the 3B
-# row 155 s, the kernels 120 s (expected under 60 s). PARTS="e f" ROWS=8b24 TESTS=0 BUDGET=480 stays
+# Time limits: e QUALITY_S + 60 s (it ends near QUALITY_S; CONTROL=1 QUALITY_S=270 fits one call);
+# f's tests 150 s, an 8B row 225 s, the 3B row 155 s, the kernels 120 s (expected under 60 s). PARTS="e f" ROWS=8b24 TESTS=0 BUDGET=480 stays
 # under 8 minutes: a row that would pass BUDGET is cut, its FP8 provider first.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -77,9 +81,10 @@ for part in ${PARTS:-${1:-}}; do
         c) bench llama3-8b 12 fp8_8b_12 ;;
         d) bench llama3-3b 9 fp8_3b_9 ;;
         e) timeout $(( ${QUALITY_S:-180} + 60 )) python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" \
+               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} \
                --max-seconds "${QUALITY_S:-180}" --json "$OUT/fp8_quality.json" > "$OUT/fp8_quality.log" 2>&1
            rc=$?; echo "quality: exit $rc after $SECONDS s"
-           if [ "$rc" = 0 ]; then sed -n '/^ step/,$p' "$OUT/fp8_quality.log"; else tail -20 "$OUT/fp8_quality.log"; fi ;;
+           if [ "$rc" = 0 ]; then grep -h '^grammar:' "$OUT/fp8_quality.log"; sed -n '/^ step/,$p' "$OUT/fp8_quality.log"; else tail -20 "$OUT/fp8_quality.log"; fi ;;
         f) part_f ;;
         *) echo "usage: OUT=out bash $0 a|b|c|d|e|f, or PARTS=\"e f\" for several" >&2; exit 2 ;;
     esac
