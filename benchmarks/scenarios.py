@@ -184,8 +184,8 @@ def soak(s: Settings) -> list[Step]:
 
 def kernels(s: Settings) -> list[Step]:
     """The kernels' tests on the GPU, then bench_kernels.py (torch, Liger and ours)."""
-    steps = [tests("kernel_tests", ("tests/test_triton_ops.py", "tests/test_triton_patching.py"), marker=None,
-                   timeout=200)]
+    steps = [tests("kernel_tests", ("tests/test_triton_ops.py", "tests/test_triton_gemma_ops.py",
+                                    "tests/test_triton_patching.py"), marker=None, timeout=200)]
     if not s.smoke:  # the kernel benchmark needs CUDA
         steps.append(Step("bench_kernels", ["benchmarks/bench_kernels.py"], 300, tail=22))
     return steps

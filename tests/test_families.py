@@ -137,20 +137,42 @@ class _NormContract(torch.autograd.Function):
     written over the incoming gradient (triton_ops/kernels/rms_norm.py)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, in_place):
+    def forward(ctx, x, weight, eps, in_place, offset):
         ctx.save_for_backward(x, weight)
-        ctx.eps, ctx.in_place = eps, in_place
-        return reference.rms_norm(x, weight, eps)
+        ctx.eps, ctx.in_place, ctx.offset = eps, in_place, offset
+        return reference.rms_norm(x, weight, eps, offset)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         with torch.enable_grad():
             xl, wl = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            dx, dw = torch.autograd.grad(reference.rms_norm(xl, wl, ctx.eps), (xl, wl), dy)
+            dx, dw = torch.autograd.grad(reference.rms_norm(xl, wl, ctx.eps, ctx.offset), (xl, wl), dy)
         if ctx.in_place:
             dx = dy.copy_(dx)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
+
+
+class _GatedContract(torch.autograd.Function):
+    """`reference.swiglu` / `reference.geglu` held to the kernels' contract: with
+    `in_place_backward`, the gradients are written over gate and up (their versions bumped, so a
+    node that saved either fails loudly; triton_ops/kernels/swiglu.py, geglu.py)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, in_place, op):
+        ctx.save_for_backward(gate, up)
+        ctx.in_place, ctx.op = in_place, op
+        return op(gate, up)
+
+    @staticmethod
+    def backward(ctx, dc):
+        gate, up = ctx.saved_tensors
+        with torch.enable_grad():
+            gl, ul = gate.detach().requires_grad_(), up.detach().requires_grad_()
+            da, db = torch.autograd.grad(ctx.op(gl, ul), (gl, ul), dc)
+        if ctx.in_place:
+            da, db = gate.copy_(da), up.copy_(db)
+        return da, db, None, None
 
 
 class _RopeContract(torch.autograd.Function):
@@ -176,8 +198,11 @@ class _RopeContract(torch.autograd.Function):
 
 @pytest.fixture
 def kernel_contracts(monkeypatch):
-    monkeypatch.setattr(triton_ops, "rms_norm", lambda x, w, eps=1e-6, in_place_backward=False:
-                        _NormContract.apply(x, w, eps, in_place_backward))
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda x, w, eps=1e-6, in_place_backward=False, offset=False:
+                        _NormContract.apply(x, w, eps, in_place_backward, offset))
+    for name in ("swiglu", "geglu"):
+        monkeypatch.setattr(triton_ops, name, lambda a, b, in_place_backward=False, op=getattr(reference, name):
+                            _GatedContract.apply(a, b, in_place_backward, op))
     monkeypatch.setattr(triton_ops, "rope", lambda q, k, cos, sin, dim=1: _RopeContract.apply(q, k, cos, sin, dim))
 
 
@@ -211,10 +236,24 @@ def test_the_contract_catches_a_norm_whose_output_feeds_the_residual(kernel_cont
     assert _patched_against_hf("olmo2") > 1e-2
 
 
-def test_gemma_geglu_is_not_taken_for_a_swiglu():
+def test_the_contract_catches_a_gemma_post_norm_patched(kernel_contracts, monkeypatch):
+    """Gemma 3's post-norms feed the residual add: patched, the in-place backward corrupts the
+    residual's gradient (note [Why a post-norm family keeps HF's RMSNorm]); they keep HF's module."""
+    wrong = dataclasses.replace(REGISTRY["gemma3_text"], residual_norms=())
+    monkeypatch.setitem(REGISTRY, "gemma3_text", wrong)
+    assert _patched_against_hf("gemma3_text") > 1e-2
+
+
+def test_gemma_takes_geglu_and_the_offset_norm_where_the_norm_feeds_linears():
+    from triton_ops.patching import patched_op
     model = AutoModelForCausalLM.from_config(family_config("gemma3_text"))
-    with triton_ops.patch(model) as handle:
-        assert not any(type(m).__name__.endswith(("MLP", "RMSNorm")) for m in handle.forwards)
+    layer = model.model.layers[0]
+    with triton_ops.patch(model):
+        assert patched_op(layer.mlp) == "geglu"                       # not taken for a SwiGLU
+        for norm in (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.self_attn.q_norm,
+                     layer.self_attn.k_norm, model.model.norm):
+            assert patched_op(norm) == "offset_rms_norm"              # not the Llama-cast kernel
+        assert patched_op(layer.post_attention_layernorm) is None and patched_op(layer.post_feedforward_layernorm) is None
 
 
 # ---------------------------------------------------------------- refusals (the counts: test_registry.py)

@@ -356,7 +356,7 @@ def test_kernels_under_interpreter():
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", "-k", "kernel",
-           *(os.path.join(here, f"test_{m}.py") for m in ("triton_ops", "triton_patching", "fp8_kernels", "fp8"))]
+           *(os.path.join(here, f"test_{m}.py") for m in ("triton_ops", "triton_gemma_ops", "triton_patching", "fp8_kernels", "fp8"))]
     proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 

@@ -24,6 +24,7 @@ CONFIGS = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "mistral": transformers.MistralConfig,
+    "gemma3_text": transformers.Gemma3TextConfig,     # GeGLU, (1 + w) norms, post-norms kept HF's
 }
 
 
@@ -127,7 +128,7 @@ def test_patched_forward_without_labels_returns_logits():
 # ---------------------------------------------------------------- convergence
 
 @needs_kernels
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
 def test_patched_kernel_model_follows_the_same_loss_curve(family):
     dtype = torch.bfloat16 if KERNEL_DEVICE == "cuda" else torch.float32
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -141,8 +142,9 @@ def test_patched_kernel_model_follows_the_same_loss_curve(family):
 
 
 @needs_kernels
-def test_patched_kernel_model_gradients_match_hf():
-    model = tiny_model("mistral", torch.float32, KERNEL_DEVICE)
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_patched_kernel_model_gradients_match_hf(family):
+    model = tiny_model(family, torch.float32, KERNEL_DEVICE)
     ids, labels = _batch(KERNEL_DEVICE)
     model(input_ids=ids, labels=labels).loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -1,6 +1,6 @@
 """Fused ops for the sliding engine and for plain HF models.
 
-`linear_cross_entropy`, `rms_norm`, `rope` and `swiglu` (and `rms_norm_rows` / `swiglu_rows`, which
+`geglu`, `linear_cross_entropy`, `rms_norm`, `rope` and `swiglu` (and `rms_norm_rows` / `swiglu_rows`, which
 also return their output's e4m3 rows for an FP8 GEMM) dispatch to their Triton kernels
 (`triton_ops.kernels`) for CUDA tensors when Triton is importable, and to the pure-torch
 `triton_ops.reference` otherwise. Under Triton's interpreter (`TRITON_INTERPRET=1`, Triton's own
@@ -20,6 +20,7 @@ import torch
 from . import reference
 
 __all__ = [
+    "geglu",
     "is_triton_available",
     "kernels_apply",
     "linear_cross_entropy",
@@ -72,13 +73,14 @@ token_statistics = reference.token_statistics     # torch ops on every device: n
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             in_place_backward: bool = False) -> torch.Tensor:
-    """RMSNorm of x (..., H) by weight (H,) with HF Llama/Qwen casting (`reference.rms_norm`);
-    `in_place_backward` lets the kernel's backward write dx over the incoming gradient."""
+             in_place_backward: bool = False, offset: bool = False) -> torch.Tensor:
+    """RMSNorm of x (..., H) by weight (H,) with HF Llama/Qwen casting, or with `offset` Gemma's
+    (1 + weight) scale and casting (`reference.rms_norm`); `in_place_backward` lets the kernel's
+    backward write dx over the incoming gradient."""
     if kernels_apply(x):
         from .kernels.rms_norm import rms_norm as fused
-        return fused(x, weight, eps, in_place_backward)
-    return reference.rms_norm(x, weight, eps)
+        return fused(x, weight, eps, in_place_backward, offset)
+    return reference.rms_norm(x, weight, eps, offset)
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -119,6 +121,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False
         from .kernels.swiglu import swiglu as fused
         return fused(gate, up, in_place_backward)
     return reference.swiglu(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
+    """gelu_tanh(gate) * up fused, rounded as HF's Gemma MLP (see `reference.geglu`).
+
+    Args:
+        gate, up: (..., I) projections of one shape and dtype.
+        in_place_backward: (kernel only) write the gradients over gate and up.
+    """
+    if kernels_apply(gate):
+        from .kernels.geglu import geglu as fused
+        return fused(gate, up, in_place_backward)
+    return reference.geglu(gate, up)
 
 
 def swiglu_rows(gate: torch.Tensor, up: torch.Tensor,

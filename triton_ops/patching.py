@@ -2,13 +2,15 @@
 
 What `patch(model)` changes, for the families of hf_slideformer's registry whose entry lists
 `kernels` (`hf_slideformer.models.FAMILIES`, listed by `supported_families()`), and only the ops
-that entry lists (a family's op that differs, as Gemma's GeGLU or its (1 + w) norm, keeps
-HF's module):
+that entry lists (a family's op that differs keeps HF's module):
 
-- "rms_norm": every `*RMSNorm` module with the Llama casting: its `forward` becomes
-  `triton_ops.rms_norm` (instance attribute);
+- "rms_norm": every `*RMSNorm` module but those the entry names as feeding the residual
+  (`residual_norms`): its `forward` becomes `triton_ops.rms_norm` (instance attribute), with
+  the Llama casting, or with Gemma's (1 + w) scale and casting where the entry says
+  `norm_offset` (`offset=True`);
 - "swiglu": every `*MLP` module with gate / up / down projections and a SiLU activation:
   `forward` uses the fused `swiglu`;
+- "geglu": the same MLPs with the tanh GeLU (`gelu_pytorch_tanh`, Gemma's): the fused `geglu`;
 - "rope": the family's `apply_rotary_pos_emb` (a module-level function the attention layers look
   up at call time) becomes `triton_ops.rope`. This is the one change that is not per model: it
   lasts while at least one model of that family is patched (a count per family);
@@ -43,26 +45,43 @@ _rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (ori
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # Only linear layers (or the in-place rope) read a norm's output in these families, so its
+    # Only linear layers (or the in-place rope) read a patched norm's output (the norms feeding
+    # the residual keep HF's module: note [Why a post-norm family keeps HF's RMSNorm]), so its
     # incoming gradient is not shared and dx may overwrite it.
     return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, in_place_backward=True)
+
+
+def _offset_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Gemma's (1 + w) norm, under the same contract as _rms_norm_forward.
+    return triton_ops.rms_norm(hidden_states, self.weight, self.eps, in_place_backward=True, offset=True)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(triton_ops.swiglu(self.gate_proj(x), self.up_proj(x), in_place_backward=True))
 
 
+def _geglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(triton_ops.geglu(self.gate_proj(x), self.up_proj(x), in_place_backward=True))
+
+
+_OPS = {_rms_norm_forward: "rms_norm", _offset_norm_forward: "offset_rms_norm", _mlp_forward: "swiglu",
+        _geglu_mlp_forward: "geglu"}
+_GELU_TANH = ("gelu_pytorch_tanh",)          # F.gelu(approximate="tanh"), the kernel's activation
+
+
 def patched_op(module: nn.Module) -> str | None:
-    """The op `patch` put into `module`'s forward ("rms_norm" or "swiglu"), or None."""
+    """The op `patch` put into `module`'s forward ("rms_norm", "offset_rms_norm", "swiglu" or
+    "geglu"), or None."""
     fn = getattr(module.__dict__.get("forward"), "__func__", None)
-    return {_rms_norm_forward: "rms_norm", _mlp_forward: "swiglu"}.get(fn)
+    return _OPS.get(fn)
 
 
 def rows_forward(module: nn.Module, give):
     """For a module whose forward `patch` replaced (`patched_op`): a forward of the same output
     that also hands that output's e4m3 rows, made by the same kernel, to `give(output, (q, inv))`
     (`triton_ops.rms_norm_rows` / `swiglu_rows`); the SwiGLU MLP's is its activation's output, the
-    down projection's input. None for any other module."""
+    down projection's input. None for any other module (Gemma's offset norm and GeGLU have no
+    rows form: FP8 projections quantize their outputs themselves)."""
     op = patched_op(module)
     if op == "rms_norm":
         def norm(hidden_states):
@@ -178,13 +197,13 @@ def _family(model: nn.Module):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-          cross_entropy: bool = True) -> PatchHandle:
+          geglu: bool = True, cross_entropy: bool = True) -> PatchHandle:
     """Apply the fused ops to a Hugging Face model of a supported family, in place.
 
     Args:
         model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
-        rms_norm, rope, swiglu, cross_entropy: which ops to swap in (of those the family's entry
-            lists; the loss head applies to every family).
+        rms_norm, rope, swiglu, geglu, cross_entropy: which ops to swap in (of those the family's
+            entry lists; the loss head applies to every family).
 
     Returns:
         A `PatchHandle`; `handle.revert()` or `unpatch(model)` restores the model.
@@ -197,15 +216,18 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     rms_norm, rope = rms_norm and "rms_norm" in family.kernels, rope and "rope" in family.kernels
     config = model.config
     act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
-    silu = "swiglu" in family.kernels and act in ("silu", "swish")
-    for module in model.modules():
+    mlp_forward = (_mlp_forward if swiglu and "swiglu" in family.kernels and act in ("silu", "swish") else
+                   _geglu_mlp_forward if geglu and "geglu" in family.kernels and act in _GELU_TANH else None)
+    norm_forward, eps = (_offset_norm_forward, "eps") if family.norm_offset else (_rms_norm_forward, "variance_epsilon")
+    for path, module in model.named_modules():
         name = type(module).__name__
-        if rms_norm and name.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
-            module.forward = types.MethodType(_rms_norm_forward, module)
+        if rms_norm and name.endswith("RMSNorm") and hasattr(module, eps) \
+                and path.rpartition(".")[2] not in family.residual_norms:
+            module.forward = types.MethodType(norm_forward, module)
             handle.forwards.append(module)
-        elif swiglu and silu and name.endswith("MLP") and all(
+        elif mlp_forward is not None and name.endswith("MLP") and all(
                 hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            module.forward = types.MethodType(_mlp_forward, module)
+            module.forward = types.MethodType(mlp_forward, module)
             handle.forwards.append(module)
     if cross_entropy and hasattr(model, "lm_head") and hasattr(model, "model"):
         model.forward = types.MethodType(_causal_lm_forward, model)

@@ -2,8 +2,8 @@
 
 They are the test oracle for the Triton kernels, the benchmark baseline, and the fallback where
 Triton or a GPU is absent. Each function computes the same mathematics as its kernel, with the
-casting of the Hugging Face modules it replaces (`LlamaRMSNorm`, `apply_rotary_pos_emb`,
-`LlamaMLP`'s activation, the causal-LM loss).
+casting of the Hugging Face modules it replaces (`LlamaRMSNorm`, Gemma's (1 + w) `Gemma3RMSNorm`,
+`apply_rotary_pos_emb`, `LlamaMLP`'s and `Gemma3MLP`'s activations, the causal-LM loss).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "geglu",
     "linear_cross_entropy",
     "token_statistics",
     "LinearCrossEntropyFunction",
@@ -193,24 +194,29 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     return log_probs, entropy, is_top1, mean_logits, log_sum_sq
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMS normalization with Hugging Face Llama/Qwen casting.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: bool = False) -> torch.Tensor:
+    """RMS normalization with Hugging Face Llama/Qwen casting, or with Gemma's (1 + w) and casting.
 
-    y = weight * (x_f32 * rsqrt(mean(x_f32**2, -1) + eps)).to(x.dtype); the product follows
-    torch type promotion, so a float32 weight on bfloat16 input yields float32.
+    Llama (offset False): y = weight * (x_f32 * rsqrt(mean(x_f32**2, -1) + eps)).to(x.dtype); the
+    product follows torch type promotion, so a float32 weight on bfloat16 input yields float32.
+    Gemma (offset True, `Gemma3RMSNorm`): y = (x_f32 * rsqrt(mean(x_f32**2, -1) + eps)
+    * (1 + weight_f32)).to(x.dtype): no rounding before the product, the output in x's dtype.
 
     Args:
         x: (..., H) input.
-        weight: (H,) scale.
+        weight: (H,) scale (with `offset`, the scale is 1 + weight).
         eps: added to the mean square.
+        offset: Gemma's (1 + weight) scale and casting.
 
     Returns:
-        (..., H) normalized tensor of dtype promote(x.dtype, weight.dtype).
+        (..., H) normalized tensor of dtype promote(x.dtype, weight.dtype), x.dtype with `offset`.
     """
     input_dtype = x.dtype
     xf = x.to(torch.float32)
     variance = xf.pow(2).mean(-1, keepdim=True)
     xf = xf * torch.rsqrt(variance + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).type_as(x)
     return weight * xf.to(input_dtype)
 
 
@@ -251,6 +257,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         (..., I) tensor of the inputs' dtype.
     """
     return F.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up, the activation of the Gemma MLP (`hidden_activation` "gelu_pytorch_tanh").
+
+    Args:
+        gate: (..., I) output of gate_proj.
+        up: (..., I) output of up_proj.
+
+    Returns:
+        (..., I) tensor of the inputs' dtype: the activation is rounded to it before the product,
+        as HF's `act_fn(gate) * up`.
+    """
+    return F.gelu(gate, approximate="tanh") * up
 
 
 E4M3_MAX = 448.0              # torch.finfo(torch.float8_e4m3fn).max

@@ -89,12 +89,13 @@ def apply_kernels(model: nn.Module, choice: str) -> str:
     else:
         why = "Liger not importable"
     import triton_ops
+    from hf_slideformer.models import get_family
     from triton_ops.patching import supported_families
 
     if choice == "auto" and family not in supported_families():
         return f"none (plain Hugging Face layers and loss: {why}, and triton_ops does not patch {family!r})"
     triton_ops.patch(model)
-    return "triton_ops.patch(rms_norm, rope, swiglu, linear_cross_entropy)" + (
+    return f"triton_ops.patch({', '.join(get_family(family).kernels + ('linear_cross_entropy',))})" + (
         "" if choice == "triton_ops" else f" ({why})")
 
 

@@ -182,7 +182,7 @@ def fill_and_build(model, adapter, config, built: dict, units, dp, _fill: bool) 
 
 
 def _apply_kernels(model, config, built: dict) -> None:
-    """Swap the Triton RMSNorm / RoPE / SwiGLU kernels into the layers (the head fuses its own loss),
+    """Swap the Triton RMSNorm / RoPE / SwiGLU / GeGLU kernels into the layers (the head fuses its own loss),
     those the family's entry lists; a family that lists none runs HF's own ops."""
     if not (config.use_kernels and config.is_cuda):
         return

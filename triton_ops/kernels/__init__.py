@@ -7,11 +7,13 @@ The dispatching entry points (`triton_ops.rms_norm`, ...) choose between these a
 launcher, which `hf_slideformer.host.adam8_torch.adamw8_range` dispatches to.
 """
 from .cross_entropy import LinearCrossEntropyFunction, default_chunk_tokens, linear_cross_entropy
+from .geglu import GeGLUFunction, geglu
 from .rms_norm import RMSNormFunction, RMSNormRowsFunction, rms_norm, rms_norm_rows
 from .rope import RopeFunction, rope
 from .swiglu import SwiGLUFunction, SwiGLURowsFunction, swiglu, swiglu_rows
 
 __all__ = [
+    "GeGLUFunction",
     "LinearCrossEntropyFunction",
     "RMSNormFunction",
     "RMSNormRowsFunction",
@@ -19,6 +21,7 @@ __all__ = [
     "SwiGLUFunction",
     "SwiGLURowsFunction",
     "default_chunk_tokens",
+    "geglu",
     "linear_cross_entropy",
     "rms_norm",
     "rms_norm_rows",

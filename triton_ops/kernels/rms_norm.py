@@ -1,11 +1,14 @@
-"""RMSNorm with the casting of Hugging Face's LlamaRMSNorm / Qwen2RMSNorm / Qwen3RMSNorm.
+"""RMSNorm with the casting of Hugging Face's LlamaRMSNorm / Qwen2RMSNorm / Qwen3RMSNorm, or,
+with `offset`, with the (1 + w) scale and the casting of Gemma3RMSNorm.
 
 Forward, per row x (H,):
     rstd = 1 / sqrt(mean(x_f32**2) + eps)
-    n    = (x_f32 * rstd).to(x.dtype)             # HF rounds the normalized row to the input dtype
-    y    = (w_f32 * n_f32).to(out dtype)           # out dtype = promote(x.dtype, w.dtype)
-Backward, with x_hat = x_f32 * rstd (fp32 throughout):
-    dn = dy * w
+    Llama:  n = (x_f32 * rstd).to(x.dtype)         # HF rounds the normalized row to the input dtype
+            y = (w_f32 * n_f32).to(out dtype)       # out dtype = promote(x.dtype, w.dtype)
+    offset: n = x_f32 * rstd                        # no rounding before the product
+            y = (n * (1 + w_f32)).to(x.dtype)
+Backward, with x_hat = x_f32 * rstd and s = w (Llama) or 1 + w (offset), fp32 throughout:
+    dn = dy * s
     dx = rstd * (dn - x_hat * mean(dn * x_hat))
     dw = sum over rows of dy * n
 Rows are processed in tiles of R rows (R > 1 when H is small, e.g. Qwen3's per-head q/k norm).
@@ -39,17 +42,22 @@ def _rms_norm_fwd_kernel(
     n_rows, H, eps, quant,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
-    """y = w * (x * rstd).to(x.dtype) for a tile of BLOCK_R rows; stores rstd (n_rows,) fp32. With
-    quant != 0 also q (n_rows, H) e4m3 and inv (n_rows,) fp32: y's rows quantized (the fp8 recipe)."""
+    """y = w * (x * rstd).to(x.dtype) (OFFSET: (x * rstd * (1 + w)).to(x.dtype)) for a tile of
+    BLOCK_R rows; stores rstd (n_rows,) fp32. With quant != 0 also q (n_rows, H) e4m3 and inv
+    (n_rows,) fp32: y's rows quantized (the fp8 recipe)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]   # (R, 1)
     cols = tl.arange(0, BLOCK_H)[None, :]                                              # (1, BH)
     mask = (rows < n_rows) & (cols < H)
     x = tl.load(x_ptr + rows * H + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)                                  # (R,)
-    n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    y = (w * n).to(y_ptr.dtype.element_ty)
+    if OFFSET:
+        y = (x * rstd[:, None] * (1.0 + w)).to(y_ptr.dtype.element_ty)
+    else:
+        n = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (w * n).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows * H + cols, y, mask=mask)
     tl.store(rstd_ptr + rows, rstd[:, None], mask=rows < n_rows)
     if quant != 0:
@@ -65,6 +73,7 @@ def _rms_norm_bwd_kernel(
     n_rows, H, rows_per_program,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    OFFSET: tl.constexpr,
 ):
     """dx for rows [pid * rows_per_program, ...) and this program's partial dw (BLOCK_H,) fp32.
 
@@ -75,6 +84,8 @@ def _rms_norm_bwd_kernel(
     last = tl.minimum(first + rows_per_program, n_rows)
     cols = tl.arange(0, BLOCK_H)[None, :]
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if OFFSET:
+        w = 1.0 + w                  # the scale; masked columns read dy = 0
     dw_acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for start in range(first, last, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R)[:, None]
@@ -83,7 +94,10 @@ def _rms_norm_bwd_kernel(
         dy = tl.load(dy_ptr + rows * H + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=rows < last, other=0.0)              # (R, 1)
         x_hat = x * rstd
-        n = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if OFFSET:
+            n = x_hat
+        else:
+            n = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
         dw_acc += dy * n
         dn = dy * w
         c = tl.sum(dn * x_hat, axis=1)[:, None] / H
@@ -112,15 +126,15 @@ def _num_programs(x: torch.Tensor, n_rows: int) -> int:
     return max(1, min(n_rows, sms))
 
 
-def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     quant: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, quant: bool = False,
+                     offset: bool = False) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
     """Launch the forward on x (..., H). Returns y (..., H), rstd (N,) fp32, and with `quant` y's
-    rows in e4m3 (q (N, H) float8_e4m3fn, inv (N, 1) fp32), else None."""
+    rows in e4m3 (q (N, H) float8_e4m3fn, inv (N, 1) fp32), else None. `offset`: Gemma's norm."""
     shape = x.shape
     H = shape[-1]
     x2 = x.reshape(-1, H).contiguous()                                                # (N, H)
     n_rows = x2.shape[0]
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty(shape, dtype=out_dtype, device=x.device)    # not a view: callers may transpose it
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     rows = None
@@ -132,13 +146,13 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block_r, block_h, num_warps = _tile(H)
     _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_r),)](
         x2, y, weight, rstd, q, inv, n_rows, H, eps, int(quant), BLOCK_R=block_r, BLOCK_H=block_h,
-        num_warps=num_warps,
+        OFFSET=offset, num_warps=num_warps,
     )
     return y, rstd, rows
 
 
 def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                      in_place: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                      in_place: bool = True, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the backward. Returns dx (shape and dtype of x) and dw (dtype of weight).
 
     With `in_place`, dx is written over dy when they share a dtype (saves one activation).
@@ -155,13 +169,14 @@ def rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r
     dw_partial = torch.empty((programs, H), dtype=torch.float32, device=x.device)
     _rms_norm_bwd_kernel[(programs,)](
         dy2, x2, weight, rstd, dx, dw_partial, n_rows, H, rows_per_program,
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_R=block_r, BLOCK_H=block_h, OFFSET=offset, num_warps=num_warps,
     )
     return dx.view(shape), dw_partial.sum(0).to(weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype); x (..., H), weight (H,).
+    """y = weight * (x * rsqrt(mean(x**2) + eps)).to(x.dtype), or with `offset`
+    (x * rsqrt(mean(x**2) + eps) * (1 + weight)).to(x.dtype); x (..., H), weight (H,).
 
     Saves x and rstd (N,) fp32. With `in_place_backward` the backward writes dx over the
     incoming gradient when the dtypes allow: right when that gradient is not shared with
@@ -169,19 +184,19 @@ class RMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, in_place_backward):
+    def forward(ctx, x, weight, eps, in_place_backward, offset=False):
         x = x.contiguous()
-        y, rstd, _ = rms_norm_forward(x, weight, eps)
+        y, rstd, _ = rms_norm_forward(x, weight, eps, offset=offset)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.in_place_backward = in_place_backward
+        ctx.in_place_backward, ctx.offset = in_place_backward, offset
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         # A non-contiguous (or expanded) dy is copied first, so only a dense dy is overwritten.
-        dx, dw = rms_norm_backward(dy, x, weight, rstd, in_place=ctx.in_place_backward)
-        return dx, (dw if ctx.needs_input_grad[1] else None), None, None
+        dx, dw = rms_norm_backward(dy, x, weight, rstd, in_place=ctx.in_place_backward, offset=ctx.offset)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None, None, None
 
 
 class RMSNormRowsFunction(torch.autograd.Function):
@@ -193,13 +208,13 @@ class RMSNormRowsFunction(torch.autograd.Function):
         x = x.contiguous()
         y, rstd, (q, inv) = rms_norm_forward(x, weight, eps, quant=True)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.in_place_backward = in_place_backward
+        ctx.in_place_backward, ctx.offset = in_place_backward, False
         ctx.mark_non_differentiable(q, inv)
         return y, q, inv
 
     @staticmethod
     def backward(ctx, dy, _dq, _dinv):
-        return RMSNormFunction.backward(ctx, dy)
+        return RMSNormFunction.backward(ctx, dy)[:4]
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -214,7 +229,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
-             in_place_backward: bool = False) -> torch.Tensor:
+             in_place_backward: bool = False, offset: bool = False) -> torch.Tensor:
     """Triton RMSNorm over the last dimension; see `triton_ops.reference.rms_norm` for the math.
 
     Args:
@@ -223,8 +238,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         eps: added to the mean square.
         in_place_backward: let the backward overwrite the incoming gradient with dx (only
             where no other node reads that gradient).
+        offset: scale by (1 + weight) with Gemma's casting (`Gemma3RMSNorm`).
 
     Returns:
-        (..., H) tensor of dtype promote(x.dtype, weight.dtype).
+        (..., H) tensor of dtype promote(x.dtype, weight.dtype), x.dtype with `offset`.
     """
-    return RMSNormFunction.apply(x, weight, eps, in_place_backward)
+    return RMSNormFunction.apply(x, weight, eps, in_place_backward, offset)

@@ -1,0 +1,117 @@
+"""GeGLU activation: gelu_tanh(gate) * up in one pass, fp32 inside, rounded as HF's Gemma MLP.
+
+HF's Gemma MLP computes `act_fn(gate) * up` with `act_fn = F.gelu(approximate="tanh")`
+(`gelu_pytorch_tanh`): the activation is rounded to the input dtype, then the product is.
+This kernel rounds at the same two places, so in bfloat16 its output is HF's up to the last bit
+of the activation. Forward, elementwise on gate a and up b, with k = sqrt(2 / pi):
+    u = k * (a + 0.044715 * a**3)
+    g = a * sigmoid(2u)                 # = 0.5 * a * (1 + tanh(u))
+    c = (g.to(dtype) * b).to(dtype)
+Backward, with s = sigmoid(2u) (1 - tanh(u)**2 = 4 s (1 - s)):
+    g'  = s + 2 * a * s * (1 - s) * k * (1 + 3 * 0.044715 * a**2)
+    da  = dc * b * g'                   # fp32, one rounding (HF rounds dc * b first)
+    db  = dc * g.to(dtype)              # the rounded activation, as HF's product saw it
+The backward can write da over a and db over b (the saved inputs): inside an MLP they are
+temporaries that nothing else reads, and this saves two activations of size (..., I), as the
+SwiGLU kernel does (`kernels/swiglu.py`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GeGLUFunction", "geglu"]
+
+_BLOCK = 4096
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)     # sqrt(2 / pi)
+_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def _gelu_tanh_parts(a):
+    """(gelu_tanh(a), sigmoid(2u)) in fp32 for fp32 a; u = sqrt(2 / pi) * (a + 0.044715 a**3)."""
+    u = _SQRT_2_OVER_PI * (a + _CUBIC * a * a * a)
+    s = tl.sigmoid(2.0 * u)
+    return a * s, s
+
+
+@triton.jit
+def _geglu_fwd_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
+    """c = (gelu_tanh(a).to(dtype) * b).to(dtype) over a flat block of BLOCK elements."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g, _ = _gelu_tanh_parts(a)
+    g = g.to(c_ptr.dtype.element_ty).to(tl.float32)          # HF's act_fn output, in the input dtype
+    tl.store(c_ptr + offs, (g * b).to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _geglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
+    """da, db of c = gelu_tanh(a) * b; da/db may alias a/b (each element is read before written)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dc = tl.load(dc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g, s = _gelu_tanh_parts(a)
+    dg = s + 2.0 * a * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _CUBIC * a * a)
+    da = dc * b * dg
+    db = dc * g.to(a_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
+    tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+
+
+def geglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Launch the forward on contiguous a, b of one shape and dtype. Returns c."""
+    c = torch.empty_like(a)
+    n = a.numel()
+    _geglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, c, n, BLOCK=_BLOCK, num_warps=8)
+    return c
+
+
+def geglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward. With `in_place`, da and db are written over a and b."""
+    dc = dc.contiguous()
+    da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
+    n = a.numel()
+    _geglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dc, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
+    return da, db
+
+
+class GeGLUFunction(torch.autograd.Function):
+    """c = gelu_tanh(gate) * up; gate, up (..., I) of one dtype. Saves gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate, up, in_place_backward):
+        if gate.shape != up.shape or gate.dtype != up.dtype:
+            raise ValueError("geglu needs gate and up of one shape and dtype")
+        gate, up = gate.contiguous(), up.contiguous()
+        c = geglu_forward(gate, up)
+        ctx.save_for_backward(gate, up)
+        ctx.in_place_backward = in_place_backward
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        gate, up = ctx.saved_tensors
+        da, db = geglu_backward(dc, gate, up, ctx.in_place_backward)
+        return da, db, None
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
+    """Triton gelu_tanh(gate) * up; see `triton_ops.reference.geglu`.
+
+    Args:
+        gate: (..., I) output of gate_proj.
+        up: (..., I) output of up_proj.
+        in_place_backward: let the backward overwrite gate and up with their gradients (only
+            where nothing else reads them, as inside the MLP).
+
+    Returns:
+        (..., I) tensor of the inputs' dtype.
+    """
+    return GeGLUFunction.apply(gate, up, in_place_backward)
