@@ -193,3 +193,51 @@ def test_geglu_offset_norm_gemma3_4b_shapes_bf16():
     assert_close(c, cr, dt, "geglu")
     assert_close(a.grad, ar.grad, dt, "geglu d gate")
     assert_close(b.grad, br.grad, dt, "geglu d up")
+
+
+# ---------------------------------------------------------------- compiled for Hopper, without a GPU
+
+def _hopper_compiler():
+    """Triton's compile for sm_90 (its bundled ptxas), or a skip where this Triton has no such backend."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        pytest.skip("this Triton has no ahead-of-time compile interface")
+    import triton
+
+    def compile_for_hopper(fn, signature: dict, constexprs: dict) -> str:
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                    target=GPUTarget("cuda", 90, 32))
+        except FileNotFoundError as err:            # no ptxas in this Triton build
+            pytest.skip(f"no CUDA toolchain in this Triton: {err}")
+        return kernel.asm["ptx"]
+    return compile_for_hopper
+
+
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("offset", [True, False])
+def test_gemma_kernels_compile_for_hopper(dtype, offset):
+    """The interpreter runs a kernel's Python, not its compilation: an op that Triton cannot lower
+    (a type mismatch across a constexpr branch, an intrinsic this release lacks) shows only when
+    compiled. Compiled here for sm_90 on the CPU, the GeGLU kernels and both forms of the norm's."""
+    import importlib
+
+    compile_for_hopper = _hopper_compiler()
+    geglu = importlib.import_module("triton_ops.kernels.geglu")
+    norm = importlib.import_module("triton_ops.kernels.rms_norm")
+    flat = {"n": "i64", "BLOCK": "constexpr"}
+    assert compile_for_hopper(geglu._geglu_fwd_kernel, {"a_ptr": dtype, "b_ptr": dtype, "c_ptr": dtype, **flat},
+                              {"BLOCK": 4096})
+    assert compile_for_hopper(geglu._geglu_bwd_kernel, {"dc_ptr": dtype, "a_ptr": dtype, "b_ptr": dtype,
+                                                        "da_ptr": dtype, "db_ptr": dtype, **flat}, {"BLOCK": 4096})
+    tiles = {"BLOCK_R": "constexpr", "BLOCK_H": "constexpr", "OFFSET": "constexpr"}
+    assert compile_for_hopper(norm._rms_norm_fwd_kernel, {
+        "x_ptr": dtype, "y_ptr": dtype, "w_ptr": dtype, "rstd_ptr": "*fp32", "q_ptr": "*fp8e4nv", "inv_ptr": "*fp32",
+        "n_rows": "i32", "H": "i32", "eps": "fp32", "quant": "i32", **tiles},
+        {"BLOCK_R": 1, "BLOCK_H": 4096, "OFFSET": offset})
+    assert compile_for_hopper(norm._rms_norm_bwd_kernel, {
+        "dy_ptr": dtype, "x_ptr": dtype, "w_ptr": dtype, "rstd_ptr": "*fp32", "dx_ptr": dtype, "dw_partial_ptr": "*fp32",
+        "n_rows": "i32", "H": "i32", "rows_per_program": "i32", **tiles},
+        {"BLOCK_R": 4, "BLOCK_H": 256, "OFFSET": offset})
