@@ -13,6 +13,7 @@ from .config import SETTINGS
 from .models import SUPPORTED_MODEL_TYPES
 from .options import Choice
 from .planner.plan_settings import ENGINE_OPTIONS
+from .planner.plan_lora_targets import ALL_LINEAR, DEFAULT_TARGET_MODULES, DEFAULT_TARGET_PARAMETERS
 from .planner.planner import ADAM_GPS, FROZEN_BASE_BYTES, GPU_EFFICIENCY, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, PEAK_TFLOPS, plan
 
 __all__ = ["main", "build_parser"]
@@ -29,6 +30,25 @@ def _adam_gps(text: str):
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number of G parameters/s or 'host', got {text!r}")
     return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated list of names, spaces and empty entries dropped."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _lora_modules(text: str | None) -> str | tuple[str, ...]:
+    """--lora-targets as PEFT's target_modules: the default, 'all-linear', or the names given."""
+    if text is None:
+        return DEFAULT_TARGET_MODULES
+    return ALL_LINEAR if text.strip() == ALL_LINEAR else _names(text)
+
+
+def _lora_parameters(text: str | None) -> tuple[str, ...]:
+    """--lora-target-parameters as PEFT's target_parameters: the default, none, or the names given."""
+    if text is None:
+        return DEFAULT_TARGET_PARAMETERS
+    return () if text.strip().lower() == "none" else _names(text)
 
 
 def _engine_flag(parser: argparse.ArgumentParser, argument: str, help: str, **kw) -> None:
@@ -92,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-r", type=int, default=None, metavar="R",
                    help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
                         "and streamed, the adapters on the GPU (default: full fine-tuning)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="with --lora-r: PEFT's target_modules, comma-separated (q_proj,v_proj,...; 'all-linear'); "
+                        "default: " + ",".join(DEFAULT_TARGET_MODULES))
+    p.add_argument("--lora-target-parameters", default=None, metavar="NAMES",
+                   help="with --lora-r: PEFT's target_parameters, comma-separated (a mixture of experts' 3-D weights; "
+                        "'none' for none); default: " + ",".join(DEFAULT_TARGET_PARAMETERS))
     p.add_argument("--lora-base-bytes", type=int, choices=(2, 4), default=FROZEN_BASE_BYTES,
                    help="host bytes per parameter of the frozen layers and head: 2, the compute dtype the engine keeps "
                         "them in, or 4 when the adapters are added to a model already slid (default: "
@@ -130,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                       grad_buffers=args.grad_buffers, nvme_write_gbs=args.nvme_write_gbs,
                       nvme_read_gbs=args.nvme_read_gbs, resident=not args.no_resident, nvme_gb=args.nvme_gb,
                       nvme_bw=args.nvme_bw, lora_r=args.lora_r, lora_base_bytes=args.lora_base_bytes,
-                      lora_modules_to_save=tuple(m.strip() for m in args.lora_modules_to_save.split(",") if m.strip()),
+                      lora_modules_to_save=_names(args.lora_modules_to_save),
+                      lora_target_modules=_lora_modules(args.lora_targets),
+                      lora_target_parameters=_lora_parameters(args.lora_target_parameters),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
                       gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus,
                       optim=args.optim, fp8=args.fp8)

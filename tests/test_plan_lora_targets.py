@@ -3,6 +3,7 @@ parameters for the same `target_modules` / `target_parameters`, experts' fused w
 and its memory and compute terms follow that count."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,20 @@ def test_attention_and_expert_adapters_count_as_peft_makes_them(family, r):
 
 @pytest.mark.parametrize("family", MOE + DENSE)
 def test_the_default_targets_are_the_benchmarks_lora(family):
-    """The default: every linear layer named as the Llama layout names them and, where the model
-    has experts, both of their weights (benchmarks/providers/lora.py, `lora_config`)."""
+    """The default: every linear layer the decoder layer has among the Llama layout's names and,
+    where the model has experts, both of their weights, at rank r: the benchmark's LoRA
+    (benchmarks/providers/lora.py, `lora_config`)."""
+    from benchmarks.providers.lora import lora_config
+
     cfg = family_config(family)
-    experts = EXPERTS if family in MOE else None
-    want = peft_trainable(cfg, 4, list(DEFAULT_TARGET_MODULES), experts)
+    model = AutoModelForCausalLM.from_config(cfg)
+    bench = get_peft_model(model, lora_config(model, 4))
+    want = sum(p.numel() for p in bench.parameters() if p.requires_grad)
     assert plan(cfg, lora_r=4, **MACHINE).lora_params == want
+    if family == "qwen3_moe":
+        # the same names given explicitly are PEFT's: its rewrite adapts gate_up_proj at rank 2r
+        explicit = peft_trainable(cfg, 4, list(DEFAULT_TARGET_MODULES), EXPERTS)
+        assert planned(cfg, 4, list(DEFAULT_TARGET_MODULES), EXPERTS).lora_params == explicit > want
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gemma4_text-moe", "llama"])
@@ -94,11 +103,13 @@ def test_qwen3_30b_a3b_at_rank_16_counts_its_experts():
     assert p.adapter_s > attn_only.adapter_s and p.max_batch_gpu < attn_only.max_batch_gpu
     assert p.gpu_peak - attn_only.gpu_peak >= 9 * GiB
     assert "q_proj, k_proj, v_proj, o_proj and the experts' gate_up_proj, down_proj" in p.report()
-    # the default (the benchmark's LoRA) names gate_proj, up_proj and down_proj as well: PEFT rewrites
-    # them onto the fused weights, gate_up_proj at rank 2 r
-    d = plan(path, **kw)
-    assert d.lora_params == L * (attention + 16 * E * (2 * (2 * I + H) + (I + H)))
-    assert "the experts' gate_up_proj (rank 32), down_proj" in d.report()
+    # the default (the benchmark's LoRA) is the same run: the layer has no gate_proj / up_proj /
+    # down_proj linear; named explicitly, PEFT rewrites them onto the fused weights, gate_up_proj
+    # at rank 2 r
+    assert plan(path, **kw).lora_params == p.lora_params
+    named = plan(path, lora_target_modules=ATTENTION + ["gate_proj", "up_proj", "down_proj"], **kw)
+    assert named.lora_params == L * (attention + 16 * E * (2 * (2 * I + H) + (I + H)))
+    assert "the experts' gate_up_proj (rank 32), down_proj" in named.report()
 
 
 def test_targets_that_match_nothing_or_cannot_be_adapted_are_refused():
@@ -111,3 +122,22 @@ def test_targets_that_match_nothing_or_cannot_be_adapted_are_refused():
         plan(cfg, lora_target_modules=["q_proj"], **MACHINE)
     with pytest.raises(ValueError, match="lora_target_parameters must be a list"):
         planned(cfg, 4, None, [1])
+
+
+def test_the_cli_takes_the_targets(capsys):
+    """`--lora-targets` and `--lora-target-parameters` are PEFT's target_modules / target_parameters;
+    `none` names no parameter; the default is the benchmark's LoRA."""
+    from hf_slideformer.cli import main
+
+    args = ["plan", str(CONFIGS / "qwen3-30b-a3b.json"), "--batch", "8", "--gpu-mem", "24", "--host-mem", "125",
+            "--lora-r", "16", "--json"]
+    counts = {}
+    for name, extra, fits in [
+            ("default", [], True), ("attention", ["--lora-targets", ",".join(ATTENTION)], True),
+            ("named", ["--lora-targets", ",".join(ATTENTION + ["gate_proj", "up_proj", "down_proj"])], False),
+            ("no experts", ["--lora-targets", "q_proj, v_proj", "--lora-target-parameters", "none"], True)]:
+        assert main(args + extra) == (0 if fits else 1)          # 1: the plan does not fit the GPU
+        counts[name] = json.loads(capsys.readouterr().out)["lora_params"]
+    assert counts["default"] == counts["attention"] == 642_514_944
+    assert counts["named"] == 994_836_480
+    assert counts["no experts"] == 48 * 16 * ((2048 + 32 * 128) + (2048 + 4 * 128))

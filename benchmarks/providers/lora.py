@@ -39,7 +39,7 @@ RECOMPUTE_COPIES = 4     # (B, S, I) activations alive at the recompute peak of 
 
 def lora_config(model, r: int, experts: bool = True):
     """PEFT's LoraConfig of these rows for `model` (on any device, meta too): rank r, alpha 2r, no
-    dropout, on every linear layer of `LINEAR_TARGETS` and, with `experts`, on the 3-D expert
+    dropout, on every linear layer of `LINEAR_TARGETS` the decoder layer has and, with `experts`, on the 3-D expert
     weights of `EXPERT_TARGETS` of each module named `experts` (Qwen3-MoE, Mixtral, Qwen3.5-MoE,
     gpt-oss, Gemma 4's MoE), named by their path below the decoder layer (`mlp.experts.down_proj`)."""
     from peft import LoraConfig
@@ -48,7 +48,12 @@ def lora_config(model, r: int, experts: bool = True):
     params = [f"{path}.{name}" for path, module in layer.named_modules() if path.split(".")[-1] == "experts"
               for name in EXPERT_TARGETS if getattr(module, name, None) is not None
               and getattr(module, name).dim() == 3] if experts else []
-    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=LINEAR_TARGETS,
+    linears = {path.split(".")[-1] for decoder_layer in model.get_decoder().layers     # layer types differ
+               for path, module in decoder_layer.named_modules() if isinstance(module, torch.nn.Linear)}
+    # Only the linears the layer has: on fused experts PEFT would rewrite gate_proj / up_proj /
+    # down_proj into the experts' weights, gate_up_proj at rank 2r beside target_parameters' r.
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                      target_modules=[name for name in LINEAR_TARGETS if name in linears],
                       target_parameters=params or None)
 
 

@@ -19,8 +19,10 @@ halves are named; the planner asks the installed PEFT for that rewrite (`_as_pef
 
 The planner counts only inside the decoder layers (the engine refuses adapters elsewhere). Its
 default, `DEFAULT_TARGET_MODULES` and `DEFAULT_TARGET_PARAMETERS`, is the benchmark's LoRA
-(benchmarks/providers/lora.py, `lora_config`): every linear layer named as the Llama layout names
-them and, where the model has experts, both of their fused weights.
+(benchmarks/providers/lora.py, `lora_config`): every linear layer of the decoder layer named as the
+Llama layout names them and, where the model has experts, both of their fused weights, all at rank
+r (the default names only linears the layer has, so PEFT's rewrite of the experts' v4 names, which
+would adapt gate_up_proj at 2 r, does not apply to it).
 
 Where a family's layer is the Llama layout by formula (`Family.extra_layer_params`), its linears
 are written down from the shape; every other family's layers are read from its own modules
@@ -182,6 +184,17 @@ def _module_weights(model) -> list[list[_Weight]]:
     return out
 
 
+def _present_linears(model, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names among `names` that are linear layers of the decoder layers (a mixture of experts
+    whose MLP is fused experts has no gate_proj / up_proj / down_proj linear)."""
+    import torch.nn as nn
+
+    layers = getattr(model, "model", model).layers
+    found = {path.split(".")[-1] for layer in layers for path, module in layer.named_modules()
+             if isinstance(module, nn.Linear)}
+    return tuple(name for name in names if name in found)
+
+
 def _as_peft_converts(model, r: int, target_modules, target_parameters) -> tuple:
     """(target_modules, target_parameters, rank_pattern) as PEFT rewrites them for a family whose
     experts transformers 5 fused (its `convert_peft_config_for_transformers`): Qwen3-MoE's and
@@ -228,6 +241,7 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
         ValueError: a targeted parameter PEFT cannot adapt (not 2-D or 3-D), targets PEFT refuses
             (one half of a fused weight), or targets that match nothing inside the decoder layers.
     """
+    default_modules = target_modules is DEFAULT_TARGET_MODULES    # not the same names given explicitly
     target_modules = normalize_targets("lora_target_modules", target_modules, allow_str=True)
     target_parameters = normalize_targets("lora_target_parameters", target_parameters, allow_str=False)
     asked = (target_modules, target_parameters)
@@ -236,6 +250,8 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
         weights = _llama_weights(s)
     else:
         model = _meta_model(cfg)
+        if default_modules:                   # the default names only the linears the layer has
+            target_modules = _present_linears(model, target_modules)
         target_modules, target_parameters, rank_pattern = _as_peft_converts(model, r, target_modules,
                                                                             target_parameters)
         weights = _module_weights(model)
