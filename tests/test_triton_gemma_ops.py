@@ -207,6 +207,8 @@ def _hopper_compiler():
     import triton
 
     def compile_for_hopper(fn, signature: dict, constexprs: dict) -> str:
+        if not hasattr(fn, "cache_key"):           # TRITON_INTERPRET=1: this process interprets kernels
+            pytest.skip("the kernels are interpreted in this process, not compiled")
         try:
             kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                                     target=GPUTarget("cuda", 90, 32))
