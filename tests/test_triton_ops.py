@@ -12,6 +12,7 @@ largest reference magnitude: float32 1e-5, bfloat16 2e-2 (a few bf16 ulps, 2**-7
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -350,15 +351,45 @@ def test_swiglu_kernel(dtype, shape, in_place):
 # ---------------------------------------------------------------- CPU: the interpreter run
 
 @pytest.mark.skipif(ON_GPU or INTERPRET, reason="kernels run in this process")
-def test_kernels_under_interpreter():
+def test_kernels_under_interpreter(tmp_path):
+    """The kernel tests under Triton's interpreter, in a child run; then every kernel launch it made
+    (triton_launch_recorder.py) compiled for sm_90 here with Triton's bundled ptxas: the
+    interpreter runs a kernel's Python, not its lowering, which otherwise fails first on a GPU."""
     if not triton_ops.is_triton_available():
         pytest.skip("triton is not installed")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", "-k", "kernel",
+    record = tmp_path / "launches.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_LAUNCH_RECORD=str(record),
+               PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "triton_launch_recorder",
+           "-m", "not gpu", "-k", "kernel",
            *(os.path.join(here, f"test_{m}.py") for m in ("triton_ops", "triton_gemma_ops", "triton_patching", "fp8_kernels", "fp8"))]
     proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(here), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    _compile_for_hopper(json.loads(record.read_text()))
+
+
+def _compile_for_hopper(launches: list[dict]) -> None:
+    """Compile each recorded specialization for sm_90 (skipped where this Triton has no CUDA toolchain)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = {(spec["module"], spec["name"]) for spec in launches}
+    assert len(kernels) >= 12, sorted(kernels)        # the recorder saw the kernels, not a few of them
+    failures = []
+    for spec in launches:
+        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+        try:
+            triton.compile(ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"]),
+                           target=GPUTarget("cuda", 90, 32))
+        except FileNotFoundError as err:                 # no ptxas in this Triton build
+            pytest.skip(f"no CUDA toolchain in this Triton: {err}")
+        except Exception as err:                         # noqa: BLE001 - each failure is reported below
+            failures.append(f"{spec['module']}.{spec['name']} {spec['signature']}: {type(err).__name__}: {err}"[:600])
+    assert not failures, "\n".join(failures)
 
 
 # ---------------------------------------------------------------- GPU: real shapes
