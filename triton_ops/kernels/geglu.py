@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .gated import gated_function
+
 __all__ = ["GeGLUFunction", "geglu"]
 
-_BLOCK = 4096
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)     # sqrt(2 / pi)
 _CUBIC = tl.constexpr(0.044715)
 
@@ -64,42 +65,7 @@ def _geglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constex
     tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-def geglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Launch the forward on contiguous a, b of one shape and dtype. Returns c."""
-    c = torch.empty_like(a)
-    n = a.numel()
-    _geglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, c, n, BLOCK=_BLOCK, num_warps=8)
-    return c
-
-
-def geglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward. With `in_place`, da and db are written over a and b."""
-    dc = dc.contiguous()
-    da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
-    n = a.numel()
-    _geglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dc, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
-    return da, db
-
-
-class GeGLUFunction(torch.autograd.Function):
-    """c = gelu_tanh(gate) * up; gate, up (..., I) of one dtype. Saves gate and up."""
-
-    @staticmethod
-    def forward(ctx, gate, up, in_place_backward):
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError("geglu needs gate and up of one shape and dtype")
-        gate, up = gate.contiguous(), up.contiguous()
-        c = geglu_forward(gate, up)
-        ctx.save_for_backward(gate, up)
-        ctx.in_place_backward = in_place_backward
-        return c
-
-    @staticmethod
-    def backward(ctx, dc):
-        gate, up = ctx.saved_tensors
-        da, db = geglu_backward(dc, gate, up, ctx.in_place_backward)
-        return da, db, None
+GeGLUFunction = gated_function("GeGLU", _geglu_fwd_kernel, _geglu_bwd_kernel)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:

@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import _ONE_PASS_MAX, _ROW_BLOCK, _pow2_scale
+from .gated import checked_inputs, gated_function
 
 __all__ = ["SwiGLUFunction", "SwiGLURowsFunction", "swiglu", "swiglu_rows"]
 
-_BLOCK = 4096
 
 
 @triton.jit
@@ -90,14 +90,6 @@ def _swiglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.conste
     tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Launch the forward on contiguous a, b of one shape and dtype. Returns c."""
-    c = torch.empty_like(a)
-    n = a.numel()
-    _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](a, b, c, n, BLOCK=_BLOCK, num_warps=8)
-    return c
-
-
 def swiglu_rows_forward(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the row kernel on contiguous a, b (..., I). Returns c, q (M, I) e4m3, inv (M, 1) fp32."""
     c = torch.empty_like(a)
@@ -113,34 +105,7 @@ def swiglu_rows_forward(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
     return c, q, inv
 
 
-def swiglu_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward. With `in_place`, da and db are written over a and b."""
-    dc = dc.contiguous()
-    da, db = (a, b) if in_place else (torch.empty_like(a), torch.empty_like(b))
-    n = a.numel()
-    _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dc, a, b, da, db, n, BLOCK=_BLOCK, num_warps=8)
-    return da, db
-
-
-class SwiGLUFunction(torch.autograd.Function):
-    """c = silu(gate) * up; gate, up (..., I) of one dtype. Saves gate and up."""
-
-    @staticmethod
-    def forward(ctx, gate, up, in_place_backward):
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError("swiglu needs gate and up of one shape and dtype")
-        gate, up = gate.contiguous(), up.contiguous()
-        c = swiglu_forward(gate, up)
-        ctx.save_for_backward(gate, up)
-        ctx.in_place_backward = in_place_backward
-        return c
-
-    @staticmethod
-    def backward(ctx, dc):
-        gate, up = ctx.saved_tensors
-        da, db = swiglu_backward(dc, gate, up, ctx.in_place_backward)
-        return da, db, None
+SwiGLUFunction = gated_function("SwiGLU", _swiglu_fwd_kernel, _swiglu_bwd_kernel)
 
 
 class SwiGLURowsFunction(torch.autograd.Function):
@@ -149,9 +114,7 @@ class SwiGLURowsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, in_place_backward):
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError("swiglu needs gate and up of one shape and dtype")
-        gate, up = gate.contiguous(), up.contiguous()
+        gate, up = checked_inputs("swiglu", gate, up)
         c, q, inv = swiglu_rows_forward(gate, up)
         ctx.save_for_backward(gate, up)
         ctx.in_place_backward = in_place_backward
