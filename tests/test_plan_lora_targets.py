@@ -116,6 +116,8 @@ def test_targets_that_match_nothing_or_cannot_be_adapted_are_refused():
     cfg = family_config("qwen3_moe")
     with pytest.raises(ValueError, match="match no linear layer or parameter"):
         planned(cfg, 4, ["nothing"], None)
+    with pytest.raises(ValueError, match="match no linear layer of a qwen3_moe"):
+        planned(cfg, 4, ["nothing"], EXPERTS)            # the experts alone would be planned silently
     with pytest.raises(ValueError, match="PEFT adapts 2-D and 3-D parameters only"):
         planned(cfg, 4, None, ["input_layernorm.weight"])
     with pytest.raises(ValueError, match="lora_target_modules needs lora_r"):

@@ -289,6 +289,9 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
                 ranks[short] = rank
         layers.append(LayerTargets(**t))
     targets = LoraTargets(tuple(layers), tuple(modules), tuple(params), tuple(ranks.items()))
+    if asked[0] and not modules and targets.params:      # a misspelt name would plan the rest silently
+        raise ValueError(f"lora_target_modules={asked[0]!r} match no linear layer of a {s.model_type} decoder "
+                         "layer; name its linears (q_proj, ...), or none (an empty list) to adapt the parameters alone")
     if not targets.params:
         raise ValueError(f"the LoRA targets (lora_target_modules={asked[0]!r}, lora_target_parameters="
                          f"{asked[1]!r}) match no linear layer or parameter of a {s.model_type} decoder layer")
