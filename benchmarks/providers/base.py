@@ -163,16 +163,10 @@ def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill:
     "tiled" copies one 16M-element random block over and over (fast on a CPU). Norm weights
     are ones and biases zeros either way. Tied weights stay tied.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_of(config))
+    model = empty_model(config, dtype)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    block = None
-    if fill == "tiled":
-        block = (torch.randn(1 << 24, generator=torch.Generator().manual_seed(seed)) * INIT_STD).to(dtype)
+    block = tiled_block(dtype, seed) if fill == "tiled" else None
     made: dict[int, torch.nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         for p_name, p in list(module._parameters.items()):
@@ -187,6 +181,21 @@ def build_model(config, device: str | torch.device, dtype: torch.dtype, *, fill:
     model.tie_weights()
     model.train()
     return model
+
+
+def empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
+    """The family's causal LM (`attention_of`'s attention) with its parameters on the meta device
+    (no memory) and its buffers built."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_of(config))
+
+
+def tiled_block(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """The random block the "tiled" fill repeats (16M elements, normal(0, INIT_STD), in `dtype`)."""
+    return (torch.randn(1 << 24, generator=torch.Generator().manual_seed(seed)) * INIT_STD).to(dtype)
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
 """`slide`: hf_slideformer through its public API, under the consumer-card GPU memory cap.
 
-The random-init model is built on the CPU in the benchmark dtype (bf16: half the host memory
-of fp32, and the engine makes its own fp32 masters), then slid in place with `hs.slide`, and
-trained exactly as a user would: `model(...).loss`, `loss.backward()`, `opt.step()`,
+The random-init model is built on the meta device and slid in place with `hs.slide`; its weights
+are then written into the engine's masters one unit at a time, as `SlideModel.from_pretrained`
+reads a checkpoint: the same values `build_model`'s "tiled" fill gives (rounded to the benchmark
+dtype), and the host never holds a second copy of the model (a 24B model's bf16 copy alone is
+44 GiB). It is trained exactly as a user would: `model(...).loss`, `loss.backward()`, `opt.step()`,
 `opt.zero_grad()`. SlideConfig fields the engine does not have (yet) are dropped and noted,
 so a renamed field costs a note in the row, not the run. The engine's own step breakdown comes
 from `model.slide_stats()` when that method exists: its counters' change over the timed
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import Provider, build_model, call_with_known_fields
+from .base import Provider, call_with_known_fields, empty_model, fill_tensor, tiled_block
 
 __all__ = ["SlideProvider", "Slide8bitProvider", "Slide8bitBf16Provider", "SlideFp8Provider"]
 
@@ -56,12 +58,26 @@ class SlideProvider(Provider):
                                "this hf_slideformer does not read the launcher's environment")
 
     def build_slid(self):
-        """The slid model: random weights built on the CPU in the benchmark dtype, slid in place."""
+        """The slid model: built on the meta device, slid in place, its masters filled unit by unit
+        (rank 0 writes them where the ranks share them, as `from_pretrained` does)."""
         import hf_slideformer as hs
 
-        model = build_model(self.config, "cpu", self.spec.torch_dtype, fill="tiled", seed=self.spec.seed)
+        model = empty_model(self.config, self.spec.torch_dtype)
+        model.tie_weights()
+        model.train()
         self.count(model)
-        return hs.slide(model, self.slide_config)
+        hs.slide(model, self.slide_config, _fill=False)
+        store, dp = model.slide_engine.store, model.slide_engine.dp
+        if dp is None or dp.writes:
+            block = tiled_block(self.spec.torch_dtype, self.spec.seed)
+            with torch.no_grad():
+                for unit in store.units:
+                    with store.unit_state(unit, write=True):
+                        for entry in unit.entries:
+                            fill_tensor(entry.view(unit.master), entry.name, "tiled", None, block)
+        if dp is not None:
+            dp.barrier()
+        return model
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # With gradient_accumulation_steps in --slide-config, one step is that many micro-batches.
