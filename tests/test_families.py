@@ -230,15 +230,15 @@ def test_the_kernels_an_entry_lists_keep_the_family_math(family, kernel_contract
 
 def test_the_contract_catches_a_norm_whose_output_feeds_the_residual(kernel_contracts, monkeypatch):
     """OLMo 2's post-norms feed the residual add: the in-place norm backward would corrupt the
-    residual's gradient (note [Why a post-norm family keeps HF's RMSNorm])."""
+    residual's gradient (note [Why a residual norm's backward is out of place])."""
     wrong = dataclasses.replace(REGISTRY["olmo2"], kernels=("rms_norm", "rope", "swiglu"))
     monkeypatch.setitem(REGISTRY, "olmo2", wrong)
     assert _patched_against_hf("olmo2") > 1e-2
 
 
 def test_the_contract_catches_a_gemma_post_norm_patched(kernel_contracts, monkeypatch):
-    """Gemma 3's post-norms feed the residual add: patched, the in-place backward corrupts the
-    residual's gradient (note [Why a post-norm family keeps HF's RMSNorm]); they keep HF's module."""
+    """Gemma 3's post-norms feed the residual add: patched with the in-place backward, they corrupt
+    the residual's gradient (note [Why a residual norm's backward is out of place])."""
     wrong = dataclasses.replace(REGISTRY["gemma3_text"], residual_norms=())
     monkeypatch.setitem(REGISTRY, "gemma3_text", wrong)
     assert _patched_against_hf("gemma3_text") > 1e-2
@@ -253,7 +253,8 @@ def test_gemma_takes_geglu_and_the_offset_norm_where_the_norm_feeds_linears():
         for norm in (layer.input_layernorm, layer.pre_feedforward_layernorm, layer.self_attn.q_norm,
                      layer.self_attn.k_norm, model.model.norm):
             assert patched_op(norm) == "offset_rms_norm"              # not the Llama-cast kernel
-        assert patched_op(layer.post_attention_layernorm) is None and patched_op(layer.post_feedforward_layernorm) is None
+        for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+            assert patched_op(norm) == "residual_offset_rms_norm"       # its backward out of place
 
 
 # ---------------------------------------------------------------- refusals (the counts: test_registry.py)

@@ -4,10 +4,11 @@ What `patch(model)` changes, for the families of hf_slideformer's registry whose
 `kernels` (`hf_slideformer.models.FAMILIES`, listed by `supported_families()`), and only the ops
 that entry lists (a family's op that differs keeps HF's module):
 
-- "rms_norm": every `*RMSNorm` module but those the entry names as feeding the residual
-  (`residual_norms`): its `forward` becomes `triton_ops.rms_norm` (instance attribute), with
-  the Llama casting, or with Gemma's (1 + w) scale and casting where the entry says
-  `norm_offset` (`offset=True`);
+- "rms_norm": every `*RMSNorm` module: its `forward` becomes `triton_ops.rms_norm` (instance
+  attribute), with the Llama casting, or with Gemma's (1 + w) scale and casting where the entry
+  says `norm_offset` (`offset=True`); its backward writes dx over the incoming gradient, but in
+  the norms the entry names as feeding the residual add (`residual_norms`), whose incoming
+  gradient the residual still carries;
 - "swiglu": every `*MLP` module with gate / up / down projections and a SiLU activation:
   `forward` uses the fused `swiglu`;
 - "geglu": the same MLPs with the tanh GeLU (`gelu_pytorch_tanh`, Gemma's): the fused `geglu`;
@@ -45,15 +46,26 @@ _rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (ori
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    # Only linear layers (or the in-place rope) read a patched norm's output (the norms feeding
-    # the residual keep HF's module: note [Why a post-norm family keeps HF's RMSNorm]), so its
-    # incoming gradient is not shared and dx may overwrite it.
+    # Only linear layers (or the in-place rope) read this norm's output (the norms feeding the
+    # residual take _residual_norm_forward: note [Why a residual norm's backward is out of place]),
+    # so its incoming gradient is not shared and dx may overwrite it.
     return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, in_place_backward=True)
 
 
 def _offset_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # Gemma's (1 + w) norm, under the same contract as _rms_norm_forward.
     return triton_ops.rms_norm(hidden_states, self.weight, self.eps, in_place_backward=True, offset=True)
+
+
+def _residual_offset_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # Gemma's post-norms: their output is added to the residual, whose gradient is the very tensor
+    # this backward receives, so dx goes to a buffer of its own.
+    return triton_ops.rms_norm(hidden_states, self.weight, self.eps, in_place_backward=False, offset=True)
+
+
+def _residual_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    # A Llama-cast norm feeding the residual add: as _residual_offset_norm_forward.
+    return triton_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon, in_place_backward=False)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,14 +76,16 @@ def _geglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(triton_ops.geglu(self.gate_proj(x), self.up_proj(x), in_place_backward=True))
 
 
-_OPS = {_rms_norm_forward: "rms_norm", _offset_norm_forward: "offset_rms_norm", _mlp_forward: "swiglu",
+_OPS = {_rms_norm_forward: "rms_norm", _offset_norm_forward: "offset_rms_norm",
+        _residual_norm_forward: "residual_rms_norm", _residual_offset_norm_forward: "residual_offset_rms_norm",
+        _mlp_forward: "swiglu",
         _geglu_mlp_forward: "geglu"}
 _GELU_TANH = ("gelu_pytorch_tanh",)          # F.gelu(approximate="tanh"), the kernel's activation
 
 
 def patched_op(module: nn.Module) -> str | None:
-    """The op `patch` put into `module`'s forward ("rms_norm", "offset_rms_norm", "swiglu" or
-    "geglu"), or None."""
+    """The op `patch` put into `module`'s forward ("rms_norm", "offset_rms_norm", their
+    "residual_" forms, "swiglu" or "geglu"), or None."""
     fn = getattr(module.__dict__.get("forward"), "__func__", None)
     return _OPS.get(fn)
 
@@ -218,12 +232,14 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     mlp_forward = (_mlp_forward if swiglu and "swiglu" in family.kernels and act in ("silu", "swish") else
                    _geglu_mlp_forward if geglu and "geglu" in family.kernels and act in _GELU_TANH else None)
-    norm_forward, eps = (_offset_norm_forward, "eps") if family.norm_offset else (_rms_norm_forward, "variance_epsilon")
+    norm_forward, residual_norm_forward, eps = (
+        (_offset_norm_forward, _residual_offset_norm_forward, "eps") if family.norm_offset
+        else (_rms_norm_forward, _residual_norm_forward, "variance_epsilon"))
     for path, module in model.named_modules():
         name = type(module).__name__
-        if rms_norm and name.endswith("RMSNorm") and hasattr(module, eps) \
-                and path.rpartition(".")[2] not in family.residual_norms:
-            module.forward = types.MethodType(norm_forward, module)
+        if rms_norm and name.endswith("RMSNorm") and hasattr(module, eps):
+            residual = path.rpartition(".")[2] in family.residual_norms
+            module.forward = types.MethodType(residual_norm_forward if residual else norm_forward, module)
             handle.forwards.append(module)
         elif mlp_forward is not None and name.endswith("MLP") and all(
                 hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):

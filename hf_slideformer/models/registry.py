@@ -14,9 +14,9 @@ the family departs from the Llama decoder:
   embedding multiplier, needs nothing: that forward runs unchanged);
 - whether the MLP's last projection feeds the residual directly (`mlp_feeds_residual`; Gemma's
   and OLMo's feed a post-norm) and whether the norms scale by (1 + w) (`norm_offset`);
-- the ops `triton_ops.patch` replaces by the project's kernels (`kernels`), and the norms that
-  keep HF's module because their output feeds the residual add (`residual_norms`); the others
-  run HF's modules;
+- the ops `triton_ops.patch` replaces by the project's kernels (`kernels`), and the norms whose
+  output feeds the residual add (`residual_norms`: their kernel's backward is out of place); the
+  others run HF's modules;
 - the parameters a decoder layer holds, which the planner counts from a config.json: beyond the
   Llama core by formula (`extra_layer_params`), or, with None, from the family's own modules
   built on the meta device (`layer_params_of`); for a mixture of experts also those one token
@@ -147,9 +147,8 @@ class Family:
             SiLU-gated MLPs with gate / up / down projections; "geglu": the same MLPs with the
             tanh GeLU); empty: the family runs HF's modules only.
         residual_norms: attribute names of the decoder layer's norms whose output feeds the
-            residual add: with "rms_norm" listed they keep HF's module (the kernel's in-place
-            backward is right only where the norm feeds linears: note [Why a post-norm family
-            keeps HF's RMSNorm]).
+            residual add: with "rms_norm" listed their kernel's backward writes dx to a buffer of
+            its own (note [Why a residual norm's backward is out of place]).
         layer_types: the `config.layer_types` values its layers may take.
         embedding_scale: (config) -> the factor the embedding module multiplies its rows by,
             which the engine's embedding applies in its place; None: no scale.
@@ -245,12 +244,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("qwen2", ("Qwen2DecoderLayer",), _qwen2_extra),
     Family("qwen3", ("Qwen3DecoderLayer",), _qwen3_extra),
     Family("mistral", ("MistralDecoderLayer",)),
-    # Note: [Why a post-norm family keeps HF's RMSNorm] the kernel's backward writes dx over the
-    # incoming gradient, which is right only when the norm's output feeds linears alone. Gemma's
-    # and OLMo's post-norms feed the residual add, whose gradient is the same tensor as the one
-    # the residual carries on: those norms run HF's modules. Gemma 3's other norms (input_layernorm
-    # and pre_feedforward_layernorm before the projections, q_norm / k_norm before the in-place
-    # rope, the final norm before the head) take the (1 + w) kernel; its MLP the GeGLU kernel.
+    # Note: [Why a residual norm's backward is out of place] the norm kernel's backward writes dx
+    # over the incoming gradient, which is right only when the norm's output feeds linears alone.
+    # Gemma's post-norms feed the residual add, whose gradient is the same tensor as the one the
+    # residual carries on: they take the (1 + w) kernel with its backward out of place. Gemma 3's
+    # other norms (input_layernorm and pre_feedforward_layernorm before the projections, q_norm /
+    # k_norm before the in-place rope, the final norm before the head) take it in place; its MLP
+    # the GeGLU kernel. OLMo's norms multiply by the weight before the cast (not Llama's order):
+    # they run HF's modules.
     Family("gemma3_text", ("Gemma3DecoderLayer",), None, kernels=("rms_norm", "rope", "geglu"),
            embedding_scale=_gemma_embedding_scale, final_logits=_gemma_logits, mlp_feeds_residual=False,
            norm_offset=True, residual_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
