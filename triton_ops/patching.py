@@ -118,7 +118,9 @@ def _rope(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
-    """The causal LM's forward with the fused loss head; falls back to the original without labels."""
+    """The causal LM's forward with the fused loss head (plus a mixture of experts' load-balancing
+    loss where its router logits are asked for, as HF's forward adds it); falls back to the
+    original without labels."""
     shift_labels = kwargs.pop("shift_labels", None)
     if labels is None and shift_labels is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
@@ -126,6 +128,10 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
     ignore_index = kwargs.pop("ignore_index", -100)
     return_dict = kwargs.pop("return_dict", None)
     kwargs.pop("logits_to_keep", None)
+    router = kwargs.pop("output_router_logits", None)
+    router = getattr(self.config, "output_router_logits", False) if router is None else router
+    if router:                                   # a mixture of experts' load-balancing loss, as HF adds it
+        kwargs["output_router_logits"] = True
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     hidden = outputs.last_hidden_state                                               # (B, S, H)
     if shift_labels is None:
@@ -138,10 +144,17 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, labels=None, *
         shift_labels.reshape(-1).to(hidden.device),
         ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, softcap=transform.softcap,
     )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
-                                 attentions=outputs.attentions)
+    if not router:
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions)
+        return out.to_tuple() if return_dict is False else out
+    balance = importlib.import_module(_family(self).modeling).load_balancing_loss_func
+    aux_loss = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+    loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    out = MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, hidden_states=outputs.hidden_states,
+                                    attentions=outputs.attentions, router_logits=outputs.router_logits)
     return out.to_tuple() if return_dict is False else out
 
 

@@ -268,9 +268,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     # Mixtures of experts: the router and the experts are part of the layer's unit, and HF's
     # expert code runs as the layer body (its grouped kernels where transformers has them). The
     # auxiliary load-balancing loss (`output_router_logits`) is added as HF adds it (router_aux.py).
-    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), None, kernels=(),
+    # Qwen3-MoE's and Mixtral's attention is Llama's (Llama-cast norms, q/k norms, full rotary):
+    # the norm and rope kernels; the routed experts are HF's (a dense MLP layer takes the SwiGLU).
+    Family("qwen3_moe", ("Qwen3MoeDecoderLayer",), None, kernels=("rms_norm", "rope", "swiglu"),
            router_class="Qwen3MoeTopKRouter"),
-    Family("mixtral", ("MixtralDecoderLayer",), None, kernels=(),
+    Family("mixtral", ("MixtralDecoderLayer",), None, kernels=("rms_norm", "rope", "swiglu"),
            router_class="MixtralTopKRouter"),
     Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=(),
            router_class="Qwen3_5MoeTopKRouter", layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
