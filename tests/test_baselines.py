@@ -104,16 +104,16 @@ def test_gemma3_takes_ligers_geglu_patch(monkeypatch):
 
 
 def test_a_family_neither_patches_runs_plain_and_says_so(monkeypatch):
-    """A mixture of experts without Liger: triton_ops has no entry for it, so "auto" leaves HF's
+    """gpt-oss without Liger: triton_ops has no entry for it, so "auto" leaves HF's
     layers and loss and the row says why; asking for triton_ops raises."""
     from helpers import family_config
     from transformers import AutoModelForCausalLM
 
     _no_liger(monkeypatch)
-    model = AutoModelForCausalLM.from_config(family_config("qwen3_moe"))
+    model = AutoModelForCausalLM.from_config(family_config("gpt_oss"))
     text = recipe.apply_kernels(model, "auto")
-    assert text.startswith("none") and "triton_ops does not patch 'qwen3_moe'" in text
-    with pytest.raises(ValueError, match="qwen3_moe"):
+    assert text.startswith("none") and "triton_ops does not patch 'gpt_oss'" in text
+    with pytest.raises(ValueError, match="gpt_oss"):
         recipe.apply_kernels(model, "triton_ops")
 
 
