@@ -235,13 +235,13 @@ def _shard_plan(eng, limit: int, dtype) -> list[list[tuple[str, object, object]]
     """Units' tensors grouped into shards of at most `limit` bytes (a larger tensor gets its own)."""
     size = 0
     plan: list[list[tuple[str, object, object]]] = [[]]
-    for u in eng.store.units:
-        for e in u.entries:
-            nbytes = e.numel * torch.finfo(dtype).bits // 8
+    for unit in eng.store.units:
+        for entry in unit.entries:
+            nbytes = entry.numel * torch.finfo(dtype).bits // 8
             if plan[-1] and size + nbytes > limit:
                 plan.append([])
                 size = 0
-            plan[-1].append((e.name, u, e))
+            plan[-1].append((entry.name, unit, entry))
             size += nbytes
     return plan
 
@@ -314,11 +314,11 @@ def _write(model, stage: str, plan, names: list[str], dtype) -> None:
         tensors = {}
         for _, group in itertools.groupby(items, key=lambda item: id(item[1])):
             group = list(group)
-            u = group[0][1]
-            with store.unit_state(u):                  # a layer on disk: read in, and copied out below
+            unit = group[0][1]
+            with store.unit_state(unit):                  # a layer on disk: read in, and copied out below
                 for name, _, e in group:
-                    t = e.view(u.master).to(dtype).contiguous()       # fp32: the master itself
-                    tensors[name] = t.clone() if store.on_disk(u) and t.dtype == u.master.dtype else t
+                    t = e.view(unit.master).to(dtype).contiguous()       # fp32: the master itself
+                    tensors[name] = t.clone() if store.on_disk(unit) and t.dtype == unit.master.dtype else t
         if fname == names[-1]:
             tensors.update({n: b.detach().to("cpu").contiguous() for n, b in persistent_buffers(model).items()})
         save_file(tensors, os.path.join(stage, fname), metadata={"format": "pt"})

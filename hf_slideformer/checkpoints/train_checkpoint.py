@@ -133,24 +133,24 @@ def save_training_state(directory: str, model, optimizer) -> None:
     os.makedirs(out, exist_ok=True)
     units = []
     with ThreadPoolExecutor(max_workers=_CRC_THREADS) as pool:     # zlib.crc32 releases the GIL
-        for k, u in enumerate(engine.store.units):
-            if not u.trainable:
-                units.append({"name": u.name, "frozen": True, "numel": u.numel,
-                              "params": [[e.name, list(e.shape)] for e in u.entries]})
+        for k, unit in enumerate(engine.store.units):
+            if not unit.trainable:
+                units.append({"name": unit.name, "frozen": True, "numel": unit.numel,
+                              "params": [[e.name, list(e.shape)] for e in unit.entries]})
                 continue
             fname = _unit_file(k)
             path = os.path.join(out, fname)
-            with engine.store.unit_state(u):          # a layer on disk: read into a buffer meanwhile
+            with engine.store.unit_state(unit):          # a layer on disk: read into a buffer meanwhile
                 # the format's arrays; the step counters are one fp32 scalar per parameter of the unit
-                tensors = {**(u.state_format or ADAMW).tensors(u),
-                           "step": torch.stack([s.reshape(()) for s in u.steps]) if u.steps else torch.zeros(0)}
+                tensors = {**(unit.state_format or ADAMW).tensors(unit),
+                           "step": torch.stack([s.reshape(()) for s in unit.steps]) if unit.steps else torch.zeros(0)}
                 crcs = {n: pool.submit(tensor_crc32, t) for n, t in tensors.items()}
-                save_file(tensors, path, metadata={"format": FORMAT, "unit": u.name})
+                save_file(tensors, path, metadata={"format": FORMAT, "unit": unit.name})
                 crcs = {n: c.result() for n, c in crcs.items()}
                 del tensors
-            units.append({"name": u.name, "file": fname, "bytes": os.path.getsize(path), "numel": u.numel,
-                          "state_format": (u.state_format or ADAMW).name,
-                          "params": [[e.name, list(e.shape)] for e in u.entries], "crc32": crcs})
+            units.append({"name": unit.name, "file": fname, "bytes": os.path.getsize(path), "numel": unit.numel,
+                          "state_format": (unit.state_format or ADAMW).name,
+                          "params": [[e.name, list(e.shape)] for e in unit.entries], "crc32": crcs})
     index = {"format": FORMAT, "units": units, "param_groups": _hyper_params(opt),
              "micro_steps": engine.stats.steps}
     if engine.lora.params:         # LoRA adapters (lora.py): on the device, in a file of their own
@@ -200,16 +200,16 @@ def verify_training_state(directory: str, model) -> dict:
         path = os.path.join(out, index["adapters"]["file"])
         if not os.path.isfile(path) or os.path.getsize(path) != index["adapters"]["bytes"]:
             raise CheckpointError(f"{path} is missing or truncated (the LoRA adapters)")
-    for rec, u in zip(index["units"], units):
-        if rec.get("frozen", False) != (not u.trainable):
+    for rec, unit in zip(index["units"], units):
+        if rec.get("frozen", False) != (not unit.trainable):
             raise CheckpointError(f"{ipath}: unit {rec['name']} is {'frozen' if rec.get('frozen') else 'trained'} "
-                                  f"there and {'trained' if u.trainable else 'frozen'} in this model: a checkpoint of "
+                                  f"there and {'trained' if unit.trainable else 'frozen'} in this model: a checkpoint of "
                                   "another adapter configuration")
         if rec.get("frozen"):
             theirs = [(n, tuple(s)) for n, s in rec["params"]]
-            if theirs != [(e.name, tuple(e.shape)) for e in u.entries]:
+            if theirs != [(e.name, tuple(e.shape)) for e in unit.entries]:
                 raise CheckpointError(f"{ipath}: frozen unit {rec['name']} has other parameters than the model's "
-                                      f"{u.name}: a checkpoint of another model")
+                                      f"{unit.name}: a checkpoint of another model")
             continue
         path = os.path.join(out, rec["file"])
         if not os.path.isfile(path):
@@ -218,10 +218,10 @@ def verify_training_state(directory: str, model) -> dict:
         if size != rec["bytes"]:
             raise CheckpointError(f"{path} has {size} bytes, the index says {rec['bytes']}: truncated or corrupted")
         theirs = [(n, tuple(s)) for n, s in rec["params"]]
-        ours = [(e.name, tuple(e.shape)) for e in u.entries]
+        ours = [(e.name, tuple(e.shape)) for e in unit.entries]
         if theirs != ours:
             raise CheckpointError(f"{path} holds unit {rec['name']} with parameters {theirs[:3]}..., the model's "
-                                  f"unit {u.name} has {ours[:3]}...: a checkpoint of another model")
+                                  f"unit {unit.name} has {ours[:3]}...: a checkpoint of another model")
         try:
             with safe_open(path, "pt") as f:
                 shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -230,17 +230,17 @@ def verify_training_state(directory: str, model) -> dict:
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
         if meta.get("unit") != rec["name"]:
             raise CheckpointError(f"{path} holds unit {meta.get('unit')!r}, the index expects {rec['name']!r}")
-        fmt = u.state_format or ADAMW
+        fmt = unit.state_format or ADAMW
         theirs_fmt = rec.get("state_format", ADAMW.name)
         if theirs_fmt != fmt.name:
             fix = f"slide the model with optimizer_state={theirs_fmt!r}"
-            if u.kind == "embed" and theirs_fmt == ADAMW.name:    # saved when it kept fp32 under every format
+            if unit.kind == "embed" and theirs_fmt == ADAMW.name:    # saved when it kept fp32 under every format
                 fix += (f", or, if its layers are in {fmt.name!r}, with resident_embedding=True (the embedding "
                         "then keeps 'adamw', host_optim.embed_format)")
             raise StateFormatMismatchError(
                 f"{path} holds unit {rec['name']} in optimizer state format {theirs_fmt!r}; this model keeps "
                 f"{fmt.name!r} (SlideConfig.optimizer_state): {fix} to resume this checkpoint")
-        want = {"master": (u.numel,), **{n: (k,) for n, k in fmt.sizes(u).items()}, "step": (len(u.entries),)}
+        want = {"master": (unit.numel,), **{n: (k,) for n, k in fmt.sizes(unit).items()}, "step": (len(unit.entries),)}
         if shapes != want:
             raise CheckpointError(f"{path} holds tensors {shapes}, expected {want}")
     return index
@@ -266,12 +266,12 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
     out = os.path.join(directory, STATE_DIR)
     if any("crc32" not in rec for rec in index["units"] if not rec.get("frozen")):
         logger.warning("%s was written without checksums: damaged values cannot be detected", out)
-    for rec, u in zip(index["units"], engine.store.units):
+    for rec, unit in zip(index["units"], engine.store.units):
         if rec.get("frozen"):
             continue                                 # never changed: the model's own weights are the state
         path = os.path.join(out, rec["file"])
         try:
-            with safe_open(path, "pt") as f, engine.store.unit_state(u, write=True):
+            with safe_open(path, "pt") as f, engine.store.unit_state(unit, write=True):
                 def read(name):
                     t = f.get_tensor(name)
                     want = rec.get("crc32", {}).get(name)
@@ -282,23 +282,23 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
                                               "before training")
                     return t
 
-                fmt = u.state_format or ADAMW
+                fmt = unit.state_format or ADAMW
                 if weights:
-                    u.master.copy_(read("master"))
+                    unit.master.copy_(read("master"))
                 if opt is not None:
                     arrays = {a.name: read(a.name) for a in fmt.arrays}
                     for n, t in arrays.items():      # every scale is checked before anything is written
                         fmt.check(n, t, f"{path} (unit {rec['name']})")
                     for n, t in arrays.items():
-                        getattr(u, n).copy_(t)
-                    for s, x in zip(u.steps, read("step")):
+                        getattr(unit, n).copy_(t)
+                    for s, x in zip(unit.steps, read("step")):
                         s.copy_(x)
                     del arrays
         except (CheckpointError, StateFormatMismatchError, CorruptOptimizerStateError):
             raise
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{path} could not be read: {e}") from e
-        u.version += 1                              # device copies of the old weights are stale now
+        unit.version += 1                              # device copies of the old weights are stale now
     if "adapters" in index:
         rec = index["adapters"]
         path = os.path.join(out, rec["file"])

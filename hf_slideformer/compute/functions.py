@@ -33,17 +33,17 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
     the parametrization's output, not the weight, is what the experts' ops save), so the alias
     loses nothing.
     """
-    for e, t in zip(unit.entries, tensors):
-        if e.parametrized and not isinstance(t, torch.nn.Parameter):
+    for entry, t in zip(unit.entries, tensors):
+        if entry.parametrized and not isinstance(t, torch.nn.Parameter):
             t = _own_parameter(t)
-        for mod, attr in e.holders:
+        for mod, attr in entry.holders:
             mod._parameters[attr] = t
     try:
         yield
     finally:
-        for e in unit.entries:
-            for mod, attr in e.holders:
-                mod._parameters[attr] = e.param
+        for entry in unit.entries:
+            for mod, attr in entry.holders:
+                mod._parameters[attr] = entry.param
 
 
 def _own_parameter(t: torch.Tensor) -> torch.nn.Parameter:

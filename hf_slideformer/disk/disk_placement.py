@@ -49,10 +49,10 @@ def _relative_names(module: torch.nn.Module, unit: Unit) -> list[tuple[str, obje
     """(name inside `module`, entry) of every holder of the unit's parameters in `module`."""
     where = {id(m): n for n, m in module.named_modules(remove_duplicate=False)}
     out = []
-    for e in unit.entries:
-        for mod, attr in e.holders:
+    for entry in unit.entries:
+        for mod, attr in entry.holders:
             if id(mod) in where:
-                out.append((f"{where[id(mod)]}.{attr}" if where[id(mod)] else attr, e))
+                out.append((f"{where[id(mod)]}.{attr}" if where[id(mod)] else attr, entry))
     return out
 
 
@@ -110,30 +110,30 @@ class DiskLayer(HostLayer):
         self._copy_in(busy)
 
     def _copy_in(self, busy) -> None:
-        e, u, s = self.engine, self.unit, self.states
-        if e.slots.find((u,)) is not None:
+        e, unit, s = self.engine, self.unit, self.states
+        if e.slots.find((unit,)) is not None:
             return
         if not self.record.master:
-            e.slots.load((u,), busy)                 # the master is in the host store: a host layer's copy
+            e.slots.load((unit,), busy)                 # the master is in the host store: a host layer's copy
             return
-        s.pin(u, whole=e.in_backward and e.backward_plan.updates)    # [Why a copy reads the master alone]
+        s.pin(unit, whole=e.in_backward and e.backward_plan.updates)    # [Why a copy reads the master alone]
         try:
-            s.ready(u)
-            e.slots.load((u,), busy)                 # waits for the update's finished prefix, as a host layer
+            s.ready(unit)
+            e.slots.load((unit,), busy)                 # waits for the update's finished prefix, as a host layer
         finally:
-            s.unpin(u)                               # the buffer stays until the copy is done (u.readers)
+            s.unpin(unit)                               # the buffer stays until the copy is done (u.readers)
 
     def _needed_next(self) -> tuple[list, bool]:
         """The disk records the schedule needs next, nearest first, from this layer on, and
         whether whole (for updates) or their masters alone (for copies)."""
-        e, u, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
+        e, unit, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
         if e.in_backward:                            # this layer (when it updates here), then down
             updates = e.backward_plan.updates
-            return ([u] if updates else []) + s.ahead(u, -1, n, masters=not updates), updates
-        if not s.ahead(u, 1, 1) and e.live_generation is not None and not e.config.deferred:
+            return ([unit] if updates else []) + s.ahead(unit, -1, n, masters=not updates), updates
+        if not s.ahead(unit, 1, 1) and e.live_generation is not None and not e.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
-            return [u] + s.ahead(u, -1, n - 1), True
-        return s.ahead(u, 1, n, masters=True), False     # the forward's next copies
+            return [unit] + s.ahead(unit, -1, n - 1), True
+        return s.ahead(unit, 1, n, masters=True), False     # the forward's next copies
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
@@ -148,9 +148,9 @@ class DiskLayer(HostLayer):
             raise
 
     def step(self, deferred: DeferredStep) -> None:
-        e = self.engine
-        e.begin_update(self.unit)
-        e.worker.submit(self._deferred_task, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
+        engine = self.engine
+        engine.begin_update(self.unit)
+        engine.worker.submit(self._deferred_task, deferred.hp, deferred.grads_ev, done=(self.unit.updated,))
 
     # ------------------------------------------------------------- worker side
     @contextlib.contextmanager
@@ -158,20 +158,20 @@ class DiskLayer(HostLayer):
         """Around an update of the pinned unit: its read has landed and its previous write is
         done before; its write is queued and its pin released after, even when the update raised
         (the buffer is the state while it is resident)."""
-        s, u = self.states, self.unit
+        s, unit = self.states, self.unit
         try:
-            s.ready(u)
-            s.before_update(u)
+            s.ready(unit)
+            s.before_update(unit)
         except BaseException:
-            s.unpin(u)
+            s.unpin(unit)
             raise
         try:
             yield
         finally:
             try:
-                s.write_behind(u)
+                s.write_behind(unit)
             finally:
-                s.unpin(u)
+                s.unpin(unit)
 
     def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
         if not update:
@@ -186,11 +186,11 @@ class DiskLayer(HostLayer):
 
     def _deferred_task(self, hp, grads_ev) -> None:
         """The update at optimizer.step(); pinned here, on the worker ([Why pinning cannot deadlock])."""
-        s, u = self.states, self.unit
-        s.read_ahead([u] + s.ahead(u, 1, s.read_ahead_count))
-        s.pin(u)
+        s, unit = self.states, self.unit
+        s.read_ahead([unit] + s.ahead(unit, 1, s.read_ahead_count))
+        s.pin(unit)
         with self._updating():
-            self.engine.host_updates.deferred_task(u, hp, grads_ev)
+            self.engine.host_updates.deferred_task(unit, hp, grads_ev)
 
     # ------------------------------------------------------------- the module's state_dict
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
@@ -198,11 +198,11 @@ class DiskLayer(HostLayer):
         keys = [(prefix + n, e) for n, e in self._names if prefix + n in state_dict]
         if not keys:
             return
-        u = self.unit
-        self.engine.clock.wait(u.updated, "update")
-        with self.engine.store.unit_state(u):
+        unit = self.unit
+        self.engine.clock.wait(unit.updated, "update")
+        with self.engine.store.unit_state(unit):
             for key, e in keys:
-                state_dict[key] = e.view(u.master).clone()
+                state_dict[key] = e.view(unit.master).clone()
 
     def _load_state_dict_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -212,10 +212,10 @@ class DiskLayer(HostLayer):
                 if prefix + n in state_dict and tuple(state_dict[prefix + n].shape) == tuple(e.shape)]
         if not keys:
             return
-        u = self.unit
-        self.engine.clock.wait(u.updated, "update")
-        with torch.no_grad(), self.engine.store.unit_state(u, write=True):
+        unit = self.unit
+        self.engine.clock.wait(unit.updated, "update")
+        with torch.no_grad(), self.engine.store.unit_state(unit, write=True):
             for key, e in keys:
-                e.view(u.master).copy_(state_dict[key])
+                e.view(unit.master).copy_(state_dict[key])
                 state_dict[key] = torch.empty(e.shape, device="meta")
-        u.version += 1                               # device copies of the old weights are stale
+        unit.version += 1                               # device copies of the old weights are stale

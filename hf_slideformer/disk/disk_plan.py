@@ -158,8 +158,8 @@ def plan_disk_units(units: list[Unit], config) -> list[tuple[Unit, str]]:
     return out
 
 
-def _unit_host_bytes(u: Unit, config) -> int:
+def _unit_host_bytes(unit: Unit, config) -> int:
     """Host bytes of a unit's master and optimizer state in its format (`host_optim.unit_format`),
     counted for a frozen unit too (at most what the store gives it)."""
-    fmt = unit_format(u, config)
-    return u.numel * fmt.master_dtype.itemsize + fmt.state_bytes(u)
+    fmt = unit_format(unit, config)
+    return unit.numel * fmt.master_dtype.itemsize + fmt.state_bytes(unit)

@@ -52,9 +52,9 @@ class StateRecord:
         self.layout: Layout = tuple((d, n) for _, d, n in arrays)
 
     @classmethod
-    def of(cls, u: Unit, part: str) -> StateRecord:
+    def of(cls, unit: Unit, part: str) -> StateRecord:
         """The record of unit `u` (its `state_format`, its parameters' blocks)."""
-        return cls(u.numel, part, u.state_format, sum(num_blocks(e.numel) for e in u.entries))
+        return cls(unit.numel, part, unit.state_format, sum(num_blocks(e.numel) for e in unit.entries))
 
     @property
     def master(self) -> bool:
@@ -73,22 +73,22 @@ class StateRecord:
         d, n = self.layout[0]
         return payload_bytes(((d, n),))
 
-    def attach(self, u: Unit, buf) -> None:
+    def attach(self, unit: Unit, buf) -> None:
         """Make the unit's arrays of this record views of `buf` (a tensor or a `HostBuffer`)."""
         flat = getattr(buf, "tensor", buf).detach().reshape(-1).view(torch.uint8)
         for name, (d, n), o in zip(self.arrays, self.layout, array_offsets(self.layout)):
-            setattr(u, name, flat[o:o + d.itemsize * n].view(d))
+            setattr(unit, name, flat[o:o + d.itemsize * n].view(d))
 
-    def check(self, u: Unit, where: str) -> None:
+    def check(self, unit: Unit, where: str) -> None:
         """Raise `host_optim.CorruptOptimizerStateError` when an array of the record, attached to
         `u`, holds values the format cannot hold (disk_store.py: [Why a record read is checked])."""
         for name in self.arrays:
-            self.format.check(name, getattr(u, name), where)
+            self.format.check(name, getattr(unit, name), where)
 
-    def detach(self, u: Unit) -> None:
+    def detach(self, unit: Unit) -> None:
         """The record left its buffer: its arrays are no longer in memory."""
         for name in self.arrays:
-            setattr(u, name, None)
+            setattr(unit, name, None)
 
 
 def record_bytes(numel: int, part: str = WHOLE, fmt: StateFormat | None = None, blocks: int | None = None) -> int:

@@ -148,22 +148,22 @@ class DiskStates:
         self.wait_s = 0.0
 
     # ------------------------------------------------------------------ queries
-    def holds(self, u: Unit) -> bool:
+    def holds(self, unit: Unit) -> bool:
         """Is some of `u`'s state on disk?"""
-        return id(u) in self._index
+        return id(unit) in self._index
 
-    def record(self, u: Unit) -> StateRecord:
+    def record(self, unit: Unit) -> StateRecord:
         """What `u`'s record on disk holds."""
-        return self.records[self._index[id(u)]]
+        return self.records[self._index[id(unit)]]
 
-    def is_resident(self, u: Unit) -> bool:
+    def is_resident(self, unit: Unit) -> bool:
         with self._cond:
-            return id(u) in self._res
+            return id(unit) in self._res
 
-    def ahead(self, u: Unit, step: int, n: int, masters: bool = False) -> list[Unit]:
+    def ahead(self, unit: Unit, step: int, n: int, masters: bool = False) -> list[Unit]:
         """The next `n` disk units after `u` in schedule order (`step` 1) or backwards (-1); with
         `masters`, only those of them whose record holds the master (the ones a slot copy reads)."""
-        k = self._index[id(u)]
+        k = self._index[id(unit)]
         near = [j for j in range(k + step, k + step * (n + 1), step) if 0 <= j < len(self.units)]
         return [self.units[j] for j in near if not masters or self.records[j].master]
 
@@ -202,11 +202,11 @@ class DiskStates:
             r.buf.release()
         return self.pool.acquire_one()          # one is free: does not block
 
-    def _load(self, u: Unit, buf, whole: bool = True) -> _Residency:
+    def _load(self, unit: Unit, buf, whole: bool = True) -> _Residency:
         """Make `u` resident in `buf`: its views set, its read issued (zeros if never written);
         without `whole`, the read of a record that holds the master covers the master alone."""
-        k = self._index[id(u)]
-        self.records[k].attach(u, buf)
+        k = self._index[id(unit)]
+        self.records[k].attach(unit, buf)
         if self.file.generation(k) == 0:         # never written: the state of a fresh unit is zeros
             buf.tensor[:self.file.payload_bytes(k)].zero_()
             read, whole = None, True
@@ -216,12 +216,12 @@ class DiskStates:
             read = self.file.read(k, buf, span)
             self.read_bytes += self.file.payload_bytes(k) if whole else span[1]
         r = _Residency(buf, read, whole)
-        self._res[id(u)] = r
+        self._res[id(unit)] = r
         return r
 
-    def _complete(self, u: Unit, r: _Residency) -> None:
+    def _complete(self, unit: Unit, r: _Residency) -> None:
         """A unit resident with its master alone: read the rest of its record into its buffer."""
-        k = self._index[id(u)]
+        k = self._index[id(unit)]
         lo, hi = self.file.array_bytes(k), self.file.payload_bytes(k)
         r.reads.append(self.file.read(k, r.buf, (lo, hi)))
         r.whole, r.checked = True, False
@@ -232,7 +232,7 @@ class DiskStates:
             raise self._failure
 
     # ------------------------------------------------------------------ pins
-    def pin(self, u: Unit, whole: bool = True) -> None:
+    def pin(self, unit: Unit, whole: bool = True) -> None:
         """Hold `u` resident (reading it in if it is not): blocks only for a buffer. Its views
         are valid once `ready(u)` returns, until the matching `unpin`; without `whole`, only its
         master's (a slot copy: [Why a copy reads the master alone])."""
@@ -240,14 +240,14 @@ class DiskStates:
         with self._cond:
             while True:
                 self._raise_failure()
-                r = self._res.get(id(u))
+                r = self._res.get(id(unit))
                 if r is not None:
                     if whole and not r.whole:
-                        self._complete(u, r)
+                        self._complete(unit, r)
                     break
                 buf = self._take()
                 if buf is not None:
-                    r = self._load(u, buf, whole)
+                    r = self._load(unit, buf, whole)
                     break
                 if t0 is None:
                     t0 = time.perf_counter()
@@ -257,49 +257,49 @@ class DiskStates:
             r.pins += 1
             self._touch(r)
         if t0 is not None:
-            self._waited(t0, f"wait_disk_buffer:{u.name}")
+            self._waited(t0, f"wait_disk_buffer:{unit.name}")
 
-    def unpin(self, u: Unit) -> None:
+    def unpin(self, unit: Unit) -> None:
         with self._cond:
-            r = self._res[id(u)]
+            r = self._res[id(unit)]
             r.pins -= 1
             self._touch(r)
             self._cond.notify_all()
 
-    def ready(self, u: Unit) -> None:
+    def ready(self, unit: Unit) -> None:
         """Wait until a pinned unit's state has been read in (raises the read's failure, and
         `CorruptOptimizerStateError` for values its format cannot hold: [Why a record read is checked])."""
         with self._cond:
-            r = self._res[id(u)]
+            r = self._res[id(unit)]
             reads = list(r.reads)
         for fut in reads:
             if not fut.done():
                 t0 = time.perf_counter()
                 fut.exception()                 # waits
-                self._waited(t0, f"wait_disk_read:{u.name}")
+                self._waited(t0, f"wait_disk_read:{unit.name}")
             fut.result()
         if not r.checked and r.whole:
-            self.record(u).check(u, f"{u.name}'s record in {self.file.path}")
+            self.record(unit).check(unit, f"{unit.name}'s record in {self.file.path}")
             r.checked = True
 
-    def before_update(self, u: Unit) -> None:
+    def before_update(self, unit: Unit) -> None:
         """Wait until the previous write of a pinned unit no longer reads its buffer."""
         with self._cond:
-            fut = self._res[id(u)].write
+            fut = self._res[id(unit)].write
         if fut is not None and not fut.done():
             t0 = time.perf_counter()
             fut.exception()
-            self._waited(t0, f"wait_disk_write:{u.name}")
+            self._waited(t0, f"wait_disk_write:{unit.name}")
         if fut is not None:
             fut.result()
 
-    def write_behind(self, u: Unit):
+    def write_behind(self, unit: Unit):
         """Queue the write of a pinned unit's buffer as its next generation; returns its future."""
         with self._cond:
-            r = self._res[id(u)]
+            r = self._res[id(unit)]
             if not r.whole:                     # its moments were never read: writing them would lose them
-                raise RuntimeError(f"internal: a write of {u.name}, resident with its master alone")
-            k = self._index[id(u)]
+                raise RuntimeError(f"internal: a write of {unit.name}, resident with its master alone")
+            k = self._index[id(unit)]
             r.write = fut = self.file.write(k, r.buf)
             self.write_bytes += self.file.payload_bytes(k)
         fut.add_done_callback(self._written)
@@ -332,27 +332,27 @@ class DiskStates:
                 self._touch(r)
 
     @contextlib.contextmanager
-    def access(self, u: Unit, write: bool = False):
+    def access(self, unit: Unit, write: bool = False):
         """`u` resident for a synchronous reader (state_dict, checkpoints): with `write`, its
         buffer is written back when the block ends and the write waited for (raising its
         failure). The engine must be idle (`SlideEngine.synchronize`)."""
-        self.pin(u)
+        self.pin(unit)
         try:
-            self.ready(u)
+            self.ready(unit)
             if write:
-                self.before_update(u)
+                self.before_update(unit)
         except BaseException:
-            self.unpin(u)
+            self.unpin(unit)
             raise
         fut = None
         try:
-            yield u
+            yield unit
         finally:
             try:
                 if write:                        # even after an error: the buffer is the state ([Why ...])
-                    fut = self.write_behind(u)
+                    fut = self.write_behind(unit)
             finally:
-                self.unpin(u)
+                self.unpin(unit)
         if fut is not None:
             fut.result()
 

@@ -214,12 +214,12 @@ class UnitStateFile:
             file_id, layouts = parse_file_header(f, path, UnitStateError)
         self = cls(path, layouts, backend, keep=True, durable=durable, workers=workers, _file_id=file_id)
         raw = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        for u, lay in enumerate(layouts):
+        for unit, lay in enumerate(layouts):
             for s in (0, 1):
-                self.handle.pread(raw, HEADER_BYTES, self.slot_offset(u, s)).result()
-                gen = parse_record(raw.numpy().tobytes(), file_id, u, s, lay)
-                if gen > self._gen[u]:
-                    self._gen[u], self._slot[u] = gen, s
+                self.handle.pread(raw, HEADER_BYTES, self.slot_offset(unit, s)).result()
+                gen = parse_record(raw.numpy().tobytes(), file_id, unit, s, lay)
+                if gen > self._gen[unit]:
+                    self._gen[unit], self._slot[unit] = gen, s
         return self
 
     # ------------------------------------------------------------------ operations

@@ -77,14 +77,14 @@ class _Piece:
                        for a in fmt.arrays}
         self.base = (0, 0)
 
-    def pairs(self, u, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def pairs(self, unit, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device view, host view) of the master and each array for [lo, hi) of unit `u`."""
-        b0, b1 = block_at(u.entries, lo), block_at(u.entries, hi)
+        b0, b1 = block_at(unit.entries, lo), block_at(unit.entries, hi)
         self.base = (lo, b0)
-        out = [(self.master[:hi - lo], u.master[lo:hi])]
+        out = [(self.master[:hi - lo], unit.master[lo:hi])]
         for a in self.format.arrays:
             i, j = (lo, hi) if a.per == "param" else (b0, b1)
-            out.append((self.arrays[a.name][:j - i], getattr(u, a.name)[i:j]))
+            out.append((self.arrays[a.name][:j - i], getattr(unit, a.name)[i:j]))
         return out
 
     def __getattr__(self, name):                   # the format's arrays, as `StateFormat.run` reads them
@@ -93,14 +93,14 @@ class _Piece:
             return arrays[name]
         raise AttributeError(name)
 
-    def update(self, u, batch: dict, lo: int, grad, steps, groups: list[dict], scale) -> None:
+    def update(self, unit, batch: dict, lo: int, grad, steps, groups: list[dict], scale) -> None:
         """The format's update of one `piece_batches` batch starting at `lo` (after `pairs`)."""
         if self.format is ADAMW:
             _optim.apply_batch(batch, lo, self.master, grad, self.arrays["exp_avg"], self.arrays["exp_avg_sq"],
                                steps, groups, scale)
             return
         for gi, ranges in batch.items():
-            self.format.run(None, groups[gi], u, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
+            self.format.run(None, groups[gi], unit, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
                             [steps[k] for k, _, _ in ranges], scale)
 
 
@@ -123,27 +123,27 @@ class DeviceUpdateLayer(HostLayer):
             return
         e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
         # One backward per step: the gradient goes straight into its pinned accumulator.
-        u = self.unit
+        unit = self.unit
         if self.pending is not None:            # never the case in a well-formed step: a guard
-            e.device_updates.flush(u)
-        self.grad_ev = e.grad_ring.d2h(grads, [x.view(u.grad) for x in u.entries])
-        u.grad_valid = True
+            e.device_updates.flush(unit)
+        self.grad_ev = e.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
+        unit.grad_valid = True
 
     def step(self, deferred: DeferredStep) -> None:
         """The update runs when the unit is next copied in (`fill`)."""
-        e, u = self.engine, self.unit
-        e.begin_update(u)
+        e, unit = self.engine, self.unit
+        e.begin_update(unit)
         self.pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
                                     deferred.known)
         self.grad_ev = None
-        u.updated.set()                          # readers of the host state flush it (see the module note)
+        unit.updated.set()                          # readers of the host state flush it (see the module note)
 
     def fill(self, dst):
         """The pending update writing the new weights into `dst` one piece per step, or None."""
-        e = self.engine
-        if self.pending is None or e.device_updates.skipped(self):
+        engine = self.engine
+        if self.pending is None or engine.device_updates.skipped(self):
             return None
-        return e.device_updates.run(self, dst)
+        return engine.device_updates.run(self, dst)
 
 
 class DeviceUpdater:
@@ -176,50 +176,50 @@ class DeviceUpdater:
     def _ensure_sets(self, numel: int) -> None:
         """Two sets of device buffers for pieces of `numel`: the gradient (fp32) and the layers' state
         format's master and arrays (`_Piece`)."""
-        e = self.engine
+        engine = self.engine
         n = min(2 * DEVICE_PIECE, numel)
         if self._sets is None or self._sets[0].numel < n:
-            if e.streams.cuda and self._sets is not None:
-                torch.cuda.synchronize(e.device)
-            fmt = e.layer_units[0].state_format or ADAMW
-            entries = max(len(u.entries) for u in e.layer_units)
-            self._sets = [_Piece(fmt, n, entries, e.device) for _ in range(2)]
+            if engine.streams.cuda and self._sets is not None:
+                torch.cuda.synchronize(engine.device)
+            fmt = engine.layer_units[0].state_format or ADAMW
+            entries = max(len(u.entries) for u in engine.layer_units)
+            self._sets = [_Piece(fmt, n, entries, engine.device) for _ in range(2)]
             self._free = [None, None]
 
     def share(self) -> float:
         """The share of the host-held layers to update on the device (the config's, or balanced)."""
-        e = self.engine
-        c = e.config
+        engine = self.engine
+        c = engine.config
         if c.max_grad_norm is None:
             return 0.0
         if c.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
-            return balanced_share() if e.streams.cuda and e.pinned.enabled else 0.0
+            return balanced_share() if engine.streams.cuda and engine.pinned.enabled else 0.0
         return float(c.device_update_share)
 
     def prepare(self) -> None:
         """At the first clipping step: allocate the device buffers, plan the resident units (the
         device layers are picked among the others), pick the layers and pin their host state."""
-        e = self.engine
-        if self._chosen or e.optimizer is None:
+        engine = self.engine
+        if self._chosen or engine.optimizer is None:
             return
         share = self.share()
         if share <= 0:
             return
         self._chosen = True
-        e.worker.join()                  # the backward's gradient copies into the accumulators have landed
-        self._ensure_sets(max(u.numel for u in e.layer_units))
-        first = e.residents.target()[1]
-        chosen = pick_device_units(e.places.device_updatable(e.layer_units[first:]), share)
+        engine.worker.join()                  # the backward's gradient copies into the accumulators have landed
+        self._ensure_sets(max(u.numel for u in engine.layer_units))
+        first = engine.residents.target()[1]
+        chosen = pick_device_units(engine.places.device_updatable(engine.layer_units[first:]), share)
         if not chosen:
             self._sets = None
             return
         t0 = time.perf_counter()
         self._pin_units(chosen)
         for u in chosen:
-            e.set_place(u, DeviceUpdateLayer(e, u))
+            engine.set_place(u, DeviceUpdateLayer(engine, u))
         logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
-                    "%.1f s", len(chosen), len(e.layer_units), share, time.perf_counter() - t0)
+                    "%.1f s", len(chosen), len(engine.layer_units), share, time.perf_counter() - t0)
 
     def _pin_units(self, units: list) -> None:
         """Move the moments and gradient accumulator of `units` into pinned buffers of their own
@@ -230,31 +230,31 @@ class DeviceUpdater:
         neighbours, and a copy of a neighbour's range that is then partly pinned and partly
         pageable fails (cudaErrorInvalidValue, seen when a neighbouring layer was made resident).
         """
-        e = self.engine
-        opt_state = e.optimizer.state if e.optimizer is not None else {}
-        for u in units:
-            fmt = u.state_format or ADAMW
+        engine = self.engine
+        opt_state = engine.optimizer.state if engine.optimizer is not None else {}
+        for unit in units:
+            fmt = unit.state_format or ADAMW
             for attr in [a.name for a in fmt.arrays] + ["grad"]:
-                old = getattr(u, attr)
-                if old is None or (e.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
+                old = getattr(unit, attr)
+                if old is None or (engine.pinned.enabled and old.is_pinned()):  # pinned: the accumulators
                     continue                                             # with accumulation (accumulate.py)
-                new = e.pinned.empty(old.numel(), dtype=old.dtype)
+                new = engine.pinned.empty(old.numel(), dtype=old.dtype)
                 new.copy_(old)
-                setattr(u, attr, new)
+                setattr(unit, attr, new)
                 release_pages(old)
-            for k, x in enumerate(u.entries):
+            for k, x in enumerate(unit.entries):
                 st = opt_state.get(x.param)
                 if st is not None:                       # the optimizer's state views the new buffers
-                    st.update(fmt.entry_state(u, k))
+                    st.update(fmt.entry_state(unit, k))
 
     def reset(self) -> None:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
-        e = self.engine
+        engine = self.engine
         self.flush()
-        if e.streams.cuda:
-            torch.cuda.synchronize(e.device)
-        for place in e.places.device_updated():
-            e.set_place(place.unit, HostLayer(e, place.unit))
+        if engine.streams.cuda:
+            torch.cuda.synchronize(engine.device)
+        for place in engine.places.device_updated():
+            engine.set_place(place.unit, HostLayer(engine, place.unit))
         self._chosen = False
         self._sets = None
         self._free = [None, None]
@@ -276,9 +276,9 @@ class DeviceUpdater:
         p = place.pending
         if p.batches is not None or p.known is None:
             return False
-        e = self.engine
-        e.clock.wait(p.known, "update")
-        if not e.host_updates.poisoned:
+        engine = self.engine
+        engine.clock.wait(p.known, "update")
+        if not engine.host_updates.poisoned:
             return False
         place.pending = None
         place.unit.grad_valid = False
@@ -293,7 +293,7 @@ class DeviceUpdater:
 
     def run(self, place: DeviceUpdateLayer, dst):
         """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
-        e, u = self.engine, place.unit
+        e, unit = self.engine, place.unit
         p = place.pending
         st = e.streams
         groups, group_of = p.hp
@@ -305,39 +305,39 @@ class DeviceUpdater:
                     p.scale = _optim.grad_scale(e.host_updates.clip_coef, e.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
-            u.grad_valid = False
-            by_group = _optim.groups_of(u, group_of)
+            unit.grad_valid = False
+            by_group = _optim.groups_of(unit, group_of)
             # The host counters are the state (the optimizer's state_dict reads them).
-            torch._foreach_add_([u.steps[k] for ks in by_group.values() for k in ks], 1)
-            p.batches = list(_optim.piece_batches(u, by_group, DEVICE_PIECE, span=True))
+            torch._foreach_add_([unit.steps[k] for ks in by_group.values() for k in ks], 1)
+            p.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
             if st.cuda:
                 with st.on(st.h2d):
-                    p.steps = list(torch.stack(u.steps).to(e.device).unbind())
+                    p.steps = list(torch.stack(unit.steps).to(e.device).unbind())
             else:
-                p.steps = u.steps
+                p.steps = unit.steps
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
-        u.readers = []
-        for ev in (p.ready_ev, p.grad_ev, u.host_write):
+        unit.readers = []
+        for ev in (p.ready_ev, p.grad_ev, unit.host_write):
             st.wait(ev, st.h2d)
         if dst is not None and p.next:
             # Resumed after an error stopped an earlier fill half way (its slot was dropped): the
             # pieces done then are final in the host store; copy them into this slot.
-            done = p.batches[p.next][0] if p.next < len(p.batches) else u.numel
+            done = p.batches[p.next][0] if p.next < len(p.batches) else unit.numel
             with st.on(st.h2d):
-                dst[:done].copy_(u.master[:done].to(e.device, non_blocking=True))
+                dst[:done].copy_(unit.master[:done].to(e.device, non_blocking=True))
         if st.cuda and torch.is_tensor(p.scale):
             p.scale.record_stream(st.h2d)
         while p.next < len(p.batches):
             lo, hi, batch = p.batches[p.next]
             n = hi - lo
             if n:
-                self._update_piece(u, lo, hi, batch, u.grad, p.steps, groups, scale=p.scale, dst=dst)
+                self._update_piece(unit, lo, hi, batch, unit.grad, p.steps, groups, scale=p.scale, dst=dst)
             p.next += 1
             yield
         place.pending = None
 
-    def _update_piece(self, u, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
+    def _update_piece(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
         """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and
         moments in on the h2d stream, fused AdamW there (the gradient divided
         by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
@@ -350,21 +350,21 @@ class DeviceUpdater:
         # buffers alternate: set k is overwritten once its last d2h copy has read it.
         st.wait(self._free[k], st.h2d)
         piece = self._sets[k]
-        pairs = piece.pairs(u, lo, hi)              # (device view, host view) of the master and arrays
+        pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
         g = piece.grad[:n]
         with st.on(st.h2d):
             g.copy_(grad[lo:hi], non_blocking=True)
             for d, src in pairs:
                 d.copy_(src, non_blocking=True)
             read = st.record(st.h2d)
-            piece.update(u, batch, lo, g, steps, groups, scale)
+            piece.update(unit, batch, lo, g, steps, groups, scale)
             if dst is not None:
                 dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)
         with st.on(st.d2h):
             for d, src in pairs:
                 src.copy_(d, non_blocking=True)
-        self._free[k] = u.host_write = st.record(st.d2h)
+        self._free[k] = unit.host_write = st.record(st.d2h)
         moved = sum(d.numel() * d.element_size() for d, _ in pairs)
         e.stats.add_h2d(moved + n * grad.element_size())
         e.stats.add_bytes("d2h", moved)

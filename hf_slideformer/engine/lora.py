@@ -262,24 +262,24 @@ class AdapterSet:
     def state(self) -> dict[str, torch.Tensor]:
         """Weights, moments and step counters by name, on the host (a training checkpoint)."""
         out = {}
-        for n, p in zip(self.names, self.params):
-            out[f"weight/{n}"] = p.detach().cpu()
-            if id(p) in self.exp_avg:
-                out[f"exp_avg/{n}"] = self.exp_avg[id(p)].cpu()
-                out[f"exp_avg_sq/{n}"] = self.exp_avg_sq[id(p)].cpu()
-                out[f"step/{n}"] = self.steps[id(p)].cpu().reshape(1)
+        for n, param in zip(self.names, self.params):
+            out[f"weight/{n}"] = param.detach().cpu()
+            if id(param) in self.exp_avg:
+                out[f"exp_avg/{n}"] = self.exp_avg[id(param)].cpu()
+                out[f"exp_avg_sq/{n}"] = self.exp_avg_sq[id(param)].cpu()
+                out[f"step/{n}"] = self.steps[id(param)].cpu().reshape(1)
         return out
 
     @torch.no_grad()
     def load_state(self, read, weights: bool = True, optimizer: bool = True) -> None:
         """Restore from `read(key)` (keys as in `state`)."""
-        for n, p in zip(self.names, self.params):
+        for n, param in zip(self.names, self.params):
             if weights:
-                p.copy_(read(f"weight/{n}"))
-            if optimizer and id(p) in self.exp_avg:
-                self.exp_avg[id(p)].copy_(read(f"exp_avg/{n}"))
-                self.exp_avg_sq[id(p)].copy_(read(f"exp_avg_sq/{n}"))
-                self.steps[id(p)].copy_(read(f"step/{n}").reshape(()))
+                param.copy_(read(f"weight/{n}"))
+            if optimizer and id(param) in self.exp_avg:
+                self.exp_avg[id(param)].copy_(read(f"exp_avg/{n}"))
+                self.exp_avg_sq[id(param)].copy_(read(f"exp_avg_sq/{n}"))
+                self.steps[id(param)].copy_(read(f"step/{n}").reshape(()))
 
     def allocate(self, state: dict) -> None:
         """Zeroed AdamW moments and step counters on the device, registered in the optimizer's `state`."""

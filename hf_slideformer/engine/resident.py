@@ -70,14 +70,14 @@ class ResidentLayer(LayerPlacement):
         on the device for optimizer.step(). With accumulation it is summed on the device over the
         micro-batches, and the last one updates (or, with clipping, leaves the sum for
         optimizer.step()); the squared norm is the sum's."""
-        e, u, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
+        e, unit, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
         if plan.running_norm:
             e.norm.dev += _sq_norm([g for g in grads if g is not None])
-            g32 = e.residents.shared_grad[:u.numel] if plan.updates else r.grad
+            g32 = e.residents.shared_grad[:unit.numel] if plan.updates else r.grad
             first = True
         else:
             g32, first = r.grad, not r.grad_valid
-        for x, g in zip(u.entries, grads):
+        for x, g in zip(unit.entries, grads):
             d = x.view(g32)
             if g is None:
                 if first:
@@ -91,7 +91,7 @@ class ResidentLayer(LayerPlacement):
             if plan.ends_step:
                 e.norm.dev += _sq_norm([g32])
         if plan.updates:
-            e.residents.resident_step(u, r, g32, found_inf=e.norm.found_inf())
+            e.residents.resident_step(unit, r, g32, found_inf=e.norm.found_inf())
             r.grad_valid = False
         e.residents.pace()
 
@@ -158,9 +158,9 @@ class ResidentPlan:
 
     def plan(self) -> tuple[bool, int]:
         """(embedding resident, number of resident layers) from the config and the measured peak."""
-        e = self.engine
-        c = e.config
-        if not e.single_micro:
+        engine = self.engine
+        c = engine.config
+        if not engine.single_micro:
             # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
             # layer sums its micro-batches' gradients on the GPU and is updated there when the step
             # ends (`ResidentLayer.take_gradient`); the embedding stays on the host (its tied head
@@ -170,21 +170,22 @@ class ResidentPlan:
             return False, (0 if c.resident_layers == "auto" else int(c.resident_layers))
         embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
         layers = None if c.resident_layers == "auto" else int(c.resident_layers)
-        if not e.streams.cuda:                       # nothing to gain on a CPU device unless asked
+        if not engine.streams.cuda:                       # nothing to gain on a CPU device unless asked
             return bool(embed), layers or 0
         if embed is not None and layers is not None:
             return embed, layers
         limit = (int(c.gpu_memory_limit * GiB) if c.gpu_memory_limit is not None
-                 else torch.cuda.get_device_properties(e.device).total_memory)
+                 else torch.cuda.get_device_properties(engine.device).total_memory)
         if self.peak is None:      # the first step's peak, less the resident state it began with
-            self.peak = max(0, measured_peak(e.device) - self.resident_bytes())
+            self.peak = max(0, measured_peak(engine.device) - self.resident_bytes())
             self.tokens = self.last_tokens
-        per = resident_bytes_per_param_of(e.layer_units[0].state_format, e.dtype)
+        per = resident_bytes_per_param_of(engine.layer_units[0].state_format, engine.dtype)
         plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
-                             layer_numel=max(u.numel for u in e.layer_units), n_layers=len(e.layer_units),
-                             embed_numel=e.embed_unit.numel, dtype=e.dtype, embed=embed, layers=layers,
+                             layer_numel=max(u.numel for u in engine.layer_units), n_layers=len(engine.layer_units),
+                             embed_numel=engine.embed_unit.numel, dtype=engine.dtype, embed=embed, layers=layers,
                              clipping=c.max_grad_norm is not None, layer_bytes_per_param=per)
-        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak, "allocated_peak_bytes": allocated_peak(e.device),
+        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak,
+                       "allocated_peak_bytes": allocated_peak(engine.device),
                        "layer_bytes_per_param": per, "embedding": plan[0], "layers": plan[1]}
         logger.info("resident on the GPU: embedding %s, layers 0..%d (reserved peak %.2f GiB of %.2f, %.2f B/param)",
                     "yes" if plan[0] else "no", plan[1] - 1, self.peak / GiB, limit / GiB, per)
@@ -193,8 +194,8 @@ class ResidentPlan:
     def resident_from_start(self, tokens: int) -> bool:
         """Does the embedding (on the host, trainable) go resident at a training forward of `tokens`
         tokens, before the plan has measured a step (one backward per step, an optimizer built)?"""
-        e = self.engine
-        return (self.peak is None and self.planned is None and e.single_micro and e.optimizer is not None
+        engine = self.engine
+        return (self.peak is None and self.planned is None and engine.single_micro and engine.optimizer is not None
                 and self.first_embed_plan(tokens))
 
     def first_embed_plan(self, tokens: int) -> bool:
@@ -208,14 +209,14 @@ class ResidentPlan:
         finds room for it, the embedding is resident from the first step; the measured plan then
         confirms it or writes it back (`promote`).
         """
-        e = self.engine
-        c = e.config
+        engine = self.engine
+        c = engine.config
         if c.resident_embedding != "auto":
             return bool(c.resident_embedding)
-        if not e.streams.cuda or self.model_config is None:
+        if not engine.streams.cuda or self.model_config is None:
             return False
         limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
-                 else torch.cuda.get_device_properties(e.device).total_memory / GiB)
+                 else torch.cuda.get_device_properties(engine.device).total_memory / GiB)
         try:
             p = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
                           max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
@@ -250,46 +251,46 @@ class ResidentPlan:
         self.tokens = tokens
         self.planned = None
 
-    def make_state(self, u: Unit, with_grad: bool = False) -> ResidentState:
+    def make_state(self, unit: Unit, with_grad: bool = False) -> ResidentState:
         """`u`'s state copied to the device once its last update has landed; its host moments given back."""
-        e = self.engine
-        if u.kind == "embed" and u.state_format is not None and u.state_format.name != "adamw":
-            raise SlideStateError(f"{u.name} keeps optimizer_state={u.state_format.name!r} on the host: a resident "
+        engine = self.engine
+        if unit.kind == "embed" and unit.state_format is not None and unit.state_format.name != "adamw":
+            raise SlideStateError(f"{unit.name} keeps optimizer_state={unit.state_format.name!r} on the host: a resident "
                                   "embedding keeps fp32 AdamW (use resident_embedding=False or 'auto')")
-        e.clock.wait(u.updated, "update")           # its last CPU update has landed in the host store
-        e.device_updates.flush(u)                    # ... or its device update (written back on the d2h stream)
-        e.streams.wait(u.host_write)
-        r = ResidentState(u, e.dtype, e.device, with_grad=with_grad)
+        engine.clock.wait(unit.updated, "update")           # its last CPU update has landed in the host store
+        engine.device_updates.flush(unit)                    # ... or its device update (written back on the d2h stream)
+        engine.streams.wait(unit.host_write)
+        r = ResidentState(unit, engine.dtype, engine.device, with_grad=with_grad)
         r.load_from_host()
         # The host moments are not read again until evict() writes them back; a clipping layer's
         # host accumulator is not used while its gradient stays on the device (it reads as zeros,
         # its reset state).
         r.release_host(release_pages)
-        if u.grad is not None and not u.grad_valid:
-            release_pages(u.grad)
+        if unit.grad is not None and not unit.grad_valid:
+            release_pages(unit.grad)
         return r
 
     def promote(self) -> None:
         """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
-        e = self.engine
-        if e.optimizer is None:
+        engine = self.engine
+        if engine.optimizer is None:
             return
         embed, n = self.target()
-        n = min(n, len(e.layer_units))
+        n = min(n, len(engine.layer_units))
         if embed:
-            e.embedding.table.to_device()
+            engine.embedding.table.to_device()
         else:
-            e.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
-            e.embedding.table.to_host()
-        if not e.places.any_streamed_trainable(n):
+            engine.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
+            engine.embedding.table.to_host()
+        if not engine.places.any_streamed_trainable(n):
             return                                # nothing (more) to make resident: a frozen base stays
-        own_grad = e.config.max_grad_norm is not None or not e.single_micro   # a gradient per layer
+        own_grad = engine.config.max_grad_norm is not None or not engine.single_micro   # a gradient per layer
         if self.shared_grad is None and not own_grad:
-            self.shared_grad = torch.empty(max(u.numel for u in e.layer_units), dtype=torch.float32,
-                                           device=e.device)
-        for place in e.places.residency_candidates(n):
+            self.shared_grad = torch.empty(max(u.numel for u in engine.layer_units), dtype=torch.float32,
+                                           device=engine.device)
+        for place in engine.places.residency_candidates(n):
             state = self.make_state(place.unit, with_grad=own_grad)
-            e.set_place(place.unit, ResidentLayer(e, place.unit, state, place))
+            engine.set_place(place.unit, ResidentLayer(engine, place.unit, state, place))
 
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
@@ -305,15 +306,15 @@ class ResidentPlan:
             r.store_to_host()
             if r.grad_valid:
                 # Between micro-batches: the running sum goes on in the host accumulator.
-                u = r.unit
-                u.grad.copy_(r.grad)
-                u.grad_valid = True
+                unit = r.unit
+                unit.grad.copy_(r.grad)
+                unit.grad_valid = True
                 r.grad_valid = False
         for place in e.places.resident():
             e.set_place(place.unit, place.replaced)
         emb.return_to_host()
 
-    def resident_step(self, u: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
+    def resident_step(self, unit: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
                       found_inf=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
 
@@ -324,11 +325,11 @@ class ResidentPlan:
         (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
         e = self.engine
-        _optim.apply_adamw(u, g32, *(hp or e.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
+        _optim.apply_adamw(unit, g32, *(hp or e.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
-        u.version += 1                                   # any slot copy of the old weights is stale
-        e.stats.gpu_adam_params += u.numel
+        unit.version += 1                                   # any slot copy of the old weights is stale
+        e.stats.gpu_adam_params += unit.numel
 
     def pace(self) -> None:
         """Keep the host at most one resident layer ahead of the GPU.
@@ -351,16 +352,16 @@ class ResidentPlan:
         """(clip factor, found_inf) for the resident units' updates at optimizer.step(). With
         accumulation the clip factor is the worker's (`clip_done`: its clip task has run), from
         the host units' norms and the device's."""
-        e = self.engine
-        found_inf = e.norm.found_inf() if e.single_micro else None
-        if e.config.max_grad_norm is None:
+        engine = self.engine
+        found_inf = engine.norm.found_inf() if engine.single_micro else None
+        if engine.config.max_grad_norm is None:
             coef = None
-        elif e.single_micro:
-            coef = e.norm.clip_coef()
+        elif engine.single_micro:
+            coef = engine.norm.clip_coef()
         else:
-            e.clock.wait(clip_done, "update")
-            coef = e.host_updates.clip_coef
-            found_inf = torch.tensor(float(e.host_updates.poisoned), device=e.device)
+            engine.clock.wait(clip_done, "update")
+            coef = engine.host_updates.clip_coef
+            found_inf = torch.tensor(float(engine.host_updates.poisoned), device=engine.device)
         return coef, found_inf
 
     def step(self, deferred: DeferredStep) -> set[int]:

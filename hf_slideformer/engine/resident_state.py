@@ -27,23 +27,23 @@ def resident_bytes_per_param_of(fmt, dtype: torch.dtype) -> float:
 class ResidentState:
     """Device copies of one unit's master, format arrays, step counters and compute weights."""
 
-    def __init__(self, u: Unit, dtype: torch.dtype, device: torch.device, with_grad: bool = False):
-        self.unit = u
-        self.format = fmt = u.state_format or ADAMW
-        self.master = torch.empty(u.numel, dtype=fmt.master_dtype, device=device)
-        for a, n in zip(fmt.arrays, fmt.sizes(u).values()):
+    def __init__(self, unit: Unit, dtype: torch.dtype, device: torch.device, with_grad: bool = False):
+        self.unit = unit
+        self.format = fmt = unit.state_format or ADAMW
+        self.master = torch.empty(unit.numel, dtype=fmt.master_dtype, device=device)
+        for a, n in zip(fmt.arrays, fmt.sizes(unit).values()):
             setattr(self, a.name, torch.empty(n, dtype=a.dtype, device=device))
-        self.weights = torch.empty(u.numel, dtype=dtype, device=device) if dtype != self.master.dtype else self.master
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in u.entries]
+        self.weights = torch.empty(unit.numel, dtype=dtype, device=device) if dtype != self.master.dtype else self.master
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.entries]
         # The step's gradient, kept until optimizer.step() when it clips, or summed over the
         # micro-batches with accumulation (layers in-backward with one backward share one).
-        self.grad = torch.empty(u.numel, dtype=torch.float32, device=device) if with_grad else None
+        self.grad = torch.empty(unit.numel, dtype=torch.float32, device=device) if with_grad else None
         self.grad_valid = False           # with accumulation: `grad` holds this step's running sum
 
     def _pairs(self):
         """(device tensor, host tensor) of the master, the format's arrays and each step counter."""
-        u = self.unit
-        return [(getattr(self, k), t) for k, t in self.format.tensors(u).items()] + list(zip(self.steps, u.steps))
+        unit = self.unit
+        return [(getattr(self, k), t) for k, t in self.format.tensors(unit).items()] + list(zip(self.steps, unit.steps))
 
     def tensors(self) -> list[torch.Tensor]:
         """The device tensors this state holds (each once)."""

@@ -38,30 +38,30 @@ class _Shard:
         `dst`, and the worker's task on it; `free` is set once the worker is done with `dst`. With
         one backward per step the shard's squares, summed over the ranks, join the running norm
         first (the worker judges it before the update)."""
-        e, u, plan = self.engine, self.unit, self.engine.backward_plan
+        e, unit, plan = self.engine, self.unit, self.engine.backward_plan
         plan.norm.add(lambda: e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device)))
-        norm = plan.norm.slot(u)
+        norm = plan.norm.slot(unit)
         done = e.grad_ring.d2h([shard], [dst], norm_dst=norm)
         update = plan.updates
         if update:
-            e.begin_update(u)
+            e.begin_update(unit)
         e.worker.submit(self.task, dst, done, update, plan.ends_step, e.hp, norm,
-                        done=(free,) + ((u.updated,) if update else ()))
+                        done=(free,) + ((unit.updated,) if update else ()))
 
     def task(self, src, done, update: bool, ends_step: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
-        e, u = self.engine, self.unit
-        e.host_updates.sync(done, f"wait_d2h:{u.name}")
+        e, unit = self.engine, self.unit
+        e.host_updates.sync(done, f"wait_d2h:{unit.name}")
         if norm is not None:
-            e.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {u.name}")
-        e.host_updates.consume(u, src, update, ends_step, hp, span=self.span)
+            e.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {unit.name}")
+        e.host_updates.consume(unit, src, update, ends_step, hp, span=self.span)
 
     def deferred(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the range."""
-        e, u = self.engine, self.unit
-        e.begin_update(u)
-        e.worker.submit(e.host_updates.deferred_task, u, deferred.hp, deferred.grads_ev, None, None, self.span,
-                        done=(u.updated,))
+        e, unit = self.engine, self.unit
+        e.begin_update(unit)
+        e.worker.submit(e.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev, None, None, self.span,
+                        done=(unit.updated,))
 
 
 class ShardedHostLayer(HostLayer):
@@ -78,9 +78,9 @@ class ShardedHostLayer(HostLayer):
         pass                       # no device accumulation: each micro-batch's shard is folded on the host
 
     def take_gradient(self, grads: list) -> None:
-        e, u = self.engine, self.unit
+        e, unit = self.engine, self.unit
         dtype = next((g.dtype for g in grads if g is not None), e.dtype)
-        shard = e.dp.reduce_grads(u.numel, grads, [x.offset for x in u.entries], dtype, e.device)
+        shard = e.dp.reduce_grads(unit.numel, grads, [x.offset for x in unit.entries], dtype, e.device)
         k = e.grad_ring.claim_next()
         self.shard.send(shard, e.grad_ring.buffers[k][:shard.numel()], e.grad_ring.free[k])
 
@@ -99,12 +99,12 @@ class _HostShard:
         self.free.set()
 
     def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        e = self.engine
-        e.clock.wait(self.free, "other")               # the worker is done with the previous one
+        engine = self.engine
+        engine.clock.wait(self.free, "other")               # the worker is done with the previous one
         if self.buf is None or self.buf.numel() < n or self.buf.dtype != dtype:
             if self.buf is not None:
-                e.pinned.release(self.buf)
-            self.buf = e.pinned.empty(max(n, 1), dtype=dtype)
+                engine.pinned.release(self.buf)
+            self.buf = engine.pinned.empty(max(n, 1), dtype=dtype)
         self.free.clear()
         return self.buf[:n]
 
@@ -124,8 +124,8 @@ class ShardedEmbedding(Embedding):
         pass                        # the unit's accumulator is the store's (its shard written), when needed
 
     def backward(self, gx: torch.Tensor) -> None:
-        e, u, dp = self.engine, self.unit, self.engine.dp
-        if not u.trainable:
+        e, unit, dp = self.engine, self.unit, self.engine.dp
+        if not unit.trainable:
             e.end_backward()
             return
         T = gx.numel() // self.hidden
@@ -136,13 +136,13 @@ class ShardedEmbedding(Embedding):
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
         S = torch.zeros(uniq.numel(), self.hidden, dtype=torch.float32, device=gx.device)
         S.index_put_((inv,), g, accumulate=True)
-        flat = torch.zeros(dp.per_rank(u.numel) * dp.world, dtype=torch.float32, device=gx.device)
-        G = flat[:u.numel].view(self.vocab, self.hidden)
+        flat = torch.zeros(dp.per_rank(unit.numel) * dp.world, dtype=torch.float32, device=gx.device)
+        G = flat[:unit.numel].view(self.vocab, self.hidden)
         G.index_add_(0, uniq, S)
         if self.dw is not None:     # tied: the lm_head's gradient, widened, times the loss gradient
             G.add_(self.dw.float().mul_(self.dw_scale))
             self.dw = self.dw_scale = None
-        shard = dp.reduce_flat(flat, u.numel)
+        shard = dp.reduce_flat(flat, unit.numel)
         del flat, G, S, g
         e.clock.span_end(t)
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)

@@ -209,14 +209,14 @@ class HostAdam:
         s = self._hp(hp, grad_scale, grad_mul)
         last = None
         ref = ctypes.byref(s)
-        for k, (p, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        for k, (param, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
             step = float(st)
             if step != last:
                 self._set_step(s, hp, step)
                 last = step
             fn = self.lib.slide_adamw_bf16 if g.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
             o = out16[k].data_ptr() if out16 is not None else None
-            fn(p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, p.numel(), ref, self.threads)
+            fn(param.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, param.numel(), ref, self.threads)
 
     def step_rows(self, hp: dict, tables, grad: torch.Tensor, rows: torch.Tensor, step: torch.Tensor,
                   sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
@@ -333,8 +333,8 @@ class HostAdam:
             scale = (grad_scale if torch.is_tensor(grad_scale) else torch.tensor(float(grad_scale))).to(torch.float32)
         torch_fused_adamw(hp, params, grads, exp_avgs, exp_avg_sqs, steps, scale)
         if out16 is not None:
-            for o, p in zip(out16, params):
-                o.copy_(p)
+            for o, param in zip(out16, params):
+                o.copy_(param)
 
     def _widen(self, grads, grad_mul: float):
         """fp32 copies of `grads` (times grad_mul) in one persistent scratch buffer."""

@@ -66,14 +66,14 @@ class StateFormat:
             b += a.dtype.itemsize / (BLOCK if a.per == "block" else 1)
         return b
 
-    def sizes(self, u) -> dict[str, int]:
+    def sizes(self, unit) -> dict[str, int]:
         """Elements of each array of unit `u`."""
-        blocks = sum(num_blocks(e.numel) for e in u.entries)
-        return {a.name: (blocks if a.per == "block" else u.numel) for a in self.arrays}
+        blocks = sum(num_blocks(e.numel) for e in unit.entries)
+        return {a.name: (blocks if a.per == "block" else unit.numel) for a in self.arrays}
 
-    def state_bytes(self, u) -> int:
+    def state_bytes(self, unit) -> int:
         """Host bytes of `u`'s moments (its master not included)."""
-        return sum(n * a.dtype.itemsize for a, n in zip(self.arrays, self.sizes(u).values()))
+        return sum(n * a.dtype.itemsize for a, n in zip(self.arrays, self.sizes(unit).values()))
 
     def allocate(self, units, zeros) -> None:
         """Give each unit its zeroed arrays, carved from one `zeros(numel, dtype)` slab per array."""
@@ -87,32 +87,32 @@ class StateFormat:
         for u in units:
             u.state_format = self
 
-    def tensors(self, u) -> dict[str, torch.Tensor]:
+    def tensors(self, unit) -> dict[str, torch.Tensor]:
         """`u`'s master and arrays by name (what a checkpoint holds)."""
-        return {"master": u.master, **{a.name: getattr(u, a.name) for a in self.arrays}}
+        return {"master": unit.master, **{a.name: getattr(unit, a.name) for a in self.arrays}}
 
-    def entry_state(self, u, k: int, src=None) -> dict[str, torch.Tensor]:
+    def entry_state(self, unit, k: int, src=None) -> dict[str, torch.Tensor]:
         """Views of entry `k`'s part of each array (the optimizer's per-parameter state); of `src`
         (another holder of the arrays in `u`'s layout) when given."""
-        src = u if src is None else src
-        e, out = u.entries[k], {}
-        b0 = sum(num_blocks(x.numel) for x in u.entries[:k])
+        src = unit if src is None else src
+        entry, out = unit.entries[k], {}
+        b0 = sum(num_blocks(x.numel) for x in unit.entries[:k])
         for a in self.arrays:
             t = getattr(src, a.name)
-            out[a.name] = e.view(t) if a.per == "param" else t[b0:b0 + num_blocks(e.numel)]
+            out[a.name] = entry.view(t) if a.per == "param" else t[b0:b0 + num_blocks(entry.numel)]
         return out
 
     def check(self, name: str, t: torch.Tensor, where: str) -> None:
         """Raise `CorruptOptimizerStateError` when array `name` holds values the format cannot hold."""
 
-    def run(self, kernel, hp: dict, u, state, ranges, grads, steps, scale, grad_mul: float = 1.0,
+    def run(self, kernel, hp: dict, unit, state, ranges, grads, steps, scale, grad_mul: float = 1.0,
             found_inf=None) -> None:
         """One AdamW step of the flat ranges [(entry index, lo, hi)] of unit `u`'s `state` (the
         unit, or a holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]`
         its counter (advanced). `scale`: divide the gradient by it (the clip factor's reciprocal)."""
         raise NotImplementedError
 
-    def run_rows(self, kernel, hp: dict, u, grad: torch.Tensor, rows: torch.Tensor, step, *,
+    def run_rows(self, kernel, hp: dict, unit, grad: torch.Tensor, rows: torch.Tensor, step, *,
                  sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
         """One AdamW step of some rows of the one-entry (V, H) unit `u` (the embedding), in place:
         `HostAdam.step_rows`'s contract (`grad` the dense (V, H) fp32 gradient, `rows` distinct,
@@ -131,7 +131,7 @@ class AdamW32(StateFormat):
     name = "adamw"
     arrays = (StateArray("exp_avg", torch.float32), StateArray("exp_avg_sq", torch.float32))
 
-    def run(self, kernel, hp, u, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
+    def run(self, kernel, hp, unit, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
         ps = [state.master[a:b] for _, a, b in ranges]
         ms = [state.exp_avg[a:b] for _, a, b in ranges]
         vs = [state.exp_avg_sq[a:b] for _, a, b in ranges]
@@ -140,9 +140,9 @@ class AdamW32(StateFormat):
         else:
             kernel.step(hp, ps, grads, ms, vs, steps, grad_scale=scale, grad_mul=grad_mul)
 
-    def run_rows(self, kernel, hp, u, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
+    def run_rows(self, kernel, hp, unit, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
         shape = grad.shape
-        kernel.step_rows(hp, [t.view(shape) for t in (u.master, u.exp_avg, u.exp_avg_sq)], grad, rows, step,
+        kernel.step_rows(hp, [t.view(shape) for t in (unit.master, unit.exp_avg, unit.exp_avg_sq)], grad, rows, step,
                          sums=sums, zero_grad=zero_grad, exclude=exclude)
 
 
@@ -223,31 +223,31 @@ class AdamW8bit(StateFormat):
                     f"{where}: {name} holds {int(bad.sum())} invalid block scale(s) (block {i}: {float(t[i])!r}; "
                     "a scale is a finite absmax >= 0): the optimizer state is damaged, load a good checkpoint")
 
-    def run(self, kernel, hp, u, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
+    def run(self, kernel, hp, unit, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
         if kernel is None or not kernel.native or found_inf is not None or state.master.device.type != "cpu":
-            self._run_torch(hp, u, state, ranges, grads, steps, scale, grad_mul, found_inf)
+            self._run_torch(hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf)
             return
         fn = _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
         s = _hp8(hp, scale, grad_mul)
         starts, b0 = [], 0
-        for e in u.entries:
+        for entry in unit.entries:
             starts.append(b0)
-            b0 += num_blocks(e.numel)
+            b0 += num_blocks(entry.numel)
         mbf = int(state.master.dtype == torch.bfloat16)
         for (k, a, b), g, st in zip(ranges, grads, steps):
-            e = u.entries[k]
-            if (a - e.offset) % BLOCK:
-                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {u.name} [{a}, {b})")
-            _set_step8(s, hp, float(st), rounding_key(self.seed, u.index, int(float(st))))
-            blk = starts[k] + (a - e.offset) // BLOCK
+            entry = unit.entries[k]
+            if (a - entry.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{a}, {b})")
+            _set_step8(s, hp, float(st), rounding_key(self.seed, unit.index, int(float(st))))
+            blk = starts[k] + (a - entry.offset) // BLOCK
             assert g.is_contiguous() and g.numel() == b - a and g.dtype in (torch.float32, torch.bfloat16)
             fn(state.master[a:b].data_ptr(), state.exp_avg[a:b].data_ptr(), state.exp_avg_sq[a:b].data_ptr(),
                state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
                b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
                int(g.dtype == torch.bfloat16), mbf, kernel.threads)
 
-    def _run_torch(self, hp, u, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
+    def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
         """`run` in torch ops on the state's device (adam8_torch.py): device state, or no native
         kernel. A holder of part of a unit's arrays says where they start by `base` = (element
         offset, block offset) in the unit."""
@@ -255,32 +255,32 @@ class AdamW8bit(StateFormat):
 
         base, bbase = getattr(state, "base", (0, 0))
         starts, b0 = [], 0
-        for e in u.entries:
+        for entry in unit.entries:
             starts.append(b0)
-            b0 += num_blocks(e.numel)
+            b0 += num_blocks(entry.numel)
         for (k, a, b), g, st in zip(ranges, grads, steps):
-            e = u.entries[k]
-            if (a - e.offset) % BLOCK:
-                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {u.name} [{a}, {b})")
-            blk = starts[k] + (a - e.offset) // BLOCK - bbase
+            entry = unit.entries[k]
+            if (a - entry.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{a}, {b})")
+            blk = starts[k] + (a - entry.offset) // BLOCK - bbase
             nb = num_blocks(b - a)
             i, j = a - base, b - base
             adamw8_range(hp, state.master[i:j], state.exp_avg[i:j], state.exp_avg_sq[i:j],
                          state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], g, st,
-                         rounding_key_t(self.seed, u.index, st), a, scale=scale, grad_mul=grad_mul,
+                         rounding_key_t(self.seed, unit.index, st), a, scale=scale, grad_mul=grad_mul,
                          found_inf=found_inf)
 
     def rows_fit(self, hidden: int) -> bool:
         return hidden % BLOCK == 0             # a block never spans two rows
 
-    def run_rows(self, kernel, hp, u, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
+    def run_rows(self, kernel, hp, unit, grad, rows, step, *, sums=None, zero_grad=False, exclude=False) -> None:
         if kernel is None or not kernel.native:
             raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
         if exclude and (sums is not None or zero_grad):
             raise ValueError("run_rows(exclude=True) takes no sums and zero_grad")
         V, h = grad.shape
-        if not self.rows_fit(h) or len(u.entries) != 1:
-            raise ValueError(f"a row-wise 8-bit update needs one (V, H) table with H a multiple of {BLOCK}: {u.name}")
+        if not self.rows_fit(h) or len(unit.entries) != 1:
+            raise ValueError(f"a row-wise 8-bit update needs one (V, H) table with H a multiple of {BLOCK}: {unit.name}")
         if exclude:
             keep = torch.ones(V, dtype=torch.bool)
             keep[rows] = False
@@ -294,12 +294,12 @@ class AdamW8bit(StateFormat):
         _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
         s = _hp8(hp, None, 1.0)
-        _set_step8(s, hp, float(step), rounding_key(self.seed, u.index, int(float(step))))
+        _set_step8(s, hp, float(step), rounding_key(self.seed, unit.index, int(float(step))))
         kernel.lib.slide_adamw8_rows(
-            u.master.data_ptr(), u.exp_avg.data_ptr(), u.exp_avg_sq.data_ptr(), u.exp_avg_absmax.data_ptr(),
-            u.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), h,
+            unit.master.data_ptr(), unit.exp_avg.data_ptr(), unit.exp_avg_sq.data_ptr(), unit.exp_avg_absmax.data_ptr(),
+            unit.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), h,
             None if sums is None else sums.data_ptr(), int(zero_grad), code1.data_ptr(), code2.data_ptr(),
-            lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), int(u.master.dtype == torch.bfloat16), kernel.threads)
+            lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), int(unit.master.dtype == torch.bfloat16), kernel.threads)
 
 
 def _hp8(hp: dict, scale, grad_mul: float) -> _HP8:
@@ -374,10 +374,10 @@ def embed_format(name: str, hidden: int, resident: bool = False) -> StateFormat:
     return ADAMW if resident or not fmt.rows_fit(hidden) else fmt
 
 
-def unit_format(u, config) -> StateFormat:
+def unit_format(unit, config) -> StateFormat:
     """The format unit `u` keeps under `config` (a SlideConfig); the embedding's is `embed_format`'s."""
-    if u.kind != "embed":
+    if unit.kind != "embed":
         return state_format(config.optimizer_state)
-    return embed_format(config.optimizer_state, int(u.entries[0].shape[-1]), config.resident_embedding is True)
+    return embed_format(config.optimizer_state, int(unit.entries[0].shape[-1]), config.resident_embedding is True)
 
 

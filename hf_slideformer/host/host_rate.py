@@ -72,10 +72,10 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
     hp = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     step = [torch.tensor(1.0)]
     if update is None:
-        p, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
+        param, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
 
         def run():
-            kernel.step(hp, [p], [g], [m], [v], step)
+            kernel.step(hp, [param], [g], [m], [v], step)
     else:
         run = update(kernel, params, hp, g, step)
     before = torch.get_num_threads()
@@ -110,12 +110,12 @@ class _RateUnit:
 def rate_unit(fmt: StateFormat, numel: int):
     """A unit of one parameter of `numel` elements in `fmt`, its state plain values (the rate
     measurements: `measure_state_rate`, benchmarks/host_adam_rate.py)."""
-    u = _RateUnit([_Range(0, numel)], numel, torch.full((numel,), 0.5, dtype=fmt.master_dtype))
-    fmt.allocate([u], lambda n, dtype: torch.ones(n, dtype=dtype))
+    unit = _RateUnit([_Range(0, numel)], numel, torch.full((numel,), 0.5, dtype=fmt.master_dtype))
+    fmt.allocate([unit], lambda n, dtype: torch.ones(n, dtype=dtype))
     for a in fmt.arrays:
         if a.per == "block":
-            getattr(u, a.name).fill_(1e-3)
-    return u
+            getattr(unit, a.name).fill_(1e-3)
+    return unit
 
 
 def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threads: int | None = None,
@@ -129,6 +129,6 @@ def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threa
     fmt = state_format(optimizer_state)
 
     def update(kernel, n, hp, grad, step):
-        u = rate_unit(fmt, n)
-        return lambda: fmt.run(kernel, hp, u, u, [(0, 0, n)], [grad], step, None)
+        unit = rate_unit(fmt, n)
+        return lambda: fmt.run(kernel, hp, unit, unit, [(0, 0, n)], [grad], step, None)
     return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat, update=update)

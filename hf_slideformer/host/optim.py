@@ -110,9 +110,9 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
 def groups_of(unit: Unit, group_of: dict[int, int]) -> dict[int, list[int]]:
     """Param group -> indices of the unit's entries it updates (frozen or unlisted ones left out)."""
     by_group: dict[int, list[int]] = {}
-    for k, e in enumerate(unit.entries):
-        gi = group_of.get(id(e.param))
-        if gi is None or not e.param.requires_grad:
+    for k, entry in enumerate(unit.entries):
+        gi = group_of.get(id(entry.param))
+        if gi is None or not entry.param.requires_grad:
             continue
         by_group.setdefault(gi, []).append(k)
     return by_group
@@ -134,15 +134,15 @@ def piece_batches(unit: Unit, by_group: dict[int, list[int]], piece: int, span: 
         gi = group_of_entry.get(k)
         if gi is None and not span:
             continue
-        e = unit.entries[k]
-        for a in range(0, e.numel, piece):
-            b = min(a + piece, e.numel)
+        entry = unit.entries[k]
+        for a in range(0, entry.numel, piece):
+            b = min(a + piece, entry.numel)
             if gi is not None:
-                batch.setdefault(gi, []).append((k, e.offset + a, e.offset + b))
+                batch.setdefault(gi, []).append((k, entry.offset + a, entry.offset + b))
             size += b - a
             if size >= piece:
-                yield start, e.offset + b, batch
-                start, batch, size = e.offset + b, {}, 0
+                yield start, entry.offset + b, batch
+                start, batch, size = entry.offset + b, {}, 0
     yield start, unit.numel, batch
 
 
@@ -212,12 +212,12 @@ class SlideOptimizer(torch.optim.Optimizer):
                     )
         store = engine.store
         store.allocate_optimizer_state()
-        for u in store.units:
-            for k, e in enumerate(u.entries):
+        for unit in store.units:
+            for k, e in enumerate(unit.entries):
                 # a layer on disk has no moments in memory: state_dict() reads them (`_disk_moments`)
                 # the arrays the unit's format declares (host_optim.py), views of the host store
-                self.state[e.param] = {"step": u.steps[k]} if store.on_disk(u) else {
-                    "step": u.steps[k], **u.state_format.entry_state(u, k)}
+                self.state[e.param] = {"step": unit.steps[k]} if store.on_disk(unit) else {
+                    "step": unit.steps[k], **unit.state_format.entry_state(unit, k)}
         engine.lora.allocate(self.state)
         engine.attach_optimizer(self)
 
@@ -257,22 +257,22 @@ class SlideOptimizer(torch.optim.Optimizer):
         """(unit, [(entry index, entry, the state dict's index of its parameter)]) of the layers on disk."""
         index, start = {}, 0
         for g in self.param_groups:                  # torch.optim's numbering of the parameters
-            for i, p in enumerate(g["params"], start):
-                index.setdefault(id(p), i)
+            for i, param in enumerate(g["params"], start):
+                index.setdefault(id(param), i)
             start += len(g["params"])
         store = self.engine.store
-        for u in store.units:
-            if store.on_disk(u):
-                yield u, [(k, e, index[id(e.param)]) for k, e in enumerate(u.entries) if id(e.param) in index]
+        for unit in store.units:
+            if store.on_disk(unit):
+                yield unit, [(k, e, index[id(e.param)]) for k, e in enumerate(unit.entries) if id(e.param) in index]
 
     def _disk_moments(self, state: dict) -> None:
         """Fill in the moments of the layers on disk (the arrays of their format), read one unit at
         a time (copies)."""
-        for u, entries in self._indexed_units():
-            with self.engine.store.unit_state(u):
+        for unit, entries in self._indexed_units():
+            with self.engine.store.unit_state(unit):
                 for k, _, i in entries:
                     if i in state:
-                        arrays = u.state_format.entry_state(u, k)
+                        arrays = unit.state_format.entry_state(unit, k)
                         state[i] = {**state[i], **{n: t.clone() for n, t in arrays.items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -34,10 +34,10 @@ def block_at(entries, x: int) -> int:
     `numel`, blocks from its own start), of the block that starts at flat offset `x`: a block start
     of its parameter, or the end of one (then the next parameter's first block)."""
     b0 = 0
-    for e in entries:
-        if x <= e.offset + e.numel:
-            return b0 + num_blocks(max(0, x - e.offset))
-        b0 += num_blocks(e.numel)
+    for entry in entries:
+        if x <= entry.offset + entry.numel:
+            return b0 + num_blocks(max(0, x - entry.offset))
+        b0 += num_blocks(entry.numel)
     return b0
 
 

@@ -184,32 +184,32 @@ class HostStore:
     def _carve(slab: torch.Tensor, attr: str, units, skip=()) -> None:
         """Lay `slab` out over `units` (not those in `skip`)."""
         off = 0
-        for u in units:
-            if any(u is x for x in skip):
+        for unit in units:
+            if any(unit is x for x in skip):
                 continue
-            setattr(u, attr, slab[off:off + u.numel])
-            off += u.numel
+            setattr(unit, attr, slab[off:off + unit.numel])
+            off += unit.numel
 
     # ------------------------------------------------------------------ units on disk
-    def on_disk(self, u: Unit) -> bool:
+    def on_disk(self, unit: Unit) -> bool:
         """Does `u` keep some of its state on disk (`self.disk`): its moments, or its master and moments?"""
-        return id(u) in self._on_disk
+        return id(unit) in self._on_disk
 
-    def master_on_disk(self, u: Unit) -> bool:
+    def master_on_disk(self, unit: Unit) -> bool:
         """Does `u` keep its master on disk too (its parameters are then meta tensors)?"""
-        return id(u) in self._master_on_disk
+        return id(unit) in self._master_on_disk
 
     @contextlib.contextmanager
-    def unit_state(self, u: Unit, write: bool = False):
+    def unit_state(self, unit: Unit, write: bool = False):
         """`u` with its master and moments in memory for the block: a host unit as it is, a disk
         unit's record read into a pool buffer (and written back after it with `write`). For readers
         outside the schedule (weights loading, state_dict, checkpoints); the engine is idle
         (`SlideEngine.synchronize`)."""
-        if self.disk is None or not self.on_disk(u):
-            yield u
+        if self.disk is None or not self.on_disk(unit):
+            yield unit
             return
-        with self.disk.access(u, write=write):
-            yield u
+        with self.disk.access(unit, write=write):
+            yield unit
 
     def flush(self) -> None:
         """Wait for the disk's reads and writes in flight (raising a failure)."""
@@ -257,26 +257,26 @@ class HostStore:
     def bind_parameters(self) -> None:
         """Replace every held parameter by an nn.Parameter viewing its master (ties preserved); that
         of a unit whose master is on disk by a meta tensor of its shape (read through `unit_state`)."""
-        for u in self.units:
-            for e in u.entries:
-                view = torch.empty(e.shape, device="meta") if self.master_on_disk(u) else e.view(u.master)
-                p = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
+        for unit in self.units:
+            for e in unit.entries:
+                view = torch.empty(e.shape, device="meta") if self.master_on_disk(unit) else e.view(unit.master)
+                param = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
                 for mod, attr in e.holders:
-                    mod._parameters[attr] = p
-                e.param = p
+                    mod._parameters[attr] = param
+                e.param = param
 
     def state_bytes(self) -> int:
         """Host bytes of the masters and optimizer state of the units held here (their formats'
         declarations; moments once allocated)."""
         out = 0
-        for u in self.units:
-            if not self.master_on_disk(u) and u.master is not None:
-                out += u.numel * u.master.element_size()
-            if self.optimizer_ready and not self.on_disk(u) and u.trainable:
-                out += u.state_format.state_bytes(u)
+        for unit in self.units:
+            if not self.master_on_disk(unit) and unit.master is not None:
+                out += unit.numel * unit.master.element_size()
+            if self.optimizer_ready and not self.on_disk(unit) and unit.trainable:
+                out += unit.state_format.state_bytes(unit)
         return out
 
     def params(self):
-        for u in self.units:
-            for e in u.entries:
-                yield e.param
+        for unit in self.units:
+            for entry in unit.entries:
+                yield entry.param
