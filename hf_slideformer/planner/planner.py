@@ -4,7 +4,7 @@
 engine's from SlideConfig's table, the machine's, checked once), the formulas for them, the batch
 and the layers on disk, the memory at that batch, the resident units as the engine decides them,
 the step time, and the advice. The model's shape, the calibrated constants and the formulas are in
-`plan_estimate`; the `Plan`, its advice and its text in `plan_report`; a LoRA run's formulas and
+`plan_estimate`; the `Plan` and its text in `plan_report`, its advice in `plan_advice`; a LoRA run's formulas and
 advice in `plan_lora`. Every name the planner offered before stays importable from here.
 Nothing here touches a GPU or builds a model: the parameter counts come from the config's sizes.
 """
@@ -29,7 +29,8 @@ from .plan_estimate import (  # noqa: F401 - the rest of the calibration, import
 )
 from .plan_lora import FROZEN_BASE_BYTES, PEAK_FP32_TFLOPS, PEAK_HBM_GBS, LoraEstimator, advise_lora
 from .plan_lora_targets import DEFAULT_TARGET_MODULES, DEFAULT_TARGET_PARAMETERS
-from .plan_report import Plan, advise
+from .plan_advice import advise
+from .plan_report import Plan
 from .plan_settings import DEFAULT_SEQ, PlanSettings, engine_default  # noqa: F401 - DEFAULT_SEQ: importable here
 from ..engine.resident_state import resident_bytes_per_param_of
 
