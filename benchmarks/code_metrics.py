@@ -9,7 +9,10 @@ Counts, from the source text (`ast`), never by running the package:
 - kind dispatch on placements: `isinstance(..., <placement class>)`, `type(...) is`, and reads of
   the placement class flags (`.resident`, `.trainable`, `.host_state`) on a placement;
 - calls of another object's private methods (`x._name(...)` with `x` not `self`, `cls` or `super()`);
-- package files over 400 lines and functions over 80 lines.
+- package files over 400 lines and functions over 80 lines;
+- one-letter names bound in the package (assignments, loop targets, parameters), outside
+  comprehensions and lambdas: the math's `x`, `n`, `i` among them, so a count to watch fall, not
+  to reach zero.
 
 Run from the repository root (`duplicates hf_slideformer` gives the repeated-code pairs):
 
@@ -117,10 +120,33 @@ def long_functions(path: Path, tree: ast.AST, limit: int = 80) -> list[tuple[int
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > limit]
 
 
+def one_letter_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each one-letter name bound outside comprehensions and lambdas (`_` aside)."""
+    inner = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            inner |= {id(name) for gen in node.generators for name in ast.walk(gen.target)}
+        elif isinstance(node, ast.Lambda):
+            inner |= {id(arg) for arg in ast.walk(node.args)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in inner:
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            name = node.id
+        elif isinstance(node, ast.arg):
+            name = node.arg
+        else:
+            continue
+        if len(name) == 1 and name != "_":
+            found.append((node.lineno, name))
+    return found
+
+
 def collect(package: Path = PACKAGE) -> dict:
     """Every count, and the places behind it, for the package at `package`."""
     root = package.parent
-    out = {"flags": [], "dispatch": [], "private": [], "long_files": [], "long_functions": []}
+    out = {"flags": [], "dispatch": [], "private": [], "long_files": [], "long_functions": [], "one_letter": []}
     for path in sorted(list(package.glob("*.py")) + list(package.glob("*/*.py"))):
         src = path.read_text()
         tree = ast.parse(src)
@@ -129,6 +155,7 @@ def collect(package: Path = PACKAGE) -> dict:
         if lines > 400:
             out["long_files"].append((str(rel), lines))
         out["long_functions"] += [(f"{rel}:{ln}", name, n) for ln, name, n in long_functions(path, tree)]
+        out["one_letter"] += [(f"{rel}:{ln}", name) for ln, name in one_letter_names(tree)]
         out["private"] += [(f"{rel}:{ln}", call) for ln, call in private_calls(path, tree)]
         out["dispatch"] += [(f"{rel}:{ln}", code) for ln, code in kind_dispatch(path, tree)]
         if path.name in ENGINE_PARTS and package in path.parents:     # the engine, host and disk parts
@@ -151,11 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     rows += [("kind dispatch on placements", len(out["dispatch"])),
              ("calls of another object's private methods", len(out["private"])),
              ("package files over 400 lines", len(out["long_files"])),
-             ("functions over 80 lines", len(out["long_functions"]))]
+             ("functions over 80 lines", len(out["long_functions"])),
+             ("one-letter names bound (outside comprehensions, lambdas)", len(out["one_letter"]))]
     if args.list:
         for flag, where, text in out["flags"]:
             print(f"flag {flag:14s} {where}: {text}")
-        for key in ("dispatch", "private", "long_files", "long_functions"):
+        for key in ("dispatch", "private", "long_files", "long_functions", "one_letter"):
             for row in out[key]:
                 print(key, *row)
         print()

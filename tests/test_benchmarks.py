@@ -684,3 +684,16 @@ def test_lora_rows_take_the_experts_weights_of_a_mixture_of_experts(tmp_path):
         after = dict(model.named_parameters())
         assert all(not torch.equal(before[n], after[n].detach()) for n in before)
     assert adapters["hf_lora"] == adapters["slide_lora"]
+
+
+def test_code_metrics_counts_one_letter_bindings_outside_comprehensions_and_lambdas():
+    import ast
+
+    from benchmarks.code_metrics import one_letter_names
+    tree = ast.parse("u = 1\n"
+                     "def f(e, unit):\n"
+                     "    for k in range(3):\n"
+                     "        pass\n"
+                     "    return [x for x in unit], (lambda n: n), {y: 1 for y in unit}\n"
+                     "_ = 2\n")
+    assert sorted(name for _, name in one_letter_names(tree)) == ["e", "k", "u"]
