@@ -104,7 +104,7 @@ class SlideConfig:
         4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
                    "between forward and backward. 3 saves one layer's gradient of host memory and is as fast "
                    "where the GPU is the bound; where the CPU paces the step it was slower, and 8 faster "
-                   "(Llama-3.2-3B at batch 8: +8% with the fp32 state, +18% with adamw_8bit_bf16; "
+                   "(Llama-3.2-3B at batch 8 on an H100: +8% with the fp32 state, +18% with adamw_8bit_bf16; "
                    "docs/benchmarks.md).")
     late_layer_updates: int | str = option(
         "auto", Auto(Int(0)),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import GIB
+from hf_slideformer.planner.plan_lora_targets import present_linears
 
 from .base import INIT_STD, attention_of, build_model, fill_tensor
 from .hf import HFProvider
@@ -48,12 +49,10 @@ def lora_config(model, r: int, experts: bool = True):
     params = [f"{path}.{name}" for path, module in layer.named_modules() if path.split(".")[-1] == "experts"
               for name in EXPERT_TARGETS if getattr(module, name, None) is not None
               and getattr(module, name).dim() == 3] if experts else []
-    linears = {path.split(".")[-1] for decoder_layer in model.get_decoder().layers     # layer types differ
-               for path, module in decoder_layer.named_modules() if isinstance(module, torch.nn.Linear)}
     # Only the linears the layer has: on fused experts PEFT would rewrite gate_proj / up_proj /
     # down_proj into the experts' weights, gate_up_proj at rank 2r beside target_parameters' r.
     return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
-                      target_modules=[name for name in LINEAR_TARGETS if name in linears],
+                      target_modules=list(present_linears(model, LINEAR_TARGETS)),
                       target_parameters=params or None)
 
 

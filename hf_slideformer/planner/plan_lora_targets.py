@@ -37,7 +37,7 @@ from ..models import get_family
 from .plan_shape import ModelShape
 
 __all__ = ["DEFAULT_TARGET_MODULES", "DEFAULT_TARGET_PARAMETERS", "LayerTargets", "LoraTargets", "lora_targets",
-           "llama_targets", "normalize_targets"]
+           "llama_targets", "normalize_targets", "present_linears"]
 
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
@@ -184,9 +184,9 @@ def _module_weights(model) -> list[list[_Weight]]:
     return out
 
 
-def _present_linears(model, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The names among `names` that are linear layers of the decoder layers (a mixture of experts
-    whose MLP is fused experts has no gate_proj / up_proj / down_proj linear)."""
+def present_linears(model, names) -> tuple[str, ...]:
+    """The names among `names` that are linear layers of `model`'s decoder layers, in their order (a
+    mixture of experts whose MLP is fused experts has no gate_proj / up_proj / down_proj linear)."""
     import torch.nn as nn
 
     layers = getattr(model, "model", model).layers
@@ -251,7 +251,7 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
     else:
         model = _meta_model(cfg)
         if default_modules:                   # the default names only the linears the layer has
-            target_modules = _present_linears(model, target_modules)
+            target_modules = present_linears(model, target_modules)
         target_modules, target_parameters, rank_pattern = _as_peft_converts(model, r, target_modules,
                                                                             target_parameters)
         weights = _module_weights(model)
