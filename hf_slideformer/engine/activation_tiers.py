@@ -60,8 +60,7 @@ class ActivationTier:
         if old is not None and old.numel() >= numel and old.dtype == dtype:
             return old
         if old is not None:
-            if self.streams.cuda:
-                torch.cuda.synchronize(self.streams.device)   # rare: only when activations grow
+            self.streams.synchronize()   # rare: only when activations grow
             self.pinned.release(old)
         return self.pinned.empty(numel, dtype=dtype)
 

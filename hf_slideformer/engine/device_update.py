@@ -179,8 +179,8 @@ class DeviceUpdater:
         engine = self.engine
         n = min(2 * DEVICE_PIECE, numel)
         if self._sets is None or self._sets[0].numel < n:
-            if engine.streams.cuda and self._sets is not None:
-                torch.cuda.synchronize(engine.device)
+            if self._sets is not None:
+                engine.streams.synchronize()
             fmt = engine.layer_units[0].state_format or ADAMW
             entries = max(len(u.entries) for u in engine.layer_units)
             self._sets = [_Piece(fmt, n, entries, engine.device) for _ in range(2)]
@@ -251,8 +251,7 @@ class DeviceUpdater:
         """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
         engine = self.engine
         self.flush()
-        if engine.streams.cuda:
-            torch.cuda.synchronize(engine.device)
+        engine.streams.synchronize()
         for place in engine.places.device_updated():
             engine.set_place(place.unit, HostLayer(engine, place.unit))
         self._chosen = False
@@ -326,8 +325,7 @@ class DeviceUpdater:
             done = p.batches[p.next][0] if p.next < len(p.batches) else unit.numel
             with st.on(st.h2d):
                 dst[:done].copy_(unit.master[:done].to(e.device, non_blocking=True))
-        if st.cuda and torch.is_tensor(p.scale):
-            p.scale.record_stream(st.h2d)
+        st.used_by(p.scale, st.h2d)
         while p.next < len(p.batches):
             lo, hi, batch = p.batches[p.next]
             n = hi - lo

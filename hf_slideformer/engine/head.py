@@ -299,14 +299,9 @@ class LossHead:
         plan.norm.add(lambda: self._sq * self.scale_dev ** 2)
         # The loss gradient reaches the worker through a pinned scalar: no host sync here.
         norm = plan.norm.slot(hu)
-        if engine.streams.cuda:
-            self.scale_host.copy_(loss_grad, non_blocking=True)
-            if norm is not None:
-                norm.copy_(engine.norm.dev.reshape(1), non_blocking=True)
-        else:
-            self.scale_host.copy_(loss_grad)
-            if norm is not None:
-                norm.copy_(engine.norm.dev.reshape(1))
+        self.scale_host.copy_(loss_grad, non_blocking=True)     # (synchronous on a CPU device)
+        if norm is not None:
+            norm.copy_(engine.norm.dev.reshape(1), non_blocking=True)
         scale_ev = engine.streams.record()
         update = plan.updates
         table = emb.table                         # where the embedding's table is for this backward

@@ -299,8 +299,7 @@ class ResidentPlan:
         if not states:
             return
         emb.table.prepare_eviction()
-        if e.streams.cuda:
-            torch.cuda.synchronize(e.device)
+        e.streams.synchronize()
         emb.table.keep_backward_gradient()
         for r in states:
             r.store_to_host()
@@ -341,9 +340,7 @@ class ResidentPlan:
         previous layer's event releases the lock, so a worker task takes its AdamW plus its
         waits and nothing more. One layer of queued work covers the host's launch overhead.
         """
-        st = self.engine.streams
-        if not st.cuda:
-            return
+        st = self.engine.streams                  # (on a CPU device every event is already complete)
         prev, self._pace_ev = self._pace_ev, st.record()
         if prev is not None:
             prev.synchronize()

@@ -280,8 +280,7 @@ class SlideEngine:
         self.worker.join()
         self.device_updates.flush()
         self.streams.settle()
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)
+        self.streams.synchronize()
         self.worker.raise_if_failed()
         self.store.flush()                             # the disk layers' writes behind
         self.residents.evict()
@@ -382,8 +381,7 @@ class SlideEngine:
         """Stop the worker and unpin the host buffers (the model is unusable afterwards)."""
         self.worker.close()
         self.device_updates.drop_pending()
-        if self.streams.cuda:
-            torch.cuda.synchronize(self.device)
+        self.streams.synchronize()
         self.tier.close()
         self.store.close()                             # the host slabs, and the disk layers' file
 

@@ -65,6 +65,18 @@ class Streams:
         if self.cuda and event is not None and not isinstance(event, DoneEvent):
             (stream if stream is not None else self.compute).wait_event(event)
 
+    def synchronize(self) -> None:
+        """Wait, on the host, for all work issued on the device (a no-op on the CPU). For the ends of
+        phases that hand memory or buffers back (eviction, a buffer regrown, close), never the step."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def used_by(self, tensor, stream) -> None:
+        """Tell the caching allocator that `tensor` (made on another stream) is read by `stream`'s
+        queued work (`Tensor.record_stream`; nothing to do on the CPU or for a non-tensor)."""
+        if self.cuda and torch.is_tensor(tensor):
+            tensor.record_stream(stream)
+
     def hand_over(self, tensors, event) -> None:
         """Keep `tensors` (made on the compute stream) until the copies that read them, which end at
         `event`, are ordered before the compute stream's later work: first settle the tensors
