@@ -119,7 +119,8 @@ def test_layer_update_waits_only_for_the_gradient_copies_it_reads(monkeypatch):
         orig = u.set_progress
         u.set_progress = lambda n: (log.append(("done", n)), orig(n))
         eng.begin_update(u)
-        eng.places[0].layer_task(src, Ev(u.numel), True, True, hp, marks)
+        # update=True, host_norms=False: one backward per step (BackwardPlan)
+        eng.places[0].layer_task(src, Ev(u.numel), True, False, hp, marks)
         results.append(u.master.clone())
         if with_marks:
             synced = 0

@@ -173,12 +173,12 @@ class DiskLayer(HostLayer):
             finally:
                 s.unpin(unit)
 
-    def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
+    def layer_task(self, src, done, update, host_norms, hp, marks=None, norm=None) -> None:
         if not update:
-            super().layer_task(src, done, update, ends_step, hp, marks, norm)
+            super().layer_task(src, done, update, host_norms, hp, marks, norm)
             return
         with self._updating():
-            super().layer_task(src, done, update, ends_step, hp, marks, norm)
+            super().layer_task(src, done, update, host_norms, hp, marks, norm)
 
     def _accumulated_update_task(self, done, hp, norm=None) -> None:
         with self._updating():

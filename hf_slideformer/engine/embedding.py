@@ -188,7 +188,7 @@ class Embedding:
         update = engine.backward_plan.updates                   # begun with the head's (see head.backward) ...
         if update and not engine.head.trainable:
             engine.begin_update(unit)                     # ... unless the head is frozen and sent nothing
-        engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.ends_step,
+        engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.host_norms,
                              engine.hp, norm, done=(self.host_free,) + ((unit.updated,) if update else ()))
         engine.end_backward()
 
@@ -215,13 +215,13 @@ class Embedding:
             bufs[k] = torch.empty(grow, self.hidden, dtype=torch.float32)
         return bufs[k][:n]
 
-    def _embed_task(self, sums, rows, done, update, ends_step, hp, norm=None):
+    def _embed_task(self, sums, rows, done, update, host_norms, hp, norm=None):
         """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""
         engine, host_updates = self.engine, self.engine.host_updates
         host_updates.sync(done, "wait_d2h:embed")
         if norm is not None:
             host_updates.check_norm(float(norm[0]), "the gradient of the embedding (or of a layer)")
-        elif not engine.single_micro and not bool(torch.isfinite(sums).all()):
+        elif not bool(torch.isfinite(sums).all()):    # (no running norm: accumulation)
             # judged now: the sum it joins is read by the next micro-batch's early bulk update
             host_updates.poison("the gradient of the embedding")
         table_grad = self.grad.view(self.vocab, self.hidden)
@@ -238,7 +238,7 @@ class Embedding:
         grad_rows = torch.index_select(table_grad, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
         table_grad.index_copy_(0, rows, grad_rows)
         self.touched.append(rows)
-        if ends_step and not engine.single_micro:
+        if host_norms:
             host_updates.norm_sq.append(float(torch.linalg.vector_norm(self.grad)) ** 2)
             host_updates.check_norm(host_updates.norm_sq[-1], "the gradient of the embedding")
         if update:

@@ -314,15 +314,15 @@ class LossHead:
         ring, self.ring = self.ring, ()
         last = update and not ring and self.updates_last
         if last:                                  # [Why an untied head is updated when the backward ends]
-            engine.late.hold(len(engine.layer_units), self._update_task, (plan.ends_step, engine.hp),
+            engine.late.hold(len(engine.layer_units), self._update_task, (plan.host_norms, engine.hp),
                         done=(self.host_free, hu.updated))
-        engine.worker.submit(self._head_task, self.done, scale_ev, update, plan.ends_step, engine.hp,
+        engine.worker.submit(self._head_task, self.done, scale_ev, update, plan.host_norms, engine.hp,
                         emb.touch if bulk else None, table, ring, norm, last,
                         done=(() if last else (self.host_free,)) + tuple(engine.grad_ring.free[k] for k in ring)
                         + ((hu.updated,) if update and not last else ()))
 
     # ----------------------------------------------------------------- worker side
-    def _head_task(self, done, scale_ev, update, ends_step, hp, touch=None, table=None, ring=(), norm=None,
+    def _head_task(self, done, scale_ev, update, host_norms, hp, touch=None, table=None, ring=(), norm=None,
                    last=False):
         engine, host_updates, emb = self.engine, self.engine.host_updates, self.engine.embedding
         host_updates.sync(done, "wait_d2h:head")
@@ -342,11 +342,11 @@ class LossHead:
         self.lm_weight.scale_on_host(self.host_grad[hu.numel:], scale, table)
         # Read by the update alone, front to back: each ring buffer goes back once it is passed.
         returned = engine.grad_ring.returner(ring) if ring and hu.grad is None else None
-        host_updates.consume(hu, src, update, ends_step, hp, returned, grad_mul=scale)
+        host_updates.consume(hu, src, update, host_norms, hp, returned, grad_mul=scale)
         if update and touch is not None:
             emb.bulk_update(touch, hp)
 
-    def _update_task(self, ends_step, hp):
+    def _update_task(self, host_norms, hp):
         """Worker, after the embedding's update: the head's AdamW from its gradient times the loss gradient."""
         hu = self.unit
-        self.engine.host_updates.consume(hu, self.host_grad[:hu.numel], True, ends_step, hp, grad_mul=self._scale)
+        self.engine.host_updates.consume(hu, self.host_grad[:hu.numel], True, host_norms, hp, grad_mul=self._scale)

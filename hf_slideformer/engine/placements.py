@@ -185,7 +185,7 @@ class HostLayer(LayerPlacement):
                                marks, norm_dst=norm)
         if plan.updates:
             engine.begin_update(unit)
-        args = (buf[:unit.numel], done, plan.updates, plan.ends_step, engine.hp, marks, norm)
+        args = (buf[:unit.numel], done, plan.updates, plan.host_norms, engine.hp, marks, norm)
         done = (free,) + ((unit.updated,) if plan.updates else ())
         layer_no = engine.layer_no(unit)
         if late is not None or (layer_no == 0 and plan.holds_layer0):
@@ -200,7 +200,7 @@ class HostLayer(LayerPlacement):
                              done=(self.unit.updated,))
 
     # ------------------------------------------------------------- worker side
-    def layer_task(self, src, done, update, ends_step, hp, marks=None, norm=None) -> None:
+    def layer_task(self, src, done, update, host_norms, hp, marks=None, norm=None) -> None:
         """Fold the gradient in ring buffer `src` into the accumulator and/or update from it."""
         engine, unit = self.engine, self.unit
         if norm is not None:
@@ -208,7 +208,7 @@ class HostLayer(LayerPlacement):
             engine.host_updates.sync(marks[0][1] if marks else done, f"wait_d2h:{unit.name}")
             engine.host_updates.check_norm(float(norm[0]),
                                            f"a gradient of the layers from the head down to {unit.name}")
-        if marks and update and unit.grad is None and (engine.single_micro or not ends_step):
+        if marks and update and unit.grad is None and not host_norms:
             # The gradient is used as it lands (no accumulator, no norm to take first): each piece
             # of the update waits only for the copies that cover it.
             pending = list(marks)
@@ -222,7 +222,7 @@ class HostLayer(LayerPlacement):
             engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
             return
         engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
-        engine.host_updates.consume(unit, src, update, ends_step, hp)
+        engine.host_updates.consume(unit, src, update, host_norms, hp)
 
     def _accumulated_update_task(self, done, hp, norm=None) -> None:
         """The last micro-batch's update in backward of a layer whose sum the device accumulated."""

@@ -84,6 +84,9 @@ class BackwardPlan:
         running_norm: the step has one backward: each gradient's squared norm joins a running
             norm on the device, copied out beside the gradient and judged by the worker before the
             unit's update (with accumulation the norm is taken from the step's sums).
+        host_norms: the worker takes each unit's summed gradient's norm as it lands (the step's last
+            backward, with accumulation: there is no running norm to judge it by); a unit whose
+            gradient is used as it lands is updated from the whole gradient, after its norm.
         late_layers: how many of the first host layers of the backward land in buffers of their
             own and are updated when it ends (late_updates.py: [Why the top layers are updated late]).
         norm: what the parts give the step's norm as they take a gradient: a `RunningNorm` when
@@ -93,6 +96,7 @@ class BackwardPlan:
     ends_step: bool = False
     updates: bool = False
     running_norm: bool = False
+    host_norms: bool = False
     late_layers: int = 0
     norm: RunningNorm | NoRunningNorm = NO_RUNNING_NORM
 
@@ -109,6 +113,7 @@ class BackwardPlan:
         mode = BackwardMode.of(engine.micro, cfg.gradient_accumulation_steps, clipping=cfg.max_grad_norm is not None)
         single = engine.single_micro
         return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
+                   host_norms=mode.ends_step and not single,
                    late_layers=_late_layers(engine, mode.updates and single),
                    norm=RunningNorm(engine.norm) if single else NO_RUNNING_NORM)
 

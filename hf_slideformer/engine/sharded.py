@@ -45,16 +45,16 @@ class _Shard:
         update = plan.updates
         if update:
             e.begin_update(unit)
-        e.worker.submit(self.task, dst, done, update, plan.ends_step, e.hp, norm,
+        e.worker.submit(self.task, dst, done, update, plan.host_norms, e.hp, norm,
                         done=(free,) + ((unit.updated,) if update else ()))
 
-    def task(self, src, done, update: bool, ends_step: bool, hp, norm=None) -> None:
+    def task(self, src, done, update: bool, host_norms: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
         e, unit = self.engine, self.unit
         e.host_updates.sync(done, f"wait_d2h:{unit.name}")
         if norm is not None:
             e.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {unit.name}")
-        e.host_updates.consume(unit, src, update, ends_step, hp, span=self.span)
+        e.host_updates.consume(unit, src, update, host_norms, hp, span=self.span)
 
     def deferred(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the range."""

@@ -99,7 +99,7 @@ class HostUpdates:
         if t1 - t0 > 1e-4:
             stats.event(label, t0, t1)
 
-    def consume(self, unit: Unit, src: torch.Tensor, update: bool, ends_step: bool, hp, on_progress=None,
+    def consume(self, unit: Unit, src: torch.Tensor, update: bool, host_norms: bool, hp, on_progress=None,
                 grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
         """Fold this micro-batch's gradient of `u` (times `grad_mul`) in, and update when the step
         ends here. With `span` (a data-parallel rank's shard [lo, hi)), `src` is that range's
@@ -113,7 +113,7 @@ class HostUpdates:
             self.fold(acc, src, grad_mul, first=not unit.grad_valid)
             unit.grad_valid = True
             g, grad_mul = acc, 1.0
-        if ends_step and not self.engine.single_micro:
+        if host_norms:                             # the plan's (schedule.py: BackwardPlan)
             sq = float(torch.linalg.vector_norm(g)) ** 2
             if span is not None:                # every rank's verdict from the whole unit's norm
                 sq = self.engine.dp.worker_sum(sq)
