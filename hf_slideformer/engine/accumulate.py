@@ -87,10 +87,10 @@ class DeviceAccumulator:
         st = engine.streams
         # The last micro-batch's running norm lands with the sum (host_tasks: [Why a non-finite
         # gradient stops the host updates after it]).
-        norm = engine.norm.slot(unit) if engine.backward_plan.ends_step else None
+        sums_norm = engine.backward_plan.sums_norm
+        norm = sums_norm.slot(unit)
         if not unit.grad_valid:
-            if norm is not None:
-                engine.norm.dev += _sq_norm([g for g in grads if g is not None])
+            sums_norm.add(lambda: _sq_norm([g for g in grads if g is not None]))
             done = engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries], norm_dst=norm)
         else:
             self.prefetch(place)                   # a no-op when the recompute already started it
@@ -99,8 +99,7 @@ class DeviceAccumulator:
             for x, g in zip(unit.entries, grads):
                 if g is not None:
                     x.view(acc).add_(g)
-            if norm is not None:
-                engine.norm.dev += _sq_norm([acc])
+            sums_norm.add(lambda: _sq_norm([acc]))
             done = engine.grad_ring.d2h([acc], [unit.grad], norm_dst=norm)
             self.free = done
             self.unit = None

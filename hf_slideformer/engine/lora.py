@@ -305,8 +305,7 @@ class AdapterSet:
                 p.grad = g.to(torch.float32)
             else:
                 p.grad.add_(g)
-        if engine.single_micro or engine.backward_plan.ends_step:
-            engine.norm.dev += _sq_norm([p.grad for p in ps if p.grad is not None])
+        engine.backward_plan.sums_norm.add(lambda: _sq_norm([p.grad for p in ps if p.grad is not None]))
 
     def sq_norm(self) -> torch.Tensor | None:
         """The squared norm of the summed gradients so far (a step that ends early), or None."""

@@ -91,6 +91,10 @@ class BackwardPlan:
             own and are updated when it ends (late_updates.py: [Why the top layers are updated late]).
         norm: what the parts give the step's norm as they take a gradient: a `RunningNorm` when
             `running_norm`, else `NoRunningNorm`.
+        sums_norm: what the parts that sum gradients on the device (the accumulated layers, the
+            adapters) give it: `norm` with one backward per step; with accumulation, the step's
+            last backward adds the sums' norms to the device's part (`StepNorm.dev_valid`), the
+            others nothing.
     """
 
     ends_step: bool = False
@@ -99,6 +103,7 @@ class BackwardPlan:
     host_norms: bool = False
     late_layers: int = 0
     norm: RunningNorm | NoRunningNorm = NO_RUNNING_NORM
+    sums_norm: RunningNorm | NoRunningNorm = NO_RUNNING_NORM
 
     @property
     def holds_layer0(self) -> bool:
@@ -115,7 +120,8 @@ class BackwardPlan:
         return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
                    host_norms=mode.ends_step and not single,
                    late_layers=_late_layers(engine, mode.updates and single),
-                   norm=RunningNorm(engine.norm) if single else NO_RUNNING_NORM)
+                   norm=RunningNorm(engine.norm) if single else NO_RUNNING_NORM,
+                   sums_norm=RunningNorm(engine.norm) if single or mode.ends_step else NO_RUNNING_NORM)
 
 
 def _late_layers(engine, updates_alone: bool) -> int:
