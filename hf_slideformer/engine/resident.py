@@ -345,21 +345,22 @@ class ResidentPlan:
         if prev is not None:
             prev.synchronize()
 
-    def clip(self, clip_done=None) -> tuple:
-        """(clip factor, found_inf) for the resident units' updates at optimizer.step(). With
-        accumulation the clip factor is the worker's (`clip_done`: its clip task has run), from
-        the host units' norms and the device's."""
+    def clip_by_running_norm(self) -> tuple:
+        """(clip factor or None, found_inf) for the device-side updates at optimizer.step() of a
+        step with one backward: from the device's running norm, without a host sync."""
         engine = self.engine
-        found_inf = engine.norm.found_inf() if engine.single_micro else None
+        coef = None if engine.config.max_grad_norm is None else engine.norm.clip_coef()
+        return coef, engine.norm.found_inf()
+
+    def clip_by_worker(self, clip_done) -> tuple:
+        """(clip factor or None, found_inf or None) for the device-side updates at optimizer.step()
+        with accumulation: the worker's (`clip_done`: its clip task has run), from the host units'
+        norms and the device's; nothing to wait for without clipping."""
+        engine = self.engine
         if engine.config.max_grad_norm is None:
-            coef = None
-        elif engine.single_micro:
-            coef = engine.norm.clip_coef()
-        else:
-            engine.clock.wait(clip_done, "update")
-            coef = engine.host_updates.clip_coef
-            found_inf = torch.tensor(float(engine.host_updates.poisoned), device=engine.device)
-        return coef, found_inf
+            return None, None
+        engine.clock.wait(clip_done, "update")
+        return engine.host_updates.clip_coef, torch.tensor(float(engine.host_updates.poisoned), device=engine.device)
 
     def step(self, deferred: DeferredStep) -> set[int]:
         """Clip and update the resident units at optimizer.step() (clipping, or a step that ends

@@ -152,6 +152,9 @@ class StepPlan:
             the device norm (`StepNorm.grad_scale`).
         host_sums: the worker takes the norm from the host's sums of the step so far (`early` with
             accumulation).
+        running_norm: the step had one backward: its norm is the device's running norm (the worker's
+            clip task reads its copy; the device-side updates take their clip factor from it), not
+            the sums' norms the worker took.
         check_after: the updates ran in backward with one backward per step: the worker judges
             the whole step's norm after them, to report a non-finite step once.
         adapters_after: the updates ran in backward and the LoRA adapters (on the device) update now.
@@ -164,6 +167,7 @@ class StepPlan:
     device_updates: bool
     device_scale: bool
     host_sums: bool
+    running_norm: bool
     check_after: bool
     adapters_after: bool
 
@@ -174,15 +178,16 @@ class StepPlan:
         adapters = bool(engine.lora.params)
         if engine.updated_in_backward:
             return cls(deferred=False, early=False, sums_on_device=False, clip_event=False, device_updates=False,
-                       device_scale=False, host_sums=False, check_after=single, adapters_after=adapters)
+                       device_scale=False, host_sums=False, running_norm=single, check_after=single,
+                       adapters_after=adapters)
         early = engine.micro < engine.config.gradient_accumulation_steps
         resident = bool(engine.residents.layers)
         device = engine.device_updates.on
         return cls(deferred=True, early=early,
                    sums_on_device=early and (resident or adapters) and engine.config.max_grad_norm is not None,
                    clip_event=(device or resident or adapters) and not single, device_updates=device,
-                   device_scale=device and single, host_sums=early and not single, check_after=False,
-                   adapters_after=False)
+                   device_scale=device and single, host_sums=early and not single, running_norm=single,
+                   check_after=False, adapters_after=False)
 
 
 class Schedule:
@@ -327,7 +332,7 @@ class Schedule:
                 if engine.lora.params and engine.lora.sq_norm() is not None:
                     engine.norm.dev += engine.lora.sq_norm()
                 engine.norm.dev_valid = True
-        norm_ev = engine.norm.copy(engine.norm.host_sq) if engine.single_micro or engine.norm.dev_valid else None
+        norm_ev = engine.norm.copy(engine.norm.host_sq) if plan.running_norm or engine.norm.dev_valid else None
         clip_done = threading.Event() if plan.clip_event else None
         # `known`: the worker has judged the step's norm (a device update is skipped when it is
         # not finite, see HostUpdates.clip_task)
@@ -337,8 +342,10 @@ class Schedule:
                       and (grad := engine.step_sum(u)) is not None] if plan.host_sums else ()
         engine.worker.submit(engine.host_updates.clip_task, plan.early, norm_ev, grads_ev, host_grads,
                         done=tuple(ev for ev in (clip_done, known) if ev is not None))
-        deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known,
-                                device_clip=lambda: engine.residents.clip(clip_done))
+        # the device-side updates' clip factor: from the running norm, or from the worker's clip task
+        device_clip = (engine.residents.clip_by_running_norm if plan.running_norm
+                       else lambda: engine.residents.clip_by_worker(clip_done))
+        deferred = DeferredStep(hp, grads_ev, clip_done=clip_done, known=known, device_clip=device_clip)
         span = engine.clock.span_start()
         on_device = engine.residents.step(deferred)
         if engine.lora.params:
