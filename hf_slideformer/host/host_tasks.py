@@ -201,23 +201,20 @@ class HostUpdates:
     def clip_task(self, early: bool, norm_ev, grads_ev=None, host_grads=()) -> None:
         """The clip factor of this step. `host_grads`: the summed gradients whose norms the worker
         takes (a step that ends before its last micro-batch); `norm_ev`'s value holds the norms
-        taken on the device."""
+        taken on the device: the whole running norm with one backward per step (the worker took
+        none: `norm_sq` is empty), else the layers' part (accumulate.py) or the resident sums'."""
         engine = self.engine
-        if engine.single_micro:
+        if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
+            if grads_ev is not None:
+                self.sync(grads_ev, "wait_d2h:grads")
+            self.norm_sq = [float(torch.linalg.vector_norm(g)) ** 2 for g in host_grads]
+            if engine.dp is not None:     # the ranks' shards of the sums
+                self.norm_sq = [engine.dp.worker_sum(sum(self.norm_sq))]
+        dev = 0.0
+        if norm_ev is not None:
             self.sync(norm_ev, "wait_d2h:norm")
-            norm = float(engine.norm.host_sq[0]) ** 0.5
-        else:
-            if early:   # the step ends before gradient_accumulation_steps: norms were not taken yet
-                if grads_ev is not None:
-                    self.sync(grads_ev, "wait_d2h:grads")
-                self.norm_sq = [float(torch.linalg.vector_norm(g)) ** 2 for g in host_grads]
-                if engine.dp is not None:     # the ranks' shards of the sums
-                    self.norm_sq = [engine.dp.worker_sum(sum(self.norm_sq))]
-            dev = 0.0   # the layers' part taken on the device (accumulate.py), or the resident sums
-            if norm_ev is not None:
-                self.sync(norm_ev, "wait_d2h:norm")
-                dev = float(engine.norm.host_sq[0])
-            norm = (sum(self.norm_sq) + dev) ** 0.5
+            dev = float(engine.norm.host_sq[0])
+        norm = (sum(self.norm_sq) + dev) ** 0.5
         self.check_norm(norm, "the gradient norm")
         mx = engine.config.max_grad_norm
         self.clip_coef = min(mx / (norm + 1e-6), 1.0) if mx is not None else 1.0
