@@ -110,27 +110,27 @@ class DiskLayer(HostLayer):
         self._copy_in(busy)
 
     def _copy_in(self, busy) -> None:
-        e, unit, s = self.engine, self.unit, self.states
-        if e.slots.find((unit,)) is not None:
+        engine, unit, s = self.engine, self.unit, self.states
+        if engine.slots.find((unit,)) is not None:
             return
         if not self.record.master:
-            e.slots.load((unit,), busy)                 # the master is in the host store: a host layer's copy
+            engine.slots.load((unit,), busy)                 # the master is in the host store: a host layer's copy
             return
-        s.pin(unit, whole=e.in_backward and e.backward_plan.updates)    # [Why a copy reads the master alone]
+        s.pin(unit, whole=engine.in_backward and engine.backward_plan.updates)    # [Why a copy reads the master alone]
         try:
             s.ready(unit)
-            e.slots.load((unit,), busy)                 # waits for the update's finished prefix, as a host layer
+            engine.slots.load((unit,), busy)                 # waits for the update's finished prefix, as a host layer
         finally:
             s.unpin(unit)                               # the buffer stays until the copy is done (u.readers)
 
     def _needed_next(self) -> tuple[list, bool]:
         """The disk records the schedule needs next, nearest first, from this layer on, and
         whether whole (for updates) or their masters alone (for copies)."""
-        e, unit, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
-        if e.in_backward:                            # this layer (when it updates here), then down
-            updates = e.backward_plan.updates
+        engine, unit, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
+        if engine.in_backward:                            # this layer (when it updates here), then down
+            updates = engine.backward_plan.updates
             return ([unit] if updates else []) + s.ahead(unit, -1, n, masters=not updates), updates
-        if not s.ahead(unit, 1, 1) and e.live_generation is not None and not e.config.deferred:
+        if not s.ahead(unit, 1, 1) and engine.live_generation is not None and not engine.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
             return [unit] + s.ahead(unit, -1, n - 1), True
         return s.ahead(unit, 1, n, masters=True), False     # the forward's next copies

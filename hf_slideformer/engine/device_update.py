@@ -117,22 +117,22 @@ class DeviceUpdateLayer(HostLayer):
         self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
 
     def take_gradient(self, grads: list) -> None:
-        e = self.engine
-        if not e.single_micro or e.backward_plan.updates:
+        engine = self.engine
+        if not engine.single_micro or engine.backward_plan.updates:
             super().take_gradient(grads)
             return
-        e.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
+        engine.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
         # One backward per step: the gradient goes straight into its pinned accumulator.
         unit = self.unit
         if self.pending is not None:            # never the case in a well-formed step: a guard
-            e.device_updates.flush(unit)
-        self.grad_ev = e.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
+            engine.device_updates.flush(unit)
+        self.grad_ev = engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
         unit.grad_valid = True
 
     def step(self, deferred: DeferredStep) -> None:
         """The update runs when the unit is next copied in (`fill`)."""
-        e, unit = self.engine, self.unit
-        e.begin_update(unit)
+        engine, unit = self.engine, self.unit
+        engine.begin_update(unit)
         self.pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
                                     deferred.known)
         self.grad_ev = None
@@ -292,16 +292,16 @@ class DeviceUpdater:
 
     def run(self, place: DeviceUpdateLayer, dst):
         """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
-        e, unit = self.engine, place.unit
+        engine, unit = self.engine, place.unit
         p = place.pending
-        st = e.streams
+        st = engine.streams
         groups, group_of = p.hp
         if p.batches is None:
             if p.clip_done is not None:
                 # The worker has folded every micro-batch in and taken the norm: the factor is known.
-                e.clock.wait(p.clip_done, "update")
+                engine.clock.wait(p.clip_done, "update")
                 with st.on(st.h2d):
-                    p.scale = _optim.grad_scale(e.host_updates.clip_coef, e.device)
+                    p.scale = _optim.grad_scale(engine.host_updates.clip_coef, engine.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
@@ -311,7 +311,7 @@ class DeviceUpdater:
             p.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
             if st.cuda:
                 with st.on(st.h2d):
-                    p.steps = list(torch.stack(unit.steps).to(e.device).unbind())
+                    p.steps = list(torch.stack(unit.steps).to(engine.device).unbind())
             else:
                 p.steps = unit.steps
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
@@ -324,7 +324,7 @@ class DeviceUpdater:
             # pieces done then are final in the host store; copy them into this slot.
             done = p.batches[p.next][0] if p.next < len(p.batches) else unit.numel
             with st.on(st.h2d):
-                dst[:done].copy_(unit.master[:done].to(e.device, non_blocking=True))
+                dst[:done].copy_(unit.master[:done].to(engine.device, non_blocking=True))
         st.used_by(p.scale, st.h2d)
         while p.next < len(p.batches):
             lo, hi, batch = p.batches[p.next]
@@ -340,8 +340,8 @@ class DeviceUpdater:
         moments in on the h2d stream, fused AdamW there (the gradient divided
         by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
         stream. Returns the h2d event after the copies in."""
-        e = self.engine
-        st, n = e.streams, hi - lo
+        engine = self.engine
+        st, n = engine.streams, hi - lo
         k = self._turn
         self._turn ^= 1
         # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
@@ -364,7 +364,7 @@ class DeviceUpdater:
                 src.copy_(d, non_blocking=True)
         self._free[k] = unit.host_write = st.record(st.d2h)
         moved = sum(d.numel() * d.element_size() for d, _ in pairs)
-        e.stats.add_h2d(moved + n * grad.element_size())
-        e.stats.add_bytes("d2h", moved)
-        e.stats.gpu_adam_params += n
+        engine.stats.add_h2d(moved + n * grad.element_size())
+        engine.stats.add_bytes("d2h", moved)
+        engine.stats.gpu_adam_params += n
         return read

@@ -70,10 +70,10 @@ class ResidentLayer(LayerPlacement):
         on the device for optimizer.step(). With accumulation it is summed on the device over the
         micro-batches, and the last one updates (or, with clipping, leaves the sum for
         optimizer.step()); the squared norm is the sum's."""
-        e, unit, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
+        engine, unit, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
         if plan.running_norm:
-            e.norm.dev += _sq_norm([g for g in grads if g is not None])
-            g32 = e.residents.shared_grad[:unit.numel] if plan.updates else r.grad
+            engine.norm.dev += _sq_norm([g for g in grads if g is not None])
+            g32 = engine.residents.shared_grad[:unit.numel] if plan.updates else r.grad
             first = True
         else:
             g32, first = r.grad, not r.grad_valid
@@ -89,11 +89,11 @@ class ResidentLayer(LayerPlacement):
         if not plan.running_norm:
             r.grad_valid = True
             if plan.ends_step:
-                e.norm.dev += _sq_norm([g32])
+                engine.norm.dev += _sq_norm([g32])
         if plan.updates:
-            e.residents.resident_step(unit, r, g32, found_inf=e.norm.found_inf())
+            engine.residents.resident_step(unit, r, g32, found_inf=engine.norm.found_inf())
             r.grad_valid = False
-        e.residents.pace()
+        engine.residents.pace()
 
     def step(self, deferred: DeferredStep) -> None:
         coef, found_inf = deferred.resident_clip()
@@ -294,12 +294,12 @@ class ResidentPlan:
 
     def evict(self) -> None:
         """Write the resident units' state back to the host store and drop the device copies."""
-        e, emb = self.engine, self.engine.embedding
+        engine, emb = self.engine, self.engine.embedding
         states = list(self.layers.values()) + emb.table.device_states()
         if not states:
             return
         emb.table.prepare_eviction()
-        e.streams.synchronize()
+        engine.streams.synchronize()
         emb.table.keep_backward_gradient()
         for r in states:
             r.store_to_host()
@@ -309,8 +309,8 @@ class ResidentPlan:
                 unit.grad.copy_(r.grad)
                 unit.grad_valid = True
                 r.grad_valid = False
-        for place in e.places.resident():
-            e.set_place(place.unit, place.replaced)
+        for place in engine.places.resident():
+            engine.set_place(place.unit, place.replaced)
         emb.return_to_host()
 
     def resident_step(self, unit: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
@@ -323,12 +323,12 @@ class ResidentPlan:
         0, the embedding) would end the step with the GPU idle. Host-side readers of the weights
         (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
-        e = self.engine
-        _optim.apply_adamw(unit, g32, *(hp or e.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
+        engine = self.engine
+        _optim.apply_adamw(unit, g32, *(hp or engine.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
         if r.weights is not r.master:
             r.weights.copy_(r.master)
         unit.version += 1                                   # any slot copy of the old weights is stale
-        e.stats.gpu_adam_params += unit.numel
+        engine.stats.gpu_adam_params += unit.numel
 
     def pace(self) -> None:
         """Keep the host at most one resident layer ahead of the GPU.

@@ -38,30 +38,30 @@ class _Shard:
         `dst`, and the worker's task on it; `free` is set once the worker is done with `dst`. With
         one backward per step the shard's squares, summed over the ranks, join the running norm
         first (the worker judges it before the update)."""
-        e, unit, plan = self.engine, self.unit, self.engine.backward_plan
-        plan.norm.add(lambda: e.dp.all_sum(_sq_norm([shard]).to(e.norm.dev.device)))
+        engine, unit, plan = self.engine, self.unit, self.engine.backward_plan
+        plan.norm.add(lambda: engine.dp.all_sum(_sq_norm([shard]).to(engine.norm.dev.device)))
         norm = plan.norm.slot(unit)
-        done = e.grad_ring.d2h([shard], [dst], norm_dst=norm)
+        done = engine.grad_ring.d2h([shard], [dst], norm_dst=norm)
         update = plan.updates
         if update:
-            e.begin_update(unit)
-        e.worker.submit(self.task, dst, done, update, plan.host_norms, e.hp, norm,
+            engine.begin_update(unit)
+        engine.worker.submit(self.task, dst, done, update, plan.host_norms, engine.hp, norm,
                         done=(free,) + ((unit.updated,) if update else ()))
 
     def task(self, src, done, update: bool, host_norms: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
-        e, unit = self.engine, self.unit
-        e.host_updates.sync(done, f"wait_d2h:{unit.name}")
+        engine, unit = self.engine, self.unit
+        engine.host_updates.sync(done, f"wait_d2h:{unit.name}")
         if norm is not None:
-            e.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {unit.name}")
-        e.host_updates.consume(unit, src, update, host_norms, hp, span=self.span)
+            engine.host_updates.check_norm(float(norm[0]), f"a gradient of the units from the head down to {unit.name}")
+        engine.host_updates.consume(unit, src, update, host_norms, hp, span=self.span)
 
     def deferred(self, deferred: DeferredStep) -> None:
         """optimizer.step() after a backward that did not update: the worker updates the range."""
-        e, unit = self.engine, self.unit
-        e.begin_update(unit)
-        e.worker.submit(e.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev, None, None, self.span,
-                        done=(unit.updated,))
+        engine, unit = self.engine, self.unit
+        engine.begin_update(unit)
+        engine.worker.submit(engine.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev, None, None,
+                             self.span, done=(unit.updated,))
 
 
 class ShardedHostLayer(HostLayer):
@@ -78,11 +78,11 @@ class ShardedHostLayer(HostLayer):
         pass                       # no device accumulation: each micro-batch's shard is folded on the host
 
     def take_gradient(self, grads: list) -> None:
-        e, unit = self.engine, self.unit
-        dtype = next((g.dtype for g in grads if g is not None), e.dtype)
-        shard = e.dp.reduce_grads(unit.numel, grads, [x.offset for x in unit.entries], dtype, e.device)
-        k = e.grad_ring.claim_next()
-        self.shard.send(shard, e.grad_ring.buffers[k][:shard.numel()], e.grad_ring.free[k])
+        engine, unit = self.engine, self.unit
+        dtype = next((g.dtype for g in grads if g is not None), engine.dtype)
+        shard = engine.dp.reduce_grads(unit.numel, grads, [x.offset for x in unit.entries], dtype, engine.device)
+        k = engine.grad_ring.claim_next()
+        self.shard.send(shard, engine.grad_ring.buffers[k][:shard.numel()], engine.grad_ring.free[k])
 
     def step(self, deferred: DeferredStep) -> None:
         self.shard.deferred(deferred)
@@ -124,13 +124,13 @@ class ShardedEmbedding(Embedding):
         pass                        # the unit's accumulator is the store's (its shard written), when needed
 
     def backward(self, gx: torch.Tensor) -> None:
-        e, unit, dp = self.engine, self.unit, self.engine.dp
+        engine, unit, dp = self.engine, self.unit, self.engine.dp
         if not unit.trainable:
-            e.end_backward()
+            engine.end_backward()
             return
         T = gx.numel() // self.hidden
         uniq, inv, keep = self.rows_dev
-        t = e.clock.span_start()
+        t = engine.clock.span_start()
         # Summed per distinct row first, as one process does ([Why the embedding gradient is summed
         # on the GPU]), then scattered into the dense layout the shards cut.
         g = gx.reshape(T, self.hidden).float() * keep[:, None]
@@ -144,9 +144,9 @@ class ShardedEmbedding(Embedding):
             self.dw = self.dw_scale = None
         shard = dp.reduce_flat(flat, unit.numel)
         del flat, G, S, g
-        e.clock.span_end(t)
+        engine.clock.span_end(t)
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
-        e.end_backward()
+        engine.end_backward()
 
     def step(self, deferred: DeferredStep) -> None:
         if self.unit.trainable:
@@ -172,16 +172,16 @@ class ShardedHead(LossHead):
         if not self.pending:
             raise SlideStateError("backward() without a matching forward")
         self.pending = False
-        e, hu, dp = self.engine, self.unit, self.engine.dp
+        engine, hu, dp = self.engine, self.unit, self.engine.dp
         self.scale_dev = gloss.detach().float().reshape(())
         pgrads, self.dev_grads = self.dev_grads, None
         if pgrads is None:          # a frozen head computed none
             return
         own = pgrads[:len(hu.entries)]
-        if e.tied:
-            e.embedding.dw, e.embedding.dw_scale = pgrads[len(hu.entries)], self.scale_dev
-        dtype = next((g.dtype for g in own if g is not None), e.dtype)
-        shard = dp.reduce_grads(hu.numel, own, [x.offset for x in hu.entries], dtype, e.device,
+        if engine.tied:
+            engine.embedding.dw, engine.embedding.dw_scale = pgrads[len(hu.entries)], self.scale_dev
+        dtype = next((g.dtype for g in own if g is not None), engine.dtype)
+        shard = dp.reduce_grads(hu.numel, own, [x.offset for x in hu.entries], dtype, engine.device,
                                 scale=self.scale_dev.to(dtype))
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
 
