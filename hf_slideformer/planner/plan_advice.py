@@ -14,150 +14,153 @@ from .plan_report import Plan, disk_parts, gib
 __all__ = ["advise"]
 
 
-def advise(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+def advise(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What to change, from the plan's shortfalls and its binding term."""
-    return (_input_advice(p) + _host_advice(p, est, deferred) + _gpu_memory_advice(p, est)
-            + _bound_advice(p, est, deferred))
+    return (_input_advice(plan) + _host_advice(plan, est, deferred) + _gpu_memory_advice(plan, est)
+            + _bound_advice(plan, est, deferred))
 
 
-def _input_advice(p: Plan) -> list[str]:
+def _input_advice(plan: Plan) -> list[str]:
     """A sequence beyond the model's positions; the layers the plan puts on disk, and a disk too small."""
-    out, shape = [], p.shape
-    if shape.max_positions and p.seq > shape.max_positions:
-        out.append(f"seq {p.seq} is beyond this model's max_position_embeddings ({shape.max_positions}): it was not "
+    out, shape = [], plan.shape
+    if shape.max_positions and plan.seq > shape.max_positions:
+        out.append(f"seq {plan.seq} is beyond this model's max_position_embeddings ({shape.max_positions}): it was not "
                    f"trained on such positions; plan with --seq {shape.max_positions} or raise the limit in its config")
-    if p.disk_layers:
-        out.append(f"{disk_parts(p)} on disk: SlideConfig(host_memory_limit={p.host_memory_limit_gib}, "
+    if plan.disk_layers:
+        out.append(f"{disk_parts(plan)} on disk: SlideConfig(host_memory_limit={plan.host_memory_limit_gib}, "
                    "nvme_path=<a directory on that disk>)")
-    if p.disk_fits is False:
-        out.append(f"disk short by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
-                   f"{p.disk_layers} layers on disk takes {p.disk_state_bytes / 1e9:.0f} GB (one record each, of "
+    if plan.disk_fits is False:
+        out.append(f"disk short by {(plan.disk_state_bytes - plan.disk_mem_bytes) / 1e9:.0f} GB: the state file of the "
+                   f"{plan.disk_layers} layers on disk takes {plan.disk_state_bytes / 1e9:.0f} GB (one record each, of "
                    "the moments or the whole state in the optimizer state format: docs/disk.md); free space there or use a larger disk")
     return out
 
 
-def _host_advice(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+def _host_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
     """When host memory is short: by how much, and each setting that saves some, with what it saves."""
-    if p.host_fits is not False:
+    if plan.host_fits is not False:
         return []
-    shape, gpus, tier = p.shape, p.gpus, p.activation_tier
-    short = p.host_total - p.host_mem_bytes
+    shape, gpus, tier = plan.shape, plan.gpus, plan.activation_tier
+    short = plan.host_total - plan.host_mem_bytes
     fixes = []
-    compact = {"adamw": "adamw_8bit", "adamw_8bit": "adamw_8bit_bf16"}.get(p.optimizer_state)
-    if compact and not p.lora_r and gpus == 1:
+    compact = {"adamw": "adamw_8bit", "adamw_8bit": "adamw_8bit_bf16"}.get(plan.optimizer_state)
+    if compact and not plan.lora_r and gpus == 1:
         fixes.append(f"optimizer_state='{compact}' (--optim {compact}) saves "
-                     f"{gib(_state_saving(shape, p.optimizer_state, compact))} (docs/host_state.md)")
-    if p.disk_mem_bytes is None and gpus == 1:
+                     f"{gib(_state_saving(shape, plan.optimizer_state, compact))} (docs/host_state.md)")
+    if plan.disk_mem_bytes is None and gpus == 1:
         fixes.append("a disk for the state (--nvme-gb, SlideConfig.host_memory_limit with nvme_path) keeps the "
                      "last layers' masters and moments there")
     if deferred:
         fixes.append(f"no clipping and no accumulation (max_grad_norm=None, gradient_accumulation_steps=1) "
                      f"saves {gib(est.accumulator_bytes())}")
-    acts = p.host[est.per_gpu(f"layer inputs ({tier} tier)")]
+    acts = plan.host[est.per_gpu(f"layer inputs ({tier} tier)")]
     if tier == "cpu" and acts:
-        if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+        if est.gpu_peak(plan.batch, "device") <= plan.gpu_limit:
             fixes.append(f"activation_tier='device' saves {gib(acts)} (the GPU has room for them)")
-        saved = acts - est.host(p.batch, "nvme", deferred)[est.per_gpu("layer inputs (nvme tier)")]
+        saved = acts - est.host(plan.batch, "nvme", deferred)[est.per_gpu("layer inputs (nvme tier)")]
         fixes.append(f"activation_tier='nvme' saves {gib(saved)} (costs about "
-                     f"{est.times(p.batch, p.gradient_accumulation_steps, 'nvme')['disk']:.1f} s of disk time per step)")
-    if p.grad_buffers > 2:
-        fixes.append(f"grad_buffers=2 saves {gib(gpus * GRAD_BYTES * (p.grad_buffers - 2) * shape.layer_params)}")
-    if p.max_batch_host and p.max_batch_host < p.batch:
-        fixes.append(f"batch {p.max_batch_host} fits")
+                     f"{est.times(plan.batch, plan.gradient_accumulation_steps, 'nvme')['disk']:.1f} s of disk time "
+                     f"per step)")
+    if plan.grad_buffers > 2:
+        fixes.append(f"grad_buffers=2 saves {gib(gpus * GRAD_BYTES * (plan.grad_buffers - 2) * shape.layer_params)}")
+    if plan.max_batch_host and plan.max_batch_host < plan.batch:
+        fixes.append(f"batch {plan.max_batch_host} fits")
     floor = est.state_bytes() + 4 * shape.embed_params + gpus * PROCESS_HOST_BYTES
     msg = f"host memory short by {gib(short)}: " + "; ".join(fixes) if fixes else \
         f"host memory short by {gib(short)}"
-    if p.host_mem_bytes < floor:
+    if plan.host_mem_bytes < floor:
         msg += (f". Masters, moments and the embedding gradient alone need {gib(floor)}: use a host with "
                 "more memory or a smaller model" + (f", or fewer GPUs than {gpus}" if gpus > 1 else ""))
     return [msg]
 
 
-def _gpu_memory_advice(p: Plan, est: Estimator) -> list[str]:
+def _gpu_memory_advice(plan: Plan, est: Estimator) -> list[str]:
     """When GPU memory is short: the largest batch that fits, and the accumulation that keeps the step's sequences."""
-    if p.gpu_fits:
+    if plan.gpu_fits:
         return []
-    largest = p.max_batch_gpu
+    largest = plan.max_batch_gpu
     if largest < 1:
-        return [f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, use "
+        return [f"GPU memory short by {gib(plan.gpu_peak - plan.gpu_limit)} even at batch 1: lower seq, use "
                 "window=1, or a GPU with more memory"]
-    micro = p.batch * p.gradient_accumulation_steps
+    micro = plan.batch * plan.gradient_accumulation_steps
     steps = math.ceil(micro / largest)
-    return [f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
+    return [f"GPU memory short by {gib(plan.gpu_peak - plan.gpu_limit)} at batch {plan.batch}: the largest batch "
             f"that fits is {largest}; batch {largest} with gradient_accumulation_steps={steps} keeps about "
             f"{micro} sequences per step (+{gib(est.accumulator_bytes())} of host "
             "memory for the accumulator)"]
 
 
-def _bound_advice(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+def _bound_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
     """What the binding term asks for: a larger batch or accumulation to hide the CPU or PCIe, the disk's
     traffic, or, GPU-bound, nothing but faster kernels."""
-    if p.bound_by in ("cpu", "pcie"):
-        return _transfer_or_update_advice(p, est, deferred)
-    if p.bound_by == "disk":
-        return _disk_bound_advice(p, est, deferred)
-    if p.paced_by not in ("", "gpu"):
-        term = p.times[p.paced_by]
-        return [f"GPU-bound, but close: the {p.paced_by} term ({term:.3f} s at its full rate) runs at about "
-                f"{ENGINE_EFFICIENCY[p.paced_by]:.2f} of it in the pipeline and so sets the expected step; a "
+    if plan.bound_by in ("cpu", "pcie"):
+        return _transfer_or_update_advice(plan, est, deferred)
+    if plan.bound_by == "disk":
+        return _disk_bound_advice(plan, est, deferred)
+    if plan.paced_by not in ("", "gpu"):
+        term = plan.times[plan.paced_by]
+        return [f"GPU-bound, but close: the {plan.paced_by} term ({term:.3f} s at its full rate) runs at about "
+                f"{ENGINE_EFFICIENCY[plan.paced_by]:.2f} of it in the pipeline and so sets the expected step; a "
                 "larger batch hides it behind the compute"]
     out = ["GPU-bound: AdamW and the transfers hide behind the compute; only faster kernels or a faster "
            "GPU raise tokens/s"]
-    spare = GRAD_BYTES * (p.grad_buffers - 3) * p.shape.layer_params
-    if not deferred and p.grad_buffers > 3 and spare >= GiB // 10:
+    spare = GRAD_BYTES * (plan.grad_buffers - 3) * plan.shape.layer_params
+    if not deferred and plan.grad_buffers > 3 and spare >= GiB // 10:
         # 3 buffers cost nothing while the GPU is the bound and nothing is clipped or
         # accumulated; they slow a step the CPU paces (docs/benchmarks.md).
-        out.append(f"grad_buffers=3 saves {gib(p.gpus * spare)} of host memory at "
+        out.append(f"grad_buffers=3 saves {gib(plan.gpus * spare)} of host memory at "
                    "no cost while the GPU is the bound and nothing is clipped or accumulated")
     return out
 
 
-def _transfer_or_update_advice(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+def _transfer_or_update_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
     """CPU- or PCIe-bound: the batch that hides the term behind the GPU, else accumulation (CPU) or a
     larger window (PCIe), and the device activation tier where it fits."""
-    out, micro, tier, times = [], p.gradient_accumulation_steps, p.activation_tier, p.times
-    what = {"cpu": f"AdamW ({times['cpu']:.2f} s)", "pcie": f"the transfers ({times['pcie']:.2f} s)"}[p.bound_by]
-    batch = est.hiding_batch(micro, tier, batch_limit(p.max_batch_gpu, p.max_batch_host), deferred)
+    out, micro, tier, times = [], plan.gradient_accumulation_steps, plan.activation_tier, plan.times
+    what = {"cpu": f"AdamW ({times['cpu']:.2f} s)", "pcie": f"the transfers ({times['pcie']:.2f} s)"}[plan.bound_by]
+    batch = est.hiding_batch(micro, tier, batch_limit(plan.max_batch_gpu, plan.max_batch_host), deferred)
     at_batch = est.times(batch, micro, tier, deferred) if batch else {}
     hides = bool(at_batch) and gpu_binds(at_batch)
-    if batch > p.batch:
-        out.append(f"{p.bound_by.upper()}-bound: raise the batch to {batch} to hide {what} behind the GPU's "
+    if batch > plan.batch:
+        out.append(f"{plan.bound_by.upper()}-bound: raise the batch to {batch} to hide {what} behind the GPU's "
                    f"compute ({at_batch['gpu']:.2f} s at batch {batch}"
                    + ("" if hides else f", still short of {max(at_batch.values()):.2f} s") + ")")
     steps = (next((k for k in range(2, 65) if gpu_binds(est.times(batch, k, tier, True))), None)
              if batch else None)
-    if batch and not hides and p.bound_by == "cpu" and steps:
+    if batch and not hides and plan.bound_by == "cpu" and steps:
         need = sum(est.host(batch, tier, True).values())
-        room = ("" if p.host_mem_bytes is None else
-                "; it fits in host memory" if need <= p.host_mem_bytes else
-                f"; that needs {gib(need)} of host memory, more than the {gib(p.host_mem_bytes)} there is")
+        room = ("" if plan.host_mem_bytes is None else
+                "; it fits in host memory" if need <= plan.host_mem_bytes else
+                f"; that needs {gib(need)} of host memory, more than the {gib(plan.host_mem_bytes)} there is")
         out.append(f"CPU-bound at the largest batch that fits ({batch}): gradient_accumulation_steps={steps} hides "
                    f"AdamW behind {steps} micro-batches (the fp32 accumulator adds "
                    f"{gib(est.accumulator_bytes())}{room}), or use a host with a faster AdamW "
                    "(more cores, more memory bandwidth)")
-    if batch and not hides and p.bound_by == "pcie":
+    if batch and not hides and plan.bound_by == "pcie":
         out.append(f"PCIe-bound at the largest batch that fits ({batch}): the weights cross PCIe twice per "
                    "micro-batch whatever its size; a larger window re-sends fewer layers in backward")
-    if p.bound_by == "pcie" and tier == "cpu" and est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+    if plan.bound_by == "pcie" and tier == "cpu" and est.gpu_peak(plan.batch, "device") <= plan.gpu_limit:
         out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     return out
 
 
-def _disk_bound_advice(p: Plan, est: Estimator, deferred: bool) -> list[str]:
+def _disk_bound_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
     """Disk-bound: what the layers on disk move per step and what would shorten it; the nvme tier's traffic."""
-    out, shape = [], p.shape
-    if p.disk_layers:
-        fmt = state_format(p.optimizer_state or "adamw")     # its moments alone, or master and moments
+    out, shape = [], plan.shape
+    if plan.disk_layers:
+        fmt = state_format(plan.optimizer_state or "adamw")     # its moments alone, or master and moments
         moments = fmt.bytes_per_param - fmt.master_dtype.itemsize
-        more = int((moments * p.disk_moment_layers + fmt.bytes_per_param * p.disk_whole_layers) * shape.layer_params)
-        out.append(f"disk-bound: the state of the {p.disk_layers} layers on disk moves "
-                   f"{p.disk_bytes_per_step / 1e9:.0f} GB per step at {p.rates['nvme_bw']} GB/s; it does not grow "
+        more = int((moments * plan.disk_moment_layers + fmt.bytes_per_param * plan.disk_whole_layers)
+                   * shape.layer_params)
+        out.append(f"disk-bound: the state of the {plan.disk_layers} layers on disk moves "
+                   f"{plan.disk_bytes_per_step / 1e9:.0f} GB per step at {plan.rates['nvme_bw']} GB/s; it does not "
+                   f"grow "
                    f"with the batch, so a larger batch (or gradient accumulation) spreads it over more tokens; "
                    f"{gib(more)} more host memory keeps every layer in RAM; a faster disk (or several in RAID 0) "
                    "shortens it")
-    if p.activation_tier == "nvme":
-        need = est.host(p.batch, "cpu", deferred)[est.per_gpu("layer inputs (cpu tier)")]
-        traffic = 2 * shape.layers * p.batch * p.seq * shape.hidden * p.gradient_accumulation_steps * p.gpus
+    if plan.activation_tier == "nvme":
+        need = est.host(plan.batch, "cpu", deferred)[est.per_gpu("layer inputs (cpu tier)")]
+        traffic = 2 * shape.layers * plan.batch * plan.seq * shape.hidden * plan.gradient_accumulation_steps * plan.gpus
         out.append(f"disk-bound: the nvme tier writes and reads {gib(traffic)} per step; "
                    f"activation_tier='cpu' needs {gib(need)} of host memory instead")
     return out

@@ -129,9 +129,9 @@ def gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def disk_parts(p: Plan) -> str:
+def disk_parts(plan: Plan) -> str:
     """Which part of which layers is on disk, in words."""
-    shape, m, w = p.shape, p.disk_moment_layers, p.disk_whole_layers
+    shape, m, w = plan.shape, plan.disk_moment_layers, plan.disk_whole_layers
     if not w:
         return f"the moments of the last {m} of {shape.layers} layers"
     if not m:
@@ -151,99 +151,105 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def _format_report(p: Plan) -> str:
-    lines = _header_lines(p) + [""] + _memory_lines(p) + [""] + _step_lines(p)
-    lines += ["", "advice"] + [f"  - {a}" for a in p.advice]
+def _format_report(plan: Plan) -> str:
+    lines = _header_lines(plan) + [""] + _memory_lines(plan) + [""] + _step_lines(plan)
+    lines += ["", "advice"] + [f"  - {a}" for a in plan.advice]
     lines.append("(estimates calibrated on H200 measurements; see docs/planner.md)")
     return "\n".join(lines)
 
 
-def _resident_params(p: Plan) -> int:
+def _resident_params(plan: Plan) -> int:
     """Parameters the plan keeps on the GPU with their optimizer state (updated there)."""
-    return (p.shape.embed_params if p.resident_embedding else 0) + p.resident_layers * p.shape.layer_params
+    return (plan.shape.embed_params if plan.resident_embedding else 0) + plan.resident_layers * plan.shape.layer_params
 
 
-def _header_lines(p: Plan) -> list[str]:
+def _header_lines(plan: Plan) -> list[str]:
     """The model, the batch and the run's settings; the data-parallel and LoRA plans."""
-    shape = p.shape
+    shape = plan.shape
     tie = "tied" if shape.tied else "untied"
     lines = [
         f"{shape.model_type}: {_count(shape.n_params)} parameters ({shape.layers} layers x {_count(shape.layer_params)}, "
         f"hidden {shape.hidden}, intermediate {shape.intermediate}, vocab {shape.vocab}, {tie})",
-        f"batch {p.batch}{' (chosen)' if p.batch_chosen else ''} x seq {p.seq}"
-        f"{f' x {p.gradient_accumulation_steps} micro-batches' if p.gradient_accumulation_steps > 1 else ''}"
-        f"{f' x {p.gpus} GPUs' if p.gpus > 1 else ''}"
-        f" = {p.tokens_per_step} tokens per step; window {p.window}, activations on {p.activation_tier}"
-        f"{f', clipping at {p.max_grad_norm}' if p.max_grad_norm else ''}"
-        f"{f', optimizer state {p.optimizer_state}' if p.optimizer_state != 'adamw' else ''}"
-        f"{', projections in FP8' if p.fp8 else ''}",
+        f"batch {plan.batch}{' (chosen)' if plan.batch_chosen else ''} x seq {plan.seq}"
+        f"{f' x {plan.gradient_accumulation_steps} micro-batches' if plan.gradient_accumulation_steps > 1 else ''}"
+        f"{f' x {plan.gpus} GPUs' if plan.gpus > 1 else ''}"
+        f" = {plan.tokens_per_step} tokens per step; window {plan.window}, activations on {plan.activation_tier}"
+        f"{f', clipping at {plan.max_grad_norm}' if plan.max_grad_norm else ''}"
+        f"{f', optimizer state {plan.optimizer_state}' if plan.optimizer_state != 'adamw' else ''}"
+        f"{', projections in FP8' if plan.fp8 else ''}",
     ]
-    gpus = p.gpus
+    gpus = plan.gpus
     if gpus > 1:
         lines.append(f"plan for {gpus} GPUs of one host (data parallel, one process each): batch, GPU memory and PCIe "
                      "bytes per GPU; the host state (fp32 masters, AdamW moments"
-                     f"{', accumulators' if p.max_grad_norm or p.gradient_accumulation_steps > 1 else ''}) shared, "
+                     f"{', accumulators' if plan.max_grad_norm or plan.gradient_accumulation_steps > 1 else ''})"
+                     " shared, "
                      f"one copy on the host; the host items marked 'x {gpus} GPUs' once per process; no resident units, "
                      f"no GPU-side updates; tokens/s for the {gpus} GPUs together")
-    if p.lora_r:
-        on = (f" ({(p.lora_params - p.lora_expert_params) / 1e6:.1f} M on linears, "
-              f"{p.lora_expert_params / 1e6:.1f} M on target_parameters)" if p.lora_expert_params else "")
-        lines.append(f"LoRA plan: rank {p.lora_r} on {p.lora_targets} of each decoder layer, "
-                     f"{p.lora_params / 1e6:.1f} M adapter parameters{on} in fp32 on the GPU, updated there; the base "
-                     f"frozen and streamed ({p.lora_base_bytes} B/param, the embedding fp32), "
-                     + (f"modules_to_save {', '.join(p.lora_trained)} trained in full ("
-                        f"{p.lora_trained_params / 1e6:.1f} M parameters, CPU AdamW)" if p.lora_trained
+    if plan.lora_r:
+        on = (f" ({(plan.lora_params - plan.lora_expert_params) / 1e6:.1f} M on linears, "
+              f"{plan.lora_expert_params / 1e6:.1f} M on target_parameters)" if plan.lora_expert_params else "")
+        lines.append(f"LoRA plan: rank {plan.lora_r} on {plan.lora_targets} of each decoder layer, "
+                     f"{plan.lora_params / 1e6:.1f} M adapter parameters{on} in fp32 on the GPU, updated there;"
+                     " the base "
+                     f"frozen and streamed ({plan.lora_base_bytes} B/param, the embedding fp32), "
+                     + (f"modules_to_save {', '.join(plan.lora_trained)} trained in full ("
+                        f"{plan.lora_trained_params / 1e6:.1f} M parameters, CPU AdamW)" if plan.lora_trained
                         else "no CPU AdamW"))
     return lines
 
 
-def _memory_lines(p: Plan) -> list[str]:
+def _memory_lines(plan: Plan) -> list[str]:
     """Host memory, the disk split, GPU memory, the largest batches, the resident units and the
     updates under clipping."""
-    shape, gpus = p.shape, p.gpus
+    shape, gpus = plan.shape, plan.gpus
     lines = []
-    if p.host_mem_bytes is None:
+    if plan.host_mem_bytes is None:
         verdict = "limit unknown"
     else:
-        verdict = (f"of {gib(p.host_mem_bytes)} ({p.host_mem_source}): "
-                   + ("fits" if p.host_fits else f"SHORT by {gib(p.host_total - p.host_mem_bytes)}"))
-    lines.append(f"host memory  {gib(p.host_total)} {verdict}")
-    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.host.items() if v]
-    if p.host_steady < p.host_total:
-        lines.append(f"  peak in the first step; {gib(p.host_steady)} once the resident units' host pages are released")
-    if p.disk_mem_bytes is not None:
-        dverdict = "fits" if p.disk_fits else f"SHORT by {(p.disk_state_bytes - p.disk_mem_bytes) / 1e9:.0f} GB"
-        lines.append(f"disk         {p.disk_state_bytes / 1e9:.1f} GB of {p.disk_mem_bytes / 1e9:.0f} GB (given): "
+        verdict = (f"of {gib(plan.host_mem_bytes)} ({plan.host_mem_source}): "
+                   + ("fits" if plan.host_fits else f"SHORT by {gib(plan.host_total - plan.host_mem_bytes)}"))
+    lines.append(f"host memory  {gib(plan.host_total)} {verdict}")
+    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in plan.host.items() if v]
+    if plan.host_steady < plan.host_total:
+        lines.append(f"  peak in the first step; {gib(plan.host_steady)} once the resident units' host pages"
+                     " are released")
+    if plan.disk_mem_bytes is not None:
+        short = (plan.disk_state_bytes - plan.disk_mem_bytes) / 1e9
+        dverdict = "fits" if plan.disk_fits else f"SHORT by {short:.0f} GB"
+        lines.append(f"disk         {plan.disk_state_bytes / 1e9:.1f} GB of {plan.disk_mem_bytes / 1e9:.0f} GB"
+                     " (given): "
                      f"{dverdict}")
-        first, whole = shape.layers - p.disk_layers, shape.layers - p.disk_whole_layers
+        first, whole = shape.layers - plan.disk_layers, shape.layers - plan.disk_whole_layers
         parts = ([f"{_span(0, first - 1)} in host memory"] if first else []) + (
-            [f"{_span(first, whole - 1)} ({p.disk_moment_layers}) with their moments on disk, masters in RAM"]
-            if p.disk_moment_layers else []) + (
-            [f"{_span(whole, shape.layers - 1)} ({p.disk_whole_layers}) with their whole state on disk"]
-            if p.disk_whole_layers else [])
+            [f"{_span(first, whole - 1)} ({plan.disk_moment_layers}) with their moments on disk, masters in RAM"]
+            if plan.disk_moment_layers else []) + (
+            [f"{_span(whole, shape.layers - 1)} ({plan.disk_whole_layers}) with their whole state on disk"]
+            if plan.disk_whole_layers else [])
         lines.append("  RAM / disk split: " + ", ".join(parts) + (
-            f" ({_count(p.disk_layers * shape.layer_params)} parameters, host_memory_limit={p.host_memory_limit_gib} GiB)"
-            if p.disk_layers else ", none on disk"))
-    gverdict = "fits" if p.gpu_fits else f"SHORT by {gib(p.gpu_peak - p.gpu_limit)}"
-    lines.append(f"GPU memory   {gib(p.gpu_peak)} peak allocated{' per GPU' if gpus > 1 else ''}, "
-                 f"{gib(p.gpu_limit)} usable of "
-                 f"{gib(p.gpu_mem_bytes)} ({p.gpu_mem_source}): {gverdict}")
-    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in p.gpu_fixed.items()]
-    big = max(p.gpu_phases, key=p.gpu_phases.get)
-    lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in p.gpu_phases.items()]
-    host_b = "" if p.max_batch_host is None else f", {p.max_batch_host} by host memory"
-    lines += [f"largest batch {p.max_batch_gpu}{' per GPU' if gpus > 1 else ''} by GPU memory{host_b}"]
-    res_params = _resident_params(p)
+            f" ({_count(plan.disk_layers * shape.layer_params)} parameters,"
+            f" host_memory_limit={plan.host_memory_limit_gib} GiB)"
+            if plan.disk_layers else ", none on disk"))
+    gverdict = "fits" if plan.gpu_fits else f"SHORT by {gib(plan.gpu_peak - plan.gpu_limit)}"
+    lines.append(f"GPU memory   {gib(plan.gpu_peak)} peak allocated{' per GPU' if gpus > 1 else ''}, "
+                 f"{gib(plan.gpu_limit)} usable of "
+                 f"{gib(plan.gpu_mem_bytes)} ({plan.gpu_mem_source}): {gverdict}")
+    lines += [f"  {v / GiB:7.2f} GiB  {k}" for k, v in plan.gpu_fixed.items()]
+    big = max(plan.gpu_phases, key=plan.gpu_phases.get)
+    lines += [f"  {v / GiB:7.2f} GiB  {k}{'  <- peak phase' if k == big else ''}" for k, v in plan.gpu_phases.items()]
+    host_b = "" if plan.max_batch_host is None else f", {plan.max_batch_host} by host memory"
+    lines += [f"largest batch {plan.max_batch_gpu}{' per GPU' if gpus > 1 else ''} by GPU memory{host_b}"]
+    res_params = _resident_params(plan)
     if res_params:
-        what = (["the embedding"] if p.resident_embedding else []) + (
-            [f"layers 0..{p.resident_layers - 1}"] if p.resident_layers else [])
+        what = (["the embedding"] if plan.resident_embedding else []) + (
+            [f"layers 0..{plan.resident_layers - 1}"] if plan.resident_layers else [])
         lines.append(f"resident on the GPU (optimizer state, updated there): {' and '.join(what)}, "
                      f"{_count(res_params)} parameters (the engine decides after its first step)")
-    if p.max_grad_norm and not p.lora_r and gpus > 1:
+    if plan.max_grad_norm and not plan.lora_r and gpus > 1:
         lines.append("clipping: every unit is updated by the host's workers after the backward (no GPU-side updates "
                      "with several GPUs)")
-    elif p.max_grad_norm and not p.lora_r:
-        host_layers = list(range(shape.layers - p.resident_layers))
+    elif plan.max_grad_norm and not plan.lora_r:
+        host_layers = list(range(shape.layers - plan.resident_layers))
         n = len(pick_device_units(host_layers, balanced_share()))
         lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
                      f"host-held layers on the GPU as they are copied in (device_update_share 'auto': "
@@ -251,30 +257,32 @@ def _memory_lines(p: Plan) -> list[str]:
     return lines
 
 
-def _step_lines(p: Plan) -> list[str]:
+def _step_lines(plan: Plan) -> list[str]:
     """The step's bound and expected time, and each term with what it counts."""
-    shape, gpus = p.shape, p.gpus
-    res_params = _resident_params(p)
+    shape, gpus = plan.shape, plan.gpus
+    res_params = _resident_params(plan)
     lines = []
-    eff = p.rates["gpu_tflops"] * p.rates["gpu_efficiency"]
-    lines.append(f"step time    bound {p.bound_s:.3f} s by {p.bound_by} ({p.tokens_per_s / 1e3:.1f} k tokens/s); "
-                 f"expected about {p.expected_step_s:.2f} s ({p.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
+    eff = plan.rates["gpu_tflops"] * plan.rates["gpu_efficiency"]
+    lines.append(f"step time    bound {plan.bound_s:.3f} s by {plan.bound_by}"
+                 f" ({plan.tokens_per_s / 1e3:.1f} k tokens/s); "
+                 f"expected about {plan.expected_step_s:.2f} s ({plan.expected_tokens_per_s / 1e3:.1f} k tokens/s)")
     detail = {
-        "gpu": (f"fwd + recompute + input gradients, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
-                f"+ {p.adapter_s:.3f} s of the adapters' own work" if p.lora_r else
-                f"fwd + recompute + bwd, {p.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
-                + (" (the layers' projections in FP8 at 1.70x, their quantization passes at the HBM rate)" if p.fp8 else "") + " "
-                f"(resident, no recompute: {p.gpu_resident_s:.3f} s)" + (", each GPU" if gpus > 1 else "")),
-        "pcie": f"h2d {p.h2d_bytes / 1e9:.1f} GB, d2h {p.d2h_bytes / 1e9:.1f} GB at {p.rates['pcie_gbs']} GB/s"
+        "gpu": (f"fwd + recompute + input gradients, {plan.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
+                f"+ {plan.adapter_s:.3f} s of the adapters' own work" if plan.lora_r else
+                f"fwd + recompute + bwd, {plan.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
+                + (" (the layers' projections in FP8 at 1.70x, their quantization passes at the HBM rate)" if plan.fp8 else "") + " "
+                f"(resident, no recompute: {plan.gpu_resident_s:.3f} s)" + (", each GPU" if gpus > 1 else "")),
+        "pcie": f"h2d {plan.h2d_bytes / 1e9:.1f} GB, d2h {plan.d2h_bytes / 1e9:.1f} GB at {plan.rates['pcie_gbs']} GB/s"
                 + (f" per GPU, each on its own link (d2h: 1/{gpus} of each gradient)" if gpus > 1 else ""),
-        "cpu": f"AdamW over {_count(p.lora_trained_params if p.lora_r else shape.n_params - res_params)} parameters "
-               f"at {p.rates['adam_gps']} G/s ({p.adam_source})" + (" (modules_to_save)" if p.lora_r else "")
+        "cpu": f"AdamW over {_count(plan.lora_trained_params if plan.lora_r else shape.n_params - res_params)}"
+               " parameters "
+               f"at {plan.rates['adam_gps']} G/s ({plan.adam_source})" + (" (modules_to_save)" if plan.lora_r else "")
                + (f", one host's rate shared by the {gpus} processes' workers" if gpus > 1 else ""),
         "disk": " + ".join(
-            ([f"layer inputs written at {p.rates['nvme_write_gbs']} and read at {p.rates['nvme_read_gbs']} GB/s"]
-             if p.activation_tier == "nvme" else [])
-            + ([f"{disk_parts(p)}, {p.disk_bytes_per_step / 1e9:.1f} GB read and written at "
-                f"{p.rates['nvme_bw']} GB/s"] if p.disk_layers else [])),
+            ([f"layer inputs written at {plan.rates['nvme_write_gbs']} and read at {plan.rates['nvme_read_gbs']} GB/s"]
+             if plan.activation_tier == "nvme" else [])
+            + ([f"{disk_parts(plan)}, {plan.disk_bytes_per_step / 1e9:.1f} GB read and written at "
+                f"{plan.rates['nvme_bw']} GB/s"] if plan.disk_layers else [])),
     }
-    lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in p.times.items()]
+    lines += [f"  {k:5s} {v:7.3f} s  {detail[k]}" for k, v in plan.times.items()]
     return lines
