@@ -110,30 +110,31 @@ class DiskLayer(HostLayer):
         self._copy_in(busy)
 
     def _copy_in(self, busy) -> None:
-        engine, unit, s = self.engine, self.unit, self.states
+        engine, unit, states = self.engine, self.unit, self.states
         if engine.slots.find((unit,)) is not None:
             return
         if not self.record.master:
             engine.slots.load((unit,), busy)                 # the master is in the host store: a host layer's copy
             return
-        s.pin(unit, whole=engine.in_backward and engine.backward_plan.updates)    # [Why a copy reads the master alone]
+        # [Why a copy reads the master alone]
+        states.pin(unit, whole=engine.in_backward and engine.backward_plan.updates)
         try:
-            s.ready(unit)
+            states.ready(unit)
             engine.slots.load((unit,), busy)                 # waits for the update's finished prefix, as a host layer
         finally:
-            s.unpin(unit)                               # the buffer stays until the copy is done (u.readers)
+            states.unpin(unit)                               # the buffer stays until the copy is done (u.readers)
 
     def _needed_next(self) -> tuple[list, bool]:
         """The disk records the schedule needs next, nearest first, from this layer on, and
         whether whole (for updates) or their masters alone (for copies)."""
-        engine, unit, s, n = self.engine, self.unit, self.states, self.states.read_ahead_count
+        engine, unit, states, n = self.engine, self.unit, self.states, self.states.read_ahead_count
         if engine.in_backward:                            # this layer (when it updates here), then down
             updates = engine.backward_plan.updates
-            return ([unit] if updates else []) + s.ahead(unit, -1, n, masters=not updates), updates
-        if not s.ahead(unit, 1, 1) and engine.live_generation is not None and not engine.config.deferred:
+            return ([unit] if updates else []) + states.ahead(unit, -1, n, masters=not updates), updates
+        if not states.ahead(unit, 1, 1) and engine.live_generation is not None and not engine.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
-            return [unit] + s.ahead(unit, -1, n - 1), True
-        return s.ahead(unit, 1, n, masters=True), False     # the forward's next copies
+            return [unit] + states.ahead(unit, -1, n - 1), True
+        return states.ahead(unit, 1, n, masters=True), False     # the forward's next copies
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
@@ -158,20 +159,20 @@ class DiskLayer(HostLayer):
         """Around an update of the pinned unit: its read has landed and its previous write is
         done before; its write is queued and its pin released after, even when the update raised
         (the buffer is the state while it is resident)."""
-        s, unit = self.states, self.unit
+        states, unit = self.states, self.unit
         try:
-            s.ready(unit)
-            s.before_update(unit)
+            states.ready(unit)
+            states.before_update(unit)
         except BaseException:
-            s.unpin(unit)
+            states.unpin(unit)
             raise
         try:
             yield
         finally:
             try:
-                s.write_behind(unit)
+                states.write_behind(unit)
             finally:
-                s.unpin(unit)
+                states.unpin(unit)
 
     def layer_task(self, src, done, update, host_norms, hp, marks=None, norm=None) -> None:
         if not update:
@@ -186,9 +187,9 @@ class DiskLayer(HostLayer):
 
     def _deferred_task(self, hp, grads_ev) -> None:
         """The update at optimizer.step(); pinned here, on the worker ([Why pinning cannot deadlock])."""
-        s, unit = self.states, self.unit
-        s.read_ahead([unit] + s.ahead(unit, 1, s.read_ahead_count))
-        s.pin(unit)
+        states, unit = self.states, self.unit
+        states.read_ahead([unit] + states.ahead(unit, 1, states.read_ahead_count))
+        states.pin(unit)
         with self._updating():
             self.engine.host_updates.deferred_task(unit, hp, grads_ev)
 

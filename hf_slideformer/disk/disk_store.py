@@ -177,14 +177,14 @@ class DiskStates:
                 "disk_write_bytes": self.write_bytes, "wait_disk_s": self.wait_s}
 
     # ------------------------------------------------------------------ residency (caller holds the lock)
-    def _touch(self, r: _Residency) -> None:
+    def _touch(self, residency: _Residency) -> None:
         self._clock += 1
-        r.used = self._clock
+        residency.used = self._clock
 
-    def _evictable(self, uid: int, r: _Residency) -> bool:
-        if r.pins or r.reading():
+    def _evictable(self, uid: int, residency: _Residency) -> bool:
+        if residency.pins or residency.reading():
             return False
-        if r.write is not None and (not r.write.done() or r.write.exception() is not None):
+        if residency.write is not None and (not residency.write.done() or residency.write.exception() is not None):
             return False                        # a failed write: the buffer is newer than the file
         k = self._index[uid]                    # device copies read the buffer only where it holds the master
         return not self.records[k].master or all(ev.query() for ev in self.units[k].readers)
@@ -215,16 +215,16 @@ class DiskStates:
             span = None if whole else (0, self.file.array_bytes(k))
             read = self.file.read(k, buf, span)
             self.read_bytes += self.file.payload_bytes(k) if whole else span[1]
-        r = _Residency(buf, read, whole)
-        self._res[id(unit)] = r
-        return r
+        residency = _Residency(buf, read, whole)
+        self._res[id(unit)] = residency
+        return residency
 
-    def _complete(self, unit: Unit, r: _Residency) -> None:
+    def _complete(self, unit: Unit, residency: _Residency) -> None:
         """A unit resident with its master alone: read the rest of its record into its buffer."""
         k = self._index[id(unit)]
         lo, hi = self.file.array_bytes(k), self.file.payload_bytes(k)
-        r.reads.append(self.file.read(k, r.buf, (lo, hi)))
-        r.whole, r.checked = True, False
+        residency.reads.append(self.file.read(k, residency.buf, (lo, hi)))
+        residency.whole, residency.checked = True, False
         self.read_bytes += hi - lo
 
     def _raise_failure(self) -> None:
@@ -240,47 +240,47 @@ class DiskStates:
         with self._cond:
             while True:
                 self._raise_failure()
-                r = self._res.get(id(unit))
-                if r is not None:
-                    if whole and not r.whole:
-                        self._complete(unit, r)
+                residency = self._res.get(id(unit))
+                if residency is not None:
+                    if whole and not residency.whole:
+                        self._complete(unit, residency)
                     break
                 buf = self._take()
                 if buf is not None:
-                    r = self._load(unit, buf, whole)
+                    residency = self._load(unit, buf, whole)
                     break
                 if t0 is None:
                     t0 = time.perf_counter()
                 if self.check is not None:
                     self.check()
                 self._cond.wait(_POLL_S)         # an unpin or a finished write wakes it; device copies are polled
-            r.pins += 1
-            self._touch(r)
+            residency.pins += 1
+            self._touch(residency)
         if t0 is not None:
             self._waited(t0, f"wait_disk_buffer:{unit.name}")
 
     def unpin(self, unit: Unit) -> None:
         with self._cond:
-            r = self._res[id(unit)]
-            r.pins -= 1
-            self._touch(r)
+            residency = self._res[id(unit)]
+            residency.pins -= 1
+            self._touch(residency)
             self._cond.notify_all()
 
     def ready(self, unit: Unit) -> None:
         """Wait until a pinned unit's state has been read in (raises the read's failure, and
         `CorruptOptimizerStateError` for values its format cannot hold: [Why a record read is checked])."""
         with self._cond:
-            r = self._res[id(unit)]
-            reads = list(r.reads)
+            residency = self._res[id(unit)]
+            reads = list(residency.reads)
         for fut in reads:
             if not fut.done():
                 t0 = time.perf_counter()
                 fut.exception()                 # waits
                 self._waited(t0, f"wait_disk_read:{unit.name}")
             fut.result()
-        if not r.checked and r.whole:
+        if not residency.checked and residency.whole:
             self.record(unit).check(unit, f"{unit.name}'s record in {self.file.path}")
-            r.checked = True
+            residency.checked = True
 
     def before_update(self, unit: Unit) -> None:
         """Wait until the previous write of a pinned unit no longer reads its buffer."""
@@ -296,11 +296,11 @@ class DiskStates:
     def write_behind(self, unit: Unit):
         """Queue the write of a pinned unit's buffer as its next generation; returns its future."""
         with self._cond:
-            r = self._res[id(unit)]
-            if not r.whole:                     # its moments were never read: writing them would lose them
+            residency = self._res[id(unit)]
+            if not residency.whole:                     # its moments were never read: writing them would lose them
                 raise RuntimeError(f"internal: a write of {unit.name}, resident with its master alone")
             k = self._index[id(unit)]
-            r.write = fut = self.file.write(k, r.buf)
+            residency.write = fut = self.file.write(k, residency.buf)
             self.write_bytes += self.file.payload_bytes(k)
         fut.add_done_callback(self._written)
         return fut
@@ -319,17 +319,17 @@ class DiskStates:
             keep = {id(u) for u in units}
             started = []
             for u in units:
-                r = self._res.get(id(u))
-                if r is not None:
-                    if whole and not r.whole:
-                        self._complete(u, r)
+                residency = self._res.get(id(u))
+                if residency is not None:
+                    if whole and not residency.whole:
+                        self._complete(u, residency)
                     continue
                 buf = self._take(keep)
                 if buf is None:
                     break
                 started.append(self._load(u, buf, whole))
-            for r in reversed(started):          # the nearest is the most recently used
-                self._touch(r)
+            for residency in reversed(started):          # the nearest is the most recently used
+                self._touch(residency)
 
     @contextlib.contextmanager
     def access(self, unit: Unit, write: bool = False):

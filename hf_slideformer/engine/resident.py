@@ -70,13 +70,13 @@ class ResidentLayer(LayerPlacement):
         on the device for optimizer.step(). With accumulation it is summed on the device over the
         micro-batches, and the last one updates (or, with clipping, leaves the sum for
         optimizer.step()); the squared norm is the sum's."""
-        engine, unit, r, plan = self.engine, self.unit, self.state, self.engine.backward_plan
+        engine, unit, state, plan = self.engine, self.unit, self.state, self.engine.backward_plan
         if plan.running_norm:
             engine.norm.dev += _sq_norm([g for g in grads if g is not None])
-            g32 = engine.residents.shared_grad[:unit.numel] if plan.updates else r.grad
+            g32 = engine.residents.shared_grad[:unit.numel] if plan.updates else state.grad
             first = True
         else:
-            g32, first = r.grad, not r.grad_valid
+            g32, first = state.grad, not state.grad_valid
         for x, g in zip(unit.entries, grads):
             d = x.view(g32)
             if g is None:
@@ -87,12 +87,12 @@ class ResidentLayer(LayerPlacement):
             else:
                 d.add_(g.reshape(d.shape))
         if not plan.running_norm:
-            r.grad_valid = True
+            state.grad_valid = True
             if plan.ends_step:
                 engine.norm.dev += _sq_norm([g32])
         if plan.updates:
-            engine.residents.resident_step(unit, r, g32, found_inf=engine.norm.found_inf())
-            r.grad_valid = False
+            engine.residents.resident_step(unit, state, g32, found_inf=engine.norm.found_inf())
+            state.grad_valid = False
         engine.residents.pace()
 
     def step(self, deferred: DeferredStep) -> None:
@@ -230,8 +230,8 @@ class ResidentPlan:
         """Device bytes the resident units hold now (outside any step's own peak)."""
         emb = self.engine.embedding
         ts = [emb.rgrad, self.shared_grad]
-        for r in list(self.layers.values()) + emb.table.device_states():
-            ts += r.tensors()
+        for state in list(self.layers.values()) + emb.table.device_states():
+            ts += state.tensors()
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def fit(self, tokens: int) -> None:
@@ -260,15 +260,15 @@ class ResidentPlan:
         engine.clock.wait(unit.updated, "update")           # its last CPU update has landed in the host store
         engine.device_updates.flush(unit)                    # ... or its device update (written back on the d2h stream)
         engine.streams.wait(unit.host_write)
-        r = ResidentState(unit, engine.dtype, engine.device, with_grad=with_grad)
-        r.load_from_host()
+        state = ResidentState(unit, engine.dtype, engine.device, with_grad=with_grad)
+        state.load_from_host()
         # The host moments are not read again until evict() writes them back; a clipping layer's
         # host accumulator is not used while its gradient stays on the device (it reads as zeros,
         # its reset state).
-        r.release_host(release_pages)
+        state.release_host(release_pages)
         if unit.grad is not None and not unit.grad_valid:
             release_pages(unit.grad)
-        return r
+        return state
 
     def promote(self) -> None:
         """Make the embedding and layers 0..k-1 resident (between optimizer steps)."""
@@ -301,19 +301,19 @@ class ResidentPlan:
         emb.table.prepare_eviction()
         engine.streams.synchronize()
         emb.table.keep_backward_gradient()
-        for r in states:
-            r.store_to_host()
-            if r.grad_valid:
+        for state in states:
+            state.store_to_host()
+            if state.grad_valid:
                 # Between micro-batches: the running sum goes on in the host accumulator.
-                unit = r.unit
-                unit.grad.copy_(r.grad)
+                unit = state.unit
+                unit.grad.copy_(state.grad)
                 unit.grad_valid = True
-                r.grad_valid = False
+                state.grad_valid = False
         for place in engine.places.resident():
             engine.set_place(place.unit, place.replaced)
         emb.return_to_host()
 
-    def resident_step(self, unit: Unit, r: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
+    def resident_step(self, unit: Unit, state: ResidentState, g32: torch.Tensor, hp=None, clip_coef=None,
                       found_inf=None) -> None:
         """AdamW of resident unit `u` with its fp32 gradient on the device.
 
@@ -324,9 +324,9 @@ class ResidentPlan:
         (state_dict, save_pretrained, checkpoints) synchronize first, which evicts.
         """
         engine = self.engine
-        _optim.apply_adamw(unit, g32, *(hp or engine.hp), state=r, clip_coef=clip_coef, found_inf=found_inf)
-        if r.weights is not r.master:
-            r.weights.copy_(r.master)
+        _optim.apply_adamw(unit, g32, *(hp or engine.hp), state=state, clip_coef=clip_coef, found_inf=found_inf)
+        if state.weights is not state.master:
+            state.weights.copy_(state.master)
         unit.version += 1                                   # any slot copy of the old weights is stale
         engine.stats.gpu_adam_params += unit.numel
 
