@@ -145,14 +145,15 @@ def _largest(fits, hi: int = 1 << 16) -> int:
     return lo
 
 
-def _estimator(s: PlanSettings) -> Estimator:
+def _estimator(settings: PlanSettings) -> Estimator:
     """The formulas for the model and the settings: a LoRA run's or full fine-tuning's."""
-    if s.lora:
-        return LoraEstimator(s.shape, s.seq, s.window, s.grad_buffers, s.rates, s.mlp_chunk_tokens, r=s.lora_r,
-                             base_bytes=s.lora_base_bytes, trained=tuple(dict.fromkeys(s.lora_modules_to_save)),
-                             targets=s.lora_targets)
-    return Estimator(s.shape, s.seq, s.window, s.grad_buffers, s.rates, s.mlp_chunk_tokens, gpus=s.gpus,
-                     optimizer_state=s.optim, fp8=s.fp8)
+    if settings.lora:
+        return LoraEstimator(settings.shape, settings.seq, settings.window, settings.grad_buffers, settings.rates,
+                             settings.mlp_chunk_tokens, r=settings.lora_r, base_bytes=settings.lora_base_bytes,
+                             trained=tuple(dict.fromkeys(settings.lora_modules_to_save)),
+                             targets=settings.lora_targets)
+    return Estimator(settings.shape, settings.seq, settings.window, settings.grad_buffers, settings.rates,
+                     settings.mlp_chunk_tokens, gpus=settings.gpus, optimizer_state=settings.optim, fp8=settings.fp8)
 
 
 def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> DiskSplit:
@@ -170,45 +171,47 @@ def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_byt
     return DiskSplit(0, shape.layers) if split is None else split
 
 
-def _size_batch(s: PlanSettings, est: Estimator) -> _Sizing:
+def _size_batch(settings: PlanSettings, est: Estimator) -> _Sizing:
     """The largest batch each memory allows, the batch (given, or the one that hides the host's
     work), and, with a disk for the state, the last layers that do not fit in host memory."""
-    tier, deferred, host_bytes = s.tier, s.deferred, s.host_bytes
-    gpu_limit = int(s.gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
-    extras = est.gpu_extras(s.gradient_accumulation_steps, s.clip is not None)
+    tier, deferred, host_bytes = settings.tier, settings.deferred, settings.host_bytes
+    gpu_limit = int(settings.gpu_mem * GiB * GPU_USABLE) - GPU_CONTEXT_BYTES
+    extras = est.gpu_extras(settings.gradient_accumulation_steps, settings.clip is not None)
     max_gpu = _largest(lambda b: est.gpu_peak(b, tier) + sum(extras.values()) <= gpu_limit)
-    split = s.nvme_gb is not None and bool(host_bytes)
+    split = settings.nvme_gb is not None and bool(host_bytes)
     disk_of = (lambda b: _disk_layers(est, b, tier, deferred, host_bytes)) if split else (lambda b: DiskSplit())
-    floor = DiskSplit(0, s.shape.layers) if split else DiskSplit()        # every layer's whole state on disk
+    floor = DiskSplit(0, settings.shape.layers) if split else DiskSplit()        # every layer's whole state on disk
     max_host = None if not host_bytes else _largest(
         lambda b: sum(est.host(b, tier, deferred, floor).values()) <= host_bytes)
-    batch, chosen = s.batch, s.batch is None
+    batch, chosen = settings.batch, settings.batch is None
     if chosen:
-        limit = min(batch_limit(max_gpu, max_host), max(1, MAX_CHOSEN_TOKENS // s.seq))
-        batch = est.hiding_batch(s.gradient_accumulation_steps, tier, limit, deferred, disk_of if split else None) or 1
+        limit = min(batch_limit(max_gpu, max_host), max(1, MAX_CHOSEN_TOKENS // settings.seq))
+        batch = est.hiding_batch(settings.gradient_accumulation_steps, tier, limit, deferred,
+                                 disk_of if split else None) or 1
     return _Sizing(batch, chosen, max_gpu, max_host, gpu_limit, extras, disk_of(batch))
 
 
-def _memory(s: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
+def _memory(settings: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
     """The Plan at the batch: its host items, the state on disk, the GPU's items and peak."""
-    batch, tier, k_disk = sizing.batch, s.tier, sizing.disk
-    p = Plan(s.shape, batch, s.seq, s.gradient_accumulation_steps, s.clip, s.window, tier, s.grad_buffers,
-             int(s.gpu_mem * GiB), s.host_bytes or None, s.host_source, s.gpu_source, s.rates,
-             adam_source=s.adam_source, batch_chosen=sizing.chosen, gpu_limit=sizing.gpu_limit,
-             max_batch_gpu=sizing.max_gpu, max_batch_host=sizing.max_host, gpus=s.gpus)
-    p.optimizer_state = s.optim
-    p.fp8 = s.fp8
-    if s.lora:
-        p.lora_r, p.lora_base_bytes, p.lora_params = s.lora_r, s.lora_base_bytes, est.adapter_params
+    batch, tier, k_disk = sizing.batch, settings.tier, sizing.disk
+    p = Plan(settings.shape, batch, settings.seq, settings.gradient_accumulation_steps, settings.clip, settings.window,
+             tier, settings.grad_buffers, int(settings.gpu_mem * GiB), settings.host_bytes or None,
+             settings.host_source, settings.gpu_source, settings.rates, adam_source=settings.adam_source,
+             batch_chosen=sizing.chosen, gpu_limit=sizing.gpu_limit, max_batch_gpu=sizing.max_gpu,
+             max_batch_host=sizing.max_host, gpus=settings.gpus)
+    p.optimizer_state = settings.optim
+    p.fp8 = settings.fp8
+    if settings.lora:
+        p.lora_r, p.lora_base_bytes, p.lora_params = settings.lora_r, settings.lora_base_bytes, est.adapter_params
         p.lora_targets, p.lora_expert_params = est.lora_targets.describe(), est.param_adapter_params
         p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
-        p.adapter_s = est.adapter_seconds(batch, s.gradient_accumulation_steps)
-    p.host = est.host(batch, tier, s.deferred, k_disk)
+        p.adapter_s = est.adapter_seconds(batch, settings.gradient_accumulation_steps)
+    p.host = est.host(batch, tier, settings.deferred, k_disk)
     p.host_total = sum(p.host.values())
     p.disk_layers, p.disk_moment_layers = k_disk.layers, k_disk.moments
-    p.disk_mem_bytes = None if s.nvme_gb is None else int(s.nvme_gb * 1e9)
+    p.disk_mem_bytes = None if settings.nvme_gb is None else int(settings.nvme_gb * 1e9)
     p.disk_state_bytes = est.disk_state_bytes(k_disk)
-    p.disk_bytes_per_step = est.disk_traffic(s.gradient_accumulation_steps, k_disk, s.deferred)
+    p.disk_bytes_per_step = est.disk_traffic(settings.gradient_accumulation_steps, k_disk, settings.deferred)
     if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
         state = [k for k in p.host if k.startswith(("fp32 masters", "masters of the layers", "fp32 gradient accumulator", "state buffers"))
@@ -221,20 +224,20 @@ def _memory(s: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
     return p
 
 
-def _resident_units(p: Plan, s: PlanSettings, est: Estimator, k_disk: DiskSplit) -> tuple[bool, int]:
+def _resident_units(p: Plan, settings: PlanSettings, est: Estimator, k_disk: DiskSplit) -> tuple[bool, int]:
     """(resident embedding, resident layers) as the engine decides them, and what they move: their
     state onto the GPU, the embedding's host items away."""
-    shape, clip = s.shape, s.clip
+    shape, clip = settings.shape, settings.clip
     res = (False, 0)
-    if s.resident and s.gradient_accumulation_steps == 1 and s.gpus == 1 and est.host_updates:
+    if settings.resident and settings.gradient_accumulation_steps == 1 and settings.gpus == 1 and est.host_updates:
         # several GPUs: the engine keeps none. Resident layers keep the state format on the GPU
         # (resident_state.py); under a compact format the engine's resident_embedding='auto' keeps
         # the embedding on the host in the format (host_optim.embed_format)
-        layer_per = resident_bytes_per_param_of(state_format(s.optim), torch.bfloat16)
-        res = plan_resident(limit_bytes=int(s.gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
+        layer_per = resident_bytes_per_param_of(state_format(settings.optim), torch.bfloat16)
+        res = plan_resident(limit_bytes=int(settings.gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
                             layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None,
-                            embed=None if s.optim == "adamw" else False, layer_bytes_per_param=layer_per)
+                            embed=None if settings.optim == "adamw" else False, layer_bytes_per_param=layer_per)
     p.resident_embedding, p.resident_layers = res
     if res != (False, 0):
         per = resident_bytes_per_param(torch.bfloat16)
@@ -244,7 +247,7 @@ def _resident_units(p: Plan, s: PlanSettings, est: Estimator, k_disk: DiskSplit)
         p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
         p.gpu_peak += held
     if res[0]:
-        _drop_resident_embedding(p, est, s.tier)
+        _drop_resident_embedding(p, est, settings.tier)
     # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
     # accumulators) are released after it.
     p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
@@ -268,38 +271,38 @@ def _drop_resident_embedding(p: Plan, est: Estimator, tier: str) -> None:
     p.host_total = sum(p.host.values())
 
 
-def _clipped_serial_s(p: Plan, s: PlanSettings, est: Estimator, res: tuple[bool, int]) -> float:
+def _clipped_serial_s(p: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int]) -> float:
     """The step with clipping: no host unit can be updated before the backward has ended (the clip
     factor needs the global norm), so their AdamW paces the next forward. A share of the host-held
     layers is updated by the GPU as it is copied in (device_update.py): the CPU and the link share
     that work (docs/benchmarks.md has the measured steps)."""
-    shape, adam_gps = s.shape, s.rates["adam_gps"]
+    shape, adam_gps = settings.shape, settings.rates["adam_gps"]
     host_params = shape.n_params - est.resident_params(res)
-    if s.gpus == 1:
+    if settings.gpus == 1:
         share = balanced_share()
         layers = (shape.layers - res[1]) * shape.layer_params
-        link = layers * (4 * (1 - share) + 16 * share) / (s.rates["pcie_gbs"] * 1e9 * DEVICE_UPDATE_LINK)
+        link = layers * (4 * (1 - share) + 16 * share) / (settings.rates["pcie_gbs"] * 1e9 * DEVICE_UPDATE_LINK)
         adam_after = max((host_params - share * layers) / (adam_gps * 1e9), link)
     else:                       # no device updates: the ranks' workers update every unit
         adam_after = host_params / (adam_gps * 1e9)
     # Only the first micro-batch's forward overlaps it.
-    first_forward = FORWARD_SHARE * p.times["gpu"] / s.gradient_accumulation_steps
+    first_forward = FORWARD_SHARE * p.times["gpu"] / settings.gradient_accumulation_steps
     return p.times["gpu"] - first_forward + max(first_forward, adam_after)
 
 
-def _step_time(p: Plan, s: PlanSettings, est: Estimator, res: tuple[bool, int], k_disk: DiskSplit) -> None:
+def _step_time(p: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int], k_disk: DiskSplit) -> None:
     """The traffic, each term's time, the bound, and the expected step."""
-    batch, accum, tier = p.batch, s.gradient_accumulation_steps, s.tier
+    batch, accum, tier = p.batch, settings.gradient_accumulation_steps, settings.tier
     p.h2d_bytes, p.d2h_bytes = est.traffic(batch, accum, tier, res)
-    p.times = est.times(batch, accum, tier, s.deferred, res, disk_layers=k_disk)
+    p.times = est.times(batch, accum, tier, settings.deferred, res, disk_layers=k_disk)
     p.gpu_resident_s = est.gpu_seconds(batch, accum, recompute=False)
     p.bound_by = max(p.times, key=p.times.get)
     p.bound_s = p.times[p.bound_by]
     # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
     # other terms (activation_file.py: [Why the nvme tier's file work is on its own thread]).
     serial = p.times["gpu"]
-    if s.clip is not None and est.host_updates:
-        serial = max(serial, _clipped_serial_s(p, s, est, res))
+    if settings.clip is not None and est.host_updates:
+        serial = max(serial, _clipped_serial_s(p, settings, est, res))
     # Each resource reaches its own share of its bound (ENGINE_EFFICIENCY): one that is not the
     # bound can still pace the step when it runs close to it (the CPU's AdamW, 0.65 of its rate in
     # the pipeline, beside a GPU-bound step: the 3B shape at batch 8, docs/planner.md).
