@@ -210,14 +210,14 @@ def _dequantized(f, fname: str, path: str, weight_map: dict[str, str], name: str
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
 
 
-def _parse_size(s) -> int:
-    if isinstance(s, int):
-        return s
-    s = s.strip().upper()
+def _parse_size(size) -> int:
+    if isinstance(size, int):
+        return size
+    size = size.strip().upper()
     for suf, mul in (("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3), ("GIB", 2 ** 30), ("MIB", 2 ** 20)):
-        if s.endswith(suf):
-            return int(float(s[: -len(suf)]) * mul)
-    return int(s)
+        if size.endswith(suf):
+            return int(float(size[: -len(suf)]) * mul)
+    return int(size)
 
 
 def _referenced(directory: str) -> set[str]:

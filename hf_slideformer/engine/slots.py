@@ -77,9 +77,9 @@ class SlotQueue:
 
     def find(self, units: tuple[Unit, ...]) -> Slot | None:
         key = self.key_of(units)
-        for s in self.slots:
-            if s.key == key:
-                return s
+        for slot in self.slots:
+            if slot.key == key:
+                return slot
         return None
 
     def load(self, units: tuple[Unit, ...], busy: tuple[Slot, ...] = ()) -> Slot:

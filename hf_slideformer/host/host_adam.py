@@ -142,12 +142,12 @@ def torch_fused_adamw(hp: dict, params, grads, m, v, steps, scale=None, found_in
                         grad_scale=scale, found_inf=found_inf)
 
 
-def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float, threads: int) -> None:
-    """STREAM's triad a = b + s * c over fp32 CPU tensors on `threads` threads (native library)."""
+def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, threads: int) -> None:
+    """STREAM's triad a = b + scale * c over fp32 CPU tensors on `threads` threads (native library)."""
     lib = native_library()
     n = a.numel()
     assert b.numel() == n and c.numel() == n and a.dtype == b.dtype == c.dtype == torch.float32
-    lib.slide_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), s, n, threads)
+    lib.slide_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), scale, n, threads)
 
 
 class HostAdam:
@@ -206,13 +206,13 @@ class HostAdam:
         if self.lib is None:
             self._torch_step(hp, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, grad_mul, out16)
             return
-        s = self._hp(hp, grad_scale, grad_mul)
+        native_hp = self._hp(hp, grad_scale, grad_mul)
         last = None
-        ref = ctypes.byref(s)
+        ref = ctypes.byref(native_hp)
         for k, (param, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
             step = float(st)
             if step != last:
-                self._set_step(s, hp, step)
+                self._set_step(native_hp, hp, step)
                 last = step
             fn = self.lib.slide_adamw_bf16 if g.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
             o = out16[k].data_ptr() if out16 is not None else None
@@ -256,10 +256,10 @@ class HostAdam:
         if sums is not None:
             assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (n, h)
         rows = rows.to(torch.int64).contiguous()
-        s = self._hp(hp, None, 1.0)
-        self._set_step(s, hp, float(step))
+        native_hp = self._hp(hp, None, 1.0)
+        self._set_step(native_hp, hp, float(step))
         self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
-                                  h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(s),
+                                  h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(native_hp),
                                   self.threads)
 
     def gather_bf16(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
@@ -310,20 +310,20 @@ class HostAdam:
         gdiv = 1.0 if grad_scale is None else float(grad_scale)
         coeff = 1.0 - beta1
         small = abs(ctypes.c_float(coeff).value) < 0.5          # torch's test, in fp32
-        s = _HP(gmul=grad_mul, gdiv=gdiv, sign=-1.0 if hp.get("maximize", False) else 1.0,
+        native_hp = _HP(gmul=grad_mul, gdiv=gdiv, sign=-1.0 if hp.get("maximize", False) else 1.0,
                 wd_mul=1.0 - lr * wd if wd != 0.0 else 1.0, beta2=beta2, c2=1.0 - beta2, eps=eps,
                 lerp_base_is_m=int(small), v_order=self.v_order)
         # torch's blendv: coeff = w where |w| < 0.5 else w - 1, both in fp32
         cw = ctypes.c_float(coeff).value
-        s.coeff = cw if small else ctypes.c_float(cw - 1.0).value
-        return s
+        native_hp.coeff = cw if small else ctypes.c_float(cw - 1.0).value
+        return native_hp
 
     @staticmethod
-    def _set_step(s: _HP, hp: dict, step: float) -> None:
+    def _set_step(native_hp: _HP, hp: dict, step: float) -> None:
         beta1, beta2 = (float(b) for b in hp["betas"])
         bc1 = 1.0 - math.pow(beta1, step)
-        s.neg_step = -(float(hp["lr"]) / bc1)
-        s.bc2_sqrt = math.sqrt(1.0 - math.pow(beta2, step))
+        native_hp.neg_step = -(float(hp["lr"]) / bc1)
+        native_hp.bc2_sqrt = math.sqrt(1.0 - math.pow(beta2, step))
 
     def _torch_step(self, hp, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, grad_mul, out16) -> None:
         if any(g.dtype != torch.float32 for g in grads) or grad_mul != 1.0:

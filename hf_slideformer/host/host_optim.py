@@ -229,7 +229,7 @@ class AdamW8bit(StateFormat):
             return
         fn = _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
-        s = _hp8(hp, scale, grad_mul)
+        native_hp = _hp8(hp, scale, grad_mul)
         starts, b0 = [], 0
         for entry in unit.entries:
             starts.append(b0)
@@ -239,12 +239,12 @@ class AdamW8bit(StateFormat):
             entry = unit.entries[k]
             if (a - entry.offset) % BLOCK:
                 raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{a}, {b})")
-            _set_step8(s, hp, float(st), rounding_key(self.seed, unit.index, int(float(st))))
+            _set_step8(native_hp, hp, float(st), rounding_key(self.seed, unit.index, int(float(st))))
             blk = starts[k] + (a - entry.offset) // BLOCK
             assert g.is_contiguous() and g.numel() == b - a and g.dtype in (torch.float32, torch.bfloat16)
             fn(state.master[a:b].data_ptr(), state.exp_avg[a:b].data_ptr(), state.exp_avg_sq[a:b].data_ptr(),
                state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
-               b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), a,
+               b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp), a,
                int(g.dtype == torch.bfloat16), mbf, kernel.threads)
 
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
@@ -293,13 +293,14 @@ class AdamW8bit(StateFormat):
         rows = rows.to(torch.int64).contiguous()
         _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
-        s = _hp8(hp, None, 1.0)
-        _set_step8(s, hp, float(step), rounding_key(self.seed, unit.index, int(float(step))))
+        native_hp = _hp8(hp, None, 1.0)
+        _set_step8(native_hp, hp, float(step), rounding_key(self.seed, unit.index, int(float(step))))
         kernel.lib.slide_adamw8_rows(
             unit.master.data_ptr(), unit.exp_avg.data_ptr(), unit.exp_avg_sq.data_ptr(), unit.exp_avg_absmax.data_ptr(),
             unit.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), h,
             None if sums is None else sums.data_ptr(), int(zero_grad), code1.data_ptr(), code2.data_ptr(),
-            lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(s), int(unit.master.dtype == torch.bfloat16), kernel.threads)
+            lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp), int(unit.master.dtype == torch.bfloat16),
+            kernel.threads)
 
 
 def _hp8(hp: dict, scale, grad_mul: float) -> _HP8:
@@ -312,11 +313,11 @@ def _hp8(hp: dict, scale, grad_mul: float) -> _HP8:
                 beta1=beta1, c1=f(1.0 - beta1), beta2=beta2, c2=f(1.0 - beta2), eps=float(hp["eps"]))
 
 
-def _set_step8(s: _HP8, hp: dict, t: float, key: int) -> None:
+def _set_step8(native_hp: _HP8, hp: dict, t: float, key: int) -> None:
     beta1, beta2 = (float(b) for b in hp["betas"])
-    s.bc2 = math.sqrt(1.0 - beta2 ** t)
-    s.neg_step = -float(hp["lr"]) / (1.0 - beta1 ** t)
-    s.seed = key
+    native_hp.bc2 = math.sqrt(1.0 - beta2 ** t)
+    native_hp.neg_step = -float(hp["lr"]) / (1.0 - beta1 ** t)
+    native_hp.seed = key
 
 
 class AdamW8bitBf16(AdamW8bit):
