@@ -10,12 +10,16 @@
 #             checkpointing, Liger's qwen3_moe patch without its experts where Liger has it, else
 #             plain HF: the row's kernels note says which); target slide_lora >= 0.85x hf_lora,
 #             within the host's memory
+#   qwen35    Qwen3.5-9B dense shape (benchmarks/configs/qwen3.5-9b.json), full fine-tuning, batch 16 under
+#             24 GiB, beside the Llama-3.1-8B shape's row in the same call; target: tokens/s per parameter
+#             within 10% of Llama's. Its linear-attention layers run flash-linear-attention where installed
+#             (it needs Triton >= 3.7.1 or tilelang on Hopper), else transformers' torch path
 #   gptoss    gpt-oss-20b shape, full fine-tuning, batch 16 under 24 GiB, slide_8bit_bf16 (8-bit
 #             moments and a bf16 master: the fp32 state does not fit 125 GiB), beside the planner
 #   tests     pytest -m gpu tests/test_families_gpu.py tests/test_lora*.py
 # Each training part first writes the planner's prediction (`hf-slideformer plan`) to $OUT/PART/plan.txt.
 set -uo pipefail
-PART=${1:?usage: OUT=out bash benchmarks/experiments/families_h200.sh gemma3|qwen3moe|gptoss|tests [COMMIT]}
+PART=${1:?usage: OUT=out bash benchmarks/experiments/families_h200.sh gemma3|qwen3moe|qwen35|gptoss|tests [COMMIT]}
 C=${2:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:-out}; D="$OUT/$PART"; mkdir -p "$D"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -39,6 +43,12 @@ case "$PART" in
     bench lora 400 --model qwen3-30b-a3b --providers slide_lora,hf_lora --batch 8 --offload-batches 8,4 \
       --cap-gib 24 --lora-r 16 --checkpointing on --timeout 190
     ;;
+  qwen35)
+    $PLAN benchmarks/configs/qwen3.5-9b.json --batch 16 > "$D/plan.txt" 2>&1
+    python3 -c "import fla; print('flash-linear-attention', fla.__version__)" > "$D/fla.txt" 2>&1
+    bench qwen35 200 --model qwen3.5-9b --providers slide --batch 16 --offload-batches 16 --cap-gib 24 --timeout 190
+    bench llama8b 170 --model llama3-8b --providers slide --batch 16 --offload-batches 16 --cap-gib 24 --timeout 160
+    ;;
   gptoss)
     $PLAN benchmarks/configs/gpt-oss-20b.json --batch 16 --optim adamw_8bit_bf16 > "$D/plan.txt" 2>&1
     bench slide 290 --model gpt-oss-20b --providers slide_8bit_bf16 --batch 16 --offload-batches 16 --cap-gib 24 \
@@ -52,7 +62,7 @@ case "$PART" in
     tail -1 "$D/gpu_tests.log"
     exit 0
     ;;
-  *) echo "unknown part $PART (gemma3, qwen3moe, gptoss, tests)"; exit 2 ;;
+  *) echo "unknown part $PART (gemma3, qwen3moe, qwen35, gptoss, tests)"; exit 2 ;;
 esac
 
 python3 - "$D" "$PART" <<'PY'
@@ -82,4 +92,10 @@ for r in rows:
           f"{str(r.get('bound_by', '-')):>8} {x:>7}")
 if baseline:
     print(f"target: {baseline[0]} >= {baseline[2]}x {baseline[1]}")
+if part == "qwen35":      # tokens/s per parameter (both dense: every parameter is active)
+    per = {p.stem: r for p in sorted(d.glob("*.json")) for r in json.loads(p.read_text()).get("results", [])}
+    q, l = per.get("qwen35", {}), per.get("llama8b", {})
+    if q.get("tokens_per_s") and l.get("tokens_per_s") and q.get("n_params") and l.get("n_params"):
+        ratio = q["tokens_per_s"] * q["n_params"] / (l["tokens_per_s"] * l["n_params"])
+        print(f"tokens/s x parameters, Qwen3.5 over Llama: {ratio:.2f} (target >= 0.90)")
 PY
