@@ -103,9 +103,8 @@ class SlideConfig:
     grad_buffers: int = option(
         4, Int(1), "Pinned host gradient staging buffers, each one layer large; the head's gradient borrows them "
                    "between forward and backward. 3 saves one layer's gradient of host memory and is as fast "
-                   "where the GPU is the bound; where the CPU paces the step it was slower, and 8 faster "
-                   "(Llama-3.2-3B at batch 8 on an H100: +8% with the fp32 state, +18% with adamw_8bit_bf16; "
-                   "docs/benchmarks.md).")
+                   "where the GPU is the bound; where the CPU paces the step more buffers let the backward run "
+                   "further ahead of the host AdamW (3 was slower there, 8 faster: docs/benchmarks.md).")
     late_layer_updates: int | str = option(
         "auto", Auto(Int(0)),
         "With updates in backward (one micro-batch, no clipping) and the embedding on the host: the first layers "
