@@ -117,11 +117,12 @@ class BackwardPlan:
         cfg = engine.config
         mode = BackwardMode.of(engine.micro, cfg.gradient_accumulation_steps, clipping=cfg.max_grad_norm is not None)
         single = engine.single_micro
+        running = RunningNorm(engine.norm)
         return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
                    host_norms=mode.ends_step and not single,
                    late_layers=_late_layers(engine, mode.updates and single),
-                   norm=RunningNorm(engine.norm) if single else NO_RUNNING_NORM,
-                   sums_norm=RunningNorm(engine.norm) if single or mode.ends_step else NO_RUNNING_NORM)
+                   norm=running if single else NO_RUNNING_NORM,
+                   sums_norm=running if single or mode.ends_step else NO_RUNNING_NORM)
 
 
 def _late_layers(engine, updates_alone: bool) -> int:
