@@ -57,15 +57,73 @@ def test_pending_device_updates_are_flushed_before_the_state_is_read():
     for i in sa:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
-    # Switching clipping off flushes and drops the device layers; training goes on identically.
+    # Switching clipping off flushes and drops the device layers; the next step picks them again
+    # (their updates then run in the backward); training goes on identically.
     for m, o in zip((host, dev), opts):
         m(**data[2]).loss.backward(); o.step(); o.zero_grad()
         m.slide_engine.configure_steps(1, None)
         m(**data[0]).loss.backward(); o.step(); o.zero_grad()
-    assert not eng.device_updates.units
+        m(**data[1]).loss.backward(); o.step(); o.zero_grad()
+    assert sorted(eng.device_updates.units) == [1, 2, 3]
     a, b = _state(host), _state(dev)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adamw_8bit", "adamw_8bit_bf16"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_updates_in_backward_on_the_device_bit_identical_to_host_updates(tied, optim, monkeypatch):
+    """Without clipping (one backward per step) a device layer is updated in the backward, from its
+    gradient still on the device: the same state as the worker's update, step counters included."""
+    data = batches(4, pad=True)
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    _, host = make_pair("llama", tied, device_update_share=0.0, optimizer_state=optim)
+    _, dev = make_pair("llama", tied, device_update_share=0.5, optimizer_state=optim)
+    opts = [m.create_optimizer(lr=1e-2) for m in (host, dev)]
+    for b in data:
+        for m, o in zip((host, dev), opts):
+            loss = m(**b).loss
+            loss.backward(); o.step(); o.zero_grad()
+        assert host.slide_engine.last_grad_norm() == dev.slide_engine.last_grad_norm()
+    eng = dev.slide_engine
+    assert sorted(eng.device_updates.units) == [1, 3]
+    assert eng.stats.gpu_adam_params > 0 and not host.slide_engine.stats.gpu_adam_params
+    a, b = _state(host), _state(dev)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    sa, sb = opts[0].state_dict()["state"], opts[1].state_dict()["state"]
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys()
+        for key in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
+
+
+def test_updates_in_backward_match_hf_adamw():
+    ref, dev = make_pair("llama", False, device_update_share=1.0)
+    assert train_both(ref, dev, batches(3, pad=True)) < PARAM_TOL
+    assert sorted(dev.slide_engine.device_updates.units) == [1, 2, 3]
+
+
+def test_a_non_finite_gradient_skips_the_device_update_in_backward(caplog):
+    """A non-finite running norm leaves a device layer's master, moments and step counter as they
+    were (nonfinite_grads='skip'), as the worker does for its layers."""
+    data = batches(3, pad=True)
+    _, dev = make_pair("llama", False, device_update_share=1.0)
+    opt = dev.create_optimizer(lr=1e-2)
+    for b in data[:2]:
+        dev(**b).loss.backward(); opt.step(); opt.zero_grad()
+    before = _state(dev)
+    steps = {i: torch.as_tensor(st["step"]).clone() for i, st in opt.state_dict()["state"].items()}
+    loss = dev(**data[2]).loss
+    (loss * float("nan")).backward()
+    opt.step(); opt.zero_grad()
+    after = _state(dev)
+    layer_keys = [k for k in before if ".layers." in k]
+    assert layer_keys
+    for k in layer_keys:
+        assert torch.equal(before[k], after[k]), k
+    for i, st in opt.state_dict()["state"].items():
+        assert torch.equal(torch.as_tensor(st["step"]), steps[i]), i
 
 
 def test_balanced_share_and_pick():

@@ -49,7 +49,9 @@ HOST_ONLY = {"resident_layers": 0, "resident_embedding": False}
 @pytest.mark.parametrize("tied,clip,resident", [(False, None, HOST_ONLY), (False, None, {}), (True, None, HOST_ONLY),
                                                 (True, None, {"resident_layers": 2}), (True, 0.5, {}),
                                                 (False, 0.5, dict(HOST_ONLY, device_update_share=0.5)),
-                                                (True, 0.5, {"resident_layers": 1, "device_update_share": 1.0})])
+                                                (True, 0.5, {"resident_layers": 1, "device_update_share": 1.0}),
+                                                (False, None, dict(HOST_ONLY, device_update_share=0.5)),
+                                                (True, None, {"resident_layers": 1, "device_update_share": 1.0})])
 def test_fp32_cuda_matches_plain_pytorch(tied, clip, resident):
     ref, slid = _pair(torch.float32, tied, max_grad_norm=clip, use_kernels=False, **resident)
     losses = _run(ref, slid, batches(4, bsz=3, seq=67, vocab=1001, pad=True), clip)
@@ -189,21 +191,50 @@ def test_copy_sources_wait_for_their_copies(monkeypatch, kw):
     assert models[0].slide_engine.streams.owed == 0
 
 
-@pytest.mark.parametrize("ga", [1, 2])
-def test_device_updates_under_slow_streams(monkeypatch, ga):
-    """Clipping with half the layers updated on the GPU as they are copied in, in pieces of 16 k
-    elements through the two alternating sets of device buffers (and with accumulation, the
-    worker folding the micro-batches into the pinned accumulators): with the compute, h2d and
-    d2h streams slowed down on purpose the result is bit-identical."""
+@pytest.mark.parametrize("ga,clip,optim", [(1, 1.0, "adamw"), (2, 1.0, "adamw"), (1, None, "adamw"),
+                                           (1, None, "adamw_8bit_bf16")])
+def test_device_updates_under_slow_streams(monkeypatch, ga, clip, optim):
+    """Half the layers updated on the GPU in pieces of 16 k elements through the two alternating
+    sets of device buffers: with clipping as they are copied in (and with accumulation, the
+    worker folding the micro-batches into the pinned accumulators), without it in the backward
+    from the gradients on the device. With the compute, h2d and d2h streams slowed down on purpose
+    the result is bit-identical."""
     from hf_slideformer.engine import device_update
     monkeypatch.setattr(device_update, "DEVICE_PIECE", 1 << 14)
-    kw = dict(HOST_ONLY, max_grad_norm=1.0, device_update_share=0.5, ga=ga, steps=4 * ga)
+    kw = dict(HOST_ONLY, max_grad_norm=clip, device_update_share=0.5, ga=ga, steps=4 * ga, optimizer_state=optim)
     models = []
     fast, slow = _train_state(False, models=models, **kw), _train_state(True, models=models, **kw)
     for m in models:
         assert m.slide_engine.device_updates.units and m.slide_stats()["gpu_updated_params"] > 0
     for k in fast:
         assert torch.equal(fast[k], slow[k]), k
+
+
+def test_a_non_finite_gradient_skips_the_device_updates_in_backward():
+    """Without clipping a device layer's update runs in the backward and skips on the device where
+    the running norm is not finite: its weights, moments and step counters stay as they were."""
+    _, slid = _pair(torch.bfloat16, False, device_update_share=1.0, **HOST_ONLY)
+    opt = slid.create_optimizer(lr=LR)
+    data = [{k: v.cuda() for k, v in b.items()} for b in batches(3, bsz=2, seq=64, vocab=1001, pad=True)]
+    for b in data[:2]:
+        slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+    assert len(slid.slide_engine.device_updates.units) == 4
+    before = {k: v.clone() for k, v in slid.state_dict().items()}
+    state = opt.state_dict()["state"]
+    moments = {i: {k: torch.as_tensor(v).clone() for k, v in st.items()} for i, st in state.items()}
+    (slid(**data[2]).loss * float("nan")).backward()
+    opt.step(); opt.zero_grad()
+    after = slid.state_dict()
+    for k in before:
+        if ".layers." in k:
+            assert torch.equal(before[k], after[k]), k
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), moments[i][k]), (i, k)
+    # and the next finite step trains again
+    slid(**data[0]).loss.backward(); opt.step(); opt.zero_grad()
+    assert not torch.equal(slid.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           before["model.layers.0.mlp.up_proj.weight"])
 
 
 @pytest.mark.parametrize("part", ["all", "moments"])

@@ -93,15 +93,34 @@ class _Piece:
             return arrays[name]
         raise AttributeError(name)
 
-    def update(self, unit, batch: dict, lo: int, grad, steps, groups: list[dict], scale) -> None:
+    def update(self, unit, batch: dict, lo: int, grad, steps, groups: list[dict], scale, found_inf=None) -> None:
         """The format's update of one `piece_batches` batch starting at `lo` (after `pairs`)."""
         if self.format is ADAMW:
             _optim.apply_batch(batch, lo, self.master, grad, self.arrays["exp_avg"], self.arrays["exp_avg_sq"],
-                               steps, groups, scale)
+                               steps, groups, scale, found_inf)
             return
         for gi, ranges in batch.items():
             self.format.run(None, groups[gi], unit, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
-                            [steps[k] for k, _, _ in ranges], scale)
+                            [steps[k] for k, _, _ in ranges], scale, found_inf=found_inf)
+
+
+class _EntryGrads:
+    """A layer's gradients still on the device, one per entry (None where unused), read as the
+    unit's flat layout."""
+
+    def __init__(self, unit, grads: list):
+        self.unit, self.grads = unit, grads
+
+    def copy_into(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """out[:hi - lo] = the flat gradient [lo, hi), widened to out's dtype (zeros where unused)."""
+        for entry, g in zip(self.unit.entries, self.grads):
+            a, b = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
+            if a >= b:
+                continue
+            if g is None:
+                out[a - lo:b - lo].zero_()
+            else:
+                out[a - lo:b - lo].copy_(g.reshape(-1)[a - entry.offset:b - entry.offset])
 
 
 class DeviceUpdateLayer(HostLayer):
@@ -115,9 +134,23 @@ class DeviceUpdateLayer(HostLayer):
     def __init__(self, engine, unit):
         super().__init__(engine, unit)
         self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
+        # An update in backward whose skip flag (found_inf) is still on its way to the host: the
+        # entries whose counters it advanced and the d2h event after the flag's copy (`settle`).
+        self.unsettled: tuple[list[int], object] | None = None
+        self.skip_flag: torch.Tensor | None = None
 
     def take_gradient(self, grads: list) -> None:
         engine = self.engine
+        if engine.single_micro and engine.backward_plan.updates:
+            # No clipping, one backward per step: the update runs now, from the gradient on the
+            # device ([Why a layer may be updated on the GPU without clipping]).
+            engine.backward_plan.norm.add(_optim.sq_norm, [g for g in grads if g is not None])
+            if self.pending is not None:        # never the case in a well-formed step: a guard
+                engine.device_updates.flush(self.unit)
+            engine.begin_update(self.unit)
+            engine.device_updates.update_now(self, grads, engine.hp, engine.norm.found_inf())
+            self.unit.updated.set()
+            return
         if not engine.single_micro or engine.backward_plan.updates:
             super().take_gradient(grads)
             return
@@ -191,7 +224,11 @@ class DeviceUpdater:
         engine = self.engine
         c = engine.config
         if c.max_grad_norm is None:
-            return 0.0
+            # Without clipping only a share given as a number, with one backward per step: the
+            # updates then run in the backward, and pay only where the CPU's bound the step.
+            if c.device_update_share == "auto" or not engine.single_micro or engine.dp is not None:
+                return 0.0
+            return float(c.device_update_share)
         if c.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
             return balanced_share() if engine.streams.cuda and engine.pinned.enabled else 0.0
@@ -284,11 +321,61 @@ class DeviceUpdater:
         return True
 
     def flush(self, unit=None) -> None:
-        """Run the pending device updates (of layer unit `unit`, else all) without a slot."""
+        """Run the pending device updates (of layer unit `unit`, else all) without a slot, and
+        settle the step counters of the updates that ran in backward."""
         for place in self.engine.places.device_updated():
-            if (unit is None or place.unit is unit) and place.pending is not None and not self.skipped(place):
+            if unit is not None and place.unit is not unit:
+                continue
+            if place.pending is not None and not self.skipped(place):
                 for _ in self.run(place, None):
                     pass
+            self.settle(place)
+
+    def update_now(self, place: DeviceUpdateLayer, grads: list, hp, found_inf) -> None:
+        """The update of `place` in the backward (no clipping, one backward per step): its state
+        streamed through the GPU piece by piece and updated from `grads`, its gradients still on the
+        device (entry order, None where unused); nothing where `found_inf` is nonzero."""
+        engine, unit, st = self.engine, place.unit, self.engine.streams
+        self.settle(place)
+        if not st.cuda and float(found_inf):     # decided on the host: nothing changes, counters included
+            return
+        found_inf = found_inf if st.cuda else None
+        groups, group_of = hp
+        by_group = _optim.groups_of(unit, group_of)
+        advanced = [k for ks in by_group.values() for k in ks]
+        torch._foreach_add_([unit.steps[k] for k in advanced], 1)
+        if st.cuda:
+            with st.on(st.h2d):
+                steps = list(torch.stack(unit.steps).to(engine.device).unbind())
+        else:
+            steps = unit.steps
+        self._ensure_sets(unit.numel)
+        st.wait(st.record(), st.h2d)            # the gradients and the flag are made on the compute stream
+        for g in [found_inf, *grads]:
+            st.used_by(g, st.h2d)
+        unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
+        st.wait(unit.host_write, st.h2d)
+        source = _EntryGrads(unit, grads)
+        for lo, hi, batch in _optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True):
+            if hi > lo:
+                self._update_piece(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
+        if found_inf is not None:
+            if place.skip_flag is None:
+                place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)
+            with st.on(st.d2h):
+                place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
+            place.unsettled = (advanced, st.record(st.d2h))
+
+    def settle(self, place: DeviceUpdateLayer) -> None:
+        """The host step counters of `place`'s last update in backward: taken back if the device
+        skipped it (its gradients' running norm was not finite)."""
+        if place.unsettled is None:
+            return
+        advanced, ev = place.unsettled
+        place.unsettled = None
+        ev.synchronize()
+        if float(place.skip_flag[0]):
+            torch._foreach_sub_([place.unit.steps[k] for k in advanced], 1)
 
     def run(self, place: DeviceUpdateLayer, dst):
         """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
@@ -335,11 +422,13 @@ class DeviceUpdater:
             yield
         place.pending = None
 
-    def _update_piece(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None):
-        """One piece [lo, hi) of a device update of `u`: fp32 master, gradient (from `grad`) and
-        moments in on the h2d stream, fused AdamW there (the gradient divided
-        by `scale`), the new weights cast into `dst` if given, master and moments back on the d2h
-        stream. Returns the h2d event after the copies in."""
+    def _update_piece(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None,
+                      found_inf=None):
+        """One piece [lo, hi) of a device update of `u`: master, gradient and moments in on the h2d
+        stream (the gradient from the host accumulator `grad`, or from the device by an
+        `_EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
+        `found_inf` is nonzero), the new weights cast into `dst` if given, master and moments back
+        on the d2h stream. Returns the h2d event after the copies in."""
         engine = self.engine
         st, n = engine.streams, hi - lo
         k = self._turn
@@ -351,11 +440,16 @@ class DeviceUpdater:
         pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
         g = piece.grad[:n]
         with st.on(st.h2d):
-            g.copy_(grad[lo:hi], non_blocking=True)
+            if isinstance(grad, _EntryGrads):
+                grad.copy_into(g, lo, hi)
+                grad_bytes = 0
+            else:
+                g.copy_(grad[lo:hi], non_blocking=True)
+                grad_bytes = n * grad.element_size()
             for d, src in pairs:
                 d.copy_(src, non_blocking=True)
             read = st.record(st.h2d)
-            piece.update(unit, batch, lo, g, steps, groups, scale)
+            piece.update(unit, batch, lo, g, steps, groups, scale, found_inf)
             if dst is not None:
                 dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)
@@ -364,7 +458,7 @@ class DeviceUpdater:
                 src.copy_(d, non_blocking=True)
         self._free[k] = unit.host_write = st.record(st.d2h)
         moved = sum(d.numel() * d.element_size() for d, _ in pairs)
-        engine.stats.add_h2d(moved + n * grad.element_size())
+        engine.stats.add_h2d(moved + grad_bytes)
         engine.stats.add_bytes("d2h", moved)
         engine.stats.gpu_adam_params += n
         return read

@@ -299,8 +299,7 @@ class Schedule:
         engine.guard.check()
         if engine.micro == 0:
             raise SlideStateError("optimizer.step() without a backward pass since the last step")
-        if not engine.updated_in_backward:
-            engine.device_updates.prepare()           # the first clipping step picks the device-updated layers
+        engine.device_updates.prepare()               # the first step picks the device-updated layers
         plan = StepPlan.make(engine)
         if plan.deferred:
             self._deferred_updates(plan)

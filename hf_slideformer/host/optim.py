@@ -158,16 +158,16 @@ def grad_scale(clip_coef, device) -> torch.Tensor | None:
 
 
 def apply_batch(batch: dict, lo: int, master, grad, exp_avg, exp_avg_sq, steps, groups: list[dict],
-                scale=None) -> None:
+                scale=None, found_inf=None) -> None:
     """AdamW of one `piece_batches` batch on copies of the flat range that starts at offset `lo`
     (master, grad and moments index from `lo`); `steps` are the per-entry counters, already
-    advanced for this step."""
+    advanced for this step; a nonzero `found_inf` (a device scalar) skips it."""
     for gi, ranges in batch.items():
         torch_fused_adamw(groups[gi], [master[a - lo:b - lo] for _, a, b in ranges],
                           [grad[a - lo:b - lo] for _, a, b in ranges],
                           [exp_avg[a - lo:b - lo] for _, a, b in ranges],
                           [exp_avg_sq[a - lo:b - lo] for _, a, b in ranges],
-                          [steps[k] for k, _, _ in ranges], scale)
+                          [steps[k] for k, _, _ in ranges], scale, found_inf)
 
 
 
