@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flag(p, "window", "GPU layer slots")
     _engine_flag(p, "activation_tier", "where the layer inputs wait for backward ('auto' plans 'cpu', as on CUDA)")
     _engine_flag(p, "grad_buffers", "pinned host gradient buffers")
+    _engine_flag(p, "device_update_share", "without clipping, the share of the streamed layers updated on the GPU "
+                 "in the backward instead of by the CPU", metavar="F")
     p.add_argument("--nvme-write-gbs", type=float, default=1.2, help="disk write rate of the nvme tier, GB/s")
     p.add_argument("--nvme-read-gbs", type=float, default=0.9, help="disk read rate of the nvme tier, GB/s")
     p.add_argument("--nvme-gb", type=float, default=None, metavar="GB",
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                       lora_target_parameters=_lora_parameters(args.lora_target_parameters),
                       mlp_chunk_tokens=args.mlp_chunk_tokens,
                       gpu_hbm_gbs=args.gpu_hbm_gbs, gpu_fp32_tflops=args.gpu_fp32_tflops, gpus=args.gpus,
-                      optim=args.optim, fp8=args.fp8)
+                      optim=args.optim, fp8=args.fp8, device_update_share=args.device_update_share)
     except (OSError, ValueError) as e:
         print(f"hf-slideformer plan: error: {e}", file=sys.stderr)
         return 2

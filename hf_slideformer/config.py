@@ -124,10 +124,12 @@ class SlideConfig:
                               "fits, decided with resident_layers, before the layers; never with several processes).")
     device_update_share: float | str = option(
         "auto", Auto(Float(0.0, 1.0)),
-        "With clipping, the share of the host-held layers whose update runs on the GPU as they are copied in for "
-        "the next forward, beside the CPU's updates of the others. 'auto': the share that balances the CPU's AdamW "
-        "rate against the PCIe bandwidth on CUDA (about 0.32 on the H200 host), 0 on the CPU device and with "
-        "several processes. See docs/engine.md.")
+        "The share of the host-held layers whose update runs on the GPU, beside the CPU's updates of the others: "
+        "with clipping as they are copied in for the next forward; without clipping (one backward per step) in "
+        "the backward, from the gradients still on the device, which pays where the CPU's AdamW bounds the step. "
+        "'auto': with clipping the share that balances the CPU's AdamW rate against the PCIe bandwidth on CUDA "
+        "(about 0.32 on the H200 host); without clipping 0; 0 on the CPU device and with several processes. "
+        "See docs/engine.md.")
     expandable_segments: bool = option(
         True, Bool(),
         "Turn on the CUDA caching allocator's expandable segments for the process when the model is slid, unless "

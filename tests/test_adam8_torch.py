@@ -142,11 +142,13 @@ def test_the_update_on_cuda_equals_the_native_kernel(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("clip", [0.5, None])
 @pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
-def test_resident_and_device_layers_on_cuda_equal_the_host_run(name):
+def test_resident_and_device_layers_on_cuda_equal_the_host_run(name, clip):
     """A tiny model on the GPU: resident layers and the device-updated share in a compact format
     against the host-only run of the format (the forward and backward are the same kernels; the
-    updates agree to the rounding of the bias corrections)."""
+    updates agree to the rounding of the bias corrections). Without clipping the device layers
+    are updated in the backward."""
     import hf_slideformer as hs
     from helpers import batches, family_config
     from transformers import AutoModelForCausalLM
@@ -158,7 +160,7 @@ def test_resident_and_device_layers_on_cuda_equal_the_host_run(name):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(family_config("llama", False)).float()
         slid = hs.slide(model, hs.SlideConfig(device="cuda", dtype=torch.float32, optimizer_state=name,
-                                              max_grad_norm=0.5, **kw))
+                                              max_grad_norm=clip, **kw))
         opt = slid.create_optimizer(lr=1e-2, weight_decay=0.1)
         for b in data:
             slid(**b).loss.backward()

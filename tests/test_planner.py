@@ -783,3 +783,29 @@ def test_a_mixture_of_experts_computes_with_its_top_k_and_moves_every_parameter(
     assert p.h2d_bytes > 2 * (s.layers - 4) * s.layer_params                     # every parameter crosses
     dense = model_shape(load_model_config(CONFIGS / "llama3-8b.json"))
     assert dense.active_layer_params is None and dense.compute_layer_params == dense.layer_params
+
+
+def test_device_update_share_without_clipping_moves_the_host_term_onto_the_link():
+    """A numeric device_update_share without clipping takes that share of the streamed layers off
+    the CPU's term; their master and state cross the link both ways instead of a gradient out.
+    With clipping, accumulation or 'auto' the plan is the one without it."""
+    cfg = CONFIGS / "mistral-small-24b.json"
+    kw = dict(batch=8, gpu_mem=24, optim="adamw_8bit_bf16", **H200)
+    base, moved = plan(cfg, **kw), plan(cfg, device_update_share=0.45, **kw)
+    layers = (base.shape.layers - base.resident_layers) * base.shape.layer_params
+    assert moved.times["cpu"] == pytest.approx(base.times["cpu"] - 0.45 * layers / 3.5e9, rel=1e-6)
+    state = 0.45 * layers * (2 + 2 + 8 / 256)         # bf16 master, two 8-bit moments, their block scales
+    assert moved.h2d_bytes - base.h2d_bytes == pytest.approx(state, rel=1e-6)
+    assert moved.d2h_bytes - base.d2h_bytes == pytest.approx(state - 0.45 * layers * 2, rel=1e-6)
+    assert moved.expected_step_s < base.expected_step_s and base.bound_by == "cpu"
+    assert "on the GPU in the backward: device_update_share 0.45" in moved.report()
+    assert moved.to_dict()["device_share"] == 0.45 and "device_share" not in base.to_dict()
+    for other in (dict(max_grad_norm=1.0), dict(gradient_accumulation_steps=2), dict(device_update_share="auto")):
+        p = plan(cfg, **dict(kw, **other))
+        assert p.device_share == 0.0 and "in the backward" not in p.report(), other
+    with pytest.raises(ValueError, match="device_update_share"):
+        plan(cfg, device_update_share=1.5, **kw)
+    out = subprocess.run([sys.executable, "-m", "hf_slideformer.cli", "plan", str(cfg), "--batch", "8", "--gpu-mem",
+                          "24", "--host-mem", "125", "--optim", "adamw_8bit_bf16", "--device-update-share", "0.45"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "device_update_share 0.45" in out

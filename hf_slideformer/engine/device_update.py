@@ -1,5 +1,5 @@
-"""Deferred updates on the device: with clipping, a share of the host-held layers is updated by
-the GPU as they are copied in for the next forward, in parallel with the CPU worker.
+"""Updates on the device of a share of the host-held layers, beside the CPU worker: with clipping
+as they are copied in for the next forward, without it in the backward.
 
 Note: [Why part of the clipping-mode update runs on the GPU] the clip factor needs the global
 gradient norm, known only when the backward ends, so with clipping no host update can overlap
@@ -29,6 +29,22 @@ While an update is pending (`DeviceUpdateLayer.pending`, from `optimizer.step()`
 is next copied in) the host store holds the previous step's state for that unit: everything that
 reads the host state flushes pending updates first (`engine.synchronize()`, making a unit
 resident, changing the clipping mode).
+
+Note: [Why a layer may be updated on the GPU without clipping] without clipping and with one
+backward per step the host updates overlap the backward, so they bound the step only when the
+CPU's AdamW of every host layer takes longer than the GPU's step (a compact state format's
+update is compute-bound on the CPU; a large model under a small cap updates many parameters per
+token). A numeric `device_update_share` then takes that share of the layers off the CPU: a device
+layer's update runs in its own backward, as soon as its gradients are computed, from the
+gradients still on the device (`_EntryGrads`): its master and state go in on the h2d stream, the
+format's update runs there, and they go back on the d2h stream, so no gradient crosses to the
+host and no host accumulator is needed; the next forward's slot copy waits for the write-back
+(`unit.host_write`). Per parameter that moves the state's bytes each way (4 under
+`adamw_8bit_bf16`, 12 under fp32 AdamW) instead of a gradient out. The skip of a non-finite step
+is decided on the device from the running norm (`StepNorm.found_inf`), as the worker decides it
+for its layers from the same norm; the host step counters advance when the update is queued and
+are taken back if the device skipped it, read once the flag has reached the host (`settle`,
+before the next update of the layer and before any reader of the host state).
 """
 from __future__ import annotations
 
@@ -124,9 +140,10 @@ class _EntryGrads:
 
 
 class DeviceUpdateLayer(HostLayer):
-    """A host-held layer whose clipping-mode update is streamed through the GPU as the layer is
-    copied in for the next forward (the module note). With accumulation it is a `HostLayer`
-    until the update: the worker folds its micro-batches in."""
+    """A host-held layer whose update is streamed through the GPU: with clipping as the layer is
+    copied in for the next forward, without it (one backward per step) in its backward (the
+    module notes). With accumulation it is a `HostLayer` until the update: the worker folds its
+    micro-batches in."""
 
     device_updatable = False
     updates_on_device = True

@@ -41,6 +41,9 @@ class Estimator:
     gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
     optimizer_state: str = "adamw"    # SlideConfig.optimizer_state: the host bytes per parameter (host_optim.py)
     fp8: bool = False                 # SlideConfig.matmuls='fp8': the layers' projection GEMMs at FP8_GEMM_SPEEDUP
+    # The share of the streamed layers updated on the GPU in the backward (no clipping, one
+    # micro-batch: device_update.py, [Why a layer may be updated on the GPU without clipping])
+    device_share: float = 0.0
 
     @property
     def state_key(self) -> str:
@@ -299,8 +302,12 @@ class Estimator:
         # into the ring with one micro-batch, fp32 sums into the accumulators with several
         # (engine: [Why gradients cross in the compute dtype]); embedding rows
         d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
+        if self.device_share:
+            # a device-updated layer's master and state go in and back instead of its gradient out
+            state = self.device_share * layers * state_format(self.optimizer_state).bytes_per_param
+            h2d, d2h = h2d + state, d2h + state - self.device_share * layers * GRAD_BYTES
         # With accumulation each later micro-batch brings the layers' running sums back in (accumulate.py).
-        return N * h2d + (N - 1) * 4 * layers, N * d2h
+        return int(N * h2d + (N - 1) * 4 * layers), int(N * d2h)
 
     def _traffic_data_parallel(self, B: int, N: int, tier: str) -> tuple[int, int]:
         """One rank's bytes each way per optimizer step of several processes (no resident units):
@@ -365,7 +372,8 @@ class Estimator:
             # deferred mode: each micro-batch's gradients are copied (first) or added into the host
             # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
             # alone the device-updated layers' land there directly (device_update.py)
-            cpu = on_cpu / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
+            on_gpu = self.device_share * (s.layers - res[1]) * s.layer_params     # device_update.py
+            cpu = (on_cpu - on_gpu) / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
                                    (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM)
         out = {
             "gpu": self.gpu_seconds(B, N),

@@ -66,6 +66,7 @@ class Plan:
     adapter_s: float = 0.0            # the adapters' part of the gpu term
     optimizer_state: str = "adamw"    # SlideConfig.optimizer_state (host_optim.py)
     fp8: bool = False                 # SlideConfig.matmuls='fp8' (docs/fp8.md)
+    device_share: float = 0.0         # streamed layers updated on the GPU in the backward (no clipping)
     bound_s: float = 0.0
     bound_by: str = ""
     paced_by: str = ""                # the term that sets the expected step (each at its measured efficiency)
@@ -114,6 +115,8 @@ class Plan:
             del d["optimizer_state"]    # the default: the dict as it was before the state formats
         if not self.fp8:
             del d["fp8"]
+        if not self.device_share:
+            del d["device_share"]
         d["shape"]["n_params"] = self.shape.n_params
         d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
                  disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
@@ -261,6 +264,7 @@ def _step_lines(plan: Plan) -> list[str]:
     """The step's bound and expected time, and each term with what it counts."""
     shape, gpus = plan.shape, plan.gpus
     res_params = _resident_params(plan)
+    on_gpu = int(plan.device_share * (shape.layers - plan.resident_layers) * shape.layer_params)
     lines = []
     eff = plan.rates["gpu_tflops"] * plan.rates["gpu_efficiency"]
     lines.append(f"step time    bound {plan.bound_s:.3f} s by {plan.bound_by}"
@@ -274,9 +278,11 @@ def _step_lines(plan: Plan) -> list[str]:
                 f"(resident, no recompute: {plan.gpu_resident_s:.3f} s)" + (", each GPU" if gpus > 1 else "")),
         "pcie": f"h2d {plan.h2d_bytes / 1e9:.1f} GB, d2h {plan.d2h_bytes / 1e9:.1f} GB at {plan.rates['pcie_gbs']} GB/s"
                 + (f" per GPU, each on its own link (d2h: 1/{gpus} of each gradient)" if gpus > 1 else ""),
-        "cpu": f"AdamW over {_count(plan.lora_trained_params if plan.lora_r else shape.n_params - res_params)}"
+        "cpu": f"AdamW over {_count(plan.lora_trained_params if plan.lora_r else shape.n_params - res_params - on_gpu)}"
                " parameters "
-               f"at {plan.rates['adam_gps']} G/s ({plan.adam_source})" + (" (modules_to_save)" if plan.lora_r else "")
+               + (f"(the other {_count(on_gpu)} streamed ones on the GPU in the backward: device_update_share "
+                  f"{plan.device_share}) " if on_gpu else "")
+               + f"at {plan.rates['adam_gps']} G/s ({plan.adam_source})" + (" (modules_to_save)" if plan.lora_r else "")
                + (f", one host's rate shared by the {gpus} processes' workers" if gpus > 1 else ""),
         "disk": " + ".join(
             ([f"layer inputs written at {plan.rates['nvme_write_gbs']} and read at {plan.rates['nvme_read_gbs']} GB/s"]

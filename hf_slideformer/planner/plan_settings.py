@@ -25,7 +25,8 @@ __all__ = ["ENGINE_OPTIONS", "RATES", "PlanSettings", "engine_default"]
 # plan's argument -> the SlideConfig option it is (the table gives its default and its check)
 ENGINE_OPTIONS = {"window": "window", "gradient_accumulation_steps": "gradient_accumulation_steps",
                   "max_grad_norm": "max_grad_norm", "activation_tier": "activation_tier",
-                  "grad_buffers": "grad_buffers", "mlp_chunk_tokens": "mlp_chunk_tokens", "optim": "optimizer_state"}
+                  "grad_buffers": "grad_buffers", "mlp_chunk_tokens": "mlp_chunk_tokens", "optim": "optimizer_state",
+                  "device_update_share": "device_update_share"}
 # the machine's rates, each a positive number (Plan.rates)
 RATES = ("pcie_gbs", "adam_gps", "gpu_tflops", "gpu_efficiency", "nvme_write_gbs", "nvme_read_gbs", "nvme_bw",
          "gpu_hbm_gbs", "gpu_fp32_tflops")
@@ -106,6 +107,7 @@ class PlanSettings:
     gpus: int
     optim: str
     fp8: bool
+    device_update_share: Any
     lora_target_modules: Any
     lora_target_parameters: Any
     shape: ModelShape = field(init=False)
@@ -201,6 +203,15 @@ class PlanSettings:
     def lora(self) -> bool:
         """Whether this is a LoRA run's plan."""
         return self.lora_r is not None
+
+    @property
+    def device_share(self) -> float:
+        """The share of the streamed layers updated on the GPU in the backward: a number given
+        without clipping, with one micro-batch and one GPU (device_update.py); else 0."""
+        share = self.device_update_share
+        if share == "auto" or self.deferred or self.gpus > 1 or self.lora:
+            return 0.0
+        return float(share)
 
     @property
     def deferred(self) -> bool:

@@ -53,6 +53,7 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
          lora_modules_to_save: tuple[str, ...] = (), mlp_chunk_tokens: int | None = engine_default("mlp_chunk_tokens"),
          gpu_hbm_gbs: float = PEAK_HBM_GBS, gpu_fp32_tflops: float = PEAK_FP32_TFLOPS, gpus: int = 1,
          optim: str = engine_default("optim"), fp8: bool = False,
+         device_update_share: float | str = engine_default("device_update_share"),
          lora_target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES,
          lora_target_parameters: tuple[str, ...] | None = DEFAULT_TARGET_PARAMETERS) -> Plan:
     """Estimate host and GPU memory, the largest batch and the step time of training a model.
@@ -81,6 +82,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             adamw_bnb_8bit, ...): the host bytes per parameter and the records on disk follow the
             format (host_optim.py, disk_record.py); a compact format keeps no resident layers.
         fp8: SlideConfig.matmuls='fp8': the layers' projection GEMMs at `FP8_GEMM_SPEEDUP` the bf16 rate.
+        device_update_share: SlideConfig's; without clipping and with one micro-batch a number takes
+            that share of the streamed layers' updates off the CPU's term and puts their state on
+            the link, both ways (with clipping the plan takes the balanced share, as 'auto').
         nvme_write_gbs, nvme_read_gbs: disk rates of the "nvme" activation tier, GB/s.
         nvme_gb: free space of a disk for the layers' state, GB: what does not fit in host memory
             goes there, the moments of the last layers first, then their whole state
@@ -153,7 +157,8 @@ def _estimator(settings: PlanSettings) -> Estimator:
                              trained=tuple(dict.fromkeys(settings.lora_modules_to_save)),
                              targets=settings.lora_targets)
     return Estimator(settings.shape, settings.seq, settings.window, settings.grad_buffers, settings.rates,
-                     settings.mlp_chunk_tokens, gpus=settings.gpus, optimizer_state=settings.optim, fp8=settings.fp8)
+                     settings.mlp_chunk_tokens, gpus=settings.gpus, optimizer_state=settings.optim, fp8=settings.fp8,
+                     device_share=settings.device_share)
 
 
 def _disk_layers(est: Estimator, batch: int, tier: str, deferred: bool, host_bytes: int) -> DiskSplit:
@@ -201,6 +206,7 @@ def _memory(settings: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
              max_batch_host=sizing.max_host, gpus=settings.gpus)
     p.optimizer_state = settings.optim
     p.fp8 = settings.fp8
+    p.device_share = settings.device_share
     if settings.lora:
         p.lora_r, p.lora_base_bytes, p.lora_params = settings.lora_r, settings.lora_base_bytes, est.adapter_params
         p.lora_targets, p.lora_expert_params = est.lora_targets.describe(), est.param_adapter_params
