@@ -799,6 +799,11 @@ def test_device_update_share_without_clipping_moves_the_host_term_onto_the_link(
     assert moved.d2h_bytes - base.d2h_bytes == pytest.approx(state - 0.45 * layers * 2, rel=1e-6)
     assert moved.expected_step_s < base.expected_step_s and base.bound_by == "cpu"
     assert "on the GPU in the backward: device_update_share 0.45" in moved.report()
+    # The CPU-bound plan advises the share whose expected step is shortest; a plan with a share does not.
+    advice = [a for a in base.advice if a.startswith("CPU-bound without clipping: device_update_share=")]
+    assert len(advice) == 1 and "without clipping" not in " ".join(moved.advice)
+    advised = float(advice[0].split("=")[1].split()[0])
+    assert plan(cfg, device_update_share=advised, **kw).expected_step_s < 0.6 * base.expected_step_s
     assert moved.to_dict()["device_share"] == 0.45 and "device_share" not in base.to_dict()
     for other in (dict(max_grad_norm=1.0), dict(gradient_accumulation_steps=2), dict(device_update_share="auto")):
         p = plan(cfg, **dict(kw, **other))

@@ -5,6 +5,7 @@ what another setting would cost or save.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..host.host_optim import embed_format, state_format
 from ..host.memory import GiB
@@ -136,12 +137,38 @@ def _transfer_or_update_advice(plan: Plan, est: Estimator, deferred: bool) -> li
                    f"AdamW behind {steps} micro-batches (the fp32 accumulator adds "
                    f"{gib(est.accumulator_bytes())}{room}), or use a host with a faster AdamW "
                    "(more cores, more memory bandwidth)")
+    share = _device_share_advice(plan, est, deferred)
+    if share:
+        out.append(share)
     if batch and not hides and plan.bound_by == "pcie":
         out.append(f"PCIe-bound at the largest batch that fits ({batch}): the weights cross PCIe twice per "
                    "micro-batch whatever its size; a larger window re-sends fewer layers in backward")
     if plan.bound_by == "pcie" and tier == "cpu" and est.gpu_peak(plan.batch, "device") <= plan.gpu_limit:
         out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
     return out
+
+
+def _device_share_advice(plan: Plan, est: Estimator, deferred: bool) -> str:
+    """CPU-bound without clipping at this batch: the device_update_share (a multiple of 0.05, the
+    smallest of the best) whose expected step is shortest, each term at its share of its rate in
+    the pipeline (ENGINE_EFFICIENCY), the link carrying the device layers' state both ways."""
+    if plan.bound_by != "cpu" or deferred or plan.gpus > 1 or plan.lora_r or est.device_share:
+        return ""
+    res = (plan.resident_embedding, plan.resident_layers)
+
+    def step(f: float) -> tuple[float, dict]:
+        t = replace(est, device_share=f).times(plan.batch, plan.gradient_accumulation_steps, plan.activation_tier,
+                                               False, res)
+        return max(v / ENGINE_EFFICIENCY.get(k, 1.0) for k, v in t.items()), t
+
+    now = step(0.0)[0]
+    best_s, f = min((step(k / 20)[0], k / 20) for k in range(1, 19))
+    if best_s > 0.95 * now:
+        return ""
+    t = step(f)[1]
+    return (f"CPU-bound without clipping: device_update_share={f} updates that share of the streamed layers on the "
+            f"GPU in their backward (cpu {t['cpu']:.2f} s, their state on the link: pcie {t['pcie']:.2f} s, "
+            f"GPU {t['gpu']:.2f} s; expected step {best_s:.2f} s against {now:.2f} s)")
 
 
 def _disk_bound_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:
