@@ -363,7 +363,9 @@ class DeviceUpdater:
         torch._foreach_add_([unit.steps[k] for k in advanced], 1)
         if st.cuda:
             with st.on(st.h2d):
-                steps = list(torch.stack(unit.steps).to(engine.device).unbind())
+                # pinned: a copy from pageable memory would block this thread until the h2d
+                # stream's queue (slot fills, earlier pieces) has run
+                steps = list(torch.stack(unit.steps).pin_memory().to(engine.device, non_blocking=True).unbind())
         else:
             steps = unit.steps
         self._ensure_sets(unit.numel)
@@ -415,7 +417,8 @@ class DeviceUpdater:
             p.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
             if st.cuda:
                 with st.on(st.h2d):
-                    p.steps = list(torch.stack(unit.steps).to(engine.device).unbind())
+                    steps = torch.stack(unit.steps).pin_memory()          # pinned: see update_now
+                    p.steps = list(steps.to(engine.device, non_blocking=True).unbind())
             else:
                 p.steps = unit.steps
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
