@@ -370,8 +370,6 @@ class DeviceUpdater:
             steps = unit.steps
         self._ensure_sets(unit.numel)
         st.wait(st.record(), st.h2d)            # the gradients and the flag are made on the compute stream
-        for g in [found_inf, *grads]:
-            st.used_by(g, st.h2d)
         unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
         st.wait(unit.host_write, st.h2d)
         source = _EntryGrads(unit, grads)
@@ -381,9 +379,11 @@ class DeviceUpdater:
         if found_inf is not None:
             if place.skip_flag is None:
                 place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)
-            with st.on(st.d2h):
+            with st.on(st.d2h):                 # after the last piece's write-back: every read is before it
                 place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
             place.unsettled = (advanced, st.record(st.d2h))
+            # transfer.py: [Why copy sources are handed over, not recorded]
+            st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1])
 
     def settle(self, place: DeviceUpdateLayer) -> None:
         """The host step counters of `place`'s last update in backward: taken back if the device
