@@ -326,7 +326,7 @@ class SlideModel(SlideModelState):
         steps), tokens_per_s and gpu_busy (GPU kernel time / wall time) from it; peak GPU memory
         and host RSS; gpu_updated_params and resident_layers (layers updated on the GPU, see
         SlideConfig.resident_layers) and resident_plan (what the measured plan read: the limit, the
-        step's reserved and allocated peaks, a resident layer's bytes per parameter); device_updated_layers (host-held layers whose clipping-mode
+        step's reserved and allocated peaks, a resident layer's bytes per parameter); device_updated_layers (host-held layers whose
         update runs on the GPU, see SlideConfig.device_update_share); worker_wait_s (the worker
         blocked on GPU copies). With layers on disk (SlideConfig.host_memory_limit): disk_layers
         (with any state on disk), disk_moment_layers (of them, those with only their moments there),

@@ -17,7 +17,7 @@ The CPU updates the other layers meanwhile, 4 bytes per parameter of h2d each. W
 of the layers makes the two finish together (`budget.balanced_share`, from the rates
 `budget.PCIE_BOTH_WAYS` and `budget.CPU_ADAMW_RATE`: about 0.32 on the H200 host).
 
-The device layers are picked once, at the first clipping step, spread evenly over the layers the
+The device layers are picked once, at the first step with a share, spread evenly over the layers the
 GPU does not keep resident; their host moments and gradient accumulator move to pinned buffers
 (page-locked, as the masters already are), and their gradients are copied straight into the
 accumulator by the backward (with accumulation the worker folds every micro-batch in, as for the
@@ -219,7 +219,8 @@ class DeviceUpdater:
 
     @property
     def on(self) -> bool:
-        """Are some layers updated on the device (clipping only)?"""
+        """Are some layers updated on the device at optimizer.step() (with clipping; without it
+        they are updated in the backward and the step has nothing of theirs to do)?"""
         return (bool(self.engine.places.device_updated())
                 and self.engine.config.max_grad_norm is not None)
 
@@ -252,7 +253,7 @@ class DeviceUpdater:
         return float(c.device_update_share)
 
     def prepare(self) -> None:
-        """At the first clipping step: allocate the device buffers, plan the resident units (the
+        """At the first step with a share: allocate the device buffers, plan the resident units (the
         device layers are picked among the others), pick the layers and pin their host state."""
         engine = self.engine
         if self._chosen or engine.optimizer is None:
@@ -272,7 +273,7 @@ class DeviceUpdater:
         self._pin_units(chosen)
         for u in chosen:
             engine.set_place(u, DeviceUpdateLayer(engine, u))
-        logger.info("clipping: %d of %d layers updated on the device (share %.2f); pinning their host state took "
+        logger.info("%d of %d layers updated on the device (share %.2f); pinning their host state took "
                     "%.1f s", len(chosen), len(engine.layer_units), share, time.perf_counter() - t0)
 
     def _pin_units(self, units: list) -> None:
@@ -302,7 +303,8 @@ class DeviceUpdater:
                     st.update(fmt.entry_state(unit, k))
 
     def reset(self) -> None:
-        """Flush and forget the device layers (the clipping mode changed; picked again at the next step)."""
+        """Flush and forget the device layers (the clipping or accumulation mode changed; picked again at
+        the next step)."""
         engine = self.engine
         self.flush()
         engine.streams.synchronize()

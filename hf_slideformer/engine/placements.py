@@ -97,7 +97,7 @@ class LayerPlacement:
     trainable = True         # its weights take gradients (the plan may move it)
     host_state = True        # its state is in the host store (the plan may make it resident or device-updated)
     device_updatable = False  # the plan may update it on the device instead (device_update.py)
-    updates_on_device = False  # its clipping-mode update streams through the GPU (device_update.py)
+    updates_on_device = False  # its update streams through the GPU (device_update.py)
 
     def __init__(self, engine, unit: Unit):
         self.engine, self.unit = engine, unit
@@ -308,7 +308,7 @@ class Placements(list):
         return [place for place in self[:count] if not place.resident and place.trainable and place.host_state]
 
     def device_updated(self) -> list[LayerPlacement]:
-        """The placements whose clipping-mode update streams through the GPU."""
+        """The placements whose update streams through the GPU."""
         return [place for place in self if place.updates_on_device]
 
     def device_updatable(self, units: list[Unit]) -> list[Unit]:
