@@ -381,10 +381,12 @@ class DeviceUpdater:
         if found_inf is not None:
             if place.skip_flag is None:
                 place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)
-            with st.on(st.d2h):                 # after the last piece's write-back: every read is before it
+            # On the h2d stream, after the last piece's update: the gradients' and the flag's
+            # last reader, so one event hands them over (transfer.py: [Why copy sources are handed
+            # over, not recorded]) without the compute stream waiting for the write-backs.
+            with st.on(st.h2d):
                 place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
-            place.unsettled = (advanced, st.record(st.d2h))
-            # transfer.py: [Why copy sources are handed over, not recorded]
+            place.unsettled = (advanced, st.record(st.h2d))
             st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1])
 
     def settle(self, place: DeviceUpdateLayer) -> None:
