@@ -245,3 +245,58 @@ def test_a_device_update_stopped_half_way_resumes(monkeypatch):
     a, b = _state(host), _state(dev)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adamw_8bit_bf16"])
+def test_checkpoint_of_updates_in_backward_resumes_bit_identically(tmp_path, optim, monkeypatch):
+    """Without clipping: a training checkpoint after some steps with layers updated on the device in
+    the backward resumes in a fresh model to the uninterrupted run's weights (the step counters
+    the device advanced included)."""
+    from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 512)
+    data = batches(4, pad=True)
+    kw = dict(device_update_share=0.5, optimizer_state=optim)
+
+    def train(model, opt, chunk):
+        for b in chunk:
+            model(**b).loss.backward(); opt.step(); opt.zero_grad()
+
+    _, full = make_pair("llama", False, **kw)
+    opt = full.create_optimizer(lr=1e-2, weight_decay=0.1)
+    train(full, opt, data)
+    _, first = make_pair("llama", False, **kw)
+    opt1 = first.create_optimizer(lr=1e-2, weight_decay=0.1)
+    train(first, opt1, data[:2])
+    assert first.slide_engine.device_updates.units
+    save_training_state(str(tmp_path / "ck"), first, opt1)
+    _, second = make_pair("llama", False, seed=7, **kw)
+    opt2 = second.create_optimizer(lr=1e-2, weight_decay=0.1)
+    load_training_state(str(tmp_path / "ck"), second, opt2)
+    train(second, opt2, data[2:])
+    assert second.slide_engine.device_updates.units
+    a, b = _state(full), _state(second)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_updates_in_backward_beside_resident_and_disk_layers(tmp_path, monkeypatch):
+    """Without clipping, device layers are picked among the plain host layers only: a resident
+    layer and the layers whose state is on disk keep their own update; the result is the host
+    run's."""
+    from hf_slideformer.host import store
+    monkeypatch.setattr(store, "plan_disk_units", lambda units, config: [
+        (u, "moments") for u in [u for u in units if u.kind == "layer"][2:]] if config.host_memory_limit else [])
+    data = batches(3, pad=True)
+    kw = dict(resident_layers=1, host_memory_limit=1.0, nvme_path=str(tmp_path))
+    _, host = make_pair("llama", False, device_update_share=0.0, **kw)
+    _, dev = make_pair("llama", False, device_update_share=1.0, **kw)
+    opts = [m.create_optimizer(lr=1e-2) for m in (host, dev)]
+    for b in data:
+        for m, o in zip((host, dev), opts):
+            m(**b).loss.backward(); o.step(); o.zero_grad()
+    assert sorted(dev.slide_engine.device_updates.units) == [2]      # layer 1: layer 0 resident, layer 2 on disk
+    stats = dev.slide_stats()
+    assert stats["disk_layers"] == 1 and stats["resident_layers"] == 1 and stats["device_updated_layers"] == 1
+    a, b = _state(host), _state(dev)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
