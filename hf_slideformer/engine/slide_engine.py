@@ -200,7 +200,7 @@ class SlideEngine:
         if changed:
             # Resident units are planned for one mode (a gradient per layer when clipping, none with
             # accumulation): write them back; the next optimizer step plans again. So are the
-            # device-updated layers (clipping only).
+            # device-updated layers (updated at the step with clipping, in the backward without).
             self.worker.join()
             self.device_updates.reset()
             self.accumulator.drop()                  # its buffer, if any (a plan measures after this)
