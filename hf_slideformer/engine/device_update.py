@@ -157,25 +157,21 @@ class DeviceUpdateLayer(HostLayer):
         self.skip_flag: torch.Tensor | None = None
 
     def take_gradient(self, grads: list) -> None:
-        engine = self.engine
-        if engine.single_micro and engine.backward_plan.updates:
-            # No clipping, one backward per step: the update runs now, from the gradient on the
-            # device ([Why a layer may be updated on the GPU without clipping]).
-            engine.backward_plan.norm.add(_optim.sq_norm, [g for g in grads if g is not None])
-            if self.pending is not None:        # never the case in a well-formed step: a guard
-                engine.device_updates.flush(self.unit)
-            engine.begin_update(self.unit)
-            engine.device_updates.update_now(self, grads, engine.hp, engine.norm.found_inf())
-            self.unit.updated.set()
-            return
-        if not engine.single_micro or engine.backward_plan.updates:
+        engine, unit, plan = self.engine, self.unit, self.engine.backward_plan
+        if not plan.running_norm:               # accumulation: the worker folds it in, as a host layer's
             super().take_gradient(grads)
             return
-        engine.norm.dev += _optim.sq_norm([g for g in grads if g is not None])
-        # One backward per step: the gradient goes straight into its pinned accumulator.
-        unit = self.unit
+        # One backward per step: the gradient's norm joins the running norm; the update runs now
+        # without clipping ([Why a layer may be updated on the GPU without clipping]), else at the
+        # next copy in, from the pinned accumulator the gradient goes straight into.
+        plan.norm.add(_optim.sq_norm, [g for g in grads if g is not None])
         if self.pending is not None:            # never the case in a well-formed step: a guard
             engine.device_updates.flush(unit)
+        if plan.updates:
+            engine.begin_update(unit)
+            engine.device_updates.update_now(self, grads, engine.hp, engine.norm.found_inf())
+            unit.updated.set()
+            return
         self.grad_ev = engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
         unit.grad_valid = True
 
