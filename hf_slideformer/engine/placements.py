@@ -6,7 +6,7 @@ steps and swapped whole when the plan moves the layer:
 | placement | state | weights for a forward | gradient | deferred update |
 |---|---|---|---|---|
 | `HostLayer` | host store | a slot, filled from the master | d2h into the ring; the CPU worker folds and/or updates | CPU worker |
-| `DeviceUpdateLayer` (device_update.py) | host store | a slot its pending update fills | d2h straight into its pinned accumulator | GPU, as it is copied in |
+| `DeviceUpdateLayer` (device_update.py) | host store | a slot its pending update fills | with clipping d2h into its pinned accumulator; without, updated on the GPU at once | GPU, as it is copied in |
 | `ResidentLayer` (resident.py) | GPU | its device copy | summed and/or updated on the GPU | GPU |
 | `DiskLayer` (disk_placement.py) | a file on disk, in a pinned buffer around each use | a slot, filled from the buffer | as `HostLayer`, the state read in beside the copy and written back after | CPU worker |
 | `ShardedHostLayer` (sharded.py) | host store shared by the ranks | a slot, filled from the master | summed over the ranks on the devices; d2h of this rank's shard | CPU worker, this rank's shard |
