@@ -36,7 +36,7 @@ CPU's AdamW of every host layer takes longer than the GPU's step (a compact stat
 update is compute-bound on the CPU; a large model under a small cap updates many parameters per
 token). A numeric `device_update_share` then takes that share of the layers off the CPU: a device
 layer's update runs in its own backward, as soon as its gradients are computed, from the
-gradients still on the device (`_EntryGrads`): its master and state go in on the h2d stream, the
+gradients still on the device (`EntryGrads`): its master and state go in on the h2d stream, the
 format's update runs there, and they go back on the d2h stream, so no gradient crosses to the
 host and no host accumulator is needed; the next forward's slot copy waits for the write-back
 (`unit.host_write`). Per parameter that moves the state's bytes each way (4 under
@@ -56,9 +56,9 @@ import torch
 from ..host import optim as _optim
 from ..planner.budget import DEVICE_PIECE, balanced_share, pick_device_units
 from ..host.host_optim import ADAMW
+from .device_pieces import EntryGrads, HostGrad, Piece
 from ..host.memory import release_pages
 from .placements import DeferredStep, HostLayer
-from ..host.quant_maps import block_at, num_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -79,66 +79,6 @@ class _Pending:
         self.next = 0
 
 
-class _Piece:
-    """One set of device buffers of a piece update: the gradient (fp32) and the state format's
-    master and arrays for up to `numel` elements (a block array: their blocks, a piece spanning up
-    to `entries` parameters' partial blocks)."""
-
-    def __init__(self, fmt, numel: int, entries: int, device):
-        self.format, self.numel = fmt, numel
-        self.grad = torch.empty(numel, dtype=torch.float32, device=device)
-        self.master = torch.empty(numel, dtype=fmt.master_dtype, device=device)
-        blocks = num_blocks(numel) + entries
-        self.arrays = {a.name: torch.empty(numel if a.per == "param" else blocks, dtype=a.dtype, device=device)
-                       for a in fmt.arrays}
-        self.base = (0, 0)
-
-    def pairs(self, unit, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device view, host view) of the master and each array for [lo, hi) of unit `u`."""
-        b0, b1 = block_at(unit.entries, lo), block_at(unit.entries, hi)
-        self.base = (lo, b0)
-        out = [(self.master[:hi - lo], unit.master[lo:hi])]
-        for a in self.format.arrays:
-            i, j = (lo, hi) if a.per == "param" else (b0, b1)
-            out.append((self.arrays[a.name][:j - i], getattr(unit, a.name)[i:j]))
-        return out
-
-    def __getattr__(self, name):                   # the format's arrays, as `StateFormat.run` reads them
-        arrays = self.__dict__.get("arrays", {})
-        if name in arrays:
-            return arrays[name]
-        raise AttributeError(name)
-
-    def update(self, unit, batch: dict, lo: int, grad, steps, groups: list[dict], scale, found_inf=None) -> None:
-        """The format's update of one `piece_batches` batch starting at `lo` (after `pairs`)."""
-        if self.format is ADAMW:
-            _optim.apply_batch(batch, lo, self.master, grad, self.arrays["exp_avg"], self.arrays["exp_avg_sq"],
-                               steps, groups, scale, found_inf)
-            return
-        for gi, ranges in batch.items():
-            self.format.run(None, groups[gi], unit, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
-                            [steps[k] for k, _, _ in ranges], scale, found_inf=found_inf)
-
-
-class _EntryGrads:
-    """A layer's gradients still on the device, one per entry (None where unused), read as the
-    unit's flat layout."""
-
-    def __init__(self, unit, grads: list):
-        self.unit, self.grads = unit, grads
-
-    def copy_into(self, out: torch.Tensor, lo: int, hi: int) -> None:
-        """out[:hi - lo] = the flat gradient [lo, hi), widened to out's dtype (zeros where unused)."""
-        for entry, g in zip(self.unit.entries, self.grads):
-            a, b = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
-            if a >= b:
-                continue
-            if g is None:
-                out[a - lo:b - lo].zero_()
-            else:
-                out[a - lo:b - lo].copy_(g.reshape(-1)[a - entry.offset:b - entry.offset])
-
-
 class DeviceUpdateLayer(HostLayer):
     """A host-held layer whose update is streamed through the GPU: with clipping as the layer is
     copied in for the next forward, without it (one backward per step) in its backward (the
@@ -152,7 +92,7 @@ class DeviceUpdateLayer(HostLayer):
         super().__init__(engine, unit)
         self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
         # An update in backward whose skip flag (found_inf) is still on its way to the host: the
-        # entries whose counters it advanced and the d2h event after the flag's copy (`settle`).
+        # entries whose counters it advanced and the event after the flag's copy (`settle`).
         self.unsettled: tuple[list[int], object] | None = None
         self.skip_flag: torch.Tensor | None = None
 
@@ -222,7 +162,7 @@ class DeviceUpdater:
 
     def _ensure_sets(self, numel: int) -> None:
         """Two sets of device buffers for pieces of `numel`: the gradient (fp32) and the layers' state
-        format's master and arrays (`_Piece`)."""
+        format's master and arrays (`Piece`)."""
         engine = self.engine
         n = min(2 * DEVICE_PIECE, numel)
         if self._sets is None or self._sets[0].numel < n:
@@ -230,7 +170,7 @@ class DeviceUpdater:
                 engine.streams.synchronize()
             fmt = engine.layer_units[0].state_format or ADAMW
             entries = max(len(u.entries) for u in engine.layer_units)
-            self._sets = [_Piece(fmt, n, entries, engine.device) for _ in range(2)]
+            self._sets = [Piece(fmt, n, entries, engine.device) for _ in range(2)]
             self._free = [None, None]
 
     def share(self) -> float:
@@ -356,21 +296,12 @@ class DeviceUpdater:
             return
         found_inf = found_inf if st.cuda else None
         groups, group_of = hp
-        by_group = _optim.groups_of(unit, group_of)
-        advanced = [k for ks in by_group.values() for k in ks]
-        torch._foreach_add_([unit.steps[k] for k in advanced], 1)
-        if st.cuda:
-            with st.on(st.h2d):
-                # pinned: a copy from pageable memory would block this thread until the h2d
-                # stream's queue (slot fills, earlier pieces) has run
-                steps = list(torch.stack(unit.steps).pin_memory().to(engine.device, non_blocking=True).unbind())
-        else:
-            steps = unit.steps
+        by_group, advanced, steps = self._advance_steps(unit, group_of)
         self._ensure_sets(unit.numel)
         st.wait(st.record(), st.h2d)            # the gradients and the flag are made on the compute stream
         unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
         st.wait(unit.host_write, st.h2d)
-        source = _EntryGrads(unit, grads)
+        source = EntryGrads(unit, grads)
         for lo, hi, batch in _optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True):
             if hi > lo:
                 self._update_piece(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
@@ -384,6 +315,23 @@ class DeviceUpdater:
                 place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
             place.unsettled = (advanced, st.record(st.h2d))
             st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1])
+
+    def _advance_steps(self, unit, group_of: dict) -> tuple[dict, list[int], list]:
+        """Advance the host step counters of `unit`'s entries in the optimizer's groups (the host
+        counters are the state: the optimizer's state_dict reads them). Returns the entries by
+        group, the advanced entries, and every entry's counter as the update reads it (device
+        copies on CUDA, queued on the h2d stream)."""
+        engine, st = self.engine, self.engine.streams
+        by_group = _optim.groups_of(unit, group_of)
+        advanced = [k for ks in by_group.values() for k in ks]
+        torch._foreach_add_([unit.steps[k] for k in advanced], 1)
+        if not st.cuda:
+            return by_group, advanced, unit.steps
+        with st.on(st.h2d):
+            # pinned: a copy from pageable memory would block this thread until the h2d stream's
+            # queue (slot fills, earlier pieces) has run
+            steps = torch.stack(unit.steps).pin_memory()
+            return by_group, advanced, list(steps.to(engine.device, non_blocking=True).unbind())
 
     def settle(self, place: DeviceUpdateLayer) -> None:
         """The host step counters of `place`'s last update in backward: taken back if the device
@@ -411,16 +359,8 @@ class DeviceUpdater:
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
-            by_group = _optim.groups_of(unit, group_of)
-            # The host counters are the state (the optimizer's state_dict reads them).
-            torch._foreach_add_([unit.steps[k] for ks in by_group.values() for k in ks], 1)
+            by_group, _, p.steps = self._advance_steps(unit, group_of)
             p.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
-            if st.cuda:
-                with st.on(st.h2d):
-                    steps = torch.stack(unit.steps).pin_memory()          # pinned: see update_now
-                    p.steps = list(steps.to(engine.device, non_blocking=True).unbind())
-            else:
-                p.steps = unit.steps
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
         unit.readers = []
@@ -437,7 +377,8 @@ class DeviceUpdater:
             lo, hi, batch = p.batches[p.next]
             n = hi - lo
             if n:
-                self._update_piece(unit, lo, hi, batch, unit.grad, p.steps, groups, scale=p.scale, dst=dst)
+                self._update_piece(unit, lo, hi, batch, HostGrad(unit.grad), p.steps, groups, scale=p.scale,
+                                   dst=dst)
             p.next += 1
             yield
         place.pending = None
@@ -445,8 +386,8 @@ class DeviceUpdater:
     def _update_piece(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None,
                       found_inf=None):
         """One piece [lo, hi) of a device update of `u`: master, gradient and moments in on the h2d
-        stream (the gradient from the host accumulator `grad`, or from the device by an
-        `_EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
+        stream (the gradient from `grad`: the host accumulator's `HostGrad`, or the device tensors'
+        `EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
         `found_inf` is nonzero), the new weights cast into `dst` if given, master and moments back
         on the d2h stream. Returns the h2d event after the copies in."""
         engine = self.engine
@@ -460,12 +401,7 @@ class DeviceUpdater:
         pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
         g = piece.grad[:n]
         with st.on(st.h2d):
-            if isinstance(grad, _EntryGrads):
-                grad.copy_into(g, lo, hi)
-                grad_bytes = 0
-            else:
-                g.copy_(grad[lo:hi], non_blocking=True)
-                grad_bytes = n * grad.element_size()
+            grad_bytes = grad.copy_into(g, lo, hi)
             for d, src in pairs:
                 d.copy_(src, non_blocking=True)
             read = st.record(st.h2d)
