@@ -62,6 +62,26 @@ def _engine_flag(parser: argparse.ArgumentParser, argument: str, help: str, **kw
                         help=f"{help} (SlideConfig.{opt.name}; default: {default})", **kw)
 
 
+def _lora_flags(p: argparse.ArgumentParser) -> None:
+    """The `plan` command's flags of a PEFT LoRA run."""
+    p.add_argument("--lora-r", type=int, default=None, metavar="R",
+                   help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
+                        "and streamed, the adapters on the GPU (default: full fine-tuning)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="with --lora-r: PEFT's target_modules, comma-separated (q_proj,v_proj,...; 'all-linear'); "
+                        "default: " + ",".join(DEFAULT_TARGET_MODULES))
+    p.add_argument("--lora-target-parameters", default=None, metavar="NAMES",
+                   help="with --lora-r: PEFT's target_parameters, comma-separated (a mixture of experts' 3-D weights; "
+                        "'none' for none); default: " + ",".join(DEFAULT_TARGET_PARAMETERS))
+    p.add_argument("--lora-base-bytes", type=int, choices=(2, 4), default=FROZEN_BASE_BYTES,
+                   help="host bytes per parameter of the frozen layers and head: 2, the compute dtype the engine keeps "
+                        "them in, or 4 when the adapters are added to a model already slid (default: "
+                        f"{FROZEN_BASE_BYTES})")
+    p.add_argument("--lora-modules-to-save", default="", metavar="NAMES",
+                   help="with --lora-r: PEFT's modules_to_save, comma-separated among embed_tokens, lm_head (trained in "
+                        "full on the host beside the adapters)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-slideformer", description="hf_slideformer: full-parameter fine-tuning "
                                      "of LLMs larger than the GPU, on one GPU.")
@@ -111,22 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-resident", action="store_true",
                    help="plan without resident units (SlideConfig(resident_embedding=False, resident_layers=0))")
     _engine_flag(p, "mlp_chunk_tokens", "the MLP in chunks of N tokens: for long sequences", metavar="N")
-    p.add_argument("--lora-r", type=int, default=None, metavar="R",
-                   help="plan a PEFT LoRA run: rank R on every linear layer of the decoder layers, the base frozen "
-                        "and streamed, the adapters on the GPU (default: full fine-tuning)")
-    p.add_argument("--lora-targets", default=None, metavar="NAMES",
-                   help="with --lora-r: PEFT's target_modules, comma-separated (q_proj,v_proj,...; 'all-linear'); "
-                        "default: " + ",".join(DEFAULT_TARGET_MODULES))
-    p.add_argument("--lora-target-parameters", default=None, metavar="NAMES",
-                   help="with --lora-r: PEFT's target_parameters, comma-separated (a mixture of experts' 3-D weights; "
-                        "'none' for none); default: " + ",".join(DEFAULT_TARGET_PARAMETERS))
-    p.add_argument("--lora-base-bytes", type=int, choices=(2, 4), default=FROZEN_BASE_BYTES,
-                   help="host bytes per parameter of the frozen layers and head: 2, the compute dtype the engine keeps "
-                        "them in, or 4 when the adapters are added to a model already slid (default: "
-                        f"{FROZEN_BASE_BYTES})")
-    p.add_argument("--lora-modules-to-save", default="", metavar="NAMES",
-                   help="with --lora-r: PEFT's modules_to_save, comma-separated among embed_tokens, lm_head (trained in "
-                        "full on the host beside the adapters)")
+    _lora_flags(p)
     p.add_argument("--gpu-hbm-gbs", type=float, default=PEAK_HBM_GBS,
                    help=f"GPU memory bandwidth, GB/s: paces the LoRA adapters' work (default: {PEAK_HBM_GBS:g}, H200)")
     p.add_argument("--gpu-fp32-tflops", type=float, default=PEAK_FP32_TFLOPS,

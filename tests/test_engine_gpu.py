@@ -85,6 +85,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
         # Note: [Why the slot waits for the compute event] and friends: make the compute and the
         # copy streams slow on purpose; a buffer reused before its reader finished changes the result.
         from hf_slideformer.engine.device_update import DeviceUpdater
+        from hf_slideformer.engine.device_pieces import PieceSets
         from hf_slideformer.engine.grad_ring import GradientRing
         from hf_slideformer.engine.resident import ResidentLayer
         call, load_steps, d2h = E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h
@@ -115,7 +116,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 torch.cuda._sleep(2_000_000)
             return res(self, *a, **k)
 
-        dev_run, dev_piece = DeviceUpdater.run, DeviceUpdater._update_piece
+        dev_run, dev_piece = DeviceUpdater.run, PieceSets.update
 
         def slow_dev_run(self, *a, **k):          # each piece's write-back starts late
             for _ in dev_run(self, *a, **k):
@@ -124,14 +125,14 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
                 yield
 
         def slow_dev_piece(self, *a, **k):        # each piece's copies in and its write-back start late
-            for s in (self.engine.streams.h2d, self.engine.streams.d2h):
+            for s in (self.streams.h2d, self.streams.d2h):
                 with torch.cuda.stream(s):
                     torch.cuda._sleep(1_000_000)
             return dev_piece(self, *a, **k)
 
         E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h = slow_call, slow_load_steps, slow_d2h
         ResidentLayer.take_gradient = slow_res
-        DeviceUpdater.run, DeviceUpdater._update_piece = slow_dev_run, slow_dev_piece
+        DeviceUpdater.run, PieceSets.update = slow_dev_run, slow_dev_piece
     try:
         for n, b in enumerate(batches(steps, bsz=4, seq=128, vocab=1001, pad=True)):
             slid(**{k: v.cuda() for k, v in b.items()}).loss.backward()
@@ -141,7 +142,7 @@ def _train_state(slow: bool, tier="cpu", steps=4, models=None, ga=1, **kw):
         if slow:
             E.SlideEngine.call_layer, S.SlotQueue.load_steps, GradientRing.d2h = call, load_steps, d2h
             ResidentLayer.take_gradient = res
-            DeviceUpdater.run, DeviceUpdater._update_piece = dev_run, dev_piece
+            DeviceUpdater.run, PieceSets.update = dev_run, dev_piece
     return {k: v.clone() for k, v in slid.state_dict().items()}
 
 

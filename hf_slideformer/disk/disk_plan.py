@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple, Sequence
 
-from .disk_record import MOMENTS, WHOLE, layer_host_bytes, record_bytes
+from .disk_record import MOMENTS, WHOLE, StateRecord, layer_host_bytes, record_bytes
 from .disk_store import pool_buffers
+from .unit_state import record_layout
 from ..host.host_optim import StateFormat, unit_format
 from ..host.quant_maps import num_blocks
 from ..host.memory import GiB, HostMemoryError, available_host_bytes
@@ -47,6 +48,31 @@ class DiskSplit(NamedTuple):
     def parts(self, n: int) -> list[str | None]:
         """Per layer of `n`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
         return [None] * (n - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
+
+    def file_bytes(self, layer_numel: int, fmt: StateFormat) -> int:
+        """Bytes of the state file of these layers, each of `layer_numel` parameters in format `fmt`
+        (one record each: the engine's file is not kept, disk/unit_state.py)."""
+        if not self.layers:
+            return 0
+        head, _, sizes = record_layout([StateRecord(layer_numel, part, fmt).layout
+                                        for part in self.parts(self.layers)], slots=1)
+        return head + sum(sizes)
+
+    def traffic(self, layer_numel: int, fmt: StateFormat, N: int, deferred: bool) -> int:
+        """Bytes these layers read and write on disk per optimizer step of N micro-batches. A layer
+        with its moments on disk reads them once for its update and writes them once after it: 2
+        records of its moments (8 B/param under 'adamw', 2.03 under the 8-bit formats), whatever N.
+        A layer with its whole state there reads its master alone for each copy (disk_store.py: [Why
+        a copy reads the master alone]) and its whole record for its update, and writes it once
+        after: updating in backward, the forward's copy (4 B/param) then the recompute's copy, which
+        the update shares (12), per micro-batch; deferred, the forward's and the recompute's copies
+        (4 + 4) per micro-batch and the whole record once for the update at the step. Evictions in
+        between are assumed (the pool holds four records), so a record read for the forward is read
+        again."""
+        rec = StateRecord(layer_numel, WHOLE, fmt)
+        master, full = rec.master_bytes, rec.nbytes
+        whole = N * 2 * master + full if deferred else N * (master + full)
+        return self.moments * 2 * record_bytes(layer_numel, MOMENTS, fmt) + self.whole * (whole + full)
 
 
 def _host_bytes(fixed: int, layer_numels: Sequence[int], split: DiskSplit, fmt: StateFormat | None = None,

@@ -1,5 +1,6 @@
 """What a device update's pieces run in (device_update.py): the two sets of device buffers a piece's
-master, state and gradient are copied into (`Piece`), and where a piece's gradient comes from: the
+master, state and gradient are copied into (`Piece`), their alternation and a piece's copies and
+update on the streams (`PieceSets`), and where a piece's gradient comes from: the
 layer's pinned host accumulator (`HostGrad`), or, for a layer updated in its backward, the device
 tensors read in the unit's flat layout (`EntryGrads`). A source's `copy_into` is queued on the
 current stream and returns the bytes it moved host-to-device."""
@@ -11,7 +12,7 @@ from ..host import optim as _optim
 from ..host.host_optim import ADAMW
 from ..host.quant_maps import block_at, num_blocks
 
-__all__ = ["EntryGrads", "HostGrad", "Piece"]
+__all__ = ["EntryGrads", "HostGrad", "Piece", "PieceSets"]
 
 
 class Piece:
@@ -53,6 +54,72 @@ class Piece:
         for gi, ranges in batch.items():
             self.format.run(None, groups[gi], unit, self, ranges, [grad[a - lo:b - lo] for _, a, b in ranges],
                             [steps[k] for k, _, _ in ranges], scale, found_inf=found_inf)
+
+
+class PieceSets:
+    """The two sets of device buffers (`Piece`) the pieces of device updates alternate between, and
+    one piece's run on the streams.
+
+    Args:
+        streams: the engine's `Streams` (pieces copy in on h2d, update there, copy back on d2h).
+        stats: the engine's `StepStats` (bytes moved, parameters updated on the GPU).
+        device: where the buffers live.
+    """
+
+    def __init__(self, streams, stats, device):
+        self.streams, self.stats, self.device = streams, stats, device
+        self.sets: list[Piece] | None = None
+        self.free: list = [None, None]          # the d2h event after each set's last write-back
+        self.turn = 0
+
+    def ensure(self, fmt, numel: int, entries: int) -> None:
+        """Two sets for pieces of `numel` elements of state format `fmt` (spanning up to `entries`
+        parameters' partial blocks); reallocated, after the streams drain, if smaller."""
+        if self.sets is None or self.sets[0].numel < numel:
+            if self.sets is not None:
+                self.streams.synchronize()
+            self.sets = [Piece(fmt, numel, entries, self.device) for _ in range(2)]
+            self.free = [None, None]
+
+    def drop(self) -> None:
+        """Release the buffers (allocated again by the next `ensure`)."""
+        self.sets = None
+        self.free = [None, None]
+
+    def update(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None, found_inf=None):
+        """One piece [lo, hi) of a device update of `unit`: master, gradient and state in on the h2d
+        stream (the gradient from `grad`: the host accumulator's `HostGrad`, or the device tensors'
+        `EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
+        `found_inf` is nonzero), the new weights cast into `dst` if given, master and state back
+        on the d2h stream (`unit.host_write` then records it). Returns the h2d event after the
+        copies in."""
+        st, n = self.streams, hi - lo
+        k = self.turn
+        self.turn ^= 1
+        # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
+        # buffers alternate: set k is overwritten once its last d2h copy has read it.
+        st.wait(self.free[k], st.h2d)
+        piece = self.sets[k]
+        pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
+        g = piece.grad[:n]
+        with st.on(st.h2d):
+            grad_bytes = grad.copy_into(g, lo, hi)
+            for dev, host in pairs:
+                dev.copy_(host, non_blocking=True)
+            read = st.record(st.h2d)
+            piece.update(unit, batch, lo, g, steps, groups, scale, found_inf)
+            if dst is not None:
+                dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
+        st.wait(st.record(st.h2d), st.d2h)
+        with st.on(st.d2h):
+            for dev, host in pairs:
+                host.copy_(dev, non_blocking=True)
+        self.free[k] = unit.host_write = st.record(st.d2h)
+        moved = sum(dev.numel() * dev.element_size() for dev, _ in pairs)
+        self.stats.add_h2d(moved + grad_bytes)
+        self.stats.add_bytes("d2h", moved)
+        self.stats.gpu_adam_params += n
+        return read
 
 
 class EntryGrads:

@@ -56,7 +56,7 @@ import torch
 from ..host import optim as _optim
 from ..planner.budget import DEVICE_PIECE, balanced_share, pick_device_units
 from ..host.host_optim import ADAMW
-from .device_pieces import EntryGrads, HostGrad, Piece
+from .device_pieces import EntryGrads, HostGrad, PieceSets
 from ..host.memory import release_pages
 from .placements import DeferredStep, HostLayer
 
@@ -134,8 +134,8 @@ class DeviceUpdateLayer(HostLayer):
 
 class DeviceUpdater:
     """The device updates of one engine: which layers are updated on the GPU (`DeviceUpdateLayer`
-    placements), the two sets of device buffers their pieces alternate between, and the pending
-    updates' runs.
+    placements), the device buffers their pieces run in (`PieceSets`), and the pending updates'
+    runs.
 
     Args:
         engine: the SlideEngine (streams, config, places, worker, the optimizer and the resident plan).
@@ -144,9 +144,7 @@ class DeviceUpdater:
     def __init__(self, engine):
         self.engine = engine
         self._chosen = False
-        self._sets: list[tuple[torch.Tensor, ...]] | None = None
-        self._free: list = [None, None]
-        self._turn = 0
+        self.pieces = PieceSets(engine.streams, engine.stats, engine.device)
 
     @property
     def units(self) -> set[int]:
@@ -161,17 +159,11 @@ class DeviceUpdater:
                 and self.engine.config.max_grad_norm is not None)
 
     def _ensure_sets(self, numel: int) -> None:
-        """Two sets of device buffers for pieces of `numel`: the gradient (fp32) and the layers' state
-        format's master and arrays (`Piece`)."""
+        """Device buffers for pieces of up to `numel` elements of the layers' state format."""
         engine = self.engine
-        n = min(2 * DEVICE_PIECE, numel)
-        if self._sets is None or self._sets[0].numel < n:
-            if self._sets is not None:
-                engine.streams.synchronize()
-            fmt = engine.layer_units[0].state_format or ADAMW
-            entries = max(len(u.entries) for u in engine.layer_units)
-            self._sets = [Piece(fmt, n, entries, engine.device) for _ in range(2)]
-            self._free = [None, None]
+        fmt = engine.layer_units[0].state_format or ADAMW
+        entries = max(len(u.entries) for u in engine.layer_units)
+        self.pieces.ensure(fmt, min(2 * DEVICE_PIECE, numel), entries)
 
     def share(self) -> float:
         """The share of the host-held layers to update on the device (the config's, or balanced)."""
@@ -203,7 +195,7 @@ class DeviceUpdater:
         first = engine.residents.target()[1]
         chosen = pick_device_units(engine.places.device_updatable(engine.layer_units[first:]), share)
         if not chosen:
-            self._sets = None
+            self.pieces.drop()
             return
         t0 = time.perf_counter()
         self._pin_units(chosen)
@@ -247,8 +239,7 @@ class DeviceUpdater:
         for place in engine.places.device_updated():
             engine.set_place(place.unit, HostLayer(engine, place.unit))
         self._chosen = False
-        self._sets = None
-        self._free = [None, None]
+        self.pieces.drop()
 
     def pending(self) -> list[tuple]:
         """(unit, pieces done) of each device-updated layer whose update waits for its next copy in."""
@@ -304,7 +295,7 @@ class DeviceUpdater:
         source = EntryGrads(unit, grads)
         for lo, hi, batch in _optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True):
             if hi > lo:
-                self._update_piece(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
+                self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
         if found_inf is not None:
             if place.skip_flag is None:
                 place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)
@@ -377,44 +368,8 @@ class DeviceUpdater:
             lo, hi, batch = p.batches[p.next]
             n = hi - lo
             if n:
-                self._update_piece(unit, lo, hi, batch, HostGrad(unit.grad), p.steps, groups, scale=p.scale,
+                self.pieces.update(unit, lo, hi, batch, HostGrad(unit.grad), p.steps, groups, scale=p.scale,
                                    dst=dst)
             p.next += 1
             yield
         place.pending = None
-
-    def _update_piece(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None,
-                      found_inf=None):
-        """One piece [lo, hi) of a device update of `u`: master, gradient and moments in on the h2d
-        stream (the gradient from `grad`: the host accumulator's `HostGrad`, or the device tensors'
-        `EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
-        `found_inf` is nonzero), the new weights cast into `dst` if given, master and moments back
-        on the d2h stream. Returns the h2d event after the copies in."""
-        engine = self.engine
-        st, n = engine.streams, hi - lo
-        k = self._turn
-        self._turn ^= 1
-        # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
-        # buffers alternate: set k is overwritten once its last d2h copy has read it.
-        st.wait(self._free[k], st.h2d)
-        piece = self._sets[k]
-        pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
-        g = piece.grad[:n]
-        with st.on(st.h2d):
-            grad_bytes = grad.copy_into(g, lo, hi)
-            for d, src in pairs:
-                d.copy_(src, non_blocking=True)
-            read = st.record(st.h2d)
-            piece.update(unit, batch, lo, g, steps, groups, scale, found_inf)
-            if dst is not None:
-                dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
-        st.wait(st.record(st.h2d), st.d2h)
-        with st.on(st.d2h):
-            for d, src in pairs:
-                src.copy_(d, non_blocking=True)
-        self._free[k] = unit.host_write = st.record(st.d2h)
-        moved = sum(d.numel() * d.element_size() for d, _ in pairs)
-        engine.stats.add_h2d(moved + grad_bytes)
-        engine.stats.add_bytes("d2h", moved)
-        engine.stats.gpu_adam_params += n
-        return read

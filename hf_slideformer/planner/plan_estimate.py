@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .budget import DEVICE_PIECE, balanced_share
-from ..disk.unit_state import record_layout
 from ..disk.disk_plan import DiskSplit
-from ..disk.disk_record import MOMENTS, WHOLE, StateRecord, record_bytes
+from ..disk.disk_record import MOMENTS, WHOLE, record_bytes
 from ..disk.disk_store import pool_buffers
 from ..host.host_optim import embed_format, state_format
 from ..host.memory import COPY_CHUNK
@@ -328,32 +327,14 @@ class Estimator:
         return (self.s.embed_params if res[0] else 0) + res[1] * self.s.layer_params
 
     def disk_state_bytes(self, disk_layers: DiskSplit) -> int:
-        """Bytes of the state file of the layers on disk (one record each: the engine's file is not
-        kept, disk/unit_state.py)."""
-        if not disk_layers.layers:
-            return 0
-        P = self.s.layer_params
-        fmt = state_format(self.optimizer_state)
-        head, _, sizes = record_layout([StateRecord(P, part, fmt).layout
-                                        for part in disk_layers.parts(disk_layers.layers)], slots=1)
-        return head + sum(sizes)
+        """Bytes of the state file of the layers on disk (`DiskSplit.file_bytes`)."""
+        return disk_layers.file_bytes(self.s.layer_params, state_format(self.optimizer_state))
 
     def disk_traffic(self, N: int, disk_layers: DiskSplit, deferred: bool | None = None) -> int:
-        """Bytes the layers on disk read and write per optimizer step of N micro-batches (deferred:
-        default N > 1). A layer with its moments on disk reads them once for its update and writes
-        them once after it: 2 records of its moments (8 B/param under 'adamw', 2.03 under the 8-bit
-        formats), whatever N. A layer with its whole state there reads its master alone for each copy (disk_store.py: [Why a copy reads the master alone])
-        and its whole record for its update, and writes it once after: updating in backward, the
-        forward's copy (4 B/param) then the recompute's copy, which the update shares (12), per
-        micro-batch; deferred, the forward's and the recompute's copies (4 + 4) per micro-batch
-        and the whole record once for the update at the step. Evictions in between are assumed
-        (the pool holds four records), so a record read for the forward is read again."""
+        """Bytes the layers on disk read and write per optimizer step of N micro-batches
+        (`DiskSplit.traffic`; deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
-        P, fmt = self.s.layer_params, state_format(self.optimizer_state)
-        rec = StateRecord(P, WHOLE, fmt)
-        master, full = rec.master_bytes, rec.nbytes
-        whole = N * 2 * master + full if deferred else N * (master + full)
-        return disk_layers.moments * 2 * record_bytes(P, MOMENTS, fmt) + disk_layers.whole * (whole + full)
+        return disk_layers.traffic(self.s.layer_params, state_format(self.optimizer_state), N, deferred)
 
     def times(self, B: int, N: int, tier: str, deferred: bool | None = None,
               res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:
