@@ -1,0 +1,84 @@
+"""Where a Qwen3.5 linear-attention layer spends its GPU time (forward + backward, one micro-batch).
+
+    python benchmarks/experiments/gated_delta_probe.py [--batch 16] [--seq 2048]
+
+Builds one ``Qwen3_5GatedDeltaNet`` of the qwen3.5-9b shape (bf16, random init) and times, with
+CUDA events (median of 5 after 2 warm-up), the whole module and its parts: the depthwise causal
+conv, the chunked gated delta rule; then prints the 25 CUDA kernels that take the most time in one
+forward + backward under torch.profiler.
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+
+def timed(fn, reps=5, warm=2):
+    times = []
+    for i in range(warm + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warm:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=2048)
+    args = ap.parse_args()
+    cfg_path = Path(__file__).resolve().parents[1] / "configs" / "qwen3.5-9b.json"
+    raw = json.loads(cfg_path.read_text())
+    raw.pop("_comment", None)
+    config = AutoConfig.for_model(**raw)
+    dev = torch.device("cuda")
+    net = q35.Qwen3_5GatedDeltaNet(config, layer_idx=0).to(dev, torch.bfloat16)
+    x = torch.randn(args.batch, args.seq, config.hidden_size, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def module_fb():
+        out = net(x)
+        out.float().square().mean().backward()
+
+    print(f"chunk fn: {q35.torch_chunk_gated_delta_rule}")
+    print(f"causal conv fn: {getattr(q35, 'causal_conv1d_fn', None)}")
+    print(f"module fwd+bwd: {timed(module_fb):.2f} ms")
+    with torch.no_grad():
+        print(f"module fwd only: {timed(lambda: net(x)):.2f} ms")
+
+    h, nk, nv, dk, dv = args.batch, config.linear_num_key_heads, config.linear_num_value_heads, 128, 128
+    q = torch.randn(h, args.seq, nk, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(h, args.seq, nk, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(h, args.seq, nv, dv, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = (-torch.rand(h, args.seq, nv, device=dev)).requires_grad_()
+    beta = torch.rand(h, args.seq, nv, device=dev, dtype=torch.bfloat16).requires_grad_()
+
+    def chunk_fb():
+        o, _ = q35.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o.float().square().mean().backward()
+
+    print(f"chunk rule fwd+bwd: {timed(chunk_fb):.2f} ms")
+    conv_in = torch.randn(h, net.conv_dim, args.seq, device=dev, dtype=torch.bfloat16, requires_grad=True)
+
+    def conv_fb():
+        y = torch.nn.functional.silu(net.conv1d(conv_in)[..., : args.seq])
+        y.float().square().mean().backward()
+
+    print(f"conv fwd+bwd: {timed(conv_fb):.2f} ms")
+
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        module_fb()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()
