@@ -4,7 +4,8 @@
 
 Builds one ``Qwen3_5GatedDeltaNet`` of the qwen3.5-9b shape (bf16, random init) and times, with
 CUDA events (median of 5 after 2 warm-up), the whole module and its parts: the depthwise causal
-conv, the chunked gated delta rule; then prints the 25 CUDA kernels that take the most time in one
+conv, the chunked gated delta rule (transformers' torch path and `triton_ops.gated_delta`), the
+module with the latter; then prints the 25 CUDA kernels that take the most time in one
 forward + backward under torch.profiler.
 """
 import argparse
@@ -15,6 +16,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
+
+from triton_ops.gated_delta import chunk_gated_delta_rule
 
 
 def timed(fn, reps=5, warm=2):
@@ -64,7 +67,19 @@ def main():
         o, _ = q35.torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         o.float().square().mean().backward()
 
-    print(f"chunk rule fwd+bwd: {timed(chunk_fb):.2f} ms")
+    print(f"chunk rule fwd+bwd (transformers): {timed(chunk_fb):.2f} ms")
+
+    def own_fb():
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        o.float().square().mean().backward()
+
+    print(f"chunk rule fwd+bwd (triton_ops.gated_delta): {timed(own_fb):.2f} ms")
+    original = q35.torch_chunk_gated_delta_rule
+    q35.torch_chunk_gated_delta_rule = chunk_gated_delta_rule
+    try:
+        print(f"module fwd+bwd with triton_ops.gated_delta: {timed(module_fb):.2f} ms")
+    finally:
+        q35.torch_chunk_gated_delta_rule = original
     conv_in = torch.randn(h, net.conv_dim, args.seq, device=dev, dtype=torch.bfloat16, requires_grad=True)
 
     def conv_fb():
