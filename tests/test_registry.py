@@ -1,4 +1,5 @@
 """The family registry: every entry is read by the adapters, the kernel patch, the planner and the tests."""
+import importlib
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -31,15 +32,22 @@ def test_an_entry_finds_the_parts_and_counts_the_parameters(model_type):
         assert shape.n_params == sum(p.numel() for p in model.parameters())
 
 
+# The ops that replace a module-level function of the family's modeling module (fla absent here).
+FUNCTION_OPS = (("rope", "apply_rotary_pos_emb"), ("gated_delta", "torch_chunk_gated_delta_rule"))
+
+
 @pytest.mark.parametrize("model_type", [n for n, f in REGISTRY.items() if f.kernels])
 def test_a_kernel_family_is_patched_and_reverted(model_type):
     model = AutoModelForCausalLM.from_config(family_config(model_type))
     handle = triton_ops.patch(model)
     family = get_family(model_type)
     assert handle.family == model_type
-    assert handle.rope_module == (family.modeling if "rope" in family.kernels else None)
+    modeling = importlib.import_module(family.modeling)
+    swapped = {name: getattr(modeling, name) for _, name in handle.functions}
+    assert handle.functions == [(family.modeling, name) for op, name in FUNCTION_OPS if op in family.kernels]
     handle.revert()
     assert all("forward" not in m.__dict__ for m in model.modules())
+    assert all(getattr(modeling, name) is not fn for name, fn in swapped.items())     # the originals are back
 
 
 def test_an_unknown_model_type_names_the_supported_ones():

@@ -15,6 +15,10 @@ that entry lists (a family's op that differs keeps HF's module):
 - "rope": the family's `apply_rotary_pos_emb` (a module-level function the attention layers look
   up at call time) becomes `triton_ops.rope`. This is the one change that is not per model: it
   lasts while at least one model of that family is patched (a count per family);
+- "gated_delta": likewise the family's `torch_chunk_gated_delta_rule` (transformers' torch path
+  of the linear-attention layers, which it takes when flash-linear-attention is not installed)
+  becomes `triton_ops.gated_delta.chunk_gated_delta_rule`: the same mathematics in fp32, the
+  scan over chunks with its own backward. Where `fla` is installed, its kernels stay;
 - the causal LM's `forward`: with labels, the loss comes from `linear_cross_entropy` on the
   final hidden states, with the family's logit transform (Granite's divisor, Gemma's
   soft-capping), and the logits are not materialized (`logits` is None in the output); without
@@ -30,6 +34,7 @@ the same kernel writes and hands to `give` (the FP8 mode's `hf_slideformer.compu
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import types
 from dataclasses import dataclass, field
 
@@ -42,7 +47,8 @@ import triton_ops
 __all__ = ["PatchHandle", "patch", "unpatch", "supported_families", "patched_op", "rows_forward"]
 
 _ATTR = "_triton_ops_patch"
-_rope_patches: dict[str, tuple[object, int]] = {}   # family module name -> (original function, count)
+# (modeling module name, function name) -> (original function, patched models of that module)
+_function_patches: dict[tuple[str, str], tuple[object, int]] = {}
 
 
 def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -166,28 +172,30 @@ class PatchHandle:
         model: the patched model.
         family: its `config.model_type`.
         forwards: modules whose instance `forward` was replaced.
-        rope_module: name of the modeling module whose `apply_rotary_pos_emb` was replaced.
+        functions: (modeling module name, function name) of the module-level functions replaced
+            (`apply_rotary_pos_emb`, `torch_chunk_gated_delta_rule`).
     """
 
     model: nn.Module
     family: str
     forwards: list[nn.Module] = field(default_factory=list)
-    rope_module: str | None = None
+    functions: list[tuple[str, str]] = field(default_factory=list)
 
     def revert(self) -> None:
-        """Restore the original forwards and, with the last patched model of the family, rope."""
+        """Restore the original forwards and, with the last patched model of the family, the
+        module-level functions."""
         for module in self.forwards:
             if "forward" in module.__dict__:
                 delattr(module, "forward")
         self.forwards = []
-        if self.rope_module is not None:
-            original, count = _rope_patches[self.rope_module]
+        for key in self.functions:
+            original, count = _function_patches[key]
             if count == 1:
-                setattr(importlib.import_module(self.rope_module), "apply_rotary_pos_emb", original)
-                del _rope_patches[self.rope_module]
+                setattr(importlib.import_module(key[0]), key[1], original)
+                del _function_patches[key]
             else:
-                _rope_patches[self.rope_module] = (original, count - 1)
-            self.rope_module = None
+                _function_patches[key] = (original, count - 1)
+        self.functions = []
         if getattr(self.model, _ATTR, None) is self:
             delattr(self.model, _ATTR)
 
@@ -224,13 +232,13 @@ def _family(model: nn.Module):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-          geglu: bool = True, cross_entropy: bool = True) -> PatchHandle:
+          geglu: bool = True, gated_delta: bool = True, cross_entropy: bool = True) -> PatchHandle:
     """Apply the fused ops to a Hugging Face model of a supported family, in place.
 
     Args:
         model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
-        rms_norm, rope, swiglu, geglu, cross_entropy: which ops to swap in (of those the family's
-            entry lists; the loss head applies to every family).
+        rms_norm, rope, swiglu, geglu, gated_delta, cross_entropy: which ops to swap in (of those
+            the family's entry lists; the loss head applies to every family).
 
     Returns:
         A `PatchHandle`; `handle.revert()` or `unpatch(model)` restores the model.
@@ -262,13 +270,22 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
         model.forward = types.MethodType(_causal_lm_forward, model)
         handle.forwards.append(model)
     if rope:
-        mod = importlib.import_module(modeling)
-        original, count = _rope_patches.get(modeling, (mod.apply_rotary_pos_emb, 0))
-        mod.apply_rotary_pos_emb = _rope
-        _rope_patches[modeling] = (original, count + 1)
-        handle.rope_module = modeling
+        _swap_function(handle, modeling, "apply_rotary_pos_emb", _rope)
+    if gated_delta and "gated_delta" in family.kernels and importlib.util.find_spec("fla") is None:
+        from .gated_delta import chunk_gated_delta_rule
+        _swap_function(handle, modeling, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule)
     object.__setattr__(model, _ATTR, handle)
     return handle
+
+
+def _swap_function(handle: PatchHandle, modeling: str, name: str, replacement) -> None:
+    """Replace the module-level function `name` of module `modeling` (looked up at call time by
+    the family's layers) while at least one model of the family is patched."""
+    module = importlib.import_module(modeling)
+    original, count = _function_patches.get((modeling, name), (getattr(module, name), 0))
+    setattr(module, name, replacement)
+    _function_patches[(modeling, name)] = (original, count + 1)
+    handle.functions.append((modeling, name))
 
 
 def unpatch(model: nn.Module) -> None:
