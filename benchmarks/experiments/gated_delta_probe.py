@@ -57,8 +57,10 @@ def main():
         print(f"module fwd only: {timed(lambda: net(x)):.2f} ms")
 
     h, nk, nv, dk, dv = args.batch, config.linear_num_key_heads, config.linear_num_value_heads, 128, 128
-    q = torch.randn(h, args.seq, nk, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(h, args.seq, nk, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    # The module repeats the query / key heads to the value heads before the rule (transformers 5.17
+    # does it there; later versions' rule also takes fewer query / key heads).
+    q = torch.randn(h, args.seq, nv, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(h, args.seq, nv, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(h, args.seq, nv, dv, device=dev, dtype=torch.bfloat16, requires_grad=True)
     g = (-torch.rand(h, args.seq, nv, device=dev)).requires_grad_()
     beta = torch.rand(h, args.seq, nv, device=dev, dtype=torch.bfloat16).requires_grad_()
