@@ -56,7 +56,7 @@ def main():
     with torch.no_grad():
         print(f"module fwd only: {timed(lambda: net(x)):.2f} ms")
 
-    h, nk, nv, dk, dv = args.batch, config.linear_num_key_heads, config.linear_num_value_heads, 128, 128
+    h, nv, dk, dv = args.batch, config.linear_num_value_heads, 128, 128
     # The module repeats the query / key heads to the value heads before the rule (transformers 5.17
     # does it there; later versions' rule also takes fewer query / key heads).
     q = torch.randn(h, args.seq, nv, dk, device=dev, dtype=torch.bfloat16, requires_grad=True)
