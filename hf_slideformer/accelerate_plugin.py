@@ -36,10 +36,10 @@ SECTION = "slideformer"
 _HOST_SECTION = "mpirun_config"
 
 
-def multi_process_message(n: int) -> str:
+def multi_process_message(processes: int) -> str:
     """The error for a launch whose kind of parallelism sliding does not support."""
-    return (f"hf_slideformer was launched with {n} processes of a kind it does not slide with: several GPUs of one "
-            "host train data parallel (distributed_type MULTI_GPU, or MULTI_CPU on CPUs; docs/multi_gpu.md); "
+    return (f"hf_slideformer was launched with {processes} processes of a kind it does not slide with: several GPUs "
+            "of one host train data parallel (distributed_type MULTI_GPU, or MULTI_CPU on CPUs; docs/multi_gpu.md); "
             "several hosts, XLA, DeepSpeed and FSDP launches are not supported.")
 
 
@@ -82,11 +82,11 @@ def _launcher_config_file() -> Optional[str]:
     except Exception:  # noqa: BLE001 - no psutil or no access: fall back to the default file
         argv = []
     if any("accelerate" in a for a in argv[:3]):
-        for i, a in enumerate(argv):
-            if a in ("--config_file", "--config-file") and i + 1 < len(argv):
-                return argv[i + 1]
-            if a.startswith(("--config_file=", "--config-file=")):
-                return a.split("=", 1)[1]
+        for position, arg in enumerate(argv):
+            if arg in ("--config_file", "--config-file") and position + 1 < len(argv):
+                return argv[position + 1]
+            if arg.startswith(("--config_file=", "--config-file=")):
+                return arg.split("=", 1)[1]
     from accelerate.commands.config import default_config_file
 
     return default_config_file if os.path.isfile(default_config_file) else None
@@ -120,8 +120,8 @@ class SlidePlugin:
         """Read the `slideformer` mapping of a yaml file (inside `mpirun_config`, or at the top level)."""
         import yaml
 
-        with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f) or {}
+        with open(path, encoding="utf-8") as handle:
+            doc = yaml.safe_load(handle) or {}
         section = doc.get(SECTION)
         if section is None:
             section = (doc.get(_HOST_SECTION) or {}).get(SECTION)
@@ -158,14 +158,14 @@ def take_fp8_recipe(handlers, precision: str) -> list:
     """
     handlers = list(handlers or [])
     recipes = [h for h in handlers if type(h).__name__ in ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")]
-    for h in recipes:
+    for recipe in recipes:
         if precision != "fp8":
-            raise ValueError(f"{type(h).__name__} was given with mixed_precision={precision!r}: an FP8 recipe needs "
-                             "mixed_precision='fp8'")
-        if type(h).__name__ != "AORecipeKwargs":
-            raise ValueError(f"{type(h).__name__} is not supported with sliding: the engine's FP8 is torchao's "
+            raise ValueError(f"{type(recipe).__name__} was given with mixed_precision={precision!r}: an FP8 recipe "
+                             "needs mixed_precision='fp8'")
+        if type(recipe).__name__ != "AORecipeKwargs":
+            raise ValueError(f"{type(recipe).__name__} is not supported with sliding: the engine's FP8 is torchao's "
                              "float8 rowwise recipe; pass AORecipeKwargs() or none")
-        cfg = getattr(h, "config", None)
+        cfg = getattr(recipe, "config", None)
         if cfg is not None:
             casts = [getattr(cfg, f"cast_config_{n}", None) for n in ("input", "weight", "grad_output")]
             axiswise = all(str(getattr(c, "scaling_granularity", "")).upper().endswith("AXISWISE") for c in casts)

@@ -44,10 +44,10 @@ def tiny_config(model_type: str = "llama", vocab_size: int = 384, **overrides):
 
 def token_blocks(tokenizer, block: int = 64, path: str | None = None) -> torch.Tensor:
     """The corpus tokenized, with <eos> between paragraphs, cut into (N, block) blocks."""
-    with open(path or corpus_path(), encoding="utf-8") as f:
-        paras = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+    with open(path or corpus_path(), encoding="utf-8") as handle:
+        paras = [p.strip() for p in handle.read().split("\n\n") if p.strip()]
     ids: list[int] = []
-    for p in paras:
-        ids.extend(tokenizer(p)["input_ids"] + [tokenizer.eos_token_id])
-    n = len(ids) // block
-    return torch.tensor(ids[: n * block], dtype=torch.long).view(n, block)
+    for para in paras:
+        ids.extend(tokenizer(para)["input_ids"] + [tokenizer.eos_token_id])
+    num_blocks = len(ids) // block
+    return torch.tensor(ids[: num_blocks * block], dtype=torch.long).view(num_blocks, block)

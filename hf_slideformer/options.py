@@ -309,10 +309,10 @@ def option(default: Any, kind: Kind, help: str, *, none: str = "", surfaces: tup
 def settings_of(cls: type) -> dict[str, Option]:
     """The settings table of dataclass `cls`: field name -> `Option`, in field order."""
     out = {}
-    for f in dataclasses.fields(cls):
-        if "option" not in f.metadata:
-            raise TypeError(f"{cls.__name__}.{f.name} is not declared with option(...)")
-        out[f.name] = dataclasses.replace(f.metadata["option"], name=f.name)
+    for spec in dataclasses.fields(cls):
+        if "option" not in spec.metadata:
+            raise TypeError(f"{cls.__name__}.{spec.name} is not declared with option(...)")
+        out[spec.name] = dataclasses.replace(spec.metadata["option"], name=spec.name)
     return out
 
 

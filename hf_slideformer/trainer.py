@@ -71,14 +71,14 @@ class SlideTrainer(Trainer):
     model. `optimizers` may carry a `SlideOptimizer` and any LR scheduler.
     """
 
-    def __init__(self, model=None, args: TrainingArguments | None = None, *a, **kw):
+    def __init__(self, model=None, args: TrainingArguments | None = None, *positional, **kw):
         from .trl_support import upgrade_args
 
         if args is None:
             args = SlideArgs(output_dir="trainer_output")
         elif not isinstance(args, SlideArgs):
             args = upgrade_args(args)
-        super().__init__(model, args, *a, **kw)
+        super().__init__(model, args, *positional, **kw)
 
     # ------------------------------------------------------------------ set-up
     def create_accelerator_and_postprocess(self) -> None:
@@ -251,8 +251,8 @@ class SlideTrainer(Trainer):
                 if rng_files is None:
                     self._save_rng_state(tmp)
                 for name, data in rng_files or ():
-                    with open(os.path.join(tmp, name), "wb") as f:
-                        f.write(data)
+                    with open(os.path.join(tmp, name), "wb") as handle:
+                        handle.write(data)
             for cb in [c for c in self.callback_handler.callbacks + [self.control] if isinstance(c, ExportableState)]:
                 name = cb.__class__.__name__
                 if isinstance(self.state.stateful_callbacks.get(name), list):
@@ -274,9 +274,9 @@ class SlideTrainer(Trainer):
         import tempfile
 
         import torch.distributed as dist
-        with tempfile.TemporaryDirectory() as d:
-            self._save_rng_state(d)
-            mine = [(n, open(os.path.join(d, n), "rb").read()) for n in sorted(os.listdir(d))]
+        with tempfile.TemporaryDirectory() as rng_dir:
+            self._save_rng_state(rng_dir)
+            mine = [(n, open(os.path.join(rng_dir, n), "rb").read()) for n in sorted(os.listdir(rng_dir))]
         got = [None] * dp.world if dp.writes else None
         dist.gather_object(mine, got, dst=0, group=dp.host_group)
         return [f for files in got for f in files] if dp.writes else None
@@ -322,8 +322,8 @@ def _check_files(checkpoint: str) -> None:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {checkpoint} is not a complete checkpoint")
     try:
-        with open(path, encoding="utf-8") as f:
-            json.load(f)
+        with open(path, encoding="utf-8") as handle:
+            json.load(handle)
     except ValueError as e:
         raise CheckpointError(f"{path} is corrupted: {e}") from e
     sched = os.path.join(checkpoint, SCHEDULER_NAME)

@@ -26,11 +26,11 @@ STAGING = "slide-save"
 _WEIGHTS = (".safetensors", ".bin")
 
 
-def _same_file(a: str, b: str) -> bool:
+def _same_file(path1: str, path2: str) -> bool:
     try:
-        if os.path.getsize(a) != os.path.getsize(b):
+        if os.path.getsize(path1) != os.path.getsize(path2):
             return False
-        with open(a, "rb") as fa, open(b, "rb") as fb:
+        with open(path1, "rb") as fa, open(path2, "rb") as fb:
             return fa.read() == fb.read()
     except OSError:
         return False

@@ -87,8 +87,8 @@ def leftover_path(parent: str, kind: str, name: str) -> str:
 
 
 def _parse(entry: str):
-    m = _LEFTOVER.match(entry)
-    return None if m is None else (m["kind"], m["name"], m["host"], int(m["pid"]), int(m["ns"]))
+    match = _LEFTOVER.match(entry)
+    return None if match is None else (match["kind"], match["name"], match["host"], int(match["pid"]), int(match["ns"]))
 
 
 def _alive_elsewhere(host: str, pid: int) -> bool:
@@ -122,9 +122,9 @@ def fsync_dir(path: str) -> None:
 def fsync_tree(path: str) -> None:
     """Flush every file and directory under `path` (before it is renamed into place)."""
     for root, _, files in os.walk(path):
-        for f in files:
+        for file_name in files:
             with contextlib.suppress(OSError):
-                fsync_file(os.path.join(root, f))
+                fsync_file(os.path.join(root, file_name))
         fsync_dir(root)
 
 
@@ -132,8 +132,8 @@ def remove_leftovers(parent: str, kind: str) -> None:
     """Remove `.<kind>-*` entries of dead processes under `parent` (a killed save's staging folders)."""
     with contextlib.suppress(FileNotFoundError):
         for entry in os.listdir(parent):
-            p = _parse(entry)
-            if p is not None and p[0] == kind and not _alive_elsewhere(p[2], p[3]):
+            parsed = _parse(entry)
+            if parsed is not None and parsed[0] == kind and not _alive_elsewhere(parsed[2], parsed[3]):
                 shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
@@ -168,39 +168,40 @@ def recover_directories(parent: str, name: str | None = None) -> None:
         return
     groups: dict[str, list[tuple[str, str, int]]] = {}
     for entry in entries:
-        p = _parse(entry)
-        if p is None or p[0] not in _KINDS or (name is not None and p[1] != name) or _alive_elsewhere(p[2], p[3]):
+        parsed = _parse(entry)
+        if (parsed is None or parsed[0] not in _KINDS or (name is not None and parsed[1] != name)
+                or _alive_elsewhere(parsed[2], parsed[3])):
             continue
-        groups.setdefault(p[1], []).append((p[0], entry, p[4]))
+        groups.setdefault(parsed[1], []).append((parsed[0], entry, parsed[4]))
     for target, items in groups.items():
         final = os.path.join(parent, target)
         complete = sorted((ns, kind, e) for kind, e, ns in items if kind in ("new", "merge"))
         olds = [e for kind, e, _ in items if kind == "old"]
-        for kind, e, _ in items:
+        for kind, leftover, _ in items:
             if kind == "tmp":
-                shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
-        for _, _, e in complete[:-1]:
-            shutil.rmtree(os.path.join(parent, e), ignore_errors=True)
+                shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
+        for _, _, leftover in complete[:-1]:
+            shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
         if complete:
-            _, kind, e = complete[-1]
+            _, kind, leftover = complete[-1]
             logger.warning("finishing the interrupted save of %s", final)
             if os.path.isdir(final):
-                for o in olds:
-                    shutil.rmtree(os.path.join(parent, o), ignore_errors=True)
-                _swap_in(parent, os.path.join(parent, e), target, kind == "merge", None)
+                for old in olds:
+                    shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
+                _swap_in(parent, os.path.join(parent, leftover), target, kind == "merge", None)
             else:
-                _swap_in(parent, os.path.join(parent, e), target, False, None)
-                for o in olds:
-                    shutil.rmtree(os.path.join(parent, o), ignore_errors=True)
+                _swap_in(parent, os.path.join(parent, leftover), target, False, None)
+                for old in olds:
+                    shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
         elif olds and not os.path.lexists(final):
             logger.warning("restoring %s: its replacement was not complete", final)
             os.rename(os.path.join(parent, olds[-1]), final)
             fsync_dir(parent)
-            for o in olds[:-1]:
-                shutil.rmtree(os.path.join(parent, o), ignore_errors=True)
+            for old in olds[:-1]:
+                shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
         else:
-            for o in olds:
-                shutil.rmtree(os.path.join(parent, o), ignore_errors=True)
+            for old in olds:
+                shutil.rmtree(os.path.join(parent, old), ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -251,10 +252,10 @@ def final_paths_in_logs(tmp: str, final: str, loggers=("transformers", "")):
     """While saving into `tmp`, log messages that name it show `final` instead."""
     flt = _PathFilter(tmp, final)
     handlers = {h for n in loggers for h in logging.getLogger(n or None).handlers}
-    for h in handlers:
-        h.addFilter(flt)
+    for handler in handlers:
+        handler.addFilter(flt)
     try:
         yield
     finally:
-        for h in handlers:
-            h.removeFilter(flt)
+        for handler in handlers:
+            handler.removeFilter(flt)

@@ -100,23 +100,23 @@ def _load_buffers(model, path) -> None:
     for name in wanted:
         if name not in weight_map:
             continue                 # left as the model's init builds it (HF does the same)
-        with safe_open(os.path.join(path, weight_map[name]), "pt") as f:
-            t = f.get_tensor(name)
+        with safe_open(os.path.join(path, weight_map[name]), "pt") as handle:
+            tensor = handle.get_tensor(name)
         prefix, _, leaf = name.rpartition(".")
         module = model.get_submodule(prefix)
-        module._buffers[leaf] = t.to(wanted[name].dtype)
+        module._buffers[leaf] = tensor.to(wanted[name].dtype)
 
 
 def _index(path) -> dict[str, str]:
     """tensor name -> file name; `model.safetensors` wins over an index, as in HF's loader."""
     single = os.path.join(path, WEIGHTS_NAME)
     if os.path.exists(single):
-        with safe_open(single, "pt") as f:
-            return {k: WEIGHTS_NAME for k in f.keys()}
+        with safe_open(single, "pt") as handle:
+            return {k: WEIGHTS_NAME for k in handle.keys()}
     idx = os.path.join(path, INDEX_NAME)
     if os.path.exists(idx):
-        with open(idx) as f:
-            return json.load(f)["weight_map"]
+        with open(idx) as handle:
+            return json.load(handle)["weight_map"]
     raise CheckpointError(f"no {WEIGHTS_NAME} or {INDEX_NAME} in {path} (only safetensors checkpoints are read)")
 
 
@@ -127,9 +127,9 @@ def load_weights(model, path) -> None:
     check = model.slide_engine.config.check_finite_weights
     weight_map = _index(path)
     expected = {}
-    for u in store.units:
-        for e in u.entries:
-            expected[e.name] = (u, e)
+    for unit in store.units:
+        for entry in unit.entries:
+            expected[entry.name] = (unit, entry)
     tied = model.slide_engine.tied
     missing = [n for n in expected if n not in weight_map]
     packed = {n for n in missing if all(n + end in weight_map for end in _PACKED)}     # MXFP4 weights
@@ -138,11 +138,11 @@ def load_weights(model, path) -> None:
     aliases = {n: src for n in missing if n not in stacked and (src := renamed_source(n, weight_map))}
     missing = [n for n in missing if n not in stacked and n not in aliases]
     if tied:
-        for n in list(missing):
+        for name in list(missing):
             alt = "lm_head.weight"
-            if n.endswith("embed_tokens.weight") and alt in weight_map:
-                aliases[n] = alt
-                missing.remove(n)
+            if name.endswith("embed_tokens.weight") and alt in weight_map:
+                aliases[name] = alt
+                missing.remove(name)
     elif getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
         # PEFT's modules_to_save untied a tied model (modules_to_save.py): its lm_head, a copy or the
         # frozen original, starts as the checkpoint's one table.
@@ -154,9 +154,10 @@ def load_weights(model, path) -> None:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s): {', '.join(missing[:20])}"
                               f"{' ...' if len(missing) > 20 else ''}")
     by_file: dict[str, list[str]] = {}
-    for n in expected:
-        src = n + _PACKED[0] if n in packed else stacked[n][0][0] if n in stacked else aliases.get(n, n)
-        by_file.setdefault(weight_map[src], []).append(n)
+    for name in expected:
+        src = (name + _PACKED[0] if name in packed else stacked[name][0][0] if name in stacked
+               else aliases.get(name, name))
+        by_file.setdefault(weight_map[src], []).append(name)
     mismatched = []
     # HF's own bar: silenced as HF's loading bar is (`transformers.utils.logging.disable_progress_bar()`).
     bar = hf_logging.tqdm(total=sum(u.numel for u in store.units) * 4, unit="B", unit_scale=True,
@@ -166,24 +167,25 @@ def load_weights(model, path) -> None:
             fpath = os.path.join(path, fname)
             if not os.path.exists(fpath):
                 raise CheckpointError(f"checkpoint file {fpath} named in the index does not exist")
-            with safe_open(fpath, "pt") as f:
+            with safe_open(fpath, "pt") as handle:
                 # one unit at a time: a layer on disk is read in and written back once per file
-                for u, group in itertools.groupby(names, key=lambda n: id(expected[n][0])):
+                for _, group in itertools.groupby(names, key=lambda n: id(expected[n][0])):
                     group = list(group)
-                    u = expected[group[0]][0]
-                    with store.unit_state(u, write=True):
-                        for n in group:
-                            e = expected[n][1]
-                            t = (_dequantized(f, fname, path, weight_map, n) if n in packed
-                                 else read_stacked(path, weight_map, stacked[n]) if n in stacked
-                                 else f.get_tensor(aliases.get(n, n)))
+                    unit = expected[group[0]][0]
+                    with store.unit_state(unit, write=True):
+                        for name in group:
+                            entry = expected[name][1]
+                            tensor = (_dequantized(handle, fname, path, weight_map, name) if name in packed
+                                      else read_stacked(path, weight_map, stacked[name]) if name in stacked
+                                      else handle.get_tensor(aliases.get(name, name)))
                             if check:
-                                check_finite(n, t, f"in {fpath}")
-                            if tuple(t.shape) != tuple(e.shape):
-                                mismatched.append(f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(e.shape)}")
+                                check_finite(name, tensor, f"in {fpath}")
+                            if tuple(tensor.shape) != tuple(entry.shape):
+                                mismatched.append(
+                                    f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(entry.shape)}")
                                 continue
-                            e.view(u.master).copy_(t)
-                            bar.update(e.numel * 4)
+                            entry.view(unit.master).copy_(tensor)
+                            bar.update(entry.numel * 4)
     bar.close()
     if mismatched:
         raise CheckpointError(f"checkpoint {path} has tensors of the wrong shape: {'; '.join(mismatched[:20])}")
@@ -195,18 +197,18 @@ def load_weights(model, path) -> None:
         logger.warning("checkpoint tensors not used by the model: %s", sorted(unexpected)[:20])
 
 
-def _dequantized(f, fname: str, path: str, weight_map: dict[str, str], name: str) -> torch.Tensor:
-    """The fp32 weight `name` of an MXFP4 checkpoint from its blocks (read from the open file `f`)
+def _dequantized(handle, fname: str, path: str, weight_map: dict[str, str], name: str) -> torch.Tensor:
+    """The fp32 weight `name` of an MXFP4 checkpoint from its blocks (read from the open file `handle`)
     and its scales (their file may be another shard)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    blocks = f.get_tensor(name + _PACKED[0])
+    blocks = handle.get_tensor(name + _PACKED[0])
     scales_file = weight_map[name + _PACKED[1]]
     if scales_file == fname:
-        scales = f.get_tensor(name + _PACKED[1])
+        scales = handle.get_tensor(name + _PACKED[1])
     else:
-        with safe_open(os.path.join(path, scales_file), "pt") as g:
-            scales = g.get_tensor(name + _PACKED[1])
+        with safe_open(os.path.join(path, scales_file), "pt") as scales_handle:
+            scales = scales_handle.get_tensor(name + _PACKED[1])
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
 
 
@@ -225,8 +227,8 @@ def _referenced(directory: str) -> set[str]:
     if os.path.isfile(os.path.join(directory, WEIGHTS_NAME)):
         return {WEIGHTS_NAME}
     try:
-        with open(os.path.join(directory, INDEX_NAME)) as f:
-            return {INDEX_NAME} | set(json.load(f)["weight_map"].values())
+        with open(os.path.join(directory, INDEX_NAME)) as handle:
+            return {INDEX_NAME} | set(json.load(handle)["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError):
         return set()
 
@@ -246,29 +248,29 @@ def _shard_plan(eng, limit: int, dtype) -> list[list[tuple[str, object, object]]
     return plan
 
 
-def _shard_names(n: int, taken: set[str]) -> list[str]:
-    if n == 1:
+def _shard_names(count: int, taken: set[str]) -> list[str]:
+    if count == 1:
         return [WEIGHTS_NAME]
-    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    names = [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
     if taken & set(names):
-        names = [f"model-b-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        names = [f"model-b-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
     return names
 
 
 def _dtype_bits(directory: str) -> int:
     """Bits per weight of the save in `directory` by its config (0: none readable)."""
     try:
-        with open(os.path.join(directory, CONFIG_NAME)) as f:
-            cfg = json.load(f)
+        with open(os.path.join(directory, CONFIG_NAME)) as handle:
+            cfg = json.load(handle)
         name = cfg.get("dtype") or cfg.get("torch_dtype")
         return torch.finfo(getattr(torch, name)).bits
     except (OSError, ValueError, TypeError, AttributeError):
         return 0
 
 
-def _same_file(a: str, b: str) -> bool:
+def _same_file(path1: str, path2: str) -> bool:
     try:
-        with open(a, "rb") as fa, open(b, "rb") as fb:
+        with open(path1, "rb") as fa, open(path2, "rb") as fb:
             return fa.read() == fb.read()
     except OSError:
         return False
@@ -316,9 +318,10 @@ def _write(model, stage: str, plan, names: list[str], dtype) -> None:
             group = list(group)
             unit = group[0][1]
             with store.unit_state(unit):                  # a layer on disk: read in, and copied out below
-                for name, _, e in group:
-                    t = e.view(unit.master).to(dtype).contiguous()       # fp32: the master itself
-                    tensors[name] = t.clone() if store.on_disk(unit) and t.dtype == unit.master.dtype else t
+                for name, _, entry in group:
+                    tensor = entry.view(unit.master).to(dtype).contiguous()  # fp32: the master itself
+                    copy = store.on_disk(unit) and tensor.dtype == unit.master.dtype
+                    tensors[name] = tensor.clone() if copy else tensor
         if fname == names[-1]:
             tensors.update({n: b.detach().to("cpu").contiguous() for n, b in persistent_buffers(model).items()})
         save_file(tensors, os.path.join(stage, fname), metadata={"format": "pt"})
@@ -328,10 +331,10 @@ def _write(model, stage: str, plan, names: list[str], dtype) -> None:
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
     if len(names) > 1:
-        with open(os.path.join(stage, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(os.path.join(stage, INDEX_NAME), "w") as handle:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
     cfg = model.config
     old_arch, old_dtype = getattr(cfg, "architectures", None), getattr(cfg, "dtype", None)
     cfg.architectures = [model._slide_base_class.__name__]

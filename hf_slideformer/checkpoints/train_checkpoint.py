@@ -84,9 +84,9 @@ def write_plain_resume_refusal(directory: str) -> None:
     torch.save(_PlainResumeRefusal(), os.path.join(directory, PLAIN_OPTIMIZER_NAME))
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
+def tensor_crc32(tensor: torch.Tensor) -> int:
     """CRC-32 of a tensor's bytes (contiguous, any dtype)."""
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+    return zlib.crc32(tensor.contiguous().view(torch.uint8).numpy())
 
 
 def _unit_file(index: int) -> str:
@@ -95,8 +95,8 @@ def _unit_file(index: int) -> str:
 
 def _hyper_params(optimizer) -> list[dict]:
     out = []
-    for g in optimizer.param_groups:
-        out.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"})
+    for group in optimizer.param_groups:
+        out.append({k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"})
     return out
 
 
@@ -133,12 +133,12 @@ def save_training_state(directory: str, model, optimizer) -> None:
     os.makedirs(out, exist_ok=True)
     units = []
     with ThreadPoolExecutor(max_workers=_CRC_THREADS) as pool:     # zlib.crc32 releases the GIL
-        for k, unit in enumerate(engine.store.units):
+        for unit_index, unit in enumerate(engine.store.units):
             if not unit.trainable:
                 units.append({"name": unit.name, "frozen": True, "numel": unit.numel,
                               "params": [[e.name, list(e.shape)] for e in unit.entries]})
                 continue
-            fname = _unit_file(k)
+            fname = _unit_file(unit_index)
             path = os.path.join(out, fname)
             with engine.store.unit_state(unit):          # a layer on disk: read into a buffer meanwhile
                 # the format's arrays; the step counters are one fp32 scalar per parameter of the unit
@@ -163,10 +163,10 @@ def save_training_state(directory: str, model, optimizer) -> None:
     for rec in units:                     # the index, written last, must never name a file not yet durable
         if "file" in rec:
             fsync_file(os.path.join(out, rec["file"]))
-    with open(os.path.join(out, INDEX), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(os.path.join(out, INDEX), "w", encoding="utf-8") as handle:
+        json.dump(index, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
     fsync_dir(out)
 
 
@@ -182,8 +182,8 @@ def verify_training_state(directory: str, model) -> dict:
         raise CheckpointError(f"{ipath} is missing: {directory} is not a complete hf_slideformer checkpoint "
                               "(interrupted copy, or saved without the optimizer state: save_only_model=True)")
     try:
-        with open(ipath, encoding="utf-8") as f:
-            index = json.load(f)
+        with open(ipath, encoding="utf-8") as handle:
+            index = json.load(handle)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{ipath} is unreadable or corrupted: {e}") from e
     if index.get("format") != FORMAT:
@@ -223,9 +223,9 @@ def verify_training_state(directory: str, model) -> dict:
             raise CheckpointError(f"{path} holds unit {rec['name']} with parameters {theirs[:3]}..., the model's "
                                   f"unit {unit.name} has {ours[:3]}...: a checkpoint of another model")
         try:
-            with safe_open(path, "pt") as f:
-                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-                meta = f.metadata() or {}
+            with safe_open(path, "pt") as handle:
+                shapes = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+                meta = handle.metadata() or {}
         except Exception as e:  # noqa: BLE001 - any parse error means a damaged file
             raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from e
         if meta.get("unit") != rec["name"]:
@@ -271,28 +271,28 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
             continue                                 # never changed: the model's own weights are the state
         path = os.path.join(out, rec["file"])
         try:
-            with safe_open(path, "pt") as f, engine.store.unit_state(unit, write=True):
+            with safe_open(path, "pt") as handle, engine.store.unit_state(unit, write=True):
                 def read(name):
-                    t = f.get_tensor(name)
+                    tensor = handle.get_tensor(name)
                     want = rec.get("crc32", {}).get(name)
-                    if want is not None and tensor_crc32(t) != want:
+                    if want is not None and tensor_crc32(tensor) != want:
                         raise CheckpointError(f"{path}: tensor {name!r} of unit {rec['name']} does not match its "
                                               "checksum (damaged on disk or in transfer). The load stopped here, "
                                               "with the state read before it restored: load a good checkpoint "
                                               "before training")
-                    return t
+                    return tensor
 
                 fmt = unit.state_format or ADAMW
                 if weights:
                     unit.master.copy_(read("master"))
                 if opt is not None:
                     arrays = {a.name: read(a.name) for a in fmt.arrays}
-                    for n, t in arrays.items():      # every scale is checked before anything is written
-                        fmt.check(n, t, f"{path} (unit {rec['name']})")
-                    for n, t in arrays.items():
-                        getattr(unit, n).copy_(t)
-                    for s, x in zip(unit.steps, read("step")):
-                        s.copy_(x)
+                    for name, tensor in arrays.items():    # every scale is checked before anything is written
+                        fmt.check(name, tensor, f"{path} (unit {rec['name']})")
+                    for name, tensor in arrays.items():
+                        getattr(unit, name).copy_(tensor)
+                    for counter, saved_step in zip(unit.steps, read("step")):
+                        counter.copy_(saved_step)
                     del arrays
         except (CheckpointError, StateFormatMismatchError, CorruptOptimizerStateError):
             raise
@@ -302,16 +302,16 @@ def load_training_state(directory: str, model, optimizer=None, *, weights: bool 
     if "adapters" in index:
         rec = index["adapters"]
         path = os.path.join(out, rec["file"])
-        with safe_open(path, "pt") as f:
+        with safe_open(path, "pt") as handle:
             def read_adapter(name):
-                t = f.get_tensor(name)
-                if tensor_crc32(t) != rec["crc32"].get(name):
+                tensor = handle.get_tensor(name)
+                if tensor_crc32(tensor) != rec["crc32"].get(name):
                     raise CheckpointError(f"{path}: tensor {name!r} does not match its checksum (damaged on disk "
                                           "or in transfer): load a good checkpoint before training")
-                return t
+                return tensor
             engine.lora.load_state(read_adapter, weights=weights, optimizer=opt is not None)
     if opt is not None:
         for saved, group in zip(index["param_groups"], opt.param_groups):
-            for k, v in saved.items():
-                group[k] = tuple(v) if k == "betas" else v
+            for key, value in saved.items():
+                group[key] = tuple(value) if key == "betas" else value
     engine.note_restored(weights=weights, optimizer=opt is not None)

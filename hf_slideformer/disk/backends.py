@@ -69,9 +69,9 @@ class IOFuture:
     def result(self) -> int:
         if self._outcome is None:
             moved, first = 0, None
-            for p in self._parts:
+            for part in self._parts:
                 try:
-                    moved += p.result() if hasattr(p, "result") else p.get()
+                    moved += part.result() if hasattr(part, "result") else part.get()
                 except BaseException as e:          # noqa: BLE001 - every part is waited for first
                     first = first or e
             if first is None and moved != self._nbytes:
@@ -92,11 +92,11 @@ class IOFuture:
         return moved
 
 
-def _bytes(t: torch.Tensor, nbytes: int) -> torch.Tensor:
+def _bytes(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The first `nbytes` bytes of a contiguous tensor, as a flat uint8 view of its memory."""
-    if not t.is_contiguous():
+    if not tensor.is_contiguous():
         raise ValueError("disk I/O needs a contiguous tensor")
-    flat = t.detach().reshape(-1).view(torch.uint8)
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
     if flat.numel() < nbytes:
         raise ValueError(f"a buffer of {flat.numel()} bytes cannot hold {nbytes}")
     return flat[:nbytes]
@@ -141,22 +141,22 @@ class FileBackend:
     def write_file(self, path: str, buf: torch.Tensor, nbytes: int) -> None:
         """Create (or truncate) `path` and write the first `nbytes` bytes of `buf` to it."""
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
-        f = self.open(path)
+        handle = self.open(path)
         try:
-            f.pwrite(buf, nbytes, 0).result()
+            handle.pwrite(buf, nbytes, 0).result()
         finally:
-            f.close()
+            handle.close()
 
     def read_file(self, path: str, buf: torch.Tensor, nbytes: int) -> None:
         """Read the whole of `path`, which must hold exactly `nbytes` bytes, into `buf`."""
         size = os.path.getsize(path)
         if size != nbytes:
             raise _error("read", path, nbytes, 0, f"the file holds {size} bytes")
-        f = self.open(path)
+        handle = self.open(path)
         try:
-            f.pread(buf, nbytes, 0).result()
+            handle.pread(buf, nbytes, 0).result()
         finally:
-            f.close()
+            handle.close()
 
 
 # ---------------------------------------------------------------------------------------- plain
@@ -164,23 +164,23 @@ def _pread_all(fd: int, mv: memoryview, offset: int) -> int:
     done = 0
     while done < len(mv):
         if hasattr(os, "preadv"):
-            n = os.preadv(fd, [mv[done:]], offset + done)
+            moved = os.preadv(fd, [mv[done:]], offset + done)
         else:                                       # no preadv (macOS < 11): one copy more
             data = os.pread(fd, len(mv) - done, offset + done)
-            n = len(data)
-            mv[done:done + n] = data
-        if n == 0:
+            moved = len(data)
+            mv[done:done + moved] = data
+        if moved == 0:
             raise OSError(errno.EIO, f"end of file after {done} of {len(mv)} bytes")
-        done += n
+        done += moved
     return done
 
 
 def _pwrite_all(fd: int, mv: memoryview, offset: int) -> int:
     done = 0
     while done < len(mv):
-        n = os.pwritev(fd, [mv[done:]], offset + done) if hasattr(os, "pwritev") else \
+        moved = os.pwritev(fd, [mv[done:]], offset + done) if hasattr(os, "pwritev") else \
             os.pwrite(fd, mv[done:], offset + done)
-        done += n
+        done += moved
     return done
 
 
@@ -261,10 +261,10 @@ def _kvikio():
                           f"{KVIKIO_INSTALL_HINT}") from e
 
 
-def _kvikio_buffer(t: torch.Tensor):
+def _kvikio_buffer(tensor: torch.Tensor):
     """What kvikio reads into / writes from: a CUDA tensor as it is (its __cuda_array_interface__,
     uint8 so that bf16 passes), a CPU tensor as a NumPy view (the buffer protocol)."""
-    return t if t.device.type == "cuda" else t.numpy()
+    return tensor if tensor.device.type == "cuda" else tensor.numpy()
 
 
 class _KvikioFile(BackendFile):

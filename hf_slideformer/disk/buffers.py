@@ -30,13 +30,13 @@ def aligned_host_buffer(nbytes: int) -> torch.Tensor:
     boundary: a private anonymous mapping, which the kernel aligns to a page."""
     size = round_up(max(nbytes, 1))
     if hasattr(mmap, "MAP_ANONYMOUS"):
-        t = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+        buffer = torch.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
     else:                                           # no anonymous mappings: over-allocate and slice
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
         skip = -raw.data_ptr() % ALIGN
-        t = raw[skip:skip + size]
-    assert t.data_ptr() % ALIGN == 0
-    return t
+        buffer = raw[skip:skip + size]
+    assert buffer.data_ptr() % ALIGN == 0
+    return buffer
 
 
 class BufferPoolError(RuntimeError):
@@ -105,28 +105,28 @@ class HostBufferPool:
         with self._cond:
             return len(self._free)
 
-    def acquire(self, n: int = 1) -> list[HostBuffer]:
-        """Take `n` buffers, waiting until they are free. Raises `BufferPoolError` when they never
+    def acquire(self, wanted: int = 1) -> list[HostBuffer]:
+        """Take `wanted` buffers, waiting until they are free. Raises `BufferPoolError` when they never
         can be (see the Note) or the pool is closed."""
-        if n < 1:
+        if wanted < 1:
             raise ValueError("acquire at least one buffer")
         with self._cond:
             while True:
                 if self._closed:
                     raise BufferPoolError("the host buffer pool is closed")
                 usable = self.count - len(self._lost)
-                if n > usable:
+                if wanted > usable:
                     lost = (f"; {len(self._lost)} were dropped without release() and are lost (release each "
                             "HostBuffer, or use it as a context manager)" if self._lost else "")
                     raise BufferPoolError(
-                        f"{n} host buffers asked for at once, but the pool has {usable} that can be lent{lost}. "
+                        f"{wanted} host buffers asked for at once, but the pool has {usable} that can be lent{lost}. "
                         "Make the pool at least as large as the largest number any caller holds at once.")
-                if len(self._free) >= n:
-                    taken, self._free = self._free[:n], self._free[n:]
+                if len(self._free) >= wanted:
+                    taken, self._free = self._free[:wanted], self._free[wanted:]
                     out = []
-                    for k in taken:
-                        buf = HostBuffer(self, k, self._buffers[k])
-                        self._lent[k] = weakref.ref(buf, lambda _, k=k: self._lose(k))
+                    for index in taken:
+                        buf = HostBuffer(self, index, self._buffers[index])
+                        self._lent[index] = weakref.ref(buf, lambda _, index=index: self._lose(index))
                         out.append(buf)
                     return out
                 self._cond.wait()
@@ -145,11 +145,11 @@ class HostBufferPool:
             self._free.append(buf.index)
             self._cond.notify_all()
 
-    def _lose(self, k: int) -> None:
+    def _lose(self, index: int) -> None:
         with self._cond:
-            if k in self._lent:                     # collected while lent: never released
-                del self._lent[k]
-                self._lost.add(k)
+            if index in self._lent:                 # collected while lent: never released
+                del self._lent[index]
+                self._lost.add(index)
                 self._cond.notify_all()
 
     def close(self) -> None:

@@ -127,14 +127,14 @@ class DiskLayer(HostLayer):
     def _needed_next(self) -> tuple[list, bool]:
         """The disk records the schedule needs next, nearest first, from this layer on, and
         whether whole (for updates) or their masters alone (for copies)."""
-        engine, unit, states, n = self.engine, self.unit, self.states, self.states.read_ahead_count
+        engine, unit, states, depth = self.engine, self.unit, self.states, self.states.read_ahead_count
         if engine.in_backward:                            # this layer (when it updates here), then down
             updates = engine.backward_plan.updates
-            return ([unit] if updates else []) + states.ahead(unit, -1, n, masters=not updates), updates
+            return ([unit] if updates else []) + states.ahead(unit, -1, depth, masters=not updates), updates
         if not states.ahead(unit, 1, 1) and engine.live_generation is not None and not engine.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
-            return [unit] + states.ahead(unit, -1, n - 1), True
-        return states.ahead(unit, 1, n, masters=True), False     # the forward's next copies
+            return [unit] + states.ahead(unit, -1, depth - 1), True
+        return states.ahead(unit, 1, depth, masters=True), False     # the forward's next copies
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
@@ -202,8 +202,8 @@ class DiskLayer(HostLayer):
         unit = self.unit
         self.engine.clock.wait(unit.updated, "update")
         with self.engine.store.unit_state(unit):
-            for key, e in keys:
-                state_dict[key] = e.view(unit.master).clone()
+            for key, entry in keys:
+                state_dict[key] = entry.view(unit.master).clone()
 
     def _load_state_dict_hook(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -216,7 +216,7 @@ class DiskLayer(HostLayer):
         unit = self.unit
         self.engine.clock.wait(unit.updated, "update")
         with torch.no_grad(), self.engine.store.unit_state(unit, write=True):
-            for key, e in keys:
-                e.view(unit.master).copy_(state_dict[key])
-                state_dict[key] = torch.empty(e.shape, device="meta")
+            for key, entry in keys:
+                entry.view(unit.master).copy_(state_dict[key])
+                state_dict[key] = torch.empty(entry.shape, device="meta")
         unit.version += 1                               # device copies of the old weights are stale

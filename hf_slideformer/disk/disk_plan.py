@@ -29,8 +29,8 @@ __all__ = ["DiskSplit", "split_layers", "host_limit_bytes", "plan_disk_units", "
 AUTO_MARGIN_SHARE = 0.2
 AUTO_MARGIN = 4 * GiB
 
-def _size(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2 ** 20:.2f} MiB"
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / 2 ** 20:.2f} MiB"
 
 
 class DiskSplit(NamedTuple):
@@ -45,9 +45,9 @@ class DiskSplit(NamedTuple):
         """Layers with any state on disk."""
         return self.moments + self.whole
 
-    def parts(self, n: int) -> list[str | None]:
-        """Per layer of `n`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
-        return [None] * (n - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
+    def parts(self, num_layers: int) -> list[str | None]:
+        """Per layer of `num_layers`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
+        return [None] * (num_layers - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
 
     def file_bytes(self, layer_numel: int, fmt: StateFormat) -> int:
         """Bytes of the state file of these layers, each of `layer_numel` parameters in format `fmt`
@@ -111,8 +111,10 @@ def split_layers(limit: int, fixed: int, layer_numels: Sequence[int], fmt: State
         fmt: their optimizer state format (default fp32 AdamW).
         blocks: each layer's blocks of the format's per-block arrays (default one parameter's).
     """
-    n = len(layer_numels)
-    for split in [DiskSplit(k, 0) for k in range(n + 1)] + [DiskSplit(n - w, w) for w in range(1, n + 1)]:
+    num_layers = len(layer_numels)
+    splits = ([DiskSplit(k, 0) for k in range(num_layers + 1)]
+              + [DiskSplit(num_layers - w, w) for w in range(1, num_layers + 1)])
+    for split in splits:
         if _host_bytes(fixed, layer_numels, split, fmt, blocks) <= limit:
             return split
     return None

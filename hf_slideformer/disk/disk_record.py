@@ -70,18 +70,18 @@ class StateRecord:
     def master_bytes(self) -> int:
         """Bytes of the record's first array in a buffer, its master's where it holds one (what a
         slot copy reads)."""
-        d, n = self.layout[0]
-        return payload_bytes(((d, n),))
+        dtype, count = self.layout[0]
+        return payload_bytes(((dtype, count),))
 
     def attach(self, unit: Unit, buf) -> None:
         """Make the unit's arrays of this record views of `buf` (a tensor or a `HostBuffer`)."""
         flat = getattr(buf, "tensor", buf).detach().reshape(-1).view(torch.uint8)
-        for name, (d, n), o in zip(self.arrays, self.layout, array_offsets(self.layout)):
-            setattr(unit, name, flat[o:o + d.itemsize * n].view(d))
+        for name, (dtype, count), offset in zip(self.arrays, self.layout, array_offsets(self.layout)):
+            setattr(unit, name, flat[offset:offset + dtype.itemsize * count].view(dtype))
 
     def check(self, unit: Unit, where: str) -> None:
         """Raise `host_optim.CorruptOptimizerStateError` when an array of the record, attached to
-        `u`, holds values the format cannot hold (disk_store.py: [Why a record read is checked])."""
+        `unit`, holds values the format cannot hold (disk_store.py: [Why a record read is checked])."""
         for name in self.arrays:
             self.format.check(name, getattr(unit, name), where)
 

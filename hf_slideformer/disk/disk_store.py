@@ -149,22 +149,22 @@ class DiskStates:
 
     # ------------------------------------------------------------------ queries
     def holds(self, unit: Unit) -> bool:
-        """Is some of `u`'s state on disk?"""
+        """Is some of `unit`'s state on disk?"""
         return id(unit) in self._index
 
     def record(self, unit: Unit) -> StateRecord:
-        """What `u`'s record on disk holds."""
+        """What `unit`'s record on disk holds."""
         return self.records[self._index[id(unit)]]
 
     def is_resident(self, unit: Unit) -> bool:
         with self._cond:
             return id(unit) in self._res
 
-    def ahead(self, unit: Unit, step: int, n: int, masters: bool = False) -> list[Unit]:
-        """The next `n` disk units after `u` in schedule order (`step` 1) or backwards (-1); with
+    def ahead(self, unit: Unit, step: int, count: int, masters: bool = False) -> list[Unit]:
+        """The next `count` disk units after `unit` in schedule order (`step` 1) or backwards (-1); with
         `masters`, only those of them whose record holds the master (the ones a slot copy reads)."""
-        k = self._index[id(unit)]
-        near = [j for j in range(k + step, k + step * (n + 1), step) if 0 <= j < len(self.units)]
+        index = self._index[id(unit)]
+        near = [j for j in range(index + step, index + step * (count + 1), step) if 0 <= j < len(self.units)]
         return [self.units[j] for j in near if not masters or self.records[j].master]
 
     @property
@@ -186,8 +186,8 @@ class DiskStates:
             return False
         if residency.write is not None and (not residency.write.done() or residency.write.exception() is not None):
             return False                        # a failed write: the buffer is newer than the file
-        k = self._index[uid]                    # device copies read the buffer only where it holds the master
-        return not self.records[k].master or all(ev.query() for ev in self.units[k].readers)
+        index = self._index[uid]                # device copies read the buffer only where it holds the master
+        return not self.records[index].master or all(ev.query() for ev in self.units[index].readers)
 
     def _take(self, keep=()):
         """A free buffer, evicting the least recently used unit nobody needs (not one in `keep`);
@@ -197,33 +197,33 @@ class DiskStates:
             if not idle:
                 return None
             uid = min(idle)[1]
-            k, r = self._index[uid], self._res.pop(uid)
-            self.records[k].detach(self.units[k])
-            r.buf.release()
+            index, residency = self._index[uid], self._res.pop(uid)
+            self.records[index].detach(self.units[index])
+            residency.buf.release()
         return self.pool.acquire_one()          # one is free: does not block
 
     def _load(self, unit: Unit, buf, whole: bool = True) -> _Residency:
-        """Make `u` resident in `buf`: its views set, its read issued (zeros if never written);
+        """Make `unit` resident in `buf`: its views set, its read issued (zeros if never written);
         without `whole`, the read of a record that holds the master covers the master alone."""
-        k = self._index[id(unit)]
-        self.records[k].attach(unit, buf)
-        if self.file.generation(k) == 0:         # never written: the state of a fresh unit is zeros
-            buf.tensor[:self.file.payload_bytes(k)].zero_()
+        index = self._index[id(unit)]
+        self.records[index].attach(unit, buf)
+        if self.file.generation(index) == 0:     # never written: the state of a fresh unit is zeros
+            buf.tensor[:self.file.payload_bytes(index)].zero_()
             read, whole = None, True
         else:
-            whole = whole or not self.records[k].master
-            span = None if whole else (0, self.file.array_bytes(k))
-            read = self.file.read(k, buf, span)
-            self.read_bytes += self.file.payload_bytes(k) if whole else span[1]
+            whole = whole or not self.records[index].master
+            span = None if whole else (0, self.file.array_bytes(index))
+            read = self.file.read(index, buf, span)
+            self.read_bytes += self.file.payload_bytes(index) if whole else span[1]
         residency = _Residency(buf, read, whole)
         self._res[id(unit)] = residency
         return residency
 
     def _complete(self, unit: Unit, residency: _Residency) -> None:
         """A unit resident with its master alone: read the rest of its record into its buffer."""
-        k = self._index[id(unit)]
-        lo, hi = self.file.array_bytes(k), self.file.payload_bytes(k)
-        residency.reads.append(self.file.read(k, residency.buf, (lo, hi)))
+        index = self._index[id(unit)]
+        lo, hi = self.file.array_bytes(index), self.file.payload_bytes(index)
+        residency.reads.append(self.file.read(index, residency.buf, (lo, hi)))
         residency.whole, residency.checked = True, False
         self.read_bytes += hi - lo
 
@@ -233,8 +233,8 @@ class DiskStates:
 
     # ------------------------------------------------------------------ pins
     def pin(self, unit: Unit, whole: bool = True) -> None:
-        """Hold `u` resident (reading it in if it is not): blocks only for a buffer. Its views
-        are valid once `ready(u)` returns, until the matching `unpin`; without `whole`, only its
+        """Hold `unit` resident (reading it in if it is not): blocks only for a buffer. Its views
+        are valid once `ready(unit)` returns, until the matching `unpin`; without `whole`, only its
         master's (a slot copy: [Why a copy reads the master alone])."""
         t0 = None
         with self._cond:
@@ -299,9 +299,9 @@ class DiskStates:
             residency = self._res[id(unit)]
             if not residency.whole:                     # its moments were never read: writing them would lose them
                 raise RuntimeError(f"internal: a write of {unit.name}, resident with its master alone")
-            k = self._index[id(unit)]
-            residency.write = fut = self.file.write(k, residency.buf)
-            self.write_bytes += self.file.payload_bytes(k)
+            index = self._index[id(unit)]
+            residency.write = fut = self.file.write(index, residency.buf)
+            self.write_bytes += self.file.payload_bytes(index)
         fut.add_done_callback(self._written)
         return fut
 
@@ -318,22 +318,22 @@ class DiskStates:
         with self._cond:
             keep = {id(u) for u in units}
             started = []
-            for u in units:
-                residency = self._res.get(id(u))
+            for unit in units:
+                residency = self._res.get(id(unit))
                 if residency is not None:
                     if whole and not residency.whole:
-                        self._complete(u, residency)
+                        self._complete(unit, residency)
                     continue
                 buf = self._take(keep)
                 if buf is None:
                     break
-                started.append(self._load(u, buf, whole))
+                started.append(self._load(unit, buf, whole))
             for residency in reversed(started):          # the nearest is the most recently used
                 self._touch(residency)
 
     @contextlib.contextmanager
     def access(self, unit: Unit, write: bool = False):
-        """`u` resident for a synchronous reader (state_dict, checkpoints): with `write`, its
+        """`unit` resident for a synchronous reader (state_dict, checkpoints): with `write`, its
         buffer is written back when the block ends and the write waited for (raising its
         failure). The engine must be idle (`SlideEngine.synchronize`)."""
         self.pin(unit)
@@ -366,8 +366,8 @@ class DiskStates:
         """Wait for the I/O in flight, close the file (its space comes back) and unpin the pool."""
         with self._cond:
             for uid in self._res:
-                k = self._index[uid]
-                self.records[k].detach(self.units[k])
+                index = self._index[uid]
+                self.records[index].detach(self.units[index])
             self._res.clear()
         self.file.close()
         self.pool.close()

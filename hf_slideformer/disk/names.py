@@ -58,9 +58,9 @@ def remove_leftovers(directory: str) -> list[str]:
     removed = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for entry in os.listdir(directory):
-            m = ENGINE_FILE.match(entry)
-            if m is None or m["host"] != host_name() or int(m["pid"]) == os.getpid() \
-                    or alive_elsewhere(m["host"], int(m["pid"])):
+            match = ENGINE_FILE.match(entry)
+            if match is None or match["host"] != host_name() or int(match["pid"]) == os.getpid() \
+                    or alive_elsewhere(match["host"], int(match["pid"])):
                 continue
             path = os.path.join(directory, entry)
             with contextlib.suppress(FileNotFoundError):

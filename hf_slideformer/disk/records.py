@@ -45,18 +45,19 @@ def unit_layout(unit) -> Layout:
             raise ValueError("a unit's numel cannot be negative")
         return ((torch.float32, unit),) * 3
     out = tuple((d, int(n)) for d, n in unit)
-    for d, n in out:
-        if d not in _CODES or n < 0:
-            raise ValueError(f"a record array is one of {sorted(map(str, _CODES))} with a count >= 0, not ({d}, {n})")
+    for dtype, count in out:
+        if dtype not in _CODES or count < 0:
+            raise ValueError(f"a record array is one of {sorted(map(str, _CODES))} with a count >= 0, "
+                             f"not ({dtype}, {count})")
     return out
 
 
 def array_offsets(layout: Layout) -> list[int]:
     """Each array's byte offset inside the payload (each a multiple of 4096)."""
     out, pos = [], 0
-    for d, n in layout:
+    for dtype, count in layout:
         out.append(pos)
-        pos += round_up(d.itemsize * n)
+        pos += round_up(dtype.itemsize * count)
     return out
 
 
@@ -95,27 +96,27 @@ def pack_file_header(file_id: int, layouts: Sequence[Layout]) -> bytes:
     return head + _CRC.pack(zlib.crc32(head))
 
 
-def parse_file_header(f, path: str, error) -> tuple[int, list[Layout]]:
-    """(file id, layouts) of the file header read from the binary file object `f`; raises
+def parse_file_header(handle, path: str, error) -> tuple[int, list[Layout]]:
+    """(file id, layouts) of the file header read from the binary file object `handle`; raises
     `error(message)` when it is not a valid header of this version."""
-    head = f.read(_FILE_HEAD.size)
+    head = handle.read(_FILE_HEAD.size)
     if len(head) < _FILE_HEAD.size:
         raise error(f"{path} is not a unit state file (too short)")
     magic, version, count, file_id, nbody = _FILE_HEAD.unpack(head)
     if magic != _FILE_MAGIC or version != VERSION:
         raise error(f"{path} is not a unit state file of version {VERSION}")
-    body = f.read(nbody)
-    crc = f.read(_CRC.size)
+    body = handle.read(nbody)
+    crc = handle.read(_CRC.size)
     if len(body) != nbody or len(crc) != _CRC.size or zlib.crc32(head + body) != _CRC.unpack(crc)[0]:
         raise error(f"{path}: its file header is damaged (CRC mismatch)")
     layouts, pos = [], 0
     for _ in range(count):
-        (k,), pos = struct.unpack_from("<I", body, pos), pos + 4
+        (num_arrays,), pos = struct.unpack_from("<I", body, pos), pos + 4
         arrays = []
-        for _ in range(k):
-            code, n = _ARRAY.unpack_from(body, pos)
+        for _ in range(num_arrays):
+            code, numel = _ARRAY.unpack_from(body, pos)
             pos += _ARRAY.size
-            arrays.append((_DTYPES[code], n))
+            arrays.append((_DTYPES[code], numel))
         layouts.append(tuple(arrays))
     return file_id, layouts
 
@@ -135,7 +136,8 @@ def parse_record(raw: bytes, file_id: int, unit: int, slot: int, layout: Layout)
     body, (crc,) = raw[:_RECORD.size], _CRC.unpack_from(raw, _RECORD.size)
     if zlib.crc32(body) != crc:
         return 0
-    magic, fid, u, s, gen, key = _RECORD.unpack(body)
-    if (magic, fid, u, s, key) != (_RECORD_MAGIC, file_id, unit, slot, _layout_key(layout) & (2 ** 64 - 1)):
+    magic, fid, saved_unit, saved_slot, gen, key = _RECORD.unpack(body)
+    want = (_RECORD_MAGIC, file_id, unit, slot, _layout_key(layout) & (2 ** 64 - 1))
+    if (magic, fid, saved_unit, saved_slot, key) != want:
         return 0
     return gen

@@ -41,8 +41,8 @@ def _fill_zeros(fd: int, start: int, end: int) -> None:
     block = bytes(min(ZERO_BLOCK, max(end - start, 0)))
     pos = start
     while pos < end:
-        n = min(len(block), end - pos)
-        pos += os.pwrite(fd, memoryview(block)[:n], pos)
+        chunk = min(len(block), end - pos)
+        pos += os.pwrite(fd, memoryview(block)[:chunk], pos)
 
 
 def check_room(path: str, nbytes: int, have: int = 0) -> None:

@@ -86,9 +86,9 @@ class UnitState(tuple):
 
 
 def _host_bytes(data: bytes) -> torch.Tensor:
-    t = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    t[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return t
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return header
 
 
 def _close(handle, backend: FileBackend | None) -> None:
@@ -210,16 +210,16 @@ class UnitStateFile:
              workers: int = 4) -> UnitStateFile:
         """Open a file kept by an earlier run: each unit at its newest valid record (see the Note);
         a unit with none reads as never written. The file stays in place at close."""
-        with open(path, "rb") as f:
-            file_id, layouts = parse_file_header(f, path, UnitStateError)
+        with open(path, "rb") as handle:
+            file_id, layouts = parse_file_header(handle, path, UnitStateError)
         self = cls(path, layouts, backend, keep=True, durable=durable, workers=workers, _file_id=file_id)
         raw = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         for unit, lay in enumerate(layouts):
-            for s in (0, 1):
-                self.handle.pread(raw, HEADER_BYTES, self.slot_offset(unit, s)).result()
-                gen = parse_record(raw.numpy().tobytes(), file_id, unit, s, lay)
+            for slot in (0, 1):
+                self.handle.pread(raw, HEADER_BYTES, self.slot_offset(unit, slot)).result()
+                gen = parse_record(raw.numpy().tobytes(), file_id, unit, slot, lay)
                 if gen > self._gen[unit]:
-                    self._gen[unit], self._slot[unit] = gen, s
+                    self._gen[unit], self._slot[unit] = gen, slot
         return self
 
     # ------------------------------------------------------------------ operations
@@ -288,8 +288,8 @@ class UnitStateFile:
     def array_bytes(self, unit: int) -> int:
         """Bytes of the unit's first array in a payload (rounded up to 4096): the span of a
         record's master, where it holds one."""
-        d, n = self.layouts[unit][0]
-        return round_up(d.itemsize * n)
+        dtype, count = self.layouts[unit][0]
+        return round_up(dtype.itemsize * count)
 
     def write(self, unit: int, source) -> cf.Future:
         """Write `source` (as for `read`) as the unit's next generation. The future's result is
@@ -314,9 +314,9 @@ class UnitStateFile:
             except BaseException as e:              # noqa: BLE001
                 first = e
                 break
-        for f in futures:
+        for future in futures:
             try:
-                f.result()
+                future.result()
             except BaseException as e:              # noqa: BLE001
                 first = first or e
         if first is not None:
@@ -365,11 +365,11 @@ class UnitStateFile:
         with self._lock:
             failures, self._failures = self._failures, []
         if failures:
-            e = failures[0]
-            if isinstance(e, DiskIOError):
-                raise e
-            raise DiskIOError(getattr(e, "errno", None) or errno.EIO,
-                              f"an operation on {self.path} failed: {e}") from e
+            failure = failures[0]
+            if isinstance(failure, DiskIOError):
+                raise failure
+            raise DiskIOError(getattr(failure, "errno", None) or errno.EIO,
+                              f"an operation on {self.path} failed: {failure}") from failure
 
     def close(self) -> None:
         """Wait for the operations in flight, close the file and, unless `keep`, free its space.

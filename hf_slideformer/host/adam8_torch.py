@@ -31,14 +31,14 @@ CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
 _M32 = 0xFFFFFFFF
 
 
-def _signed64(c: int) -> int:
-    """The int64 with the bits of the unsigned 64-bit `c`."""
-    return c - (1 << 64) if c >= 1 << 63 else c
+def _signed64(value: int) -> int:
+    """The int64 with the bits of the unsigned 64-bit `value`."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 `x` as the 64-bit unsigned value its bits hold."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+def _shr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift (by `shift` bits) of int64 `x` as the 64-bit unsigned value its bits hold."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
 
 
 def _mix64_t(x: torch.Tensor) -> torch.Tensor:
@@ -65,15 +65,15 @@ def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor
     return x ^ k2
 
 
-def round_bf16_stochastic_t(p: torch.Tensor, key: torch.Tensor, ctr: torch.Tensor) -> torch.Tensor:
-    """bf16 of fp32 `p` rounded as the kernel's f2b_stochastic: element i with the hash of
+def round_bf16_stochastic_t(values: torch.Tensor, key: torch.Tensor, ctr: torch.Tensor) -> torch.Tensor:
+    """bf16 of fp32 `values` rounded as the kernel's f2b_stochastic: element i with the hash of
     (key, ctr[i]) (`ctr` int64, the elements' counters)."""
     k1, k2 = key & _M32, _shr(key, 32) & _M32
-    r = _hash32(ctr & _M32, k1, k2) & 0xFFFF
-    u = p.contiguous().view(torch.int32).to(torch.int64) & _M32
-    t = u + r
-    keep = ((u & 0x7F800000) == 0x7F800000) | ((t & 0x7F800000) == 0x7F800000)   # inf / NaN, or a carry into it
-    hi = (torch.where(keep, u, t) >> 16) & 0xFFFF
+    noise = _hash32(ctr & _M32, k1, k2) & 0xFFFF
+    bits = values.contiguous().view(torch.int32).to(torch.int64) & _M32
+    summed = bits + noise
+    keep = ((bits & 0x7F800000) == 0x7F800000) | ((summed & 0x7F800000) == 0x7F800000)   # inf / NaN, or a carry into it
+    hi = (torch.where(keep, bits, summed) >> 16) & 0xFFFF
     return torch.where(hi >= 1 << 15, hi - (1 << 16), hi).to(torch.int16).view(torch.bfloat16)
 
 
@@ -88,22 +88,22 @@ class Hyper8:
     the step's as 0-dim tensors on the state's device (from its step counter, not read on the host)."""
 
     def __init__(self, hp: dict, scale, grad_mul: float, step: torch.Tensor, key: torch.Tensor):
-        f = lambda x: torch.tensor(x, dtype=torch.float32).item()          # noqa: E731 - fp32 as the kernel holds it
+        fp32 = lambda x: torch.tensor(x, dtype=torch.float32).item()       # noqa: E731 - fp32 as the kernel holds it
         beta1, beta2 = (float(b) for b in hp["betas"])
         lr, wd = float(hp["lr"]), float(hp["weight_decay"])
         sign = -1.0 if hp.get("maximize", False) else 1.0
         if torch.is_tensor(scale):          # on the device (the clip factor's reciprocal): not read here
             gclip = (1.0 / scale.to(step.device, torch.float64)).to(torch.float32)
-            self.gscale = (gclip * f(grad_mul)) * sign
+            self.gscale = (gclip * fp32(grad_mul)) * sign
         else:                               # Python floats holding fp32 values: the same products
-            gclip = 1.0 if scale is None else f(1.0 / float(scale))
-            self.gscale = f(f(f(grad_mul) * gclip) * sign)
-        self.wd_mul = f(1.0 - lr * wd) if wd > 0.0 else 1.0
-        self.beta1, self.c1, self.beta2, self.c2 = f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2)
-        self.eps = f(float(hp["eps"]))
-        t = step.to(torch.float64)
-        self.bc2 = torch.sqrt(1.0 - beta2 ** t).to(torch.float32)
-        self.neg_step = (-lr / (1.0 - beta1 ** t)).to(torch.float32)
+            gclip = 1.0 if scale is None else fp32(1.0 / float(scale))
+            self.gscale = fp32(fp32(fp32(grad_mul) * gclip) * sign)
+        self.wd_mul = fp32(1.0 - lr * wd) if wd > 0.0 else 1.0
+        self.beta1, self.c1, self.beta2, self.c2 = fp32(beta1), fp32(1.0 - beta1), fp32(beta2), fp32(1.0 - beta2)
+        self.eps = fp32(float(hp["eps"]))
+        step64 = step.to(torch.float64)
+        self.bc2 = torch.sqrt(1.0 - beta2 ** step64).to(torch.float32)
+        self.neg_step = (-lr / (1.0 - beta1 ** step64)).to(torch.float32)
         self.key = key
 
 
@@ -118,30 +118,30 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64).sqrt().to(torch.float32)
 
 
-def _codes(x: torch.Tensor, mx: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """The rounding table's codes of blocks `x` (rows) of absmax `mx`; 0 for an all-zero block."""
+def _codes(blocks: torch.Tensor, mx: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The rounding table's codes of `blocks` (rows) of absmax `mx`; 0 for an all-zero block."""
     inv = torch.where(mx > 0, 1.0 / torch.where(mx > 0, mx, 1.0), 0.0)
-    y = (x * inv[:, None]).clamp(-1.0, 1.0)
-    idx = ((((y + 1.0) * 0.5) * 65535.0) + 0.5).to(torch.int64)
+    scaled = (blocks * inv[:, None]).clamp(-1.0, 1.0)
+    idx = ((((scaled + 1.0) * 0.5) * 65535.0) + 0.5).to(torch.int64)
     return torch.where((mx > 0)[:, None], lut[idx], 0).to(torch.uint8)
 
 
-def _blocks(h: Hyper8, w, q1, q2, a1, a2, g, ctr0: int, skip) -> None:
-    """The update of rows of blocks in place: w, q1, q2, g (rows, L); a1, a2 (rows,)."""
-    code1, code2, lut1, lut2 = _tables(w.device)
-    g = g.to(torch.float32) * h.gscale
-    m = _fma(g, h.c1, (code1[q1.long()] * a1[:, None]) * h.beta1)
-    v = _fma(g * h.c2, g, (code2[q2.long()] * a2[:, None]) * h.beta2)
-    p = w.to(torch.float32) * h.wd_mul
-    p = p + (h.neg_step * m) / (_sqrt(v) / h.bc2 + h.eps)
-    mx1, mx2 = m.abs().amax(dim=1), v.abs().amax(dim=1)
-    new = [_codes(m, mx1, lut1), _codes(v, mx2, lut2), mx1, mx2]
-    if w.dtype == torch.bfloat16:
-        ctr = ctr0 + torch.arange(w.numel(), dtype=torch.int64, device=w.device).view(w.shape)
-        new.append(round_bf16_stochastic_t(p, h.key, ctr))
+def _blocks(hyper: Hyper8, master, q1, q2, a1, a2, grad, ctr0: int, skip) -> None:
+    """The update of rows of blocks in place: master, q1, q2, grad (rows, L); a1, a2 (rows,)."""
+    code1, code2, lut1, lut2 = _tables(master.device)
+    grad = grad.to(torch.float32) * hyper.gscale
+    moment1 = _fma(grad, hyper.c1, (code1[q1.long()] * a1[:, None]) * hyper.beta1)
+    moment2 = _fma(grad * hyper.c2, grad, (code2[q2.long()] * a2[:, None]) * hyper.beta2)
+    param = master.to(torch.float32) * hyper.wd_mul
+    param = param + (hyper.neg_step * moment1) / (_sqrt(moment2) / hyper.bc2 + hyper.eps)
+    mx1, mx2 = moment1.abs().amax(dim=1), moment2.abs().amax(dim=1)
+    new = [_codes(moment1, mx1, lut1), _codes(moment2, mx2, lut2), mx1, mx2]
+    if master.dtype == torch.bfloat16:
+        ctr = ctr0 + torch.arange(master.numel(), dtype=torch.int64, device=master.device).view(master.shape)
+        new.append(round_bf16_stochastic_t(param, hyper.key, ctr))
     else:
-        new.append(p)
-    for dst, src in zip((q1, q2, a1, a2, w), new):
+        new.append(param)
+    for dst, src in zip((q1, q2, a1, a2, master), new):
         dst.copy_(src if skip is None else torch.where(skip, dst, src))
 
 
@@ -167,11 +167,11 @@ def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key
         adamw8_range_torch(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf)
 
 
-def _dev_scalar(x, device) -> torch.Tensor:
-    """`x` (a Python float or a 0-dim tensor) as a 0-dim fp32 tensor on `device`, not read on the host."""
-    if torch.is_tensor(x):
-        return x.to(device, torch.float32).reshape(())
-    return torch.full((), x, dtype=torch.float32, device=device)
+def _dev_scalar(value, device) -> torch.Tensor:
+    """`value` (a Python float or a 0-dim tensor) as a 0-dim fp32 tensor on `device`, not read on the host."""
+    if torch.is_tensor(value):
+        return value.to(device, torch.float32).reshape(())
+    return torch.full((), value, dtype=torch.float32, device=device)
 
 
 def adamw8_range_triton(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
@@ -180,25 +180,26 @@ def adamw8_range_triton(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tens
     contiguous, on CUDA (or on the CPU under Triton's interpreter)."""
     from triton_ops.kernels.adamw8 import adamw8_blocks
 
-    h, dev = Hyper8(hp, scale, grad_mul, step, key), master.device
-    scalars = torch.stack([_dev_scalar(h.gscale, dev), _dev_scalar(h.bc2, dev), _dev_scalar(h.neg_step, dev)])
-    adamw8_blocks(master, q1, q2, a1, a2, grad, scalars, h.key.to(dev, torch.int64).reshape(()), _tables(dev), ctr,
-                  (h.wd_mul, h.beta1, h.c1, h.beta2, h.c2, h.eps), BLOCK, found_inf)
+    hyper, dev = Hyper8(hp, scale, grad_mul, step, key), master.device
+    scalars = torch.stack([_dev_scalar(hyper.gscale, dev), _dev_scalar(hyper.bc2, dev),
+                           _dev_scalar(hyper.neg_step, dev)])
+    adamw8_blocks(master, q1, q2, a1, a2, grad, scalars, hyper.key.to(dev, torch.int64).reshape(()), _tables(dev), ctr,
+                  (hyper.wd_mul, hyper.beta1, hyper.c1, hyper.beta2, hyper.c2, hyper.eps), BLOCK, found_inf)
 
 
 def adamw8_range_torch(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
                        scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
     """`adamw8_range` in torch ops, `CHUNK_BLOCKS` blocks at a time: the reference."""
-    h = Hyper8(hp, scale, grad_mul, step, key)
+    hyper = Hyper8(hp, scale, grad_mul, step, key)
     skip = None if found_inf is None else (found_inf != 0)
-    n = master.numel()
-    full = n // BLOCK
+    numel = master.numel()
+    full = numel // BLOCK
     for b0 in range(0, full, CHUNK_BLOCKS):
         b1 = min(full, b0 + CHUNK_BLOCKS)
         lo, hi = b0 * BLOCK, b1 * BLOCK
-        _blocks(h, *(t[lo:hi].view(-1, BLOCK) for t in (master, q1, q2)), a1[b0:b1], a2[b0:b1],
+        _blocks(hyper, *(t[lo:hi].view(-1, BLOCK) for t in (master, q1, q2)), a1[b0:b1], a2[b0:b1],
                 grad[lo:hi].view(-1, BLOCK), ctr + lo, skip)
-    if n > full * BLOCK:
+    if numel > full * BLOCK:
         lo = full * BLOCK
-        _blocks(h, *(t[lo:].view(1, -1) for t in (master, q1, q2)), a1[full:full + 1], a2[full:full + 1],
+        _blocks(hyper, *(t[lo:].view(1, -1) for t in (master, q1, q2)), a1[full:full + 1], a2[full:full + 1],
                 grad[lo:].view(1, -1), ctr + lo, skip)

@@ -67,8 +67,8 @@ def _cache_dir() -> Path:
 
 def _cpu_signature() -> str:
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
                 if line.startswith("flags"):
                     return line
     except OSError:
@@ -102,10 +102,10 @@ def native_library():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
             try:
-                r = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
-                                   timeout=300)
-                if r.returncode != 0:
-                    raise NativeKernelError(f"building the host AdamW failed:\n{r.stderr[-2000:]}")
+                build = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
+                                       timeout=300)
+                if build.returncode != 0:
+                    raise NativeKernelError(f"building the host AdamW failed:\n{build.stderr[-2000:]}")
                 os.replace(tmp, out)          # atomic: a concurrent build replaces it with the same file
             except (OSError, subprocess.SubprocessError) as e:
                 raise NativeKernelError(f"building the host AdamW failed: {e}") from e
@@ -131,23 +131,23 @@ def native_library():
         return lib
 
 
-def torch_fused_adamw(hp: dict, params, grads, m, v, steps, scale=None, found_inf=None) -> None:
+def torch_fused_adamw(hp: dict, params, grads, exp_avgs, exp_avg_sqs, steps, scale=None, found_inf=None) -> None:
     """torch's fused AdamW (what `torch.optim.AdamW(fused=True)` runs) on lists of tensors of one
     device, with the param group `hp`; `scale` divides the gradients first (a tensor), and a
     nonzero `found_inf` skips the update."""
     beta1, beta2 = hp["betas"]
-    torch._fused_adamw_(list(params), list(grads), list(m), list(v), [], list(steps), lr=float(hp["lr"]),
-                        beta1=float(beta1), beta2=float(beta2), weight_decay=float(hp["weight_decay"]),
-                        eps=float(hp["eps"]), amsgrad=False, maximize=bool(hp.get("maximize", False)),
-                        grad_scale=scale, found_inf=found_inf)
+    torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps),
+                        lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2),
+                        weight_decay=float(hp["weight_decay"]), eps=float(hp["eps"]), amsgrad=False,
+                        maximize=bool(hp.get("maximize", False)), grad_scale=scale, found_inf=found_inf)
 
 
 def triad(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scale: float, threads: int) -> None:
     """STREAM's triad a = b + scale * c over fp32 CPU tensors on `threads` threads (native library)."""
     lib = native_library()
-    n = a.numel()
-    assert b.numel() == n and c.numel() == n and a.dtype == b.dtype == c.dtype == torch.float32
-    lib.slide_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), scale, n, threads)
+    numel = a.numel()
+    assert b.numel() == numel and c.numel() == numel and a.dtype == b.dtype == c.dtype == torch.float32
+    lib.slide_triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), scale, numel, threads)
 
 
 class HostAdam:
@@ -209,14 +209,16 @@ class HostAdam:
         native_hp = self._hp(hp, grad_scale, grad_mul)
         last = None
         ref = ctypes.byref(native_hp)
-        for k, (param, g, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        for index, (param, grad, exp_avg, exp_avg_sq, st) in enumerate(
+                zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
             step = float(st)
             if step != last:
                 self._set_step(native_hp, hp, step)
                 last = step
-            fn = self.lib.slide_adamw_bf16 if g.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
-            o = out16[k].data_ptr() if out16 is not None else None
-            fn(param.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), o, param.numel(), ref, self.threads)
+            fn = self.lib.slide_adamw_bf16 if grad.dtype == torch.bfloat16 else self.lib.slide_adamw_f32
+            out_ptr = out16[index].data_ptr() if out16 is not None else None
+            fn(param.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), out_ptr, param.numel(),
+               ref, self.threads)
 
     def step_rows(self, hp: dict, tables, grad: torch.Tensor, rows: torch.Tensor, step: torch.Tensor,
                   sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
@@ -240,7 +242,7 @@ class HostAdam:
         if exclude and (sums is not None or zero_grad):
             raise ValueError("step_rows(exclude=True) takes no sums and zero_grad")
         tw, tm, tv = tables
-        V, h = tw.shape
+        V, width = tw.shape
         if self.lib is None:
             self._torch_rows(hp, tables, grad, rows, step, sums, zero_grad, exclude)
             return
@@ -251,16 +253,17 @@ class HostAdam:
         n = rows.numel()
         if n == 0:
             return
-        for t in (tw, tm, tv, grad):
-            assert t.dtype == torch.float32 and t.is_contiguous() and t.dim() == 2 and t.shape[1] == h
+        for tensor in (tw, tm, tv, grad):
+            assert (tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.dim() == 2
+                    and tensor.shape[1] == width)
         if sums is not None:
-            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (n, h)
+            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (n, width)
         rows = rows.to(torch.int64).contiguous()
         native_hp = self._hp(hp, None, 1.0)
         self._set_step(native_hp, hp, float(step))
         self.lib.slide_adamw_rows(tw.data_ptr(), tm.data_ptr(), tv.data_ptr(), grad.data_ptr(), rows.data_ptr(), n,
-                                  h, None if sums is None else sums.data_ptr(), int(zero_grad), ctypes.byref(native_hp),
-                                  self.threads)
+                                  width, None if sums is None else sums.data_ptr(), int(zero_grad),
+                                  ctypes.byref(native_hp), self.threads)
 
     def gather_bf16(self, table: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> None:
         """out[k] = table[ids[k]] rounded to bf16 (nearest even), in one threaded pass (native
@@ -272,35 +275,35 @@ class HostAdam:
         """
         if self.lib is None:
             raise RuntimeError("gather_bf16 needs the native host kernel")
-        n, h = out.shape
+        n, width = out.shape
         if not (table.dtype == torch.float32 and out.dtype == torch.bfloat16 and ids.dtype == torch.int64
                 and table.is_contiguous() and out.is_contiguous() and ids.is_contiguous()
-                and table.dim() == 2 and table.shape[1] == h and ids.numel() == n):
+                and table.dim() == 2 and table.shape[1] == width and ids.numel() == n):
             raise ValueError(f"gather_bf16: table {tuple(table.shape)} {table.dtype}, ids {tuple(ids.shape)} {ids.dtype}, "
                              f"out {tuple(out.shape)} {out.dtype}: need (V, H) fp32, (n,) int64, (n, H) bf16, contiguous")
-        self.lib.slide_gather_bf16(table.data_ptr(), ids.data_ptr(), n, h, out.data_ptr(),
+        self.lib.slide_gather_bf16(table.data_ptr(), ids.data_ptr(), n, width, out.data_ptr(),
                                    self.threads if threads is None else max(1, int(threads)))
 
     def _torch_rows(self, hp, tables, grad, rows, step, sums, zero_grad, exclude) -> None:
         n = rows.numel()
-        h = tables[0].shape[1]
+        width = tables[0].shape[1]
         # Persistent, as embedding.py's row buffers ([Why the row buffers persist]): a fresh (n, H)
         # tensor per call would fault its pages in on first touch, every step.
-        if self._rows_scratch is None or self._rows_scratch.shape[1] < n or self._rows_scratch.shape[2] != h:
-            self._rows_scratch = torch.empty(4, n, h, dtype=torch.float32)
-        w, m, v, g = (self._rows_scratch[k, :n] for k in range(4))
-        for t, out in zip(tables, (w, m, v)):
-            torch.index_select(t, 0, rows, out=out)
+        if self._rows_scratch is None or self._rows_scratch.shape[1] < n or self._rows_scratch.shape[2] != width:
+            self._rows_scratch = torch.empty(4, n, width, dtype=torch.float32)
+        master_rows, avg_rows, sq_rows, grad_rows = (self._rows_scratch[k, :n] for k in range(4))
+        for table, out in zip(tables, (master_rows, avg_rows, sq_rows)):
+            torch.index_select(table, 0, rows, out=out)
         if exclude:                     # the whole table steps; `rows` get their saved state back
             self.step(hp, [tables[0].view(-1)], [grad.view(-1)], [tables[1].view(-1)], [tables[2].view(-1)], [step])
         else:
-            torch.index_select(grad, 0, rows, out=g)
+            torch.index_select(grad, 0, rows, out=grad_rows)
             if sums is not None:
-                g.add_(sums)
-            self.step(hp, [w], [g], [m], [v], [step])
+                grad_rows.add_(sums)
+            self.step(hp, [master_rows], [grad_rows], [avg_rows], [sq_rows], [step])
             if zero_grad:
                 grad.index_fill_(0, rows, 0.0)
-        for dst, src in zip(tables, (w, m, v)):
+        for dst, src in zip(tables, (master_rows, avg_rows, sq_rows)):
             dst.index_copy_(0, rows, src)
 
     def _hp(self, hp: dict, grad_scale, grad_mul: float) -> _HP:
@@ -333,22 +336,22 @@ class HostAdam:
             scale = (grad_scale if torch.is_tensor(grad_scale) else torch.tensor(float(grad_scale))).to(torch.float32)
         torch_fused_adamw(hp, params, grads, exp_avgs, exp_avg_sqs, steps, scale)
         if out16 is not None:
-            for o, param in zip(out16, params):
-                o.copy_(param)
+            for out, param in zip(out16, params):
+                out.copy_(param)
 
     def _widen(self, grads, grad_mul: float):
         """fp32 copies of `grads` (times grad_mul) in one persistent scratch buffer."""
-        n = sum(g.numel() for g in grads)
-        if self._scratch is None or self._scratch.numel() < n:
-            self._scratch = torch.empty(n, dtype=torch.float32)
+        total = sum(g.numel() for g in grads)
+        if self._scratch is None or self._scratch.numel() < total:
+            self._scratch = torch.empty(total, dtype=torch.float32)
         out, off = [], 0
-        for g in grads:
-            w = self._scratch[off:off + g.numel()].view(g.shape)
-            w.copy_(g)
+        for grad in grads:
+            wide = self._scratch[off:off + grad.numel()].view(grad.shape)
+            wide.copy_(grad)
             if grad_mul != 1.0:
-                w.mul_(grad_mul)
-            out.append(w)
-            off += g.numel()
+                wide.mul_(grad_mul)
+            out.append(wide)
+            off += grad.numel()
         return out
 
 
@@ -362,20 +365,20 @@ def _calibrated_v_order(lib) -> int:
     if _V_ORDER is not None:
         return _V_ORDER
     gen = torch.Generator().manual_seed(0)
-    n = 4096
-    p0, g, m0 = (torch.randn(n, generator=gen) for _ in range(3))
-    v0 = torch.rand(n, generator=gen)
+    numel = 4096
+    p0, grad, m0 = (torch.randn(numel, generator=gen) for _ in range(3))
+    v0 = torch.rand(numel, generator=gen)
     hp = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     ref = [t.clone() for t in (p0, m0, v0)]
     step = torch.tensor(3.0)
-    torch._fused_adamw_([ref[0]], [g], [ref[1]], [ref[2]], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+    torch._fused_adamw_([ref[0]], [grad], [ref[1]], [ref[2]], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
                         weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
     chosen = 0
     for vo in _V_ORDERS:
-        k = HostAdam.__new__(HostAdam)
-        k.lib, k.threads, k.v_order, k._scratch = lib, 1, vo, None
+        kernel = HostAdam.__new__(HostAdam)
+        kernel.lib, kernel.threads, kernel.v_order, kernel._scratch = lib, 1, vo, None
         got = [t.clone() for t in (p0, m0, v0)]
-        k.step(hp, [got[0]], [g], [got[1]], [got[2]], [step])
+        kernel.step(hp, [got[0]], [grad], [got[1]], [got[2]], [step])
         if all(torch.equal(a, b) for a, b in zip(got, ref)):
             chosen = vo
             break

@@ -61,60 +61,60 @@ class StateFormat:
     @property
     def bytes_per_param(self) -> float:
         """Host bytes per trainable parameter: master and moments (block scales amortised)."""
-        b = self.master_dtype.itemsize
-        for a in self.arrays:
-            b += a.dtype.itemsize / (BLOCK if a.per == "block" else 1)
-        return b
+        total = self.master_dtype.itemsize
+        for array in self.arrays:
+            total += array.dtype.itemsize / (BLOCK if array.per == "block" else 1)
+        return total
 
     def sizes(self, unit) -> dict[str, int]:
-        """Elements of each array of unit `u`."""
+        """Elements of each array of `unit`."""
         blocks = sum(num_blocks(e.numel) for e in unit.entries)
         return {a.name: (blocks if a.per == "block" else unit.numel) for a in self.arrays}
 
     def state_bytes(self, unit) -> int:
-        """Host bytes of `u`'s moments (its master not included)."""
+        """Host bytes of `unit`'s moments (its master not included)."""
         return sum(n * a.dtype.itemsize for a, n in zip(self.arrays, self.sizes(unit).values()))
 
     def allocate(self, units, zeros) -> None:
         """Give each unit its zeroed arrays, carved from one `zeros(numel, dtype)` slab per array."""
-        for a in self.arrays:
-            sizes = [self.sizes(u)[a.name] for u in units]
-            slab = zeros(sum(sizes), a.dtype)
+        for array in self.arrays:
+            sizes = [self.sizes(u)[array.name] for u in units]
+            slab = zeros(sum(sizes), array.dtype)
             off = 0
-            for u, n in zip(units, sizes):
-                setattr(u, a.name, slab[off:off + n])
-                off += n
-        for u in units:
-            u.state_format = self
+            for unit, size in zip(units, sizes):
+                setattr(unit, array.name, slab[off:off + size])
+                off += size
+        for unit in units:
+            unit.state_format = self
 
     def tensors(self, unit) -> dict[str, torch.Tensor]:
-        """`u`'s master and arrays by name (what a checkpoint holds)."""
+        """`unit`'s master and arrays by name (what a checkpoint holds)."""
         return {"master": unit.master, **{a.name: getattr(unit, a.name) for a in self.arrays}}
 
-    def entry_state(self, unit, k: int, src=None) -> dict[str, torch.Tensor]:
-        """Views of entry `k`'s part of each array (the optimizer's per-parameter state); of `src`
-        (another holder of the arrays in `u`'s layout) when given."""
+    def entry_state(self, unit, index: int, src=None) -> dict[str, torch.Tensor]:
+        """Views of entry `index`'s part of each array (the optimizer's per-parameter state); of `src`
+        (another holder of the arrays in `unit`'s layout) when given."""
         src = unit if src is None else src
-        entry, out = unit.entries[k], {}
-        b0 = sum(num_blocks(x.numel) for x in unit.entries[:k])
-        for a in self.arrays:
-            t = getattr(src, a.name)
-            out[a.name] = entry.view(t) if a.per == "param" else t[b0:b0 + num_blocks(entry.numel)]
+        entry, out = unit.entries[index], {}
+        b0 = sum(num_blocks(x.numel) for x in unit.entries[:index])
+        for array in self.arrays:
+            tensor = getattr(src, array.name)
+            out[array.name] = entry.view(tensor) if array.per == "param" else tensor[b0:b0 + num_blocks(entry.numel)]
         return out
 
-    def check(self, name: str, t: torch.Tensor, where: str) -> None:
+    def check(self, name: str, values: torch.Tensor, where: str) -> None:
         """Raise `CorruptOptimizerStateError` when array `name` holds values the format cannot hold."""
 
     def run(self, kernel, hp: dict, unit, state, ranges, grads, steps, scale, grad_mul: float = 1.0,
             found_inf=None) -> None:
-        """One AdamW step of the flat ranges [(entry index, lo, hi)] of unit `u`'s `state` (the
+        """One AdamW step of the flat ranges [(entry index, lo, hi)] of `unit`'s `state` (the
         unit, or a holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]`
         its counter (advanced). `scale`: divide the gradient by it (the clip factor's reciprocal)."""
         raise NotImplementedError
 
     def run_rows(self, kernel, hp: dict, unit, grad: torch.Tensor, rows: torch.Tensor, step, *,
                  sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
-        """One AdamW step of some rows of the one-entry (V, H) unit `u` (the embedding), in place:
+        """One AdamW step of some rows of the one-entry (V, H) `unit` (the embedding), in place:
         `HostAdam.step_rows`'s contract (`grad` the dense (V, H) fp32 gradient, `rows` distinct,
         `sums` added to their gradient, the rows cleared after with `zero_grad`, every row but
         `rows` with `exclude`), `step` the counter (already advanced)."""
@@ -177,16 +177,16 @@ def rounding_key(seed: int, unit_index: int, step: int) -> int:
     return mix64(mix64(mix64(seed) ^ unit_index) ^ step)
 
 
-def round_bf16_stochastic(x: torch.Tensor, key: int, ctr: int = 0, threads: int = 1) -> torch.Tensor:
-    """bf16 of fp32 `x` (flat) rounded stochastically as a bf16 master is: element i with the hash
+def round_bf16_stochastic(values: torch.Tensor, key: int, ctr: int = 0, threads: int = 1) -> torch.Tensor:
+    """bf16 of fp32 `values` (flat) rounded stochastically as a bf16 master is: element i with the hash
     of (key, ctr + i). Native kernel only."""
     from .host_adam import native_library
 
     lib = native_library()
     _bind(lib)
-    x = x.reshape(-1).contiguous().to(torch.float32)
-    out = torch.empty(x.numel(), dtype=torch.bfloat16)
-    lib.slide_round_bf16_stochastic(x.data_ptr(), out.data_ptr(), x.numel(), key & _M64, ctr & _M64, threads)
+    values = values.reshape(-1).contiguous().to(torch.float32)
+    out = torch.empty(values.numel(), dtype=torch.bfloat16)
+    lib.slide_round_bf16_stochastic(values.data_ptr(), out.data_ptr(), values.numel(), key & _M64, ctr & _M64, threads)
     return out
 
 
@@ -214,13 +214,14 @@ class AdamW8bit(StateFormat):
                                                           code_search_table(True), code_search_table(False)))
         return self._tables
 
-    def check(self, name, t, where) -> None:
+    def check(self, name, values, where) -> None:
         if name.endswith("_absmax"):
-            bad = ~torch.isfinite(t) | (t < 0)
+            bad = ~torch.isfinite(values) | (values < 0)
             if bool(bad.any()):
-                i = int(bad.nonzero()[0])
+                first = int(bad.nonzero()[0])
                 raise CorruptOptimizerStateError(
-                    f"{where}: {name} holds {int(bad.sum())} invalid block scale(s) (block {i}: {float(t[i])!r}; "
+                    f"{where}: {name} holds {int(bad.sum())} invalid block scale(s) "
+                    f"(block {first}: {float(values[first])!r}; "
                     "a scale is a finite absmax >= 0): the optimizer state is damaged, load a good checkpoint")
 
     def run(self, kernel, hp, unit, state, ranges, grads, steps, scale, grad_mul=1.0, found_inf=None) -> None:
@@ -235,17 +236,17 @@ class AdamW8bit(StateFormat):
             starts.append(b0)
             b0 += num_blocks(entry.numel)
         mbf = int(state.master.dtype == torch.bfloat16)
-        for (k, a, b), g, st in zip(ranges, grads, steps):
-            entry = unit.entries[k]
-            if (a - entry.offset) % BLOCK:
-                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{a}, {b})")
+        for (index, lo, hi), grad, st in zip(ranges, grads, steps):
+            entry = unit.entries[index]
+            if (lo - entry.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{lo}, {hi})")
             _set_step8(native_hp, hp, float(st), rounding_key(self.seed, unit.index, int(float(st))))
-            blk = starts[k] + (a - entry.offset) // BLOCK
-            assert g.is_contiguous() and g.numel() == b - a and g.dtype in (torch.float32, torch.bfloat16)
-            fn(state.master[a:b].data_ptr(), state.exp_avg[a:b].data_ptr(), state.exp_avg_sq[a:b].data_ptr(),
-               state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), g.data_ptr(), None,
-               b - a, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp), a,
-               int(g.dtype == torch.bfloat16), mbf, kernel.threads)
+            blk = starts[index] + (lo - entry.offset) // BLOCK
+            assert grad.is_contiguous() and grad.numel() == hi - lo and grad.dtype in (torch.float32, torch.bfloat16)
+            fn(state.master[lo:hi].data_ptr(), state.exp_avg[lo:hi].data_ptr(), state.exp_avg_sq[lo:hi].data_ptr(),
+               state.exp_avg_absmax[blk:].data_ptr(), state.exp_avg_sq_absmax[blk:].data_ptr(), grad.data_ptr(), None,
+               hi - lo, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp),
+               lo, int(grad.dtype == torch.bfloat16), mbf, kernel.threads)
 
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
         """`run` in torch ops on the state's device (adam8_torch.py): device state, or no native
@@ -258,16 +259,16 @@ class AdamW8bit(StateFormat):
         for entry in unit.entries:
             starts.append(b0)
             b0 += num_blocks(entry.numel)
-        for (k, a, b), g, st in zip(ranges, grads, steps):
-            entry = unit.entries[k]
-            if (a - entry.offset) % BLOCK:
-                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{a}, {b})")
-            blk = starts[k] + (a - entry.offset) // BLOCK - bbase
-            nb = num_blocks(b - a)
-            i, j = a - base, b - base
-            adamw8_range(hp, state.master[i:j], state.exp_avg[i:j], state.exp_avg_sq[i:j],
-                         state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], g, st,
-                         rounding_key_t(self.seed, unit.index, st), a, scale=scale, grad_mul=grad_mul,
+        for (index, lo, hi), grad, st in zip(ranges, grads, steps):
+            entry = unit.entries[index]
+            if (lo - entry.offset) % BLOCK:
+                raise ValueError(f"an 8-bit update must start at a block of {BLOCK}: {unit.name} [{lo}, {hi})")
+            blk = starts[index] + (lo - entry.offset) // BLOCK - bbase
+            nb = num_blocks(hi - lo)
+            start, stop = lo - base, hi - base
+            adamw8_range(hp, state.master[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
+                         state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], grad, st,
+                         rounding_key_t(self.seed, unit.index, st), lo, scale=scale, grad_mul=grad_mul,
                          found_inf=found_inf)
 
     def rows_fit(self, hidden: int) -> bool:
@@ -278,8 +279,8 @@ class AdamW8bit(StateFormat):
             raise RuntimeError(f"optimizer_state={self.name!r} updates on the host with the native kernel only")
         if exclude and (sums is not None or zero_grad):
             raise ValueError("run_rows(exclude=True) takes no sums and zero_grad")
-        V, h = grad.shape
-        if not self.rows_fit(h) or len(unit.entries) != 1:
+        V, width = grad.shape
+        if not self.rows_fit(width) or len(unit.entries) != 1:
             raise ValueError(f"a row-wise 8-bit update needs one (V, H) table with H a multiple of {BLOCK}: {unit.name}")
         if exclude:
             keep = torch.ones(V, dtype=torch.bool)
@@ -289,7 +290,7 @@ class AdamW8bit(StateFormat):
             return
         assert grad.dtype == torch.float32 and grad.is_contiguous()
         if sums is not None:
-            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (rows.numel(), h)
+            assert sums.dtype == torch.float32 and sums.is_contiguous() and sums.shape == (rows.numel(), width)
         rows = rows.to(torch.int64).contiguous()
         _bind(kernel.lib)
         code1, code2, lut1, lut2 = self.tables()
@@ -297,7 +298,7 @@ class AdamW8bit(StateFormat):
         _set_step8(native_hp, hp, float(step), rounding_key(self.seed, unit.index, int(float(step))))
         kernel.lib.slide_adamw8_rows(
             unit.master.data_ptr(), unit.exp_avg.data_ptr(), unit.exp_avg_sq.data_ptr(), unit.exp_avg_absmax.data_ptr(),
-            unit.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), h,
+            unit.exp_avg_sq_absmax.data_ptr(), grad.data_ptr(), rows.data_ptr(), rows.numel(), width,
             None if sums is None else sums.data_ptr(), int(zero_grad), code1.data_ptr(), code2.data_ptr(),
             lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp), int(unit.master.dtype == torch.bfloat16),
             kernel.threads)
@@ -307,16 +308,16 @@ def _hp8(hp: dict, scale, grad_mul: float) -> _HP8:
     """The 8-bit kernel's constants of param group `hp` (the step's are set by `_set_step8`)."""
     beta1, beta2 = (float(b) for b in hp["betas"])
     lr, wd = float(hp["lr"]), float(hp["weight_decay"])
-    f = lambda x: ctypes.c_float(x).value                                 # noqa: E731 - fp32 as torch casts
+    fp32 = lambda x: ctypes.c_float(x).value                              # noqa: E731 - fp32 as torch casts
     return _HP8(gmul=grad_mul, gclip=1.0 if scale is None else 1.0 / float(scale),
-                sign=-1.0 if hp.get("maximize", False) else 1.0, wd_mul=f(1.0 - lr * wd) if wd > 0.0 else 1.0,
-                beta1=beta1, c1=f(1.0 - beta1), beta2=beta2, c2=f(1.0 - beta2), eps=float(hp["eps"]))
+                sign=-1.0 if hp.get("maximize", False) else 1.0, wd_mul=fp32(1.0 - lr * wd) if wd > 0.0 else 1.0,
+                beta1=beta1, c1=fp32(1.0 - beta1), beta2=beta2, c2=fp32(1.0 - beta2), eps=float(hp["eps"]))
 
 
-def _set_step8(native_hp: _HP8, hp: dict, t: float, key: int) -> None:
+def _set_step8(native_hp: _HP8, hp: dict, step: float, key: int) -> None:
     beta1, beta2 = (float(b) for b in hp["betas"])
-    native_hp.bc2 = math.sqrt(1.0 - beta2 ** t)
-    native_hp.neg_step = -float(hp["lr"]) / (1.0 - beta1 ** t)
+    native_hp.bc2 = math.sqrt(1.0 - beta2 ** step)
+    native_hp.neg_step = -float(hp["lr"]) / (1.0 - beta1 ** step)
     native_hp.seed = key
 
 
@@ -376,7 +377,7 @@ def embed_format(name: str, hidden: int, resident: bool = False) -> StateFormat:
 
 
 def unit_format(unit, config) -> StateFormat:
-    """The format unit `u` keeps under `config` (a SlideConfig); the embedding's is `embed_format`'s."""
+    """The format `unit` keeps under `config` (a SlideConfig); the embedding's is `embed_format`'s."""
     if unit.kind != "embed":
         return state_format(config.optimizer_state)
     return embed_format(config.optimizer_state, int(unit.entries[0].shape[-1]), config.resident_embedding is True)

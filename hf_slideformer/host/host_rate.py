@@ -68,24 +68,25 @@ def measure_rate(mode: str = "auto", threads: int | None = None, params: int = 1
     if free is not None and free < 4 * STATE_BYTES * params:   # a small machine: a quarter of what is free at most
         params = max(1024, free // (4 * STATE_BYTES))
     # Plain values (no subnormals): the update's time does not depend on them.
-    g = torch.full((params,), 1e-3, dtype=torch.bfloat16)
+    grad = torch.full((params,), 1e-3, dtype=torch.bfloat16)
     hp = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     step = [torch.tensor(1.0)]
     if update is None:
-        param, m, v = torch.full((params,), 0.5), torch.full((params,), 1e-4), torch.full((params,), 1e-6)
+        param, exp_avg = torch.full((params,), 0.5), torch.full((params,), 1e-4)
+        exp_avg_sq = torch.full((params,), 1e-6)
 
         def run():
-            kernel.step(hp, [param], [g], [m], [v], step)
+            kernel.step(hp, [param], [grad], [exp_avg], [exp_avg_sq], step)
     else:
-        run = update(kernel, params, hp, g, step)
+        run = update(kernel, params, hp, grad, step)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)        # the torch route's threads, as the worker sets them
     try:
         times = []
-        for k in range(repeat + 1):
+        for trial in range(repeat + 1):
             t0 = time.perf_counter()
             run()
-            if k:
+            if trial:
                 times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
@@ -112,9 +113,9 @@ def rate_unit(fmt: StateFormat, numel: int):
     measurements: `measure_state_rate`, benchmarks/host_adam_rate.py)."""
     unit = _RateUnit([_Range(0, numel)], numel, torch.full((numel,), 0.5, dtype=fmt.master_dtype))
     fmt.allocate([unit], lambda n, dtype: torch.ones(n, dtype=dtype))
-    for a in fmt.arrays:
-        if a.per == "block":
-            getattr(unit, a.name).fill_(1e-3)
+    for array in fmt.arrays:
+        if array.per == "block":
+            getattr(unit, array.name).fill_(1e-3)
     return unit
 
 
@@ -128,7 +129,7 @@ def measure_state_rate(optimizer_state: str = "adamw", mode: str = "auto", threa
         return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat)
     fmt = state_format(optimizer_state)
 
-    def update(kernel, n, hp, grad, step):
-        unit = rate_unit(fmt, n)
-        return lambda: fmt.run(kernel, hp, unit, unit, [(0, 0, n)], [grad], step, None)
+    def update(kernel, numel, hp, grad, step):
+        unit = rate_unit(fmt, numel)
+        return lambda: fmt.run(kernel, hp, unit, unit, [(0, 0, numel)], [grad], step, None)
     return measure_rate(mode=mode, threads=threads, params=params, repeat=repeat, update=update)

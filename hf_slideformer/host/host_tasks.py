@@ -32,10 +32,10 @@ UPDATE_PIECE = 1 << 23
 FOLD_PIECE = 1 << 22
 
 
-def _both(f, g):
-    def call(n: int) -> None:
-        f(n)
-        g(n)
+def _both(first, second):
+    def call(progress: int) -> None:
+        first(progress)
+        second(progress)
     return call
 
 
@@ -101,26 +101,26 @@ class HostUpdates:
 
     def consume(self, unit: Unit, src: torch.Tensor, update: bool, host_norms: bool, hp, on_progress=None,
                 grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
-        """Fold this micro-batch's gradient of `u` (times `grad_mul`) in, and update when the step
+        """Fold this micro-batch's gradient of `unit` (times `grad_mul`) in, and update when the step
         ends here. With `span` (a data-parallel rank's shard [lo, hi)), `src` is that range's
         gradient and only that range is folded and updated."""
         if unit.grad is None:                      # no accumulator: GA == 1, no clipping
-            g = src
+            grad = src
         else:
             if unit.host_write is not None:        # a device update's copies have read it (device_update.py)
                 self.sync(unit.host_write, f"wait_readers:{unit.name}")
             acc = unit.grad if span is None else unit.grad[span[0]:span[1]]
             self.fold(acc, src, grad_mul, first=not unit.grad_valid)
             unit.grad_valid = True
-            g, grad_mul = acc, 1.0
+            grad, grad_mul = acc, 1.0
         if host_norms:                             # the plan's (schedule.py: BackwardPlan)
-            sq = float(torch.linalg.vector_norm(g)) ** 2
+            sq = float(torch.linalg.vector_norm(grad)) ** 2
             if span is not None:                # every rank's verdict from the whole unit's norm
                 sq = self.engine.dp.worker_sum(sq)
             self.norm_sq.append(sq)
             self.check_norm(self.norm_sq[-1], f"the gradient of {unit.name}")
         if update:
-            self.update(unit, g, hp, on_progress=on_progress, grad_mul=grad_mul, span=span)
+            self.update(unit, grad, hp, on_progress=on_progress, grad_mul=grad_mul, span=span)
             unit.grad_valid = False
 
     def fold(self, acc: torch.Tensor, src: torch.Tensor, mul: float, first: bool = False) -> None:
@@ -136,16 +136,16 @@ class HostUpdates:
             return
         if self._fold_buf is None:
             self._fold_buf = torch.empty(FOLD_PIECE, dtype=torch.float32)
-        for a in range(0, src.numel(), FOLD_PIECE):
-            b = min(a + FOLD_PIECE, src.numel())
-            w = self._fold_buf[:b - a]
-            w.copy_(src[a:b]).mul_(mul)
-            acc[a:b].add_(w)
+        for lo in range(0, src.numel(), FOLD_PIECE):
+            hi = min(lo + FOLD_PIECE, src.numel())
+            scaled = self._fold_buf[:hi - lo]
+            scaled.copy_(src[lo:hi]).mul_(mul)
+            acc[lo:hi].add_(scaled)
 
-    def update(self, unit: Unit, g: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
+    def update(self, unit: Unit, grad: torch.Tensor, hp, arrived=None, clip_coef=None, on_progress=None,
                grad_mul: float = 1.0, span: tuple[int, int] | None = None) -> None:
-        """AdamW of `u`'s host state with the flat gradient `g`, in pieces (see UPDATE_PIECE); with
-        `span`, of that shard alone (`g` holds its range)."""
+        """AdamW of `unit`'s host state with the flat gradient `grad`, in pieces (see UPDATE_PIECE); with
+        `span`, of that shard alone (`grad` holds its range)."""
         if self.poisoned:               # [Why a non-finite gradient stops the host updates after it]
             return
         self._wait_readers(unit)
@@ -155,7 +155,7 @@ class HostUpdates:
             on_piece = on_progress
         else:
             on_piece = unit.set_progress if on_progress is None else _both(unit.set_progress, on_progress)
-        optim.apply_adamw(unit, g, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
+        optim.apply_adamw(unit, grad, *hp, piece=UPDATE_PIECE, on_piece=on_piece, before_piece=arrived,
                           clip_coef=clip_coef, kernel=self.engine.host_adam, grad_mul=grad_mul, span=span)
         self._count(unit, t0, unit.numel if span is None else span[1] - span[0])
 
@@ -167,7 +167,7 @@ class HostUpdates:
             self.sync(ev, f"wait_readers:{unit.name}")
 
     def _count(self, unit: Unit, t0: float, params: int) -> None:
-        """An update of `params` parameters of `u` that began at `t0` has ended: time and count it."""
+        """An update of `params` parameters of `unit` that began at `t0` has ended: time and count it."""
         t1 = time.perf_counter()
         stats = self.engine.stats
         stats.adam_s += t1 - t0

@@ -26,8 +26,8 @@ class HostMemoryError(MemoryError):
 def available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo, or None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
@@ -72,15 +72,15 @@ def check_host_memory(numel: int, *, deferred: bool, config, need: int | None = 
     )
 
 
-def pin_slab(t: torch.Tensor) -> bool:
+def pin_slab(tensor: torch.Tensor) -> bool:
     """Page-lock an existing CPU tensor in place (cudaHostRegister), without the caching host
     allocator's power-of-two rounding that would waste up to half of a large buffer.
 
     Returns whether the memory is now pinned (a failure only costs speed, so it is logged)."""
-    if t.numel() == 0:
+    if tensor.numel() == 0:
         return False
-    nbytes = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+    nbytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(err) != 0:
         logger.warning("cudaHostRegister of %d bytes (%.2f GiB) failed: %s; transfers from it will be slower",
                        nbytes, nbytes / GiB, _cuda_error(err))
@@ -97,9 +97,9 @@ def _cuda_error(err) -> str:
         return f"CUDA error {code}"
 
 
-def unpin_slab(t: torch.Tensor) -> None:
-    """Undo pin_slab (call once no copy reads or writes `t` any more)."""
-    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+def unpin_slab(tensor: torch.Tensor) -> None:
+    """Undo pin_slab (call once no copy reads or writes `tensor` any more)."""
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
 class PinnedBuffers:
@@ -113,23 +113,23 @@ class PinnedBuffers:
         weakref.finalize(self, _unpin_all, self._held)
 
     def empty(self, *shape, dtype=torch.float32) -> torch.Tensor:
-        t = torch.empty(*shape, dtype=dtype)
-        if self.enabled and pin_slab(t):
-            self._held.append(t)
-        return t
+        tensor = torch.empty(*shape, dtype=dtype)
+        if self.enabled and pin_slab(tensor):
+            self._held.append(tensor)
+        return tensor
 
-    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
         """Pin an existing tensor and release it with the others."""
-        if self.enabled and pin_slab(t):
-            self._held.append(t)
-        return t
+        if self.enabled and pin_slab(tensor):
+            self._held.append(tensor)
+        return tensor
 
-    def release(self, t: torch.Tensor) -> None:
+    def release(self, tensor: torch.Tensor) -> None:
         """Unpin one buffer; the caller guarantees that no copy still uses it."""
-        for k, h in enumerate(self._held):
-            if h is t:
-                unpin_slab(h)
-                del self._held[k]
+        for index, held in enumerate(self._held):
+            if held is tensor:
+                unpin_slab(held)
+                del self._held[index]
                 return
 
     def close(self) -> None:
@@ -137,8 +137,8 @@ class PinnedBuffers:
 
 
 def _unpin_all(held: list) -> None:
-    for h in held:
-        unpin_slab(h)
+    for tensor in held:
+        unpin_slab(tensor)
     held.clear()
 
 
@@ -174,7 +174,7 @@ def lazy_zeros(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype)        # the tensor keeps the mapping alive
 
 
-def release_pages(t: torch.Tensor) -> int:
+def release_pages(tensor: torch.Tensor) -> int:
     """Give the physical pages under a CPU tensor back to the OS (they read as zeros afterwards).
 
     Only the whole pages inside the tensor are released; returns the bytes released (0 where
@@ -183,23 +183,24 @@ def release_pages(t: torch.Tensor) -> int:
     import ctypes
     import mmap
 
-    if t.device.type != "cpu" or t.numel() == 0 or t.is_pinned():
+    if tensor.device.type != "cpu" or tensor.numel() == 0 or tensor.is_pinned():
         return 0
     page = mmap.PAGESIZE
-    start = t.data_ptr()
-    end = start + t.numel() * t.element_size()
-    a = (start + page - 1) // page * page
-    b = end // page * page
-    if b <= a:
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned_start = (start + page - 1) // page * page
+    aligned_end = end // page * page
+    if aligned_end <= aligned_start:
         return 0
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         MADV_DONTNEED = 4
-        if libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_DONTNEED) != 0:
+        if libc.madvise(ctypes.c_void_p(aligned_start), ctypes.c_size_t(aligned_end - aligned_start),
+                        MADV_DONTNEED) != 0:
             return 0
     except (OSError, AttributeError):
         return 0
-    return b - a
+    return aligned_end - aligned_start
 
 
 _ALLOC_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -110,11 +110,11 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
 def groups_of(unit: Unit, group_of: dict[int, int]) -> dict[int, list[int]]:
     """Param group -> indices of the unit's entries it updates (frozen or unlisted ones left out)."""
     by_group: dict[int, list[int]] = {}
-    for k, entry in enumerate(unit.entries):
+    for index, entry in enumerate(unit.entries):
         gi = group_of.get(id(entry.param))
         if gi is None or not entry.param.requires_grad:
             continue
-        by_group.setdefault(gi, []).append(k)
+        by_group.setdefault(gi, []).append(index)
     return by_group
 
 
@@ -130,19 +130,19 @@ def piece_batches(unit: Unit, by_group: dict[int, list[int]], piece: int, span: 
     group_of_entry = {k: gi for gi, ks in by_group.items() for k in ks}
     batch: dict[int, list[tuple]] = {}
     start, size = 0, 0
-    for k in sorted(range(len(unit.entries)), key=lambda k: unit.entries[k].offset):
-        gi = group_of_entry.get(k)
+    for index in sorted(range(len(unit.entries)), key=lambda index: unit.entries[index].offset):
+        gi = group_of_entry.get(index)
         if gi is None and not span:
             continue
-        entry = unit.entries[k]
-        for a in range(0, entry.numel, piece):
-            b = min(a + piece, entry.numel)
+        entry = unit.entries[index]
+        for lo in range(0, entry.numel, piece):
+            hi = min(lo + piece, entry.numel)
             if gi is not None:
-                batch.setdefault(gi, []).append((k, entry.offset + a, entry.offset + b))
-            size += b - a
+                batch.setdefault(gi, []).append((index, entry.offset + lo, entry.offset + hi))
+            size += hi - lo
             if size >= piece:
-                yield start, entry.offset + b, batch
-                start, batch, size = entry.offset + b, {}, 0
+                yield start, entry.offset + hi, batch
+                start, batch, size = entry.offset + hi, {}, 0
     yield start, unit.numel, batch
 
 
@@ -190,9 +190,9 @@ class SlideOptimizer(torch.optim.Optimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False, **unused):
         if amsgrad:
             raise ValueError("SlideOptimizer does not support amsgrad=True")
-        for k in unused:
-            if unused[k] not in (None, False):
-                raise ValueError(f"SlideOptimizer got an unsupported option {k}={unused[k]!r}")
+        for name in unused:
+            if unused[name] not in (None, False):
+                raise ValueError(f"SlideOptimizer got an unsupported option {name}={unused[name]!r}")
         if not 0.0 <= lr:
             raise ValueError(f"invalid learning rate {lr}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize)
@@ -200,24 +200,24 @@ class SlideOptimizer(torch.optim.Optimizer):
         self.engine = engine
         engine.lora.adopt_all()              # LoRA adapters a PEFT model added (lora.py)
         owned = {id(p) for p in engine.store.params()} | {id(p) for p in engine.lora.params}
-        for g in self.param_groups:
-            for p in g["params"]:
+        for group in self.param_groups:
+            for param in group["params"]:
                 # A frozen parameter outside the store (the original beside a PEFT modules_to_save
                 # copy, modules_to_save.py) is in `model.parameters()` but never updated.
-                if id(p) not in owned and p.requires_grad:
+                if id(param) not in owned and param.requires_grad:
                     raise ValueError(
                         "SlideOptimizer got a parameter that is not a master weight of the slid model "
-                        f"(shape {tuple(p.shape)}). Build the optimizer after slide()/from_pretrained, from "
+                        f"(shape {tuple(param.shape)}). Build the optimizer after slide()/from_pretrained, from "
                         "model.parameters(), e.g. with model.create_optimizer()."
                     )
         store = engine.store
         store.allocate_optimizer_state()
         for unit in store.units:
-            for k, e in enumerate(unit.entries):
+            for index, entry in enumerate(unit.entries):
                 # a layer on disk has no moments in memory: state_dict() reads them (`_disk_moments`)
                 # the arrays the unit's format declares (host_optim.py), views of the host store
-                self.state[e.param] = {"step": unit.steps[k]} if store.on_disk(unit) else {
-                    "step": unit.steps[k], **unit.state_format.entry_state(unit, k)}
+                self.state[entry.param] = {"step": unit.steps[index]} if store.on_disk(unit) else {
+                    "step": unit.steps[index], **unit.state_format.entry_state(unit, index)}
         engine.lora.allocate(self.state)
         engine.attach_optimizer(self)
 
@@ -256,10 +256,10 @@ class SlideOptimizer(torch.optim.Optimizer):
     def _indexed_units(self):
         """(unit, [(entry index, entry, the state dict's index of its parameter)]) of the layers on disk."""
         index, start = {}, 0
-        for g in self.param_groups:                  # torch.optim's numbering of the parameters
-            for i, param in enumerate(g["params"], start):
-                index.setdefault(id(param), i)
-            start += len(g["params"])
+        for group in self.param_groups:              # torch.optim's numbering of the parameters
+            for number, param in enumerate(group["params"], start):
+                index.setdefault(id(param), number)
+            start += len(group["params"])
         store = self.engine.store
         for unit in store.units:
             if store.on_disk(unit):
@@ -270,10 +270,10 @@ class SlideOptimizer(torch.optim.Optimizer):
         a time (copies)."""
         for unit, entries in self._indexed_units():
             with self.engine.store.unit_state(unit):
-                for k, _, i in entries:
-                    if i in state:
-                        arrays = unit.state_format.entry_state(unit, k)
-                        state[i] = {**state[i], **{n: t.clone() for n, t in arrays.items()}}
+                for index, _, number in entries:
+                    if number in state:
+                        arrays = unit.state_format.entry_state(unit, index)
+                        state[number] = {**state[number], **{n: t.clone() for n, t in arrays.items()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyper-parameters and moments in place (the moments are views of the host store)."""
@@ -283,35 +283,37 @@ class SlideOptimizer(torch.optim.Optimizer):
         self.engine.synchronize()
         saved = state_dict["state"]
         on_disk = {}                                # id(param) -> (unit, entry) of the layers on disk
-        for u, entries in self._indexed_units():
-            on_disk.update({id(e.param): (u, k) for k, e, _ in entries})
+        for unit, entries in self._indexed_units():
+            on_disk.update({id(e.param): (unit, k) for k, e, _ in entries})
         disk_moments: dict[int, list] = {}
         fmt_of = {id(e.param): u.state_format for u in self.engine.store.units for e in u.entries}
-        for sg, g in zip(groups, self.param_groups):
-            if len(sg["params"]) != len(g["params"]):
+        for sg, group in zip(groups, self.param_groups):
+            if len(sg["params"]) != len(group["params"]):
                 raise ValueError("optimizer state does not match this model's parameter groups")
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
-            for idx, p in zip(sg["params"], g["params"]):
-                s = saved.get(idx)
-                if s is None:
+            for key, value in sg.items():
+                if key != "params":
+                    group[key] = tuple(value) if key == "betas" else value
+            for idx, param in zip(sg["params"], group["params"]):
+                saved_state = saved.get(idx)
+                if saved_state is None:
                     continue
-                st = self.state[p]
-                if id(p) in on_disk:                # written to disk below, one unit at a time
-                    disk_moments.setdefault(id(on_disk[id(p)][0]), []).append((*on_disk[id(p)], p, s))
+                st = self.state[param]
+                if id(param) in on_disk:            # written to disk below, one unit at a time
+                    disk_moments.setdefault(id(on_disk[id(param)][0]), []).append(
+                        (*on_disk[id(param)], param, saved_state))
                 else:
-                    _copy_entry_state(st, s, p, fmt_of[id(p)])
-                st["step"].copy_(torch.as_tensor(s["step"], dtype=torch.float32))
+                    _copy_entry_state(st, saved_state, param, fmt_of[id(param)])
+                st["step"].copy_(torch.as_tensor(saved_state["step"], dtype=torch.float32))
         for items in disk_moments.values():
-            u = items[0][0]
-            with self.engine.store.unit_state(u, write=True):
-                for _, k, p, s in items:             # checked as a host unit's, before its copy
-                    _copy_entry_state(u.state_format.entry_state(u, k), s, p, u.state_format)
+            unit = items[0][0]
+            with self.engine.store.unit_state(unit, write=True):
+                for _, index, param, saved_state in items:     # checked as a host unit's, before its copy
+                    _copy_entry_state(unit.state_format.entry_state(unit, index), saved_state, param,
+                                      unit.state_format)
         self.engine.note_restored(optimizer=True)
 
 
-def _copy_entry_state(st: dict, saved: dict, p, fmt) -> None:
+def _copy_entry_state(st: dict, saved: dict, param, fmt) -> None:
     """Copy one parameter's saved optimizer state into its views `st`, checked against the format."""
     names = [a.name for a in fmt.arrays]
     missing = [n for n in names if n not in saved]
@@ -323,10 +325,10 @@ def _copy_entry_state(st: dict, saved: dict, p, fmt) -> None:
             f"the optimizer state is of format {' or '.join(map(repr, theirs)) or 'unknown'}; this model's "
             f"optimizer_state is {fmt.name!r} with {names}: load it into a model slid with the same "
             "SlideConfig.optimizer_state")
-    for n in names:
-        if saved[n].shape != st[n].shape:
-            raise ValueError(f"optimizer state {n} for a parameter of shape {tuple(p.shape)} has shape "
-                             f"{tuple(saved[n].shape)}, expected {tuple(st[n].shape)}")
-        fmt.check(n, saved[n], f"optimizer state of a parameter of shape {tuple(p.shape)}")
-    for n in names:
-        st[n].copy_(saved[n])
+    for name in names:
+        if saved[name].shape != st[name].shape:
+            raise ValueError(f"optimizer state {name} for a parameter of shape {tuple(param.shape)} has shape "
+                             f"{tuple(saved[name].shape)}, expected {tuple(st[name].shape)}")
+        fmt.check(name, saved[name], f"optimizer state of a parameter of shape {tuple(param.shape)}")
+    for name in names:
+        st[name].copy_(saved[name])

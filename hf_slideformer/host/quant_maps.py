@@ -29,14 +29,14 @@ def num_blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
-def block_at(entries, x: int) -> int:
+def block_at(entries, offset: int) -> int:
     """The index, in the block arrays of a unit of parameters `entries` (each with its `offset` and
-    `numel`, blocks from its own start), of the block that starts at flat offset `x`: a block start
+    `numel`, blocks from its own start), of the block that starts at flat `offset`: a block start
     of its parameter, or the end of one (then the next parameter's first block)."""
     b0 = 0
     for entry in entries:
-        if x <= entry.offset + entry.numel:
-            return b0 + num_blocks(max(0, x - entry.offset))
+        if offset <= entry.offset + entry.numel:
+            return b0 + num_blocks(max(0, offset - entry.offset))
         b0 += num_blocks(entry.numel)
     return b0
 
@@ -104,25 +104,25 @@ def code_search_table(signed: bool) -> torch.Tensor:
         width = 1 << shift
         inner = SEARCH_LEVELS[level + 1] if level + 1 < len(SEARCH_LEVELS) else None
         per = []
-        for b in range(256):
-            a = origin + b * width
-            if a >= LUT_SIZE:
+        for bucket in range(256):
+            start = origin + bucket * width
+            if start >= LUT_SIZE:
                 per.append([])
                 continue
-            z = min(a + width, LUT_SIZE)
-            if inner is not None and a >= inner[1] and z <= inner[1] + (256 << inner[0]):
+            stop = min(start + width, LUT_SIZE)
+            if inner is not None and start >= inner[1] and stop <= inner[1] + (256 << inner[0]):
                 per.append([])                  # the finer level answers for this bucket
                 continue
-            per.append((steps[a + 1:z].nonzero().view(-1) + 1).tolist())
-            rows[level, 0, b] = lut[a]
-        k = max(len(t) for t in per)
-        if k > _SEARCH_ROWS - 1:
-            raise AssertionError(f"code search level {level}: a bucket holds {k} thresholds")
-        for b, ts in enumerate(per):
-            for j in range(k):
-                rows[level, 1 + j, b] = ts[j] if j < len(ts) else 0
-            rows[level, 0, b] -= k - len(ts)          # each unused threshold (0) always steps up
-        counts.append(k)
+            per.append((steps[start + 1:stop].nonzero().view(-1) + 1).tolist())
+            rows[level, 0, bucket] = lut[start]
+        used = max(len(t) for t in per)
+        if used > _SEARCH_ROWS - 1:
+            raise AssertionError(f"code search level {level}: a bucket holds {used} thresholds")
+        for bucket, ts in enumerate(per):
+            for j in range(used):
+                rows[level, 1 + j, bucket] = ts[j] if j < len(ts) else 0
+            rows[level, 0, bucket] -= used - len(ts)     # each unused threshold (0) always steps up
+        counts.append(used)
     rows %= 256
     planes = dynamic_map(signed).contiguous().view(torch.uint8).view(256, 4).t().to(torch.int64)
     table = torch.cat([lut, rows.view(-1), torch.tensor(counts + [0]), planes.reshape(-1)]).to(torch.uint8)
@@ -142,29 +142,29 @@ def _search(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         off = idx - origin
         inside = (off >= 0) & (off < (256 << shift))
         key, lo = (off >> shift).clamp(0, 255), off & ((1 << shift) - 1)
-        c = rows[level, 0, key].clone()
+        level_code = rows[level, 0, key].clone()
         for j in range(counts[level]):
-            c += (lo >= rows[level, 1 + j, key]).to(torch.int64)
-        code = torch.where(inside, c % 256, code)
+            level_code += (lo >= rows[level, 1 + j, key]).to(torch.int64)
+        code = torch.where(inside, level_code % 256, code)
     return code.to(torch.uint8)
 
 
 def _lut_index(x: torch.Tensor) -> torch.Tensor:
-    y = x.clamp(-1.0, 1.0)
-    return ((((y + 1.0) * 0.5) * float(LUT_SIZE - 1)) + 0.5).to(torch.int64)
+    clamped = x.clamp(-1.0, 1.0)
+    return ((((clamped + 1.0) * 0.5) * float(LUT_SIZE - 1)) + 0.5).to(torch.int64)
 
 
-def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(values: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and absmax of a flat fp32 tensor, blocks from its first element.
 
     Returns:
         (codes (n,) uint8, absmax (num_blocks(n),) fp32); an all-zero block has absmax 0, codes 0.
     """
-    x = x.reshape(-1).to(torch.float32)
-    n = x.numel()
+    values = values.reshape(-1).to(torch.float32)
+    n = values.numel()
     nb = num_blocks(n)
     pad = torch.zeros(nb * BLOCK, dtype=torch.float32)
-    pad[:n] = x
+    pad[:n] = values
     blocks = pad.view(nb, BLOCK)
     absmax = blocks.abs().amax(dim=1)
     inv = torch.where(absmax > 0, 1.0 / torch.where(absmax > 0, absmax, 1.0), 0.0)

@@ -85,10 +85,10 @@ class Unit:
     def __post_init__(self):
         self.updated.set()
 
-    def set_progress(self, n: int) -> None:
-        """Worker side: the first `n` elements of `master` are final for this update."""
+    def set_progress(self, progress: int) -> None:
+        """Worker side: the first `progress` elements of `master` are final for this update."""
         with self.progress_cv:
-            self.progress = n
+            self.progress = progress
             self.progress_cv.notify_all()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -115,16 +115,16 @@ class HostStore:
         self.config = config
         self.dp = dp
         off = 0
-        for u in units:
-            u.numel = 0
-            for e in u.entries:
-                e.offset = u.numel
-                u.numel += e.numel
-            off += u.numel
+        for unit in units:
+            unit.numel = 0
+            for entry in unit.entries:
+                entry.offset = unit.numel
+                unit.numel += entry.numel
+            off += unit.numel
         self.numel = off
         self.deferred = config.deferred
-        for u in units:                       # what each unit's optimizer keeps (host_optim.py)
-            u.state_format = unit_format(u, config)
+        for unit in units:                    # what each unit's optimizer keeps (host_optim.py)
+            unit.state_format = unit_format(unit, config)
         # The last layers' moments, or whole state, on disk when host_memory_limit says so (disk_store.py).
         on_disk = plan_disk_units(units, config)                 # [(unit, part)]
         self._on_disk = {id(u) for u, _ in on_disk}
@@ -170,14 +170,14 @@ class HostStore:
         self.master_slab = self.memory.empty(self.host_numel - sum(u.numel for u in own) - frozen_numel,
                                              dtype=master_dtype)
         self._carve(self.master_slab, "master", [u for u in units if not self.master_on_disk(u)], skip=own + frozen)
-        for u in own:                 # in its format's dtype (bf16 under adamw_8bit_bf16, host_optim.embed_format)
-            u.master = self.memory.empty(u.numel, dtype=u.state_format.master_dtype)
+        for unit in own:              # in its format's dtype (bf16 under adamw_8bit_bf16, host_optim.embed_format)
+            unit.master = self.memory.empty(unit.numel, dtype=unit.state_format.master_dtype)
         if frozen:
             self.frozen_slab = self.pinned.empty(frozen_numel, dtype=low)
             off = 0
-            for u in frozen:
-                u.master = self.frozen_slab[off:off + u.numel]
-                off += u.numel
+            for unit in frozen:
+                unit.master = self.frozen_slab[off:off + unit.numel]
+                off += unit.numel
         self.optimizer_ready = False
 
     @staticmethod
@@ -192,16 +192,16 @@ class HostStore:
 
     # ------------------------------------------------------------------ units on disk
     def on_disk(self, unit: Unit) -> bool:
-        """Does `u` keep some of its state on disk (`self.disk`): its moments, or its master and moments?"""
+        """Does `unit` keep some of its state on disk (`self.disk`): its moments, or its master and moments?"""
         return id(unit) in self._on_disk
 
     def master_on_disk(self, unit: Unit) -> bool:
-        """Does `u` keep its master on disk too (its parameters are then meta tensors)?"""
+        """Does `unit` keep its master on disk too (its parameters are then meta tensors)?"""
         return id(unit) in self._master_on_disk
 
     @contextlib.contextmanager
     def unit_state(self, unit: Unit, write: bool = False):
-        """`u` with its master and moments in memory for the block: a host unit as it is, a disk
+        """`unit` with its master and moments in memory for the block: a host unit as it is, a disk
         unit's record read into a pool buffer (and written back after it with `write`). For readers
         outside the schedule (weights loading, state_dict, checkpoints); the engine is idle
         (`SlideEngine.synchronize`)."""
@@ -228,12 +228,12 @@ class HostStore:
             return
         held = [u for u in self.units if not self.on_disk(u)]   # a disk unit's moments are in its file
         by_format: dict[int, list[Unit]] = {}
-        for u in held:
-            by_format.setdefault(id(u.state_format), []).append(u)
+        for unit in held:
+            by_format.setdefault(id(unit.state_format), []).append(unit)
         for us in by_format.values():      # the arrays each format declares, one mapped slab per array
             us[0].state_format.allocate(us, self.memory.zeros)
-        for u in self.units:
-            u.steps = [torch.zeros((), dtype=torch.float32) for _ in u.entries]
+        for unit in self.units:
+            unit.steps = [torch.zeros((), dtype=torch.float32) for _ in unit.entries]
         if self.deferred:
             self.allocate_grad_accumulators()
         self.optimizer_ready = True
@@ -249,21 +249,21 @@ class HostStore:
         # is never written and takes no host memory.
         self.grad_slab = lazy_zeros(sum(u.numel for u in layers))
         off = 0
-        for u in layers:
-            u.grad = self.grad_slab[off:off + u.numel]
-            off += u.numel
+        for unit in layers:
+            unit.grad = self.grad_slab[off:off + unit.numel]
+            off += unit.numel
         self.deferred = True
 
     def bind_parameters(self) -> None:
         """Replace every held parameter by an nn.Parameter viewing its master (ties preserved); that
         of a unit whose master is on disk by a meta tensor of its shape (read through `unit_state`)."""
         for unit in self.units:
-            for e in unit.entries:
-                view = torch.empty(e.shape, device="meta") if self.master_on_disk(unit) else e.view(unit.master)
-                param = nn.Parameter(view, requires_grad=e.param.requires_grad if e.param is not None else True)
-                for mod, attr in e.holders:
+            for entry in unit.entries:
+                view = torch.empty(entry.shape, device="meta") if self.master_on_disk(unit) else entry.view(unit.master)
+                param = nn.Parameter(view, requires_grad=entry.param.requires_grad if entry.param is not None else True)
+                for mod, attr in entry.holders:
                     mod._parameters[attr] = param
-                e.param = param
+                entry.param = param
 
     def state_bytes(self) -> int:
         """Host bytes of the masters and optimizer state of the units held here (their formats'

@@ -35,8 +35,8 @@ def _stop_all() -> None:
     # exception" was seen on the GPU at the exit of a script whose last (clipping) step left
     # deferred updates queued; this is our reading of it, not reproduced on the CPU. Pending tasks are
     # dropped (the process is ending) and the running one is waited for.
-    for w in list(_LIVE):
-        w.close()
+    for worker in list(_LIVE):
+        worker.close()
 
 
 class WorkerError(RuntimeError):
@@ -90,10 +90,10 @@ class CpuWorker:
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
-            e, tb = self._error
-            if isinstance(e, NonFiniteGradientError):        # a training error, not a fault: its own type
-                raise NonFiniteGradientError(f"{e}\n--- worker traceback ---\n{tb}") from e
-            raise WorkerError(f"the CPU worker failed: {e!r}\n--- worker traceback ---\n{tb}") from e
+            error, tb = self._error
+            if isinstance(error, NonFiniteGradientError):        # a training error, not a fault: its own type
+                raise NonFiniteGradientError(f"{error}\n--- worker traceback ---\n{tb}") from error
+            raise WorkerError(f"the CPU worker failed: {error!r}\n--- worker traceback ---\n{tb}") from error
 
     def submit(self, fn, *args, done: tuple[threading.Event, ...] = ()) -> None:
         """Run fn(*args) on the worker after every task submitted before; set each event in `done`

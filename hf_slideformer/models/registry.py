@@ -71,27 +71,28 @@ class LogitTransform:
         return self.divisor == 1.0 and self.softcap is None
 
 
-def llama_core_params(d: LayerDims) -> int:
+def llama_core_params(dims: LayerDims) -> int:
     """q, k, v, o projections, gate / up / down, and the two RMSNorms, without biases."""
-    return d.hidden * d.q + 2 * d.hidden * d.kv + d.q * d.hidden + 3 * d.hidden * d.intermediate + 2 * d.hidden
+    return (dims.hidden * dims.q + 2 * dims.hidden * dims.kv + dims.q * dims.hidden
+            + 3 * dims.hidden * dims.intermediate + 2 * dims.hidden)
 
 
-def _no_extra(cfg: dict, d: LayerDims) -> int:
+def _no_extra(cfg: dict, dims: LayerDims) -> int:
     return 0
 
 
-def _llama_extra(cfg: dict, d: LayerDims) -> int:
-    n = d.q + 2 * d.kv + d.hidden if cfg.get("attention_bias") else 0        # q/k/v/o biases
-    return n + (2 * d.intermediate + d.hidden if cfg.get("mlp_bias") else 0)  # gate/up/down biases
+def _llama_extra(cfg: dict, dims: LayerDims) -> int:
+    biases = dims.q + 2 * dims.kv + dims.hidden if cfg.get("attention_bias") else 0      # q/k/v/o biases
+    return biases + (2 * dims.intermediate + dims.hidden if cfg.get("mlp_bias") else 0)  # gate/up/down biases
 
 
-def _qwen2_extra(cfg: dict, d: LayerDims) -> int:
-    return d.q + 2 * d.kv                                                       # q/k/v biases, always
+def _qwen2_extra(cfg: dict, dims: LayerDims) -> int:
+    return dims.q + 2 * dims.kv                                                          # q/k/v biases, always
 
 
-def _qwen3_extra(cfg: dict, d: LayerDims) -> int:
-    n = d.q + 2 * d.kv + d.hidden if cfg.get("attention_bias") else 0        # q/k/v/o biases
-    return n + 2 * d.head_dim                                                   # q_norm, k_norm
+def _qwen3_extra(cfg: dict, dims: LayerDims) -> int:
+    biases = dims.q + 2 * dims.kv + dims.hidden if cfg.get("attention_bias") else 0      # q/k/v/o biases
+    return biases + 2 * dims.head_dim                                                    # q_norm, k_norm
 
 
 def _plain(cfg) -> LogitTransform:
@@ -191,18 +192,18 @@ class Family:
         name = self.model_type.removesuffix("_text")
         return f"transformers.models.{name}.modeling_{name}"
 
-    def active_layer_params(self, cfg: dict, d: LayerDims) -> int:
+    def active_layer_params(self, cfg: dict, dims: LayerDims) -> int:
         """Parameters of the largest decoder layer one token computes with: all of them in a
         dense family, the top-k experts' share of the routed experts in a mixture of experts."""
         if self.router_class is None and not (self.routed is not None and self.routed(cfg)):
-            return self.layer_params(cfg, d)
+            return self.layer_params(cfg, dims)
         return active_layer_params_of(cfg)
 
-    def layer_params(self, cfg: dict, d: LayerDims) -> int:
+    def layer_params(self, cfg: dict, dims: LayerDims) -> int:
         """Parameters of the largest decoder layer of a model with config `cfg`."""
         if self.extra_layer_params is None:
             return layer_params_of(cfg)
-        return llama_core_params(d) + self.extra_layer_params(cfg, d)
+        return llama_core_params(dims) + self.extra_layer_params(cfg, dims)
 
 
 def layer_params_of(cfg: dict) -> int:
