@@ -136,10 +136,11 @@ class SharedInputs:
         self.entries: dict[int, list] = {}
 
     def _entry(self, x: torch.Tensor) -> list:
-        e = self.entries.get(id(x))
-        if e is None or e[0] is not x or e[1] != x._version:
-            e = self.entries[id(x)] = [x, x._version, None, None, e[4] if e is not None and e[0] is x else 0]
-        return e
+        entry = self.entries.get(id(x))
+        if entry is None or entry[0] is not x or entry[1] != x._version:
+            entry = self.entries[id(x)] = [x, x._version, None, None,
+                                           entry[4] if entry is not None and entry[0] is x else 0]
+        return entry
 
     def provide(self, x: torch.Tensor, rows: tuple) -> None:
         """Take x's per-token form (q (M, K) e4m3, inverse scales (M, 1) float32, M = x.numel() // K)
@@ -152,30 +153,30 @@ class SharedInputs:
 
     def release(self, x: torch.Tensor) -> None:
         """That call's backward has run: with its last reader, x's entry goes."""
-        e = self.entries.get(id(x))
-        if e is not None and e[0] is x:
-            e[4] -= 1
-            if e[4] <= 0:
+        entry = self.entries.get(id(x))
+        if entry is not None and entry[0] is x:
+            entry[4] -= 1
+            if entry[4] <= 0:
                 del self.entries[id(x)]
 
     def rows(self, x: torch.Tensor) -> tuple:
         """x (..., K) quantized per token (the forward's first operand)."""
-        e = self._entry(x)
-        if e[2] is None:
-            e[2] = self.ops.quantize_rows(x.detach().reshape(-1, x.shape[-1]))
-        return e[2]
+        entry = self._entry(x)
+        if entry[2] is None:
+            entry[2] = self.ops.quantize_rows(x.detach().reshape(-1, x.shape[-1]))
+        return entry[2]
 
     def drop_rows(self) -> None:
         """Free the per-token forms once the layer's forward has run (only wgrad's are read later)."""
-        for e in self.entries.values():
-            e[2] = None
+        for entry in self.entries.values():
+            entry[2] = None
 
     def cols_t(self, x: torch.Tensor) -> tuple:
         """x (..., K) quantized per feature over the tokens, transposed (wgrad's second operand)."""
-        e = self._entry(x)
-        if e[3] is None:
-            e[3] = self.ops.quantize_cols_t(x.detach().reshape(-1, x.shape[-1]))
-        return e[3]
+        entry = self._entry(x)
+        if entry[3] is None:
+            entry[3] = self.ops.quantize_cols_t(x.detach().reshape(-1, x.shape[-1]))
+        return entry[3]
 
 
 class Fp8Linear(torch.autograd.Function):
@@ -195,18 +196,18 @@ class Fp8Linear(torch.autograd.Function):
         ctx.x, ctx.shared = x, shared       # x is an input, never this node's output: no reference cycle
         ctx.ops, ctx.qweight, ctx.has_bias = ops, qweight, bias is not None
         shared.hold(x)
-        lead, n = x.shape[:-1], weight.shape[0]
+        lead, out_features = x.shape[:-1], weight.shape[0]
         if not output:
-            return x.new_zeros(*lead, n)
+            return x.new_zeros(*lead, out_features)
         w_rows = qweight.rows if qweight is not None else ops.quantize_rows(weight.detach())
         y = ops.mm(shared.rows(x), w_rows, x.dtype, fast_accum=True)
         if bias is not None:
             y = y + bias
-        return y.view(*lead, n)
+        return y.view(*lead, out_features)
 
     @staticmethod
     def backward(ctx, gy):
-        (w,), x = ctx.saved_tensors, ctx.x
+        (weight,), x = ctx.saved_tensors, ctx.x
         ops = ctx.ops
         g2 = gy.reshape(-1, gy.shape[-1])                        # (M, N)
         if g2.stride(-1) != 1:
@@ -216,15 +217,15 @@ class Fp8Linear(torch.autograd.Function):
         if need_dx:
             # With wgrad to follow, the read that quantizes dy's rows also takes its column maxima.
             g_rows, g_amax = ops.quantize_rows_col_amax(g2) if need_dw else (ops.quantize_rows(g2), None)
-            w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(w.detach())
+            w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(weight.detach())
             gx = ops.mm(g_rows, w_cols, gy.dtype, fast_accum=False)     # (M, K)
-            gx = gx.view(*gy.shape[:-1], w.shape[1])
+            gx = gx.view(*gy.shape[:-1], weight.shape[1])
             del g_rows, w_cols
             if ctx.qweight is not None:
                 ctx.qweight.drop_cols_t()          # one backward per fill reads it (made again if not)
         if need_dw:
             # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
-            gw = ops.mm(ops.quantize_cols_t(g2, g_amax), ctx.shared.cols_t(x), w.dtype, fast_accum=False)
+            gw = ops.mm(ops.quantize_cols_t(g2, g_amax), ctx.shared.cols_t(x), weight.dtype, fast_accum=False)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         ctx.shared.release(x)

@@ -33,11 +33,11 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
     the parametrization's output, not the weight, is what the experts' ops save), so the alias
     loses nothing.
     """
-    for entry, t in zip(unit.entries, tensors):
-        if entry.parametrized and not isinstance(t, torch.nn.Parameter):
-            t = _own_parameter(t)
+    for entry, tensor in zip(unit.entries, tensors):
+        if entry.parametrized and not isinstance(tensor, torch.nn.Parameter):
+            tensor = _own_parameter(tensor)
         for mod, attr in entry.holders:
-            mod._parameters[attr] = t
+            mod._parameters[attr] = tensor
     try:
         yield
     finally:
@@ -46,9 +46,9 @@ def swapped(unit: Unit, tensors: list[torch.Tensor]):
                 mod._parameters[attr] = entry.param
 
 
-def _own_parameter(t: torch.Tensor) -> torch.nn.Parameter:
-    """A frozen nn.Parameter on `t`'s memory whose version counter is not `t`'s."""
-    alias = t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+def _own_parameter(tensor: torch.Tensor) -> torch.nn.Parameter:
+    """A frozen nn.Parameter on `tensor`'s memory whose version counter is not `tensor`'s."""
+    alias = tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
     return torch.nn.Parameter(alias, requires_grad=False)
 
 
@@ -64,15 +64,15 @@ class RngReplay:
         self.device = torch.device(device)
         self.states: dict[int, tuple] = {}
 
-    def save(self, i: int) -> None:
+    def save(self, index: int) -> None:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        self.states[i] = (torch.get_rng_state(), cuda)
+        self.states[index] = (torch.get_rng_state(), cuda)
 
     @contextlib.contextmanager
-    def replay(self, i: int):
-        """Layer i's recompute under the state its forward started from (if one was saved); the
+    def replay(self, index: int):
+        """Layer `index`'s recompute under the state its forward started from (if one was saved); the
         global random state is left as it was."""
-        state = self.states.pop(i, None)
+        state = self.states.pop(index, None)
         if state is None:
             yield
             return
@@ -96,11 +96,11 @@ class GradOnlyLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        x, w = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         g2 = gy.reshape(-1, gy.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = g2.mm(w).view(*gy.shape[:-1], w.shape[1])
+            gx = g2.mm(weight).view(*gy.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -162,12 +162,12 @@ class LayerFunction(torch.autograd.Function):
 
 
 class HeadFunction(torch.autograd.Function):
-    """h (B, S, H) -> loss; the head's gradients are computed here and sent to the host at once."""
+    """hidden (B, S, H) -> loss; the head's gradients are computed here and sent to the host at once."""
 
     @staticmethod
-    def forward(ctx, h, engine, labels, num_items_in_batch):
+    def forward(ctx, hidden, engine, labels, num_items_in_batch):
         ctx.engine, ctx.gen = engine, engine.generation
-        loss, gh = engine.head.forward(h, labels, num_items_in_batch, with_grad=True)
+        loss, gh = engine.head.forward(hidden, labels, num_items_in_batch, with_grad=True)
         ctx.gh = gh
         return loss
 
@@ -182,7 +182,7 @@ class HeadFunction(torch.autograd.Function):
 
 
 class TokenHeadFunction(torch.autograd.Function):
-    """h (B, S, H) -> per-token statistics (`LossHead.token_statistics`), each (B, S), through the
+    """hidden (B, S, H) -> per-token statistics (`LossHead.token_statistics`), each (B, S), through the
     head; only the first, log p(label), carries a gradient.
 
     Note: [Why a per-token head computes its gradients in backward] a loss that the caller makes
@@ -195,10 +195,10 @@ class TokenHeadFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, engine, shift_labels):
+    def forward(ctx, hidden, engine, shift_labels):
         ctx.engine, ctx.gen, ctx.labels = engine, engine.generation, shift_labels
-        log_probs, *rest = engine.head.token_statistics(h, shift_labels)
-        ctx.save_for_backward(h)
+        log_probs, *rest = engine.head.token_statistics(hidden, shift_labels)
+        ctx.save_for_backward(hidden)
         ctx.mark_non_differentiable(*rest)
         return (log_probs, *rest)
 
@@ -206,9 +206,9 @@ class TokenHeadFunction(torch.autograd.Function):
     def backward(ctx, g_log_probs, *_):
         eng = ctx.engine
         eng.check_generation(ctx.gen)
-        (h,) = ctx.saved_tensors
+        (hidden,) = ctx.saved_tensors
         weights = -g_log_probs.reshape(-1).float()                 # (B*S,) d loss / d CE_t
-        _, gh = eng.head.forward(h.detach(), None, None, with_grad=True, shift_labels=ctx.labels,
+        _, gh = eng.head.forward(hidden.detach(), None, None, with_grad=True, shift_labels=ctx.labels,
                                  token_weights=weights)
         eng.begin_backward()
         eng.head.backward(weights.new_ones(()))

@@ -49,23 +49,23 @@ class FusedLMHeadOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
 
 
-def fused_head(engine, h: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+def fused_head(engine, hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
                num_items_in_batch=None) -> FusedLMHeadOutput:
-    """The per-token statistics of the final hidden states `h` (B, S, H) against the next-token labels.
+    """The per-token statistics of the final hidden states `hidden` (B, S, H) against the next-token labels.
 
     Args:
-        engine: the slid model's `SlideEngine` (its head scores `h`).
-        h: the decoder's output, before the final norm (the head applies it).
+        engine: the slid model's `SlideEngine` (its head scores `hidden`).
+        hidden: the decoder's output, before the final norm (the head applies it).
         labels: (B, S) token ids, shifted here (the last position has no next token); or None with
             `shift_labels` (B, S), already aligned with the positions.
         num_items_in_batch: the loss's divisor; the count of labels that are not -100 when None.
     """
     sl = shift_labels if shift_labels is not None else F.pad(labels, (0, 1), value=-100)[..., 1:]
     sl = sl.to(engine.device, torch.long)                          # (B, S)
-    if torch.is_grad_enabled() and h.requires_grad:
-        stats = TokenHeadFunction.apply(h, engine, sl)
+    if torch.is_grad_enabled() and hidden.requires_grad:
+        stats = TokenHeadFunction.apply(hidden, engine, sl)
     else:
-        stats = engine.head.token_statistics(h, sl)
+        stats = engine.head.token_statistics(hidden, sl)
     if shift_labels is None:                                       # the last position has no next token
         stats, sl = [x[:, :-1] for x in stats], sl[:, :-1]
     log_probs, entropy, is_top1, mean_logits, log_sum_sq_probs = stats

@@ -46,10 +46,10 @@ __all__ = ["DtypeMatmuls", "Fp8Matmuls", "layer_matmuls", "check_matmuls", "fp8_
 class DtypeMatmuls:
     """The projections in the compute dtype (the default)."""
 
-    def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
+    def forward(self, index: int, slot) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def recompute(self, i: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
+    def recompute(self, index: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
         return grad_only(skip)
 
 
@@ -82,11 +82,11 @@ class Fp8Matmuls:
         self.producers = [producers(layer) if fused else [] for layer in layers]
         self.cache: dict = {}          # Slot -> (fills, {id(projection module): QuantizedWeight})
 
-    def forward(self, i: int, slot) -> contextlib.AbstractContextManager:
-        return self._patched(i, slot, None, False)
+    def forward(self, index: int, slot) -> contextlib.AbstractContextManager:
+        return self._patched(index, slot, None, False)
 
-    def recompute(self, i: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
-        return self._patched(i, slot, skip, True)
+    def recompute(self, index: int, slot, skip: nn.Linear | None) -> contextlib.AbstractContextManager:
+        return self._patched(index, slot, skip, True)
 
     def quantized(self, slot, proj: nn.Linear) -> QuantizedWeight | None:
         """`proj`'s weight in FP8, from the cache of `slot`'s current fill (None without a slot)."""
@@ -96,42 +96,42 @@ class Fp8Matmuls:
         if fills != slot.fills:                # [Why FP8 weights are cached by the slot's fill]
             weights = {}
             self.cache[slot] = (slot.fills, weights)
-        q = weights.get(id(proj))
-        if q is None:
-            q = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops)
-        return q
+        qweight = weights.get(id(proj))
+        if qweight is None:
+            qweight = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops)
+        return qweight
 
     def _prune(self) -> None:
         """Drop the cached forms of the slots refilled since they were made."""
-        for s in [s for s, (fills, _) in self.cache.items() if s.fills != fills]:
-            del self.cache[s]
+        for slot in [slot for slot, (fills, _) in self.cache.items() if slot.fills != fills]:
+            del self.cache[slot]
 
     @contextlib.contextmanager
-    def _patched(self, i: int, slot, skip, last_forward: bool):
+    def _patched(self, index: int, slot, skip, last_forward: bool):
         self._prune()
-        projs = self.projections[i]
+        projs = self.projections[index]
         # A producer holding the output-free projection (the MLP, whose down projection is the
         # layer's last) keeps its plain forward: nothing would read its output's FP8 rows.
-        makers = [m for m in self.producers[i] if skip is None or not any(c is skip for c in m.modules())]
+        makers = [m for m in self.producers[index] if skip is None or not any(c is skip for c in m.modules())]
         mods = projs + makers
         shared = SharedInputs(self.ops)        # one layer call's inputs, each quantized once
         before = [m.__dict__.get("forward") for m in mods]     # an instance forward of its own stays
         for proj in projs:
             proj.forward = self._runner(proj, slot, proj is not skip, shared)
-        for m in makers:
-            m.forward = rows_forward(m, shared.provide)
+        for maker in makers:
+            maker.forward = rows_forward(maker, shared.provide)
         try:
             yield
         finally:
             shared.drop_rows()
             if last_forward and slot in self.cache:        # the recompute: no forward of this fill follows
-                for q in self.cache[slot][1].values():
-                    q.drop_rows()
-            for m, prev in zip(mods, before):
+                for qweight in self.cache[slot][1].values():
+                    qweight.drop_rows()
+            for module, prev in zip(mods, before):
                 if prev is None:
-                    del m.forward
+                    del module.forward
                 else:
-                    m.forward = prev
+                    module.forward = prev
 
     def _runner(self, proj: nn.Linear, slot, output: bool, shared: SharedInputs):
         def run(x):

@@ -20,8 +20,9 @@ class LabelError(ValueError):
     """A label is neither a token id of the vocabulary nor -100."""
 
 
-def _is_integer(t) -> bool:
-    return torch.is_tensor(t) and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+def _is_integer(value) -> bool:
+    return torch.is_tensor(value) and not (value.dtype.is_floating_point or value.dtype.is_complex
+                                           or value.dtype == torch.bool)
 
 
 def check_token_ids(input_ids) -> None:

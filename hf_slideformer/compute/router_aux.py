@@ -31,10 +31,10 @@ __all__ = ["RouterAux", "AuxLossFunction"]
 
 
 class AuxLossFunction(torch.autograd.Function):
-    """(h, aux value) -> aux, a node whose backward hands aux's gradient to the `RouterAux`."""
+    """(hidden, aux value) -> aux, a node whose backward hands aux's gradient to the `RouterAux`."""
 
     @staticmethod
-    def forward(ctx, h, value, router_aux):
+    def forward(ctx, hidden, value, router_aux):
         ctx.router_aux = router_aux
         return value.clone()
 
@@ -64,10 +64,10 @@ class RouterAux:
         self._logged = (0.0, 0)
         self._mask = None
         self._sums = None
-        for i, layer in enumerate(layers):
-            for m in layer.modules():
-                if type(m).__name__ == router_class:
-                    m.register_forward_hook(lambda mod, args, out, _i=i: self._seen(_i, out[0]))
+        for index, layer in enumerate(layers):
+            for module in layer.modules():
+                if type(module).__name__ == router_class:
+                    module.register_forward_hook(lambda mod, args, out, _i=index: self._seen(_i, out[0]))
 
     def begin(self, attention_mask: torch.Tensor | None, enabled: bool) -> None:
         """A forward starts: reset the sums; with `enabled` False (the forward's or the config's
@@ -78,34 +78,34 @@ class RouterAux:
         self.aux_grad = None
         self.captured = {}
 
-    def _seen(self, i: int, logits: torch.Tensor) -> None:
+    def _seen(self, index: int, logits: torch.Tensor) -> None:
         if not self.enabled:
             return
         if torch.is_grad_enabled():         # the recompute: its term joins the layer's backward
-            self.captured[i] = logits
+            self.captured[index] = logits
             return
         with torch.no_grad():
             p = torch.softmax(logits.float(), dim=-1)                                    # (T, E)
             top = torch.topk(p, self.top_k, dim=-1).indices                              # (T, k)
-            m = torch.ones(p.shape[0], device=p.device) if self._mask is None else self._mask.to(p.device)
+            mask = torch.ones(p.shape[0], device=p.device) if self._mask is None else self._mask.to(p.device)
             tokens = torch.zeros(self.experts, device=p.device).scatter_add_(
-                0, top.reshape(-1), m.repeat_interleave(self.top_k))
-            probs = (p * m[:, None]).sum(0)
-            t, pr, n = self._sums if self._sums is not None else (0.0, 0.0, 0.0)
-            self._sums = (t + tokens, pr + probs, n + m.sum())
+                0, top.reshape(-1), mask.repeat_interleave(self.top_k))
+            probs = (p * mask[:, None]).sum(0)
+            prev_tokens, prev_probs, prev_n = self._sums if self._sums is not None else (0.0, 0.0, 0.0)
+            self._sums = (prev_tokens + tokens, prev_probs + probs, prev_n + mask.sum())
 
-    def value(self, h: torch.Tensor) -> torch.Tensor | None:
-        """aux of the forward that just ran, as a node of the graph of the decoder's output `h`
+    def value(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """aux of the forward that just ran, as a node of the graph of the decoder's output `hidden`
         when it has one (None when no router ran)."""
         if self._sums is None:
             return None
         tokens, probs, n = self._sums
         aux = self.experts * torch.sum((tokens / n) * (probs / n))
-        if not (torch.is_grad_enabled() and h.requires_grad):
+        if not (torch.is_grad_enabled() and hidden.requires_grad):
             return aux
         total, count = self._logged
         self._logged = (total + aux.item(), count + 1)
-        return AuxLossFunction.apply(h, aux, self)
+        return AuxLossFunction.apply(hidden, aux, self)
 
     def logged(self) -> float | None:
         """The mean aux of the training forwards since the last call (None when none ran)."""
@@ -113,14 +113,14 @@ class RouterAux:
         self._logged = (0.0, 0)
         return total / count if count else None
 
-    def surrogate(self, i: int) -> torch.Tensor | None:
-        """A scalar of layer i's recomputed router logits whose gradient is aux's, times the
-        gradient the loss gives aux (None when layer i has no term)."""
-        logits = self.captured.pop(i, None)
+    def surrogate(self, index: int) -> torch.Tensor | None:
+        """A scalar of layer `index`'s recomputed router logits whose gradient is aux's, times the
+        gradient the loss gives aux (None when that layer has no term)."""
+        logits = self.captured.pop(index, None)
         if logits is None or self.aux_grad is None:
             return None
         tokens, _, n = self._sums
         p = torch.softmax(logits.float(), dim=-1)
-        m = torch.ones(p.shape[0], device=p.device) if self._mask is None else self._mask.to(p.device)
+        mask = torch.ones(p.shape[0], device=p.device) if self._mask is None else self._mask.to(p.device)
         weight = self.aux_grad.float() * self.experts * (tokens / n) / n                         # (E,)
-        return ((p * m[:, None]).sum(0) * weight).sum()
+        return ((p * mask[:, None]).sum(0) * weight).sum()

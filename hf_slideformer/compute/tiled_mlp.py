@@ -59,20 +59,20 @@ class TiledMLP(torch.autograd.Function):
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, x.device)
-            for c, g in zip(x.split(ctx.rows, dim=-2), gy.split(ctx.rows, dim=-2)):
-                xc = c.detach().requires_grad_(gx is not None)
+            for chunk, gy_chunk in zip(x.split(ctx.rows, dim=-2), gy.split(ctx.rows, dim=-2)):
+                xc = chunk.detach().requires_grad_(gx is not None)
                 with torch.enable_grad():
                     yc = torch.func.functional_call(ctx.mlp, bound, (xc,), strict=False)
                 inputs = ([xc] if gx is not None else []) + [params[k] for k in wrt]
-                grads = torch.autograd.grad(yc, inputs, g, allow_unused=True)
+                grads = torch.autograd.grad(yc, inputs, gy_chunk, allow_unused=True)
                 if gx is not None:
-                    gx.narrow(-2, start, c.shape[-2]).copy_(grads[0])
+                    gx.narrow(-2, start, chunk.shape[-2]).copy_(grads[0])
                     grads = grads[1:]
-                for k, gk in zip(wrt, grads):
+                for index, gk in zip(wrt, grads):
                     if gk is not None:
                         wide = torch.promote_types(gk.dtype, torch.float32)     # bf16 sums in fp32
-                        gp[k] = gk.to(wide) if gp[k] is None else gp[k].add_(gk)
-                start += c.shape[-2]
+                        gp[index] = gk.to(wide) if gp[index] is None else gp[index].add_(gk)
+                start += chunk.shape[-2]
         gp = [g.to(p.dtype) if g is not None else None for g, p in zip(gp, params)]
         return (None, gx, None, None, *gp)
 

@@ -156,19 +156,19 @@ def _device_share_advice(plan: Plan, est: Estimator, deferred: bool) -> str:
         return ""
     res = (plan.resident_embedding, plan.resident_layers)
 
-    def step(f: float) -> tuple[float, dict]:
-        t = replace(est, device_share=f).times(plan.batch, plan.gradient_accumulation_steps, plan.activation_tier,
-                                               False, res)
-        return max(v / ENGINE_EFFICIENCY.get(k, 1.0) for k, v in t.items()), t
+    def step(share: float) -> tuple[float, dict]:
+        times = replace(est, device_share=share).times(plan.batch, plan.gradient_accumulation_steps,
+                                                       plan.activation_tier, False, res)
+        return max(v / ENGINE_EFFICIENCY.get(k, 1.0) for k, v in times.items()), times
 
     now = step(0.0)[0]
-    best_s, f = min((step(k / 20)[0], k / 20) for k in range(1, 19))
+    best_s, share = min((step(k / 20)[0], k / 20) for k in range(1, 19))
     if best_s > 0.95 * now:
         return ""
-    t = step(f)[1]
-    return (f"CPU-bound without clipping: device_update_share={f} updates that share of the streamed layers on the "
-            f"GPU in their backward (cpu {t['cpu']:.2f} s, their state on the link: pcie {t['pcie']:.2f} s, "
-            f"GPU {t['gpu']:.2f} s; expected step {best_s:.2f} s against {now:.2f} s)")
+    times = step(share)[1]
+    return (f"CPU-bound without clipping: device_update_share={share} updates that share of the streamed layers on the "
+            f"GPU in their backward (cpu {times['cpu']:.2f} s, their state on the link: pcie {times['pcie']:.2f} s, "
+            f"GPU {times['gpu']:.2f} s; expected step {best_s:.2f} s against {now:.2f} s)")
 
 
 def _disk_bound_advice(plan: Plan, est: Estimator, deferred: bool) -> list[str]:

@@ -57,11 +57,11 @@ class Estimator:
     def state_bytes(self, layers_on_disk: int = 0) -> int:
         """Host bytes of the masters and AdamW state of the units in host memory (the embedding's
         in its own format, `host_optim.embed_format`: the units' where its rows are whole blocks)."""
-        s = self.s
+        shape = self.s
         bpp = state_format(self.optimizer_state).bytes_per_param
-        held = s.n_params - layers_on_disk * s.layer_params
-        ebpp = embed_format(self.optimizer_state, s.hidden).bytes_per_param
-        return int(bpp * (held - s.embed_params)) + int(ebpp * s.embed_params)
+        held = shape.n_params - layers_on_disk * shape.layer_params
+        ebpp = embed_format(self.optimizer_state, shape.hidden).bytes_per_param
+        return int(bpp * (held - shape.embed_params)) + int(ebpp * shape.embed_params)
 
     def master_bytes(self) -> tuple[int, int]:
         """Bytes per parameter of the masters the slots copy in: (layers' and head's, the embedding's)."""
@@ -89,50 +89,52 @@ class Estimator:
     def accumulator_bytes(self) -> int:
         """Host bytes of the fp32 gradient accumulators of accumulation or clipping: the embedding excluded
         with one process (its gradient is the engine's), included with several (one copy of all shards)."""
-        s = self.s
-        return 4 * (s.n_params - (s.embed_params if self.gpus == 1 else 0))
+        shape = self.s
+        return 4 * (shape.n_params - (shape.embed_params if self.gpus == 1 else 0))
 
     def host(self, B: int, tier: str, deferred: bool, disk_layers: DiskSplit = DiskSplit()) -> dict:
         """Host bytes by item; `disk_layers`: the last layers with their moments, or their whole
         state, on disk (host_memory_limit)."""
-        s, tok_h = self.s, B * self.seq * self.s.hidden
+        shape, tok_h = self.s, B * self.seq * self.s.hidden
         # Pinned buffers count their exact size: the engine registers what it allocates
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         acts = self.layer_inputs_host(B, tier)
         out = {self.state_key: self.state_bytes(disk_layers.layers)}
         fmt = state_format(self.optimizer_state)        # the records hold its arrays (disk_record.py)
         if disk_layers.moments:
-            b = fmt.master_dtype.itemsize
-            out[f"masters of the layers with moments on disk ({b} B/param)"] = b * disk_layers.moments * s.layer_params
+            master_bytes = fmt.master_dtype.itemsize
+            out[f"masters of the layers with moments on disk ({master_bytes} B/param)"] = \
+                master_bytes * disk_layers.moments * shape.layer_params
         if disk_layers.layers:
-            n = pool_buffers(disk_layers.layers)
+            buffers = pool_buffers(disk_layers.layers)
             part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
-            out[f"state buffers of the layers on disk ({n} x one layer's {what}, pinned)"] = \
-                n * record_bytes(s.layer_params, part, fmt)
+            out[f"state buffers of the layers on disk ({buffers} x one layer's {what}, pinned)"] = \
+                buffers * record_bytes(shape.layer_params, part, fmt)
         if self.gpus > 1:
             return self._host_data_parallel(out, tok_h, acts, tier, deferred)
-        head = s.head_params + (s.embed_params if s.tied and deferred else 0)
+        head = shape.head_params + (shape.embed_params if shape.tied and deferred else 0)
         late = 0 if disk_layers.layers or disk_layers.moments else self.late_layers(deferred)
         if deferred:
-            out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (s.n_params - s.embed_params)
-        if s.tied or deferred:     # an untied one with one backward per step reads as zeros, unbacked
-            out[f"embedding gradient (fp32{', pinned' if s.tied else ''})"] = 4 * s.embed_params  # [Why only a tied embedding's dense gradient is pinned]
+            out["fp32 gradient accumulator (4 B/param, embedding excluded)"] = 4 * (shape.n_params - shape.embed_params)
+        if shape.tied or deferred:     # an untied one with one backward per step reads as zeros, unbacked
+            # [Why only a tied embedding's dense gradient is pinned]
+            out[f"embedding gradient (fp32{', pinned' if shape.tied else ''})"] = 4 * shape.embed_params
         out.update({
             f"gradient ring ({self.grad_buffers} x largest layer, bf16)":
-                GRAD_BYTES * self.grad_buffers * s.layer_params,
+                GRAD_BYTES * self.grad_buffers * shape.layer_params,
             # an untied head updated in backward keeps its own until the backward ends (engine: [Why an
             # untied head is updated when the backward ends]); else borrowed from the ring when it fits
             # there ([Why the head's gradient borrows the ring]); a tied lm_head's gradient joins it
             # with accumulation only
-            "head host buffer (bf16, pinned)": (GRAD_BYTES * head if not s.tied and not deferred
-                                                else 0 if head <= self.grad_buffers * s.layer_params
+            "head host buffer (bf16, pinned)": (GRAD_BYTES * head if not shape.tied and not deferred
+                                                else 0 if head <= self.grad_buffers * shape.layer_params
                                                 else GRAD_BYTES * head),
             # embedding.py: the forward's gather in bf16 (the native kernel; fp32 without it), the
             # backward's row sums in fp32
             "embedding row buffers (B*S*H bf16 + fp32, pinned)": (2 + 4) * tok_h,
             # updates in backward: the top layers' gradients wait for the backward's end (engine:
             # [Why the top layers are updated late]), about the embedding's size in layers
-            f"late layers' gradients ({late} x largest layer, bf16, pinned)": GRAD_BYTES * late * s.layer_params,
+            f"late layers' gradients ({late} x largest layer, bf16, pinned)": GRAD_BYTES * late * shape.layer_params,
             f"layer inputs ({tier} tier)": acts,
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         })
@@ -148,20 +150,20 @@ class Estimator:
         moments, accumulators) once, in memory the ranks share; each rank's shard buffers of the
         embedding's and the head's gradients (1/N of each, one copy in total: a tied lm_head's gradient
         joins the embedding's); the ring, row buffers, layer inputs and process once per rank."""
-        s, G = self.s, self.gpus
+        shape, gpus = self.s, self.gpus
         if deferred:
-            out[f"fp32 gradient accumulators (4 B/param, each GPU writes its 1/{G}: one copy)"] = \
+            out[f"fp32 gradient accumulators (4 B/param, each GPU writes its 1/{gpus}: one copy)"] = \
                 self.accumulator_bytes()
         out.update({
-            f"embedding gradient shards (fp32, pinned, 1/{G} on each GPU: one copy)":
-                4 * G * self.shard(s.embed_params),
+            f"embedding gradient shards (fp32, pinned, 1/{gpus} on each GPU: one copy)":
+                4 * gpus * self.shard(shape.embed_params),
             self.per_gpu(f"gradient ring ({self.grad_buffers} x largest layer, bf16)"):
-                G * GRAD_BYTES * self.grad_buffers * s.layer_params,
-            f"head gradient shards (bf16, pinned, 1/{G} on each GPU: one copy)":
-                G * GRAD_BYTES * self.shard(s.head_params),
-            self.per_gpu("embedding row buffers (B*S*H bf16 + fp32, pinned)"): G * (2 + 4) * tok_h,
-            self.per_gpu(f"layer inputs ({tier} tier)"): G * acts,
-            self.per_gpu("process (torch, CUDA runtime, Python)"): G * PROCESS_HOST_BYTES,
+                gpus * GRAD_BYTES * self.grad_buffers * shape.layer_params,
+            f"head gradient shards (bf16, pinned, 1/{gpus} on each GPU: one copy)":
+                gpus * GRAD_BYTES * self.shard(shape.head_params),
+            self.per_gpu("embedding row buffers (B*S*H bf16 + fp32, pinned)"): gpus * (2 + 4) * tok_h,
+            self.per_gpu(f"layer inputs ({tier} tier)"): gpus * acts,
+            self.per_gpu("process (torch, CUDA runtime, Python)"): gpus * PROCESS_HOST_BYTES,
         })
         return out
 
@@ -174,30 +176,30 @@ class Estimator:
     def logits_rows(self, T: int) -> int:
         """Rows of the fused loss's logits chunk for T tokens (triton_ops' default_chunk_tokens: a
         (C, V) bf16 buffer of max(T*H, V*H/8) elements, >= 32 MiB)."""
-        s = self.s
-        rows = max(2 * max(T * s.hidden, s.vocab * s.hidden // 8), 32 << 20) // (2 * s.vocab)
+        shape = self.s
+        rows = max(2 * max(T * shape.hidden, shape.vocab * shape.hidden // 8), 32 << 20) // (2 * shape.vocab)
         return min(T, max(64, rows // 64 * 64) if rows >= 64 else max(1, rows))
 
     def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
         """(bytes held all step, bytes of each phase); the peak is the first plus the larger phase."""
-        s, T = self.s, B * self.seq
-        H, head = s.hidden, s.head_slot_params
+        shape, T = self.s, B * self.seq
+        H, head = shape.hidden, shape.head_slot_params
         fixed = {
-            f"layer slots ({self.window} x largest layer, bf16)": 2 * self.window * s.layer_params,
-            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(s.layer_params, head), COPY_CHUNK),
+            f"layer slots ({self.window} x largest layer, bf16)": 2 * self.window * shape.layer_params,
+            "fp32 staging (h2d + d2h chunks)": 2 * 4 * min(max(shape.layer_params, head), COPY_CHUNK),
             "head slot (bf16)": 2 * head,
         }
         if self.fp8:      # the recomputed layer's forward forms, one at a time its dgrad forms (layer_matmuls.py)
-            fixed["FP8 weights (largest layer, e4m3)"] = s.layer_params
+            fixed["FP8 weights (largest layer, e4m3)"] = shape.layer_params
         if tier == "device":
-            fixed["layer inputs (device tier)"] = 2 * s.layers * T * H
+            fixed["layer inputs (device tier)"] = 2 * shape.layers * T * H
         if self.gpus > 1:
             # sharded.py: a layer's gradient copied into a flat buffer and reduce-scattered into a
             # shard; a tied lm_head's gradient kept from the head's backward to the embedding's
             fixed[f"reduce-scatter buffers (one layer's gradient + its 1/{self.gpus} shard, bf16)"] = \
-                GRAD_BYTES * (self.gpus * self.shard(s.layer_params) + self.shard(s.layer_params))
-            if s.tied:
-                fixed["tied lm_head gradient, kept for the embedding's reduce-scatter (bf16)"] = 2 * s.embed_params
+                GRAD_BYTES * (self.gpus * self.shard(shape.layer_params) + self.shard(shape.layer_params))
+            if shape.tied:
+                fixed["tied lm_head gradient, kept for the embedding's reduce-scatter (bf16)"] = 2 * shape.embed_params
         rows = self.logits_rows(T)
         phases = {
             # transfer.py: [Why copy sources are handed over, not recorded]: the gradient copied out
@@ -205,13 +207,14 @@ class Estimator:
             # through the top layer's
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
             f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'}, bf16), the head's gradient still crossing":
-                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate
-                + GRAD_BYTES * max(head, s.layer_params),
+                2 * T * ACT_HIDDEN * H + 2 * self.inter_tokens(T) * ACT_INTER * shape.intermediate
+                + GRAD_BYTES * max(head, shape.layer_params),
             # hidden states: the head's input, its gradient and the norm's output (bf16), the fp32
             # loss-gradient rows, and the last layer's input, kept for its backward
             # (with several processes a tied lm_head's gradient is in the fixed part)
             "head: gradient (bf16), logits chunk, hidden states":
-                2 * (head - (s.embed_params if self.gpus > 1 and s.tied else 0)) + 2 * rows * s.vocab + T * (8 * H + 4),
+                2 * (head - (shape.embed_params if self.gpus > 1 and shape.tied else 0)) + 2 * rows * shape.vocab
+                + T * (8 * H + 4),
         }
         if self.fp8:
             # fp8.SharedInputs: a projection input's transposed e4m3 form lives until its last
@@ -219,13 +222,14 @@ class Estimator:
             # the MLP input's, or a gate / up gradient's and the MLP input's
             key = next(k for k in phases if k.startswith("layer recompute"))
             phases[key + "; FP8 forms of a gradient and an input (I + H, e4m3)"] = \
-                phases.pop(key) + T * (H + s.intermediate)
+                phases.pop(key) + T * (H + shape.intermediate)
         if self.gpus > 1:
             # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
             # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered
-            dense = 4 * self.gpus * self.shard(s.embed_params)
+            dense = 4 * self.gpus * self.shard(shape.embed_params)
             phases[f"embedding backward: dense fp32 gradient + its 1/{self.gpus} shard, the rows' fp32 gradients"] = \
-                dense + 4 * self.shard(s.embed_params) + 2 * 4 * T * H + (4 * s.embed_params if s.tied else 0)
+                dense + 4 * self.shard(shape.embed_params) + 2 * 4 * T * H \
+                + (4 * shape.embed_params if shape.tied else 0)
         return fixed, phases
 
     def gpu_extras(self, N: int, clipping: bool) -> dict:
@@ -250,57 +254,60 @@ class Estimator:
         layer, backward 2.5 x the forward). N counts the parameters a token computes with: a
         mixture of experts' top-k experts (`active_layer_params`), whose recompute skips nothing;
         the host and PCIe terms count every parameter."""
-        s = self.s
-        attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
-        return self.projection_flops(recompute) + 6 * s.vocab * s.hidden + attn
+        shape = self.s
+        attn = (9 if recompute else 7) * self.seq * shape.heads * shape.head_dim * shape.layers
+        return self.projection_flops(recompute) + 6 * shape.vocab * shape.hidden + attn
 
     def projection_flops(self, recompute: bool = True) -> float:
         """The decoder layers' projection FLOPs per token (the GEMMs the FP8 mode runs in FP8)."""
-        s = self.s
-        n = s.compute_layer_params
-        return s.layers * (6 * n + (2 * (n - s.skipped_product_params) if recompute else 0))
+        shape = self.s
+        compute_params = shape.compute_layer_params
+        return shape.layers * (6 * compute_params
+                               + (2 * (compute_params - shape.skipped_product_params) if recompute else 0))
 
     def gpu_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The GPU's compute per optimizer step of N micro-batches (without the recompute: the
         GPU-resident time, the benchmark's compute bound)."""
-        r = self.rates
+        rates = self.rates
         T = B * self.seq
         flops = self.flops_per_token(recompute) + (self.chunk_flops(T) if recompute else 0.0)
         quant = 0.0
         if self.fp8:      # bf16-equivalent FLOPs: the projections' GEMMs run FP8_GEMM_SPEEDUP times faster
             flops -= self.projection_flops(recompute) * (1 - 1 / FP8_GEMM_SPEEDUP)
-            quant = self.fp8_quant_bytes(T) / (r["gpu_hbm_gbs"] * 1e9 * FP8_QUANT_HBM_SHARE)
-        return N * (T * flops / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]) + quant)
+            quant = self.fp8_quant_bytes(T) / (rates["gpu_hbm_gbs"] * 1e9 * FP8_QUANT_HBM_SHARE)
+        return N * (T * flops / (rates["gpu_tflops"] * 1e12 * rates["gpu_efficiency"]) + quant)
 
     def fp8_quant_bytes(self, T: int) -> float:
         """Bytes of the FP8 quantization passes per micro-batch of T tokens (docs/fp8.md, "Fused
         quantization"), per layer: 6 per element of the output gradients, 5 of the inputs'
         transposed forms, 6 of the attention output's rows, 9 per weight parameter."""
-        s = self.s
-        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        outputs = q + 2 * kv + s.hidden + 2 * s.intermediate + s.hidden      # q, k, v, o, gate, up, down
-        inputs = s.hidden + q + s.hidden + s.intermediate                     # q/k/v, o, gate/up, down
-        return s.layers * (T * (6 * outputs + 5 * inputs + 6 * q) + 9 * s.compute_layer_params)
+        shape = self.s
+        q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        # the outputs of q, k, v, o, gate, up, down; the inputs of q/k/v, o, gate/up, down
+        outputs = q_dim + 2 * kv_dim + shape.hidden + 2 * shape.intermediate + shape.hidden
+        inputs = shape.hidden + q_dim + shape.hidden + shape.intermediate
+        return shape.layers * (T * (6 * outputs + 5 * inputs + 6 * q_dim) + 9 * shape.compute_layer_params)
 
     def traffic(self, B: int, N: int, tier: str, res: tuple[bool, int] = (False, 0)) -> tuple[int, int]:
         """Bytes host-to-device and device-to-host per optimizer step of N micro-batches
         (res: resident embedding?, resident layers)."""
-        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
+        shape, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
         if self.gpus > 1:
             return self._traffic_data_parallel(B, N, tier)
-        embed_res, k = res
-        sent = s.layers - k
-        layers = sent * s.layer_params
+        embed_res, resident_layers = res
+        sent = shape.layers - resident_layers
+        layers = sent * shape.layer_params
         # the last layer's input stays on the device, the first is gathered again from a resident embedding
-        acts = 2 * max(0, s.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
-        resent = max(0, sent - self.window) * s.layer_params   # the last `window` layers stay for backward
-        head = s.head_slot_params - (s.embed_params if embed_res and s.tied else 0)
+        acts = 2 * max(0, shape.layers - 1 - embed_res) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, sent - self.window) * shape.layer_params   # the last `window` layers stay for backward
+        head = shape.head_slot_params - (shape.embed_params if embed_res and shape.tied else 0)
         rows = 0 if embed_res else 4 * TH
-        h2d = mb * (layers + resent + s.head_params) + eb * (head - s.head_params) + rows + acts   # masters, rows
+        # masters, rows
+        h2d = mb * (layers + resent + shape.head_params) + eb * (head - shape.head_params) + rows + acts
         # gradients of the units updated on the host (resident ones stay): in the compute dtype
         # into the ring with one micro-batch, fp32 sums into the accumulators with several
         # (engine: [Why gradients cross in the compute dtype]); embedding rows
-        d2h = (GRAD_BYTES if N == 1 else 4) * (sent * s.layer_params + head) + rows + acts
+        d2h = (GRAD_BYTES if N == 1 else 4) * (sent * shape.layer_params + head) + rows + acts
         if self.device_share:
             # a device-updated layer's master and state go in and back instead of its gradient out
             state = self.device_share * layers * state_format(self.optimizer_state).bytes_per_param
@@ -314,13 +321,14 @@ class Estimator:
         shard is added on the host); out, this rank's shard of every unit's gradient, reduced on the
         devices, for every micro-batch: the layers' and the head's in the compute dtype, the
         embedding's dense in fp32 (sharded.py), and its own layer inputs."""
-        s, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
-        layers = s.layers * s.layer_params
-        acts = 2 * max(0, s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
-        resent = max(0, s.layers - self.window) * s.layer_params
-        h2d = mb * (layers + resent + s.head_params) + (eb * s.embed_params if s.tied else 0) + 4 * TH + acts
-        grads = (GRAD_BYTES * (s.layers * self.shard(s.layer_params) + self.shard(s.head_params))
-                 + 4 * self.shard(s.embed_params))
+        shape, TH, (mb, eb) = self.s, B * self.seq * self.s.hidden, self.master_bytes()
+        layers = shape.layers * shape.layer_params
+        acts = 2 * max(0, shape.layers - 1) * TH if tier in ("cpu", "nvme") else 0
+        resent = max(0, shape.layers - self.window) * shape.layer_params
+        h2d = (mb * (layers + resent + shape.head_params) + (eb * shape.embed_params if shape.tied else 0)
+               + 4 * TH + acts)
+        grads = (GRAD_BYTES * (shape.layers * self.shard(shape.layer_params) + self.shard(shape.head_params))
+                 + 4 * self.shard(shape.embed_params))
         return N * h2d, N * (grads + acts)
 
     def resident_params(self, res: tuple[bool, int]) -> int:
@@ -340,20 +348,20 @@ class Estimator:
               res: tuple[bool, int] = (False, 0), disk_layers: DiskSplit = DiskSplit()) -> dict:
         """Seconds per optimizer step of each term of the bound (deferred: default N > 1)."""
         deferred = N > 1 if deferred is None else deferred
-        r, s = self.rates, self.s
+        rates, shape = self.rates, self.s
         h2d, d2h = self.traffic(B, N, tier, res)
-        bw, adam = r["pcie_gbs"] * 1e9, r["adam_gps"] * 1e9
-        on_cpu = s.n_params - self.resident_params(res)
-        layers_on_cpu = on_cpu - (0 if res[0] else s.embed_params)
+        bw, adam = rates["pcie_gbs"] * 1e9, rates["adam_gps"] * 1e9
+        on_cpu = shape.n_params - self.resident_params(res)
+        layers_on_cpu = on_cpu - (0 if res[0] else shape.embed_params)
         if self.gpus > 1:
             # One host's AdamW over every parameter, the ranks' workers sharing its cores and memory;
             # deferred, every micro-batch's shards are copied (first) or added into the accumulators.
-            cpu = s.n_params / adam + (N * s.n_params if deferred else 0) / (adam * ADD_VS_ADAM)
+            cpu = shape.n_params / adam + (N * shape.n_params if deferred else 0) / (adam * ADD_VS_ADAM)
         else:
             # deferred mode: each micro-batch's gradients are copied (first) or added into the host
             # accumulator; with accumulation the GPU adds the layers' (accumulate.py), with clipping
             # alone the device-updated layers' land there directly (device_update.py)
-            on_gpu = self.device_share * (s.layers - res[1]) * s.layer_params     # device_update.py
+            on_gpu = self.device_share * (shape.layers - res[1]) * shape.layer_params     # device_update.py
             cpu = (on_cpu - on_gpu) / adam + (N * (on_cpu - layers_on_cpu) if N > 1 else
                                    (1 - balanced_share()) * layers_on_cpu if deferred else 0) / (adam * ADD_VS_ADAM)
         out = {
@@ -362,20 +370,20 @@ class Estimator:
             "cpu": cpu,
         }
         if tier == "nvme":          # several processes: their layer inputs share the one disk
-            acts = self.gpus * N * 2 * s.layers * B * self.seq * s.hidden
-            out["disk"] = acts / (r["nvme_write_gbs"] * 1e9) + acts / (r["nvme_read_gbs"] * 1e9)
+            acts = self.gpus * N * 2 * shape.layers * B * self.seq * shape.hidden
+            out["disk"] = acts / (rates["nvme_write_gbs"] * 1e9) + acts / (rates["nvme_read_gbs"] * 1e9)
         if disk_layers.layers:       # the layers' state shares the disk with the nvme tier's inputs
-            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers, deferred) / (r["nvme_bw"] * 1e9)
+            out["disk"] = out.get("disk", 0.0) + self.disk_traffic(N, disk_layers, deferred) / (rates["nvme_bw"] * 1e9)
         return out
 
     def hiding_batch(self, N: int, tier: str, limit: int, deferred: bool | None = None, disk_of=None) -> int:
         """Smallest power-of-two batch whose GPU term is the largest, capped at `limit` (0 if < 1);
         `disk_of(batch)`: the layers on disk at that batch (none by default)."""
-        b = 1
-        while b < limit:
-            if gpu_binds(self.times(b, N, tier, deferred, disk_layers=disk_of(b) if disk_of else DiskSplit())):
-                return b
-            b *= 2
+        batch = 1
+        while batch < limit:
+            if gpu_binds(self.times(batch, N, tier, deferred, disk_layers=disk_of(batch) if disk_of else DiskSplit())):
+                return batch
+            batch *= 2
         return max(0, limit)
 
 

@@ -73,16 +73,18 @@ PEAK_FP32_TFLOPS = 66.9      # H100 / H200 SXM fp32 peak without TF32 (torch's d
 HBM_EFFICIENCY = 0.75
 
 
-def lora_linears(s: ModelShape) -> dict[str, tuple[int, int]]:
+def lora_linears(shape: ModelShape) -> dict[str, tuple[int, int]]:
     """(input, output) features of each linear layer of one decoder layer (the Llama layout)."""
-    q, kv, H, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    return {"q_proj": (H, q), "k_proj": (H, kv), "v_proj": (H, kv), "o_proj": (q, H),
-            "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    hidden, intermediate = shape.hidden, shape.intermediate
+    return {"q_proj": (hidden, q_dim), "k_proj": (hidden, kv_dim), "v_proj": (hidden, kv_dim),
+            "o_proj": (q_dim, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}
 
 
-def adapter_params(s: ModelShape, r: int) -> int:
+def adapter_params(shape: ModelShape, r: int) -> int:
     """LoRA parameters of rank r on every linear layer of every Llama-layout decoder layer: r (in + out) each."""
-    return s.layers * sum(r * (i + o) for i, o in lora_linears(s).values())
+    return shape.layers * sum(r * (i + o) for i, o in lora_linears(shape).values())
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,15 @@ class LoraEstimator(Estimator):
     @property
     def trained_head_params(self) -> int:
         """The untied lm_head's parameters when modules_to_save trains it (the final norm stays frozen)."""
-        s = self.s
-        return s.head_params - s.hidden if "lm_head" in self.trained and not s.tied else 0
+        shape = self.s
+        return shape.head_params - shape.hidden if "lm_head" in self.trained and not shape.tied else 0
 
     @property
     def trained_embed_params(self) -> int:
         """The embedding's parameters when modules_to_save trains it (or the lm_head tied to it)."""
-        s = self.s
-        on = "embed_tokens" in self.trained or ("lm_head" in self.trained and s.tied)
-        return s.embed_params if on else 0
+        shape = self.s
+        on = "embed_tokens" in self.trained or ("lm_head" in self.trained and shape.tied)
+        return shape.embed_params if on else 0
 
     @property
     def trained_params(self) -> int:
@@ -139,12 +141,13 @@ class LoraEstimator(Estimator):
     def host(self, B: int, tier: str, deferred: bool = False, disk_layers: int = 0) -> dict:
         """Host bytes by item (no moments, accumulators, gradients or gradient ring: nothing of the
         base trains)."""
-        s, head, emb = self.s, self.trained_head_params, self.trained_embed_params
+        shape, head, emb = self.s, self.trained_head_params, self.trained_embed_params
         out = {
-            f"embedding master (fp32, {'trained' if emb else 'frozen'})": 4 * s.embed_params,
+            f"embedding master (fp32, {'trained' if emb else 'frozen'})": 4 * shape.embed_params,
             f"frozen layers and head ({self.base_bytes} B/param)": self.base_bytes * self.frozen_params,
             # the forward's gather in bf16 (the native kernel); a trained embedding's row sums in fp32
-            f"embedding row buffers (B*S*H bf16{' + fp32' if emb else ''}, pinned)": (2 + (4 if emb else 0)) * B * self.seq * s.hidden,
+            f"embedding row buffers (B*S*H bf16{' + fp32' if emb else ''}, pinned)":
+                (2 + (4 if emb else 0)) * B * self.seq * shape.hidden,
             f"layer inputs ({tier} tier)": self.layer_inputs_host(B, tier),
             "process (torch, CUDA runtime, Python)": PROCESS_HOST_BYTES,
         }
@@ -170,7 +173,7 @@ class LoraEstimator(Estimator):
     def gpu(self, B: int, tier: str) -> tuple[dict, dict]:
         """As full fine-tuning's, plus the adapters, their fp32 inputs and the adapted parameters'
         copies; a frozen head has no gradient."""
-        s, T = self.s, B * self.seq
+        shape, T = self.s, B * self.seq
         fixed, _ = super().gpu(B, tier)
         fixed[f"LoRA adapters (fp32 weight, gradient, Adam m, v: {ADAPTER_GPU_BYTES} B/param)"] = \
             ADAPTER_GPU_BYTES * self.adapter_params
@@ -180,10 +183,10 @@ class LoraEstimator(Estimator):
             f"layer recompute + backward (B*S*{ACT_HIDDEN} H + {ACT_INTER} I x "
             f"{'the MLP chunk' if self.inter_tokens(T) < T else 'B*S'} bf16, the adapters' fp32 inputs B*S*{ins}"
             f"{copies})":
-                2 * T * ACT_HIDDEN * s.hidden + 2 * self.inter_tokens(T) * ACT_INTER * s.intermediate + held,
+                2 * T * ACT_HIDDEN * shape.hidden + 2 * self.inter_tokens(T) * ACT_INTER * shape.intermediate + held,
             "head: logits chunk, hidden states (frozen: no gradient)" if not self.trained_head_params else
             "head: gradient (bf16, modules_to_save), logits chunk, hidden states":
-                2 * self.logits_rows(T) * s.vocab + T * (8 * s.hidden + 4) + 2 * self.trained_head_params,
+                2 * self.logits_rows(T) * shape.vocab + T * (8 * shape.hidden + 4) + 2 * self.trained_head_params,
         }
         return fixed, phases
 
@@ -199,21 +202,22 @@ class LoraEstimator(Estimator):
         factors' gradients are taken from; a trained lm_head (modules_to_save) adds its weight
         gradient's 2 V H. The adapters' products are timed by `adapter_seconds`. P: the parameters
         a token computes with (`ModelShape.compute_layer_params`)."""
-        s = self.s
-        attn = (9 if recompute else 7) * self.seq * s.heads * s.head_dim * s.layers
-        n = s.compute_layer_params                  # a mixture of experts: its top-k experts' share
-        lin = 4 * n + (2 * (n - s.skipped_product_params) if recompute else 0)
-        head = (6 if self.trained_head_params else 4) * s.vocab * s.hidden     # a trained head: its weight gradient
-        return s.layers * lin + head + attn + 2 * self.lora_targets.param_active
+        shape = self.s
+        attn = (9 if recompute else 7) * self.seq * shape.heads * shape.head_dim * shape.layers
+        compute_params = shape.compute_layer_params       # a mixture of experts: its top-k experts' share
+        lin = 4 * compute_params + (2 * (compute_params - shape.skipped_product_params) if recompute else 0)
+        # a trained head: its weight gradient
+        head = (6 if self.trained_head_params else 4) * shape.vocab * shape.hidden
+        return shape.layers * lin + head + attn + 2 * self.lora_targets.param_active
 
     def adapter_traffic_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The adapters' memory traffic per optimizer step at the achieved bandwidth: the adapted
         linears' per token, the adapted parameters' per micro-batch, the adapters' AdamW once."""
-        passes, t = 2 if recompute else 1, self.lora_targets
+        passes, targets = 2 if recompute else 1, self.lora_targets
         per_token = sum((passes * LORA_PASS_BYTES[0] + LORA_BACKWARD_BYTES[0]) * layer.linear_in
                         + (passes * LORA_PASS_BYTES[1] + LORA_BACKWARD_BYTES[1]) * layer.linear_out
-                        for layer in t.layers)
-        per_micro = (passes * PARAM_PASS_BYTES + PARAM_BACKWARD_BYTES) * t.param_numel
+                        for layer in targets.layers)
+        per_micro = (passes * PARAM_PASS_BYTES + PARAM_BACKWARD_BYTES) * targets.param_numel
         total = N * (B * self.seq * per_token + per_micro) + ADAPTER_STEP_BYTES * self.adapter_params
         return total / (self.rates["gpu_hbm_gbs"] * 1e9 * HBM_EFFICIENCY)
 
@@ -222,11 +226,11 @@ class LoraEstimator(Estimator):
         parameter per token in each forward, 4 in the backward (both of each adapter's
         gradients); an adapted parameter's per micro-batch in its dtype (bf16), 2 r per element
         for W + B A in each pass, 4 r in the backward."""
-        r, passes, t = self.rates, 2 if recompute else 1, self.lora_targets
-        linear = N * B * self.seq * (2 * passes + 4) * t.linear_params
-        params = N * (2 * passes + 4) * t.param_rank_numel
-        return (linear / (r["gpu_fp32_tflops"] * 1e12 * r["gpu_efficiency"])
-                + params / (r["gpu_tflops"] * 1e12 * r["gpu_efficiency"]))
+        rates, passes, targets = self.rates, 2 if recompute else 1, self.lora_targets
+        linear = N * B * self.seq * (2 * passes + 4) * targets.linear_params
+        params = N * (2 * passes + 4) * targets.param_rank_numel
+        return (linear / (rates["gpu_fp32_tflops"] * 1e12 * rates["gpu_efficiency"])
+                + params / (rates["gpu_tflops"] * 1e12 * rates["gpu_efficiency"]))
 
     def adapter_seconds(self, B: int, N: int, recompute: bool = True) -> float:
         """The adapters' GPU time per optimizer step: their memory traffic, or their fp32 products
@@ -244,9 +248,9 @@ class LoraEstimator(Estimator):
         ones from a backward into the next forward; every other layer crosses for the forward and
         for the recompute. The head stays in its slot. Only the embedding rows and the layer
         inputs cross besides; nothing of the base crosses back."""
-        s, TH = self.s, B * self.seq * self.s.hidden
-        layers = 2 * max(0, s.layers - self.window) * s.layer_params * self.base_bytes
-        acts = 2 * (s.layers - 1) * TH if tier in ("cpu", "nvme") else 0
+        shape, TH = self.s, B * self.seq * self.s.hidden
+        layers = 2 * max(0, shape.layers - self.window) * shape.layer_params * self.base_bytes
+        acts = 2 * (shape.layers - 1) * TH if tier in ("cpu", "nvme") else 0
         # a trained lm_head: its bf16 gradient out per micro-batch, its updated weights in once per
         # step; a trained embedding: its rows' fp32 gradient out
         head = 2 * self.trained_head_params
@@ -264,57 +268,60 @@ class LoraEstimator(Estimator):
         return out
 
 
-def advise_lora(p, est: LoraEstimator) -> list[str]:
+def advise_lora(plan, est: LoraEstimator) -> list[str]:
     """What to change in a LoRA plan, from its shortfalls and its binding term."""
-    s, out, N, tier = p.shape, [], p.gradient_accumulation_steps, p.activation_tier
+    shape, out, N, tier = plan.shape, [], plan.gradient_accumulation_steps, plan.activation_tier
     bf16 = (f"get_peft_model before slide() keeps the frozen layers and head in bf16 (saves "
             f"{gib((est.base_bytes - 2) * est.frozen_params)} of host memory and halves their copies)"
             if est.base_bytes > 2 else None)
-    if p.host_fits is False:
+    if plan.host_fits is False:
         fixes = [bf16] if bf16 else []
-        acts = p.host[f"layer inputs ({tier} tier)"]
+        acts = plan.host[f"layer inputs ({tier} tier)"]
         if tier == "cpu" and acts:
-            if est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+            if est.gpu_peak(plan.batch, "device") <= plan.gpu_limit:
                 fixes.append(f"activation_tier='device' saves {gib(acts)} (the GPU has room for them)")
-            fixes.append(f"activation_tier='nvme' saves {gib(acts - est.layer_inputs_host(p.batch, 'nvme'))} "
-                         f"(costs about {est.times(p.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
-        if p.max_batch_host and p.max_batch_host < p.batch:
-            fixes.append(f"batch {p.max_batch_host} fits")
-        out.append(f"host memory short by {gib(p.host_total - p.host_mem_bytes)}"
+            fixes.append(f"activation_tier='nvme' saves {gib(acts - est.layer_inputs_host(plan.batch, 'nvme'))} "
+                         f"(costs about {est.times(plan.batch, N, 'nvme')['disk']:.1f} s of disk time per step)")
+        if plan.max_batch_host and plan.max_batch_host < plan.batch:
+            fixes.append(f"batch {plan.max_batch_host} fits")
+        out.append(f"host memory short by {gib(plan.host_total - plan.host_mem_bytes)}"
                    + (": " + "; ".join(fixes) if fixes else ": use a host with more memory or a smaller model"))
-    if not p.gpu_fits:
-        m = p.max_batch_gpu
-        if m >= 1:
-            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} at batch {p.batch}: the largest batch "
-                       f"that fits is {m}; batch {m} with gradient_accumulation_steps={math.ceil(p.batch * N / m)} "
-                       f"keeps about {p.batch * N} sequences per step (the adapters' gradients are summed on the GPU)")
+    if not plan.gpu_fits:
+        max_gpu = plan.max_batch_gpu
+        if max_gpu >= 1:
+            out.append(f"GPU memory short by {gib(plan.gpu_peak - plan.gpu_limit)} at batch {plan.batch}: "
+                       f"the largest batch that fits is {max_gpu}; batch {max_gpu} with "
+                       f"gradient_accumulation_steps={math.ceil(plan.batch * N / max_gpu)} "
+                       f"keeps about {plan.batch * N} sequences per step (the adapters' gradients are summed on "
+                       "the GPU)")
         else:
-            out.append(f"GPU memory short by {gib(p.gpu_peak - p.gpu_limit)} even at batch 1: lower seq, a lower "
+            out.append(f"GPU memory short by {gib(plan.gpu_peak - plan.gpu_limit)} even at batch 1: lower seq, a lower "
                        "rank, window=1, or a GPU with more memory")
-    t = p.times
-    if p.bound_by == "pcie":
-        b = est.hiding_batch(N, tier, batch_limit(p.max_batch_gpu, p.max_batch_host))
-        base = f"the frozen base crosses PCIe twice per micro-batch whatever its size ({t['pcie']:.2f} s)"
-        if b > p.batch:
-            out.append(f"PCIe-bound: {base}; raise the batch to {b} to hide it behind the GPU's compute "
-                       f"({est.times(b, N, tier)['gpu']:.2f} s at batch {b})")
-        elif b and not gpu_binds(est.times(b, N, tier)):
-            out.append(f"PCIe-bound at the largest batch that fits ({b}): {base}; a larger window re-sends "
+    times = plan.times
+    if plan.bound_by == "pcie":
+        hiding_batch = est.hiding_batch(N, tier, batch_limit(plan.max_batch_gpu, plan.max_batch_host))
+        base = f"the frozen base crosses PCIe twice per micro-batch whatever its size ({times['pcie']:.2f} s)"
+        if hiding_batch > plan.batch:
+            out.append(f"PCIe-bound: {base}; raise the batch to {hiding_batch} to hide it behind the GPU's compute "
+                       f"({est.times(hiding_batch, N, tier)['gpu']:.2f} s at batch {hiding_batch})")
+        elif hiding_batch and not gpu_binds(est.times(hiding_batch, N, tier)):
+            out.append(f"PCIe-bound at the largest batch that fits ({hiding_batch}): {base}; a larger window re-sends "
                        "fewer layers")
         if bf16:
             out.append(bf16)
-        if tier == "cpu" and est.gpu_peak(p.batch, "device") <= p.gpu_limit:
+        if tier == "cpu" and est.gpu_peak(plan.batch, "device") <= plan.gpu_limit:
             out.append("activation_tier='device' fits on this GPU and takes the layer inputs off PCIe")
-    elif p.bound_by == "disk":
+    elif plan.bound_by == "disk":
         out.append(f"disk-bound: the nvme tier writes and reads "
-                   f"{gib(2 * s.layers * p.batch * p.seq * s.hidden * N)} per step; activation_tier='cpu' needs "
-                   f"{gib(est.layer_inputs_host(p.batch, 'cpu'))} of host memory instead")
+                   f"{gib(2 * shape.layers * plan.batch * plan.seq * shape.hidden * N)} per step; "
+                   f"activation_tier='cpu' needs {gib(est.layer_inputs_host(plan.batch, 'cpu'))} of host memory "
+                   "instead")
     else:
-        products = est.adapter_product_seconds(p.batch, N) >= est.adapter_traffic_seconds(p.batch, N)
-        out.append(f"GPU-bound: the frozen base's copies hide behind the compute; {p.adapter_s:.2f} s of the "
-                   f"{t['gpu']:.2f} s is the adapters' work (PEFT runs them in fp32; "
+        products = est.adapter_product_seconds(plan.batch, N) >= est.adapter_traffic_seconds(plan.batch, N)
+        out.append(f"GPU-bound: the frozen base's copies hide behind the compute; {plan.adapter_s:.2f} s of the "
+                   f"{times['gpu']:.2f} s is the adapters' work (PEFT runs them in fp32; "
                    + ("at this rank their products bind: a lower rank is faster)" if products else
                       "their memory traffic binds, not their FLOPs)"))
-    if bf16 and p.host_fits is not False and p.bound_by != "pcie":
+    if bf16 and plan.host_fits is not False and plan.bound_by != "pcie":
         out.append(bf16)
     return out

@@ -96,8 +96,8 @@ class LoraTargets:
         """The targets in words: "q_proj, k_proj, v_proj, o_proj and the experts' gate_up_proj, down_proj"."""
         ranks = dict(self.ranks)
 
-        def named(n):
-            return f"{n} (rank {ranks[n]})" if n in ranks else n
+        def named(name):
+            return f"{name} (rank {ranks[name]})" if name in ranks else name
         parts = [", ".join(map(named, self.modules))] if self.modules else []
         experts = [named(p).removeprefix("experts.") for p in self.parameters if p.startswith("experts.")]
         others = [named(p) for p in self.parameters if not p.startswith("experts.")]
@@ -138,17 +138,20 @@ def _module_matches(key: str, targets) -> bool:
     return _name_matches(key, targets)
 
 
-def _llama_weights(s: ModelShape) -> list[list[_Weight]]:
+def _llama_weights(shape: ModelShape) -> list[list[_Weight]]:
     """The linears of every layer of a Llama-layout family, from its shape."""
-    q, kv, H, I = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.hidden, s.intermediate
-    linears = {"self_attn.q_proj": (q, H), "self_attn.k_proj": (kv, H), "self_attn.v_proj": (kv, H),
-               "self_attn.o_proj": (H, q), "mlp.gate_proj": (I, H), "mlp.up_proj": (I, H), "mlp.down_proj": (H, I)}
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    hidden, intermediate = shape.hidden, shape.intermediate
+    linears = {"self_attn.q_proj": (q_dim, hidden), "self_attn.k_proj": (kv_dim, hidden),
+               "self_attn.v_proj": (kv_dim, hidden), "self_attn.o_proj": (hidden, q_dim),
+               "mlp.gate_proj": (intermediate, hidden), "mlp.up_proj": (intermediate, hidden),
+               "mlp.down_proj": (hidden, intermediate)}
     out = []
-    for i in range(s.layers):
+    for index in range(shape.layers):
         layer = []
-        for path, shape in linears.items():
-            layer.append(_Weight(f"model.layers.{i}.{path}", shape, True))
-            layer.append(_Weight(f"model.layers.{i}.{path}.weight", shape, False))
+        for path, weight_shape in linears.items():
+            layer.append(_Weight(f"model.layers.{index}.{path}", weight_shape, True))
+            layer.append(_Weight(f"model.layers.{index}.{path}.weight", weight_shape, False))
         out.append(layer)
     return out
 
@@ -170,16 +173,16 @@ def _module_weights(model) -> list[list[_Weight]]:
     config = model.config
     top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None)
     out = []
-    for i, layer in enumerate(getattr(model, "model", model).layers):
+    for index, layer in enumerate(getattr(model, "model", model).layers):
         weights = []
         for path, module in layer.named_modules():
-            full = f"model.layers.{i}.{path}" if path else f"model.layers.{i}"
+            full = f"model.layers.{index}.{path}" if path else f"model.layers.{index}"
             if isinstance(module, nn.Linear):
                 weights.append(_Weight(full, (module.out_features, module.in_features), True))
             routed = type(module).__name__.endswith("Experts") and top_k
-            for pname, p in module.named_parameters(recurse=False):
-                share = int(top_k) / p.shape[0] if routed and p.dim() == 3 else 1.0
-                weights.append(_Weight(f"{full}.{pname}", tuple(p.shape), False, share))
+            for pname, param in module.named_parameters(recurse=False):
+                share = int(top_k) / param.shape[0] if routed and param.dim() == 3 else 1.0
+                weights.append(_Weight(f"{full}.{pname}", tuple(param.shape), False, share))
         out.append(weights)
     return out
 
@@ -232,7 +235,7 @@ def _short(key: str, linear: bool) -> str:
     return parts[-1] if linear else ".".join(parts[-2:])
 
 
-def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET_MODULES,
+def lora_targets(cfg: dict, shape: ModelShape, r: int, target_modules=DEFAULT_TARGET_MODULES,
                  target_parameters=DEFAULT_TARGET_PARAMETERS) -> LoraTargets:
     """The adapters of rank `r` PEFT makes in each decoder layer for these targets (PEFT's
     matching rules, and its rewrite of the targets for Qwen3-MoE and Mixtral).
@@ -246,8 +249,8 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
     target_parameters = normalize_targets("lora_target_parameters", target_parameters, allow_str=False)
     asked = (target_modules, target_parameters)
     rank_pattern = {}
-    if get_family(s.model_type).extra_layer_params is not None:
-        weights = _llama_weights(s)
+    if get_family(shape.model_type).extra_layer_params is not None:
+        weights = _llama_weights(shape)
     else:
         model = _meta_model(cfg)
         if default_modules:                   # the default names only the linears the layer has
@@ -257,47 +260,47 @@ def lora_targets(cfg: dict, s: ModelShape, r: int, target_modules=DEFAULT_TARGET
         weights = _module_weights(model)
     layers, modules, params, ranks = [], {}, {}, {}
     for layer in weights:
-        t = dict(linear_in=0, linear_out=0, linear_params=0, param_params=0, param_numel=0, param_largest=0,
+        totals = dict(linear_in=0, linear_out=0, linear_params=0, param_params=0, param_numel=0, param_largest=0,
                  param_active=0.0, param_rank_numel=0)
-        for w in layer:
-            if w.linear:
-                if not _module_matches(w.name, target_modules):
+        for weight in layer:
+            if weight.linear:
+                if not _module_matches(weight.name, target_modules):
                     continue
-                rank = _rank(w.name, r, rank_pattern)
-                t["linear_out"] += w.shape[0]
-                t["linear_in"] += w.shape[1]
-                t["linear_params"] += rank * (w.shape[0] + w.shape[1])
-                short = _short(w.name, True)
+                rank = _rank(weight.name, r, rank_pattern)
+                totals["linear_out"] += weight.shape[0]
+                totals["linear_in"] += weight.shape[1]
+                totals["linear_params"] += rank * (weight.shape[0] + weight.shape[1])
+                short = _short(weight.name, True)
                 modules[short] = None
             else:
-                if not target_parameters or not _name_matches(w.name, target_parameters):
+                if not target_parameters or not _name_matches(weight.name, target_parameters):
                     continue
-                if len(w.shape) not in (2, 3):
-                    raise ValueError(f"lora_target_parameters: {w.name} has shape {tuple(w.shape)}; PEFT adapts 2-D "
-                                     "and 3-D parameters only")
-                rank = _rank(w.name, r, rank_pattern)
-                experts, d1, d2 = w.shape if len(w.shape) == 3 else (1, *w.shape)
-                n = experts * d1 * d2
-                t["param_params"] += experts * rank * (d1 + d2)
-                t["param_numel"] += n
-                t["param_largest"] = max(t["param_largest"], n)
-                t["param_active"] += n * w.share
-                t["param_rank_numel"] += rank * n
-                short = _short(w.name, False)
+                if len(weight.shape) not in (2, 3):
+                    raise ValueError(f"lora_target_parameters: {weight.name} has shape {tuple(weight.shape)}; "
+                                     "PEFT adapts 2-D and 3-D parameters only")
+                rank = _rank(weight.name, r, rank_pattern)
+                experts, d1, d2 = weight.shape if len(weight.shape) == 3 else (1, *weight.shape)
+                numel = experts * d1 * d2
+                totals["param_params"] += experts * rank * (d1 + d2)
+                totals["param_numel"] += numel
+                totals["param_largest"] = max(totals["param_largest"], numel)
+                totals["param_active"] += numel * weight.share
+                totals["param_rank_numel"] += rank * numel
+                short = _short(weight.name, False)
                 params[short] = None
             if rank != r:
                 ranks[short] = rank
-        layers.append(LayerTargets(**t))
+        layers.append(LayerTargets(**totals))
     targets = LoraTargets(tuple(layers), tuple(modules), tuple(params), tuple(ranks.items()))
     if asked[0] and not modules and targets.params:      # a misspelt name would plan the rest silently
-        raise ValueError(f"lora_target_modules={asked[0]!r} match no linear layer of a {s.model_type} decoder "
+        raise ValueError(f"lora_target_modules={asked[0]!r} match no linear layer of a {shape.model_type} decoder "
                          "layer; name its linears (q_proj, ...), or none (an empty list) to adapt the parameters alone")
     if not targets.params:
         raise ValueError(f"the LoRA targets (lora_target_modules={asked[0]!r}, lora_target_parameters="
-                         f"{asked[1]!r}) match no linear layer or parameter of a {s.model_type} decoder layer")
+                         f"{asked[1]!r}) match no linear layer or parameter of a {shape.model_type} decoder layer")
     return targets
 
 
-def llama_targets(s: ModelShape, r: int) -> LoraTargets:
+def llama_targets(shape: ModelShape, r: int) -> LoraTargets:
     """Every linear layer of a Llama-layout layer (the 7 projections) at rank r, from the shape alone."""
-    return lora_targets({}, replace(s, model_type="llama"), r, DEFAULT_TARGET_MODULES, ())
+    return lora_targets({}, replace(shape, model_type="llama"), r, DEFAULT_TARGET_MODULES, ())

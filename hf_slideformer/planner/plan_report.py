@@ -108,50 +108,50 @@ class Plan:
         return self.tokens_per_step / self.expected_step_s
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        out = asdict(self)
         if self.gpus == 1:
-            del d["gpus"]           # one GPU: the dict as it was before data parallelism
+            del out["gpus"]           # one GPU: the dict as it was before data parallelism
         if self.optimizer_state == "adamw":
-            del d["optimizer_state"]    # the default: the dict as it was before the state formats
+            del out["optimizer_state"]    # the default: the dict as it was before the state formats
         if not self.fp8:
-            del d["fp8"]
+            del out["fp8"]
         if not self.device_share:
-            del d["device_share"]
-        d["shape"]["n_params"] = self.shape.n_params
-        d.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
+            del out["device_share"]
+        out["shape"]["n_params"] = self.shape.n_params
+        out.update(tokens_per_step=self.tokens_per_step, host_fits=self.host_fits, gpu_fits=self.gpu_fits,
                  disk_fits=self.disk_fits, fits=self.fits, tokens_per_s=self.tokens_per_s, expected_tokens_per_s=self.expected_tokens_per_s)
-        return d
+        return out
 
     def report(self) -> str:
         """The plan as text: memory, largest batch, step-time terms, advice."""
         return _format_report(self)
 
 
-def gib(n: float) -> str:
+def gib(nbytes: float) -> str:
     """Bytes as GiB with one decimal, as the report prints them."""
-    return f"{n / GiB:.1f} GiB"
+    return f"{nbytes / GiB:.1f} GiB"
 
 
 def disk_parts(plan: Plan) -> str:
     """Which part of which layers is on disk, in words."""
-    shape, m, w = plan.shape, plan.disk_moment_layers, plan.disk_whole_layers
-    if not w:
-        return f"the moments of the last {m} of {shape.layers} layers"
-    if not m:
-        return f"the whole state of the last {w} of {shape.layers} layers"
-    return f"the moments of the last {m + w} of {shape.layers} layers and the whole state of the last {w}"
+    shape, moments, whole = plan.shape, plan.disk_moment_layers, plan.disk_whole_layers
+    if not whole:
+        return f"the moments of the last {moments} of {shape.layers} layers"
+    if not moments:
+        return f"the whole state of the last {whole} of {shape.layers} layers"
+    return f"the moments of the last {moments + whole} of {shape.layers} layers and the whole state of the last {whole}"
 
 
 def _span(first: int, last: int) -> str:
     return f"layer {first}" if first == last else f"layers {first}..{last}"
 
 
-def _count(n: int) -> str:
+def _count(params: int) -> str:
     """A parameter count with three significant digits in the unit that fits (B, M, K)."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return str(n)
+        if params >= scale:
+            return f"{params / scale:.3g} {unit}"
+    return str(params)
 
 
 def _format_report(plan: Plan) -> str:
@@ -253,10 +253,10 @@ def _memory_lines(plan: Plan) -> list[str]:
                      "with several GPUs)")
     elif plan.max_grad_norm and not plan.lora_r:
         host_layers = list(range(shape.layers - plan.resident_layers))
-        n = len(pick_device_units(host_layers, balanced_share()))
-        lines.append(f"clipping: the host-held units are updated after the backward; {n} of the {len(host_layers)} "
-                     f"host-held layers on the GPU as they are copied in (device_update_share 'auto': "
-                     f"{balanced_share():.2f})")
+        device_layers = len(pick_device_units(host_layers, balanced_share()))
+        lines.append(f"clipping: the host-held units are updated after the backward; {device_layers} of the "
+                     f"{len(host_layers)} host-held layers on the GPU as they are copied in "
+                     f"(device_update_share 'auto': {balanced_share():.2f})")
     return lines
 
 

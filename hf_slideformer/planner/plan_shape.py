@@ -68,11 +68,11 @@ def load_model_config(config_or_path) -> dict:
     elif not os.path.isfile(path):
         raise FileNotFoundError(f"{path!r} does not exist: pass a model directory with a config.json, or the path "
                                 "of a config.json (hub ids are not fetched: download the model's config.json first)")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as config_file:
         try:
-            cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path!r} is not valid JSON: {e}") from None
+            cfg = json.load(config_file)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path!r} is not valid JSON: {error}") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path!r} does not hold a JSON object")
     return cfg
@@ -83,18 +83,20 @@ def model_shape(cfg: dict) -> ModelShape:
     model_type = cfg.get("model_type")
     family = get_family(model_type)      # ValueError naming the supported model types
     try:
-        H, I, L, V = (int(cfg[k]) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+        hidden, intermediate, layers, vocab = (int(cfg[k]) for k in ("hidden_size", "intermediate_size",
+                                                                     "num_hidden_layers", "vocab_size"))
         nh = int(cfg["num_attention_heads"])
-    except KeyError as e:
-        raise ValueError(f"config.json lacks {e.args[0]!r}, which a {model_type} config must have") from None
+    except KeyError as error:
+        raise ValueError(f"config.json lacks {error.args[0]!r}, which a {model_type} config must have") from None
     nkv = int(cfg.get("num_key_value_heads") or nh)
-    hd = int(cfg.get("head_dim") or H // nh)
-    layer = family.layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd, head_dim=hd))
+    hd = int(cfg.get("head_dim") or hidden // nh)
+    layer = family.layer_params(cfg, LayerDims(hidden=hidden, intermediate=intermediate, q=nh * hd, kv=nkv * hd,
+                                               head_dim=hd))
     tied = bool(cfg.get("tie_word_embeddings", True))               # PretrainedConfig's default
     maxpos = cfg.get("max_position_embeddings")
     moe = family.router_class is not None
-    active = family.active_layer_params(cfg, LayerDims(hidden=H, intermediate=I, q=nh * hd, kv=nkv * hd,
-                                                       head_dim=hd)) if moe else None
-    return ModelShape(model_type, H, I, L, V, nh, nkv, hd, tied, layer_params=layer, embed_params=V * H,
-                      head_params=H + (0 if tied else V * H), max_positions=int(maxpos) if maxpos else None,
-                      active_layer_params=active, moe=moe)
+    active = family.active_layer_params(cfg, LayerDims(hidden=hidden, intermediate=intermediate, q=nh * hd,
+                                                       kv=nkv * hd, head_dim=hd)) if moe else None
+    return ModelShape(model_type, hidden, intermediate, layers, vocab, nh, nkv, hd, tied, layer_params=layer,
+                      embed_params=vocab * hidden, head_params=hidden + (0 if tied else vocab * hidden),
+                      max_positions=int(maxpos) if maxpos else None, active_layer_params=active, moe=moe)

@@ -120,11 +120,11 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
     settings = PlanSettings(**locals())                # every argument by name, checked once
     est = _estimator(settings)
     sizing = _size_batch(settings, est)
-    p = _memory(settings, est, sizing)
-    res = _resident_units(p, settings, est, sizing.disk)
-    _step_time(p, settings, est, res, sizing.disk)
-    p.advice = advise_lora(p, est) if settings.lora else advise(p, est, settings.deferred)
-    return p
+    result = _memory(settings, est, sizing)
+    res = _resident_units(result, settings, est, sizing.disk)
+    _step_time(result, settings, est, res, sizing.disk)
+    result.advice = advise_lora(result, est) if settings.lora else advise(result, est, settings.deferred)
+    return result
 
 
 @dataclass
@@ -199,38 +199,41 @@ def _size_batch(settings: PlanSettings, est: Estimator) -> _Sizing:
 def _memory(settings: PlanSettings, est: Estimator, sizing: _Sizing) -> Plan:
     """The Plan at the batch: its host items, the state on disk, the GPU's items and peak."""
     batch, tier, k_disk = sizing.batch, settings.tier, sizing.disk
-    p = Plan(settings.shape, batch, settings.seq, settings.gradient_accumulation_steps, settings.clip, settings.window,
-             tier, settings.grad_buffers, int(settings.gpu_mem * GiB), settings.host_bytes or None,
-             settings.host_source, settings.gpu_source, settings.rates, adam_source=settings.adam_source,
-             batch_chosen=sizing.chosen, gpu_limit=sizing.gpu_limit, max_batch_gpu=sizing.max_gpu,
-             max_batch_host=sizing.max_host, gpus=settings.gpus)
-    p.optimizer_state = settings.optim
-    p.fp8 = settings.fp8
-    p.device_share = settings.device_share
+    plan = Plan(settings.shape, batch, settings.seq, settings.gradient_accumulation_steps, settings.clip,
+                settings.window, tier, settings.grad_buffers, int(settings.gpu_mem * GiB), settings.host_bytes or None,
+                settings.host_source, settings.gpu_source, settings.rates, adam_source=settings.adam_source,
+                batch_chosen=sizing.chosen, gpu_limit=sizing.gpu_limit, max_batch_gpu=sizing.max_gpu,
+                max_batch_host=sizing.max_host, gpus=settings.gpus)
+    plan.optimizer_state = settings.optim
+    plan.fp8 = settings.fp8
+    plan.device_share = settings.device_share
     if settings.lora:
-        p.lora_r, p.lora_base_bytes, p.lora_params = settings.lora_r, settings.lora_base_bytes, est.adapter_params
-        p.lora_targets, p.lora_expert_params = est.lora_targets.describe(), est.param_adapter_params
-        p.lora_trained, p.lora_trained_params = est.trained, est.trained_params
-        p.adapter_s = est.adapter_seconds(batch, settings.gradient_accumulation_steps)
-    p.host = est.host(batch, tier, settings.deferred, k_disk)
-    p.host_total = sum(p.host.values())
-    p.disk_layers, p.disk_moment_layers = k_disk.layers, k_disk.moments
-    p.disk_mem_bytes = None if settings.nvme_gb is None else int(settings.nvme_gb * 1e9)
-    p.disk_state_bytes = est.disk_state_bytes(k_disk)
-    p.disk_bytes_per_step = est.disk_traffic(settings.gradient_accumulation_steps, k_disk, settings.deferred)
+        plan.lora_r, plan.lora_base_bytes = settings.lora_r, settings.lora_base_bytes
+        plan.lora_params = est.adapter_params
+        plan.lora_targets, plan.lora_expert_params = est.lora_targets.describe(), est.param_adapter_params
+        plan.lora_trained, plan.lora_trained_params = est.trained, est.trained_params
+        plan.adapter_s = est.adapter_seconds(batch, settings.gradient_accumulation_steps)
+    plan.host = est.host(batch, tier, settings.deferred, k_disk)
+    plan.host_total = sum(plan.host.values())
+    plan.disk_layers, plan.disk_moment_layers = k_disk.layers, k_disk.moments
+    plan.disk_mem_bytes = None if settings.nvme_gb is None else int(settings.nvme_gb * 1e9)
+    plan.disk_state_bytes = est.disk_state_bytes(k_disk)
+    plan.disk_bytes_per_step = est.disk_traffic(settings.gradient_accumulation_steps, k_disk, settings.deferred)
     if k_disk.layers:
         # what SlideConfig.host_memory_limit bounds: the store's part of the host items
-        state = [k for k in p.host if k.startswith(("fp32 masters", "masters of the layers", "fp32 gradient accumulator", "state buffers"))
+        state = [k for k in plan.host
+                 if k.startswith(("fp32 masters", "masters of the layers", "fp32 gradient accumulator",
+                                  "state buffers"))
                  or k == est.state_key]
-        p.host_memory_limit_gib = math.ceil(sum(p.host[k] for k in state) / GiB * 10) / 10
-    p.gpu_fixed, p.gpu_phases = est.gpu(batch, tier)
-    p.gpu_fixed.update(sizing.extras)
-    p.gpu_peak = est.gpu_peak(batch, tier) + sum(sizing.extras.values())
-    p.flops_per_token = est.flops_per_token()
-    return p
+        plan.host_memory_limit_gib = math.ceil(sum(plan.host[k] for k in state) / GiB * 10) / 10
+    plan.gpu_fixed, plan.gpu_phases = est.gpu(batch, tier)
+    plan.gpu_fixed.update(sizing.extras)
+    plan.gpu_peak = est.gpu_peak(batch, tier) + sum(sizing.extras.values())
+    plan.flops_per_token = est.flops_per_token()
+    return plan
 
 
-def _resident_units(p: Plan, settings: PlanSettings, est: Estimator, k_disk: DiskSplit) -> tuple[bool, int]:
+def _resident_units(plan: Plan, settings: PlanSettings, est: Estimator, k_disk: DiskSplit) -> tuple[bool, int]:
     """(resident embedding, resident layers) as the engine decides them, and what they move: their
     state onto the GPU, the embedding's host items away."""
     shape, clip = settings.shape, settings.clip
@@ -240,44 +243,45 @@ def _resident_units(p: Plan, settings: PlanSettings, est: Estimator, k_disk: Dis
         # (resident_state.py); under a compact format the engine's resident_embedding='auto' keeps
         # the embedding on the host in the format (host_optim.embed_format)
         layer_per = resident_bytes_per_param_of(state_format(settings.optim), torch.bfloat16)
-        res = plan_resident(limit_bytes=int(settings.gpu_mem * GiB), peak_bytes=int(p.gpu_peak * RESERVED_VS_ALLOCATED),
+        res = plan_resident(limit_bytes=int(settings.gpu_mem * GiB),
+                            peak_bytes=int(plan.gpu_peak * RESERVED_VS_ALLOCATED),
                             layer_numel=shape.layer_params, n_layers=shape.layers - k_disk.layers,
                             embed_numel=shape.embed_params, dtype=torch.bfloat16, clipping=clip is not None,
                             embed=None if settings.optim == "adamw" else False, layer_bytes_per_param=layer_per)
-    p.resident_embedding, p.resident_layers = res
+    plan.resident_embedding, plan.resident_layers = res
     if res != (False, 0):
         per = resident_bytes_per_param(torch.bfloat16)
         held = ((per + 4) * shape.embed_params if res[0] else 0) + res[1] * shape.layer_params * layer_per
         if res[1]:
             held += (res[1] if clip is not None else 1) * 4 * shape.layer_params     # fp32 gradient buffer(s)
-        p.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
-        p.gpu_peak += held
+        plan.gpu_fixed["resident units (fp32 master, m, v, gradient; bf16 weights)"] = held
+        plan.gpu_peak += held
     if res[0]:
-        _drop_resident_embedding(p, est, settings.tier)
+        _drop_resident_embedding(plan, est, settings.tier)
     # Resident layers are updated by the CPU in the first step: their host moments (and, with clipping,
     # accumulators) are released after it.
-    p.host_steady = p.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
+    plan.host_steady = plan.host_total - (8 + (4 if clip is not None else 0)) * res[1] * shape.layer_params
     return res
 
 
-def _drop_resident_embedding(p: Plan, est: Estimator, tier: str) -> None:
+def _drop_resident_embedding(plan: Plan, est: Estimator, tier: str) -> None:
     """Resident from the first step (engine: [Why the embedding can be resident before the first
     step]): its moments are never written, its master is given back, its dense gradient and row
     buffers are never made; no layer is late (late_updates.py: nothing at the worker's front)."""
-    shape, key = p.shape, est.state_key
+    shape, key = plan.shape, est.state_key
     dropped = ("embedding gradient (fp32", "embedding row buffers (B*S*H bf16 + fp32, pinned)",
                "late layers' gradients")
-    p.host = {(k + ", the resident embedding's given back" if k == key else k):
-              (v - 12 * shape.embed_params if k == key else v) for k, v in p.host.items()
+    plan.host = {(k + ", the resident embedding's given back" if k == key else k):
+              (v - 12 * shape.embed_params if k == key else v) for k, v in plan.host.items()
               if not k.startswith(dropped)}
     acts = f"layer inputs ({tier} tier)"
     if tier == "cpu" and shape.layers > 1:
         # the first layer's input is gathered again from the resident embedding (activations.py)
-        p.host[acts] -= 2 * p.batch * p.seq * shape.hidden
-    p.host_total = sum(p.host.values())
+        plan.host[acts] -= 2 * plan.batch * plan.seq * shape.hidden
+    plan.host_total = sum(plan.host.values())
 
 
-def _clipped_serial_s(p: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int]) -> float:
+def _clipped_serial_s(plan: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int]) -> float:
     """The step with clipping: no host unit can be updated before the backward has ended (the clip
     factor needs the global norm), so their AdamW paces the next forward. A share of the host-held
     layers is updated by the GPU as it is copied in (device_update.py): the CPU and the link share
@@ -292,29 +296,29 @@ def _clipped_serial_s(p: Plan, settings: PlanSettings, est: Estimator, res: tupl
     else:                       # no device updates: the ranks' workers update every unit
         adam_after = host_params / (adam_gps * 1e9)
     # Only the first micro-batch's forward overlaps it.
-    first_forward = FORWARD_SHARE * p.times["gpu"] / settings.gradient_accumulation_steps
-    return p.times["gpu"] - first_forward + max(first_forward, adam_after)
+    first_forward = FORWARD_SHARE * plan.times["gpu"] / settings.gradient_accumulation_steps
+    return plan.times["gpu"] - first_forward + max(first_forward, adam_after)
 
 
-def _step_time(p: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int], k_disk: DiskSplit) -> None:
+def _step_time(plan: Plan, settings: PlanSettings, est: Estimator, res: tuple[bool, int], k_disk: DiskSplit) -> None:
     """The traffic, each term's time, the bound, and the expected step."""
-    batch, accum, tier = p.batch, settings.gradient_accumulation_steps, settings.tier
-    p.h2d_bytes, p.d2h_bytes = est.traffic(batch, accum, tier, res)
-    p.times = est.times(batch, accum, tier, settings.deferred, res, disk_layers=k_disk)
-    p.gpu_resident_s = est.gpu_seconds(batch, accum, recompute=False)
-    p.bound_by = max(p.times, key=p.times.get)
-    p.bound_s = p.times[p.bound_by]
+    batch, accum, tier = plan.batch, settings.gradient_accumulation_steps, settings.tier
+    plan.h2d_bytes, plan.d2h_bytes = est.traffic(batch, accum, tier, res)
+    plan.times = est.times(batch, accum, tier, settings.deferred, res, disk_layers=k_disk)
+    plan.gpu_resident_s = est.gpu_seconds(batch, accum, recompute=False)
+    plan.bound_by = max(plan.times, key=plan.times.get)
+    plan.bound_s = plan.times[plan.bound_by]
     # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
     # other terms (activation_file.py: [Why the nvme tier's file work is on its own thread]).
-    serial = p.times["gpu"]
+    serial = plan.times["gpu"]
     if settings.clip is not None and est.host_updates:
-        serial = max(serial, _clipped_serial_s(p, settings, est, res))
+        serial = max(serial, _clipped_serial_s(plan, settings, est, res))
     # Each resource reaches its own share of its bound (ENGINE_EFFICIENCY): one that is not the
     # bound can still pace the step when it runs close to it (the CPU's AdamW, 0.65 of its rate in
     # the pipeline, beside a GPU-bound step: the 3B shape at batch 8, docs/planner.md).
-    p.paced_by = max(p.times, key=lambda k: p.times[k] / ENGINE_EFFICIENCY[k])
-    each = p.times[p.paced_by] / ENGINE_EFFICIENCY[p.paced_by]
-    bound = max(p.bound_s, serial) / ENGINE_EFFICIENCY[p.bound_by]
+    plan.paced_by = max(plan.times, key=lambda k: plan.times[k] / ENGINE_EFFICIENCY[k])
+    each = plan.times[plan.paced_by] / ENGINE_EFFICIENCY[plan.paced_by]
+    bound = max(plan.bound_s, serial) / ENGINE_EFFICIENCY[plan.bound_by]
     if bound >= each:
-        p.paced_by = p.bound_by
-    p.expected_step_s = max(bound, each)
+        plan.paced_by = plan.bound_by
+    plan.expected_step_s = max(bound, each)
