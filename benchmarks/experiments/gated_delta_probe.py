@@ -76,6 +76,18 @@ def main():
         o.float().square().mean().backward()
 
     print(f"chunk rule fwd+bwd (triton_ops.gated_delta): {timed(own_fb):.2f} ms")
+    leaves = (q, k, v, g, beta)
+    results = []
+    for rule in (q35.torch_chunk_gated_delta_rule, chunk_gated_delta_rule):
+        o, _ = rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        w = torch.randn(o.shape, device=dev, generator=torch.Generator(dev).manual_seed(1))
+        results.append((o.float(), torch.autograd.grad((o.float() * w).sum(), leaves)))
+    (ref, ref_grads), (out, grads) = results
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    print("relative difference on CUDA: out %.2e, grads %s" % (
+        rel(out, ref), " ".join(f"d{n} {rel(a, b):.2e}" for n, a, b in zip(("q", "k", "v", "g", "beta"), grads, ref_grads))))
     original = q35.torch_chunk_gated_delta_rule
     q35.torch_chunk_gated_delta_rule = chunk_gated_delta_rule
     try:
