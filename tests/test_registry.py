@@ -39,15 +39,18 @@ FUNCTION_OPS = (("rope", "apply_rotary_pos_emb"), ("gated_delta", "torch_chunk_g
 @pytest.mark.parametrize("model_type", [n for n, f in REGISTRY.items() if f.kernels])
 def test_a_kernel_family_is_patched_and_reverted(model_type):
     model = AutoModelForCausalLM.from_config(family_config(model_type))
-    handle = triton_ops.patch(model)
     family = get_family(model_type)
-    assert handle.family == model_type
     modeling = importlib.import_module(family.modeling)
-    swapped = {name: getattr(modeling, name) for _, name in handle.functions}
+    # What the modeling module holds before (another live patched model of the family keeps its swap).
+    before = {name: getattr(modeling, name, None) for _, name in FUNCTION_OPS}
+    handle = triton_ops.patch(model)
+    assert handle.family == model_type
     assert handle.functions == [(family.modeling, name) for op, name in FUNCTION_OPS if op in family.kernels]
+    assert all(getattr(modeling, name) is not before[name] or before[name].__module__.startswith("triton_ops")
+               for _, name in handle.functions)
     handle.revert()
     assert all("forward" not in m.__dict__ for m in model.modules())
-    assert all(getattr(modeling, name) is not fn for name, fn in swapped.items())     # the originals are back
+    assert {name: getattr(modeling, name, None) for _, name in FUNCTION_OPS} == before
 
 
 def test_an_unknown_model_type_names_the_supported_ones():
