@@ -95,3 +95,20 @@ def test_a_patched_qwen3_5_model_trains_as_the_unpatched_one():
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0)
     for (name, p), (_, r) in zip(patched.named_parameters(), model.named_parameters()):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_under_autocast_as_transformers_under_autocast():
+    """bf16 autocast (the engine's bf16 compute): the products in bf16 forward and backward, as
+    autograd runs transformers' ops; the results agree within bf16 rounding."""
+    xs = _inputs(2, 50, 2, 2, 8, 8, torch.float32, False)
+    results = []
+    for rule in (_hf_rule(), chunk_gated_delta_rule):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = rule(*xs[:5], chunk_size=16, use_qk_l2norm_in_kernel=True)
+        grads = torch.autograd.grad(out.float().square().sum(), xs[:5])
+        results.append((out, grads))
+    (ref, ref_grads), (out, grads) = results
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.02)
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert ((grad.float() - ref_grad.float()).norm() / ref_grad.float().norm()) < 0.05

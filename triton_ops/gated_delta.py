@@ -52,10 +52,20 @@ class _ChunkScan(torch.autograd.Function):
             state = state * chunk_decay[:, :, c, None, None] + key[:, :, c].transpose(-1, -2) @ corrected[:, :, c]
         out = query @ states + attn @ corrected
         ctx.save_for_backward(query, key, k_cumdecay, attn, chunk_decay, states, corrected)
+        device = query.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         return out, state
 
     @staticmethod
     def backward(ctx, d_out, d_final):
+        # Under the forward's autocast state, as autograd runs the backward of autocast ops: the
+        # products in the autocast dtype, the sums where their operands meet.
+        device, enabled, dtype = ctx.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return _ChunkScan._backward(ctx, d_out, d_final)
+
+    @staticmethod
+    def _backward(ctx, d_out, d_final):
         query, key, k_cumdecay, attn, chunk_decay, states, corrected = ctx.saved_tensors
         n = query.shape[2]
         d_out = d_out.contiguous()
