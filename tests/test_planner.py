@@ -814,3 +814,23 @@ def test_device_update_share_without_clipping_moves_the_host_term_onto_the_link(
                           "24", "--host-mem", "125", "--optim", "adamw_8bit_bf16", "--device-update-share", "0.45"],
                          capture_output=True, text=True, check=True).stdout
     assert "device_update_share 0.45" in out
+
+
+def test_linear_attention_layers_are_timed_at_their_measured_rate():
+    """Qwen3.5's linear-attention layers (three in four, from the config's derived layer types or
+    its own list) add their measured time beyond the projections; the Qwen3.5-9B row at batch 16
+    under 24 GiB (an H100 machine, the project's gated delta rule: 7.59 s a step) is then planned
+    within 10%, where FLOPs alone planned 3.3 s."""
+    from hf_slideformer.planner.plan_calibration import LINEAR_ATTENTION_S_PER_TOKEN
+
+    cfg = load_model_config(CONFIGS / "qwen3.5-9b.json")
+    assert model_shape(cfg).linear_attention_layers == 24
+    listed = dict(cfg, layer_types=["full_attention"] * 30 + ["linear_attention"] * 2)
+    assert model_shape(listed).linear_attention_layers == 2
+    assert model_shape(load_model_config(CONFIGS / "llama3-8b.json")).linear_attention_layers == 0
+
+    p = plan(cfg, batch=16, gpu_mem=24, **H200)
+    assert p.linear_attention_s == pytest.approx(24 * 16 * 2048 * LINEAR_ATTENTION_S_PER_TOKEN)
+    assert rel(p.expected_step_s, 7.59) < 0.10
+    assert "of linear attention beyond its projections" in p.report()
+    assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, **H200).linear_attention_s == 0

@@ -49,6 +49,21 @@ class DiskSplit(NamedTuple):
         """Per layer of `num_layers`, in schedule order: None (in host memory), MOMENTS or WHOLE."""
         return [None] * (num_layers - self.layers) + [MOMENTS] * self.moments + [WHOLE] * self.whole
 
+    def host_items(self, layer_numel: int, fmt: StateFormat) -> dict[str, int]:
+        """The planner's host items of these layers, each of `layer_numel` parameters in format
+        `fmt`: the masters of the layers whose moments alone are on disk, the pool's buffers."""
+        out = {}
+        if self.moments:
+            master_bytes = fmt.master_dtype.itemsize
+            out[f"masters of the layers with moments on disk ({master_bytes} B/param)"] = \
+                master_bytes * self.moments * layer_numel
+        if self.layers:
+            buffers = pool_buffers(self.layers)
+            part, what = (WHOLE, "whole state") if self.whole else (MOMENTS, "moments")
+            out[f"state buffers of the layers on disk ({buffers} x one layer's {what}, pinned)"] = \
+                buffers * record_bytes(layer_numel, part, fmt)
+        return out
+
     def file_bytes(self, layer_numel: int, fmt: StateFormat) -> int:
         """Bytes of the state file of these layers, each of `layer_numel` parameters in format `fmt`
         (one record each: the engine's file is not kept, disk/unit_state.py)."""

@@ -11,6 +11,7 @@ __all__ = [
     "GRAD_BYTES", "GPU_USABLE", "GPU_CONTEXT_BYTES", "DUPLEX", "ADD_VS_ADAM", "ADAM_GPS", "FP8_GEMM_SPEEDUP",
     "FP8_QUANT_HBM_SHARE",
     "ENGINE_EFFICIENCY", "FORWARD_SHARE", "DEVICE_UPDATE_LINK", "RESERVED_VS_ALLOCATED",
+    "LINEAR_ATTENTION_S_PER_TOKEN",
 ]
 
 # Calibration (docs/planner.md, "Calibration"). Change them together with the table there.
@@ -34,3 +35,8 @@ ENGINE_EFFICIENCY = {"gpu": 0.92, "pcie": 0.80, "cpu": 0.65, "disk": 0.90}  # bo
 FORWARD_SHARE = 0.25  # the forward's part of the GPU time: F of F + (recompute F + backward 2F)
 DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device updates (budget.PCIE_BOTH_WAYS) / one-way
 RESERVED_VS_ALLOCATED = 1.10  # reserved peak over allocated, expandable segments on (see docs/planner.md)
+# GPU seconds per token of one linear-attention layer beyond its projections' FLOPs: the chunked gated
+# delta rule, the causal conv, the gating and norms, forward + recompute + backward (Qwen3.5-9B shape,
+# batch 16 x 2048, the project's rule, an H100: 45 + 133 ms a layer less 29 ms of projections;
+# docs/planner.md, "Calibration").
+LINEAR_ATTENTION_S_PER_TOKEN = 4.5e-6

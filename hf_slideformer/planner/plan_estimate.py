@@ -14,14 +14,12 @@ from dataclasses import dataclass
 
 from .budget import DEVICE_PIECE, balanced_share
 from ..disk.disk_plan import DiskSplit
-from ..disk.disk_record import MOMENTS, WHOLE, record_bytes
-from ..disk.disk_store import pool_buffers
 from ..host.host_optim import embed_format, state_format
 from ..host.memory import COPY_CHUNK
 from .plan_calibration import (  # noqa: F401 - the calibration, importable from here as well
     PEAK_TFLOPS, GPU_EFFICIENCY, ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, NVME_BUFFERS, GRAD_BYTES,
     GPU_USABLE, GPU_CONTEXT_BYTES, DUPLEX, ADD_VS_ADAM, ADAM_GPS, FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, ENGINE_EFFICIENCY,
-    FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED,
+    FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED, LINEAR_ATTENTION_S_PER_TOKEN,
 )
 from .plan_shape import ModelShape, load_model_config, model_shape
 
@@ -100,16 +98,7 @@ class Estimator:
         # (memory.pin_slab), without the caching host allocator's power-of-two rounding.
         acts = self.layer_inputs_host(B, tier)
         out = {self.state_key: self.state_bytes(disk_layers.layers)}
-        fmt = state_format(self.optimizer_state)        # the records hold its arrays (disk_record.py)
-        if disk_layers.moments:
-            master_bytes = fmt.master_dtype.itemsize
-            out[f"masters of the layers with moments on disk ({master_bytes} B/param)"] = \
-                master_bytes * disk_layers.moments * shape.layer_params
-        if disk_layers.layers:
-            buffers = pool_buffers(disk_layers.layers)
-            part, what = (WHOLE, "whole state") if disk_layers.whole else (MOMENTS, "moments")
-            out[f"state buffers of the layers on disk ({buffers} x one layer's {what}, pinned)"] = \
-                buffers * record_bytes(shape.layer_params, part, fmt)
+        out.update(disk_layers.host_items(shape.layer_params, state_format(self.optimizer_state)))
         if self.gpus > 1:
             return self._host_data_parallel(out, tok_h, acts, tier, deferred)
         head = shape.head_params + (shape.embed_params if shape.tied and deferred else 0)
@@ -251,11 +240,13 @@ class Estimator:
     def flops_per_token(self, recompute: bool = True) -> float:
         """Matmul FLOPs per token: layers 6 N (fwd, bwd) plus the recompute's 2 N less down_proj's
         2 I H (its product is not recomputed), head 6 V H, causal attention (forward 2 S d per
-        layer, backward 2.5 x the forward). N counts the parameters a token computes with: a
-        mixture of experts' top-k experts (`active_layer_params`), whose recompute skips nothing;
-        the host and PCIe terms count every parameter."""
+        layer of softmax attention, backward 2.5 x the forward). N counts the parameters a token
+        computes with: a mixture of experts' top-k experts (`active_layer_params`), whose recompute
+        skips nothing; the host and PCIe terms count every parameter. A linear-attention layer's
+        own work is timed, not counted (`linear_attention_seconds`)."""
         shape = self.s
-        attn = (9 if recompute else 7) * self.seq * shape.heads * shape.head_dim * shape.layers
+        softmax_layers = shape.layers - shape.linear_attention_layers
+        attn = (9 if recompute else 7) * self.seq * shape.heads * shape.head_dim * softmax_layers
         return self.projection_flops(recompute) + 6 * shape.vocab * shape.hidden + attn
 
     def projection_flops(self, recompute: bool = True) -> float:
@@ -275,7 +266,15 @@ class Estimator:
         if self.fp8:      # bf16-equivalent FLOPs: the projections' GEMMs run FP8_GEMM_SPEEDUP times faster
             flops -= self.projection_flops(recompute) * (1 - 1 / FP8_GEMM_SPEEDUP)
             quant = self.fp8_quant_bytes(T) / (rates["gpu_hbm_gbs"] * 1e9 * FP8_QUANT_HBM_SHARE)
-        return N * (T * flops / (rates["gpu_tflops"] * 1e12 * rates["gpu_efficiency"]) + quant)
+        return N * (T * flops / (rates["gpu_tflops"] * 1e12 * rates["gpu_efficiency"]) + quant
+                    + self.linear_attention_seconds(T, recompute))
+
+    def linear_attention_seconds(self, T: int, recompute: bool = True) -> float:
+        """GPU seconds of the linear-attention layers' work beyond their projections for a
+        micro-batch of T tokens (the measured `LINEAR_ATTENTION_S_PER_TOKEN`; without the
+        recompute, less its forward share)."""
+        share = 1.0 if recompute else 1.0 - FORWARD_SHARE
+        return self.s.linear_attention_layers * T * LINEAR_ATTENTION_S_PER_TOKEN * share
 
     def fp8_quant_bytes(self, T: int) -> float:
         """Bytes of the FP8 quantization passes per micro-batch of T tokens (docs/fp8.md, "Fused

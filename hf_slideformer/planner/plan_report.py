@@ -48,6 +48,7 @@ class Plan:
     d2h_bytes: int = 0
     times: dict = field(default_factory=dict)      # term -> seconds per optimizer step
     gpu_resident_s: float = 0.0
+    linear_attention_s: float = 0.0   # of the GPU term: the linear-attention layers beyond their projections
     resident_embedding: bool = False  # units the engine keeps and updates on the GPU (SlideConfig.resident_*)
     resident_layers: int = 0
     disk_layers: int = 0              # the last layers with state on disk (SlideConfig.host_memory_limit)
@@ -274,6 +275,8 @@ def _step_lines(plan: Plan) -> list[str]:
         "gpu": (f"fwd + recompute + input gradients, {plan.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS, "
                 f"+ {plan.adapter_s:.3f} s of the adapters' own work" if plan.lora_r else
                 f"fwd + recompute + bwd, {plan.flops_per_token / 1e9:.1f} GFLOP/token at {eff:.0f} TFLOPS"
+                + (f" + {plan.linear_attention_s:.3f} s of linear attention beyond its projections (measured rate)"
+                   if plan.linear_attention_s else "")
                 + (" (the layers' projections in FP8 at 1.70x, their quantization passes at the HBM rate)" if plan.fp8 else "") + " "
                 f"(resident, no recompute: {plan.gpu_resident_s:.3f} s)" + (", each GPU" if gpus > 1 else "")),
         "pcie": f"h2d {plan.h2d_bytes / 1e9:.1f} GB, d2h {plan.d2h_bytes / 1e9:.1f} GB at {plan.rates['pcie_gbs']} GB/s"

@@ -31,6 +31,7 @@ class ModelShape:
     max_positions: int | None = None     # the config's max_position_embeddings
     active_layer_params: int | None = None   # one token's share of a layer (a mixture of experts: top-k); None: all
     moe: bool = False                    # routed experts: the MLP has no down_proj product to skip
+    linear_attention_layers: int = 0     # layers of linear attention (Qwen3.5's gated delta rule)
 
     @property
     def n_params(self) -> int:
@@ -99,4 +100,19 @@ def model_shape(cfg: dict) -> ModelShape:
                                                        kv=nkv * hd, head_dim=hd)) if moe else None
     return ModelShape(model_type, hidden, intermediate, layers, vocab, nh, nkv, hd, tied, layer_params=layer,
                       embed_params=vocab * hidden, head_params=hidden + (0 if tied else vocab * hidden),
-                      max_positions=int(maxpos) if maxpos else None, active_layer_params=active, moe=moe)
+                      max_positions=int(maxpos) if maxpos else None, active_layer_params=active, moe=moe,
+                      linear_attention_layers=_linear_attention_layers(cfg, family))
+
+
+def _linear_attention_layers(cfg: dict, family) -> int:
+    """How many layers are of linear attention: from the config's `layer_types`, or, where a family
+    that has them leaves it out, from the layer types its config class derives."""
+    if "linear_attention" not in family.layer_types:
+        return 0
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        from transformers import AutoConfig
+
+        settings = {key: value for key, value in cfg.items() if key not in ("model_type", "architectures")}
+        layer_types = AutoConfig.for_model(cfg["model_type"], **settings).layer_types
+    return sum(kind == "linear_attention" for kind in layer_types)

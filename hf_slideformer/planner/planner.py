@@ -306,6 +306,7 @@ def _step_time(plan: Plan, settings: PlanSettings, est: Estimator, res: tuple[bo
     plan.h2d_bytes, plan.d2h_bytes = est.traffic(batch, accum, tier, res)
     plan.times = est.times(batch, accum, tier, settings.deferred, res, disk_layers=k_disk)
     plan.gpu_resident_s = est.gpu_seconds(batch, accum, recompute=False)
+    plan.linear_attention_s = accum * est.linear_attention_seconds(batch * est.seq)
     plan.bound_by = max(plan.times, key=plan.times.get)
     plan.bound_s = plan.times[plan.bound_by]
     # The file tier reads and writes on a thread of its own: its time overlaps the GPU's, like the
