@@ -96,9 +96,9 @@ class DeviceAccumulator:
             self.prefetch(place)                   # a no-op when the recompute already started it
             st.wait(self.ready)
             acc = self.buf[:unit.numel]
-            for x, g in zip(unit.entries, grads):
-                if g is not None:
-                    x.view(acc).add_(g)
+            for entry, grad in zip(unit.entries, grads):
+                if grad is not None:
+                    entry.view(acc).add_(grad)
             sums_norm.add(lambda: _sq_norm([acc]))
             done = engine.grad_ring.d2h([acc], [unit.grad], norm_dst=norm)
             self.free = done

@@ -43,30 +43,31 @@ class FileTier(PinnedCpuTier):
         remove_leftovers(path)                  # what killed runs left (disk/names.py)
         self.dir = path
         self.file_id = uuid.uuid4().hex[:12]
-        self.files: dict[int, object] = {}      # i -> the open, nameless file of layer input i
-        self.sizes: dict[int, int] = {}         # i -> bytes of its last write
+        self.files: dict[int, object] = {}      # layer_no -> the open, nameless file of its input
+        self.sizes: dict[int, int] = {}         # layer_no -> bytes of its last write
         self.backend = backend or make_backend("auto")
         self._owns_backend = backend is None
         self.bounce: list[torch.Tensor | None] = [None] * buffers
         self.bounce_ev: list[object] = [None] * buffers   # the last h2d copy reading each buffer
         self.free: queue.Queue = queue.Queue()
-        for k in range(buffers):
-            self.free.put(k)
+        for buf_id in range(buffers):
+            self.free.put(buf_id)
         self.jobs: queue.Queue = queue.Queue()
-        self.reads: dict[int, tuple[threading.Event, int]] = {}    # i -> (read done, its buffer)
+        self.reads: dict[int, tuple[threading.Event, int]] = {}    # layer_no -> (read done, its buffer)
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
 
-    def _file(self, i):
-        """Layer input i's file (I/O thread). Note: [Why the layer-input files have no name] each
+    def _file(self, layer_no):
+        """Layer `layer_no`'s input file (I/O thread). Note: [Why the layer-input files have no name] each
         is unlinked right after it is created and opened (disk.names.create_unlinked), so no exit
         of the process, a kill included, leaves it behind; it is reused by every step."""
-        f = self.files.get(i)
-        if f is None:
-            fd, f = create_unlinked(engine_file(self.dir, "act", part=i, file_id=self.file_id), self.backend.open)
+        file = self.files.get(layer_no)
+        if file is None:
+            fd, file = create_unlinked(engine_file(self.dir, "act", part=layer_no, file_id=self.file_id),
+                                       self.backend.open)
             os.close(fd)
-            self.files[i] = f
-        return f
+            self.files[layer_no] = file
+        return file
 
     # ------------------------------------------------------------------ the I/O thread
     def _start(self) -> None:
@@ -89,29 +90,30 @@ class FileTier(PinnedCpuTier):
                     job[-1].set()               # wake whoever waits for it, also after a failure
                 self.jobs.task_done()
 
-    def _write(self, i, k, ev, nbytes, done) -> None:
+    def _write(self, layer_no, buf_id, ev, nbytes, done) -> None:
         try:
             ev.synchronize()                    # the d2h copy has landed in the bounce buffer
-            self.sizes.pop(i, None)
-            self._file(i).pwrite(self.bounce[k], nbytes, 0).result()
-            self.sizes[i] = nbytes
+            self.sizes.pop(layer_no, None)
+            self._file(layer_no).pwrite(self.bounce[buf_id], nbytes, 0).result()
+            self.sizes[layer_no] = nbytes
         finally:
-            self.free.put(k)
+            self.free.put(buf_id)
 
-    def _read(self, i, k, nbytes, done) -> None:
-        ev = self.bounce_ev[k]
+    def _read(self, layer_no, buf_id, nbytes, done) -> None:
+        ev = self.bounce_ev[buf_id]
         if ev is not None:
             ev.synchronize()                    # its previous h2d copy has read it
-        if self.sizes.get(i) != nbytes:
-            raise OSError(f"layer input {i} was not written in full ({self.sizes.get(i)} of {nbytes} bytes)")
-        self._file(i).pread(self.bounce[k], nbytes, 0).result()
+        if self.sizes.get(layer_no) != nbytes:
+            raise OSError(f"layer input {layer_no} was not written in full "
+                          f"({self.sizes.get(layer_no)} of {nbytes} bytes)")
+        self._file(layer_no).pread(self.bounce[buf_id], nbytes, 0).result()
 
     def _check(self) -> None:
         if self.error is not None:
-            e, self.error = self.error, None
+            err, self.error = self.error, None
             raise RuntimeError(
-                f"the nvme activation tier failed on a file under {self.dir}: {e!r}. Free space there, point "
-                "nvme_path to another disk, or use activation_tier='cpu'") from e
+                f"the nvme activation tier failed on a file under {self.dir}: {err!r}. Free space there, point "
+                "nvme_path to another disk, or use activation_tier='cpu'") from err
 
     def _wait(self, ev: threading.Event) -> None:
         while not ev.wait(0.05):
@@ -124,7 +126,7 @@ class FileTier(PinnedCpuTier):
         while True:
             self._check()
             try:
-                k = self.free.get(timeout=0.05) if block else self.free.get_nowait()
+                buf_id = self.free.get(timeout=0.05) if block else self.free.get_nowait()
                 break
             except queue.Empty:
                 if not block:
@@ -133,72 +135,72 @@ class FileTier(PinnedCpuTier):
                     raise RuntimeError("the nvme activation tier's I/O thread has stopped")
                 if len(self.reads) >= len(self.bounce):      # would wait forever: a bug, not the disk
                     raise RuntimeError("internal: every nvme bounce buffer holds a layer input not yet loaded")
-        old = self.bounce[k]
+        old = self.bounce[buf_id]
         if old is None or old.numel() < numel or old.dtype != dtype:
-            if self.bounce_ev[k] is not None:
-                self.bounce_ev[k].synchronize()
-                self.bounce_ev[k] = None
-            self.bounce[k] = self._host_buffer(old, numel, dtype)
-        return k
+            if self.bounce_ev[buf_id] is not None:
+                self.bounce_ev[buf_id].synchronize()
+                self.bounce_ev[buf_id] = None
+            self.bounce[buf_id] = self._host_buffer(old, numel, dtype)
+        return buf_id
 
     # ------------------------------------------------------------------ the tier
-    def save(self, i, x, remake=None):
-        if self._keep(i, x, remake):
+    def save(self, layer_no, hidden, remake=None):
+        if self._keep(layer_no, hidden, remake):
             return
         self._start()
-        k = self._take(x.numel(), x.dtype)
-        if self.bounce_ev[k] is not None:
-            self.bounce_ev[k].synchronize()     # rare: a buffer read back in this step's backward
-            self.bounce_ev[k] = None
-        ev = self._d2h(x, self.bounce[k][:x.numel()])
-        self.meta[i] = (x.shape, x.dtype)
-        self.saved_ev[i] = None
-        self.jobs.put((self._write, i, k, ev, x.numel() * x.element_size(), threading.Event()))
+        buf_id = self._take(hidden.numel(), hidden.dtype)
+        if self.bounce_ev[buf_id] is not None:
+            self.bounce_ev[buf_id].synchronize()     # rare: a buffer read back in this step's backward
+            self.bounce_ev[buf_id] = None
+        ev = self._d2h(hidden, self.bounce[buf_id][:hidden.numel()])
+        self.meta[layer_no] = (hidden.shape, hidden.dtype)
+        self.saved_ev[layer_no] = None
+        self.jobs.put((self._write, layer_no, buf_id, ev, hidden.numel() * hidden.element_size(), threading.Event()))
 
-    def _request(self, i: int, block: bool) -> bool:
-        shape, dtype = self.meta[i]
-        k = self._take(shape.numel(), dtype, block)
-        if k is None:
+    def _request(self, layer_no: int, block: bool) -> bool:
+        shape, dtype = self.meta[layer_no]
+        buf_id = self._take(shape.numel(), dtype, block)
+        if buf_id is None:
             return False
         done = threading.Event()
-        self.reads[i] = (done, k)
-        self.jobs.put((self._read, i, k, shape.numel() * torch.empty((), dtype=dtype).element_size(), done))
+        self.reads[layer_no] = (done, buf_id)
+        self.jobs.put((self._read, layer_no, buf_id, shape.numel() * torch.empty((), dtype=dtype).element_size(), done))
         return True
 
-    def prefetch(self, i):
-        if not self._on_host(i):
+    def prefetch(self, layer_no):
+        if not self._on_host(layer_no):
             return
-        if i not in self.reads:
-            self._request(i, block=True)
+        if layer_no not in self.reads:
+            self._request(layer_no, block=True)
         # Read ahead while buffers are free, one always left for a blocking request.
-        j = i - 1
-        while j >= 0 and len(self.reads) < len(self.bounce) - 1:
-            if self._on_host(j) and j not in self.reads:
-                if self.free.qsize() <= 1 or not self._request(j, block=False):
+        ahead = layer_no - 1
+        while ahead >= 0 and len(self.reads) < len(self.bounce) - 1:
+            if self._on_host(ahead) and ahead not in self.reads:
+                if self.free.qsize() <= 1 or not self._request(ahead, block=False):
                     break
-            j -= 1
+            ahead -= 1
 
-    def _bring(self, i) -> None:
-        if i in self.loaded:
+    def _bring(self, layer_no) -> None:
+        if layer_no in self.loaded:
             return
-        self.prefetch(i)
-        done, k = self.reads.pop(i)
+        self.prefetch(layer_no)
+        done, buf_id = self.reads.pop(layer_no)
         try:
             self._wait(done)
         except BaseException:
-            self.free.put(k)
+            self.free.put(buf_id)
             raise
-        x, ev = self._h2d(i, self.bounce[k])
-        self.bounce_ev[k] = ev
-        self.free.put(k)
-        self.loaded[i] = (x, ev)
+        hidden, ev = self._h2d(layer_no, self.bounce[buf_id])
+        self.bounce_ev[buf_id] = ev
+        self.free.put(buf_id)
+        self.loaded[layer_no] = (hidden, ev)
 
     def clear(self):
         """A new forward: the file work of the last one is finished and its unread inputs let go."""
         if self.thread is not None:
             self.jobs.join()
-        for done, k in self.reads.values():
-            self.free.put(k)
+        for done, buf_id in self.reads.values():
+            self.free.put(buf_id)
         self.reads.clear()
         super().clear()
         self._check()
@@ -208,7 +210,7 @@ class FileTier(PinnedCpuTier):
             self.jobs.put(None)
             self.thread.join(timeout=30)
         files, self.files = self.files, {}
-        for f in files.values():
-            f.close()
+        for file in files.values():
+            file.close()
         if self._owns_backend:
             self.backend.close()

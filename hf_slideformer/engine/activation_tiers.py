@@ -13,7 +13,8 @@ __all__ = ["ActivationTier", "DeviceTier", "PinnedCpuTier"]
 
 
 class ActivationTier:
-    """Interface: save(i, x) in forward; prefetch(i) ahead of use; load(i) -> x in backward."""
+    """Interface: save(layer_no, hidden) in forward; prefetch(layer_no) ahead of use; load(layer_no) -> hidden in
+    backward."""
 
     def __init__(self, streams: Streams, counter=None, pinned: PinnedBuffers | None = None):
         self.streams = streams
@@ -32,18 +33,18 @@ class ActivationTier:
         # calls `materialize()` before the master leaves the device.
         self.remade: dict = {}
 
-    def save(self, i: int, x: torch.Tensor, remake=None) -> None:
-        """Keep x_i for backward; `remake` (optional): a function that makes x_i again, exactly,
-        on the compute stream (the tier may keep it instead of x_i)."""
+    def save(self, layer_no: int, hidden: torch.Tensor, remake=None) -> None:
+        """Keep `hidden`, layer `layer_no`'s input x_i, for backward; `remake` (optional): a function that
+        makes x_i again, exactly, on the compute stream (the tier may keep it instead of x_i)."""
         raise NotImplementedError
 
-    def prefetch(self, i: int) -> None:
+    def prefetch(self, layer_no: int) -> None:
         pass
 
-    def load(self, i: int) -> torch.Tensor:
+    def load(self, layer_no: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def drop(self, i: int) -> None:
+    def drop(self, layer_no: int) -> None:
         pass
 
     def clear(self) -> None:
@@ -72,14 +73,14 @@ class DeviceTier(ActivationTier):
         super().__init__(streams, counter, pinned)
         self.saved: dict[int, torch.Tensor] = {}
 
-    def save(self, i, x, remake=None):
-        self.saved[i] = x
+    def save(self, layer_no, hidden, remake=None):
+        self.saved[layer_no] = hidden
 
-    def load(self, i):
-        return self.saved[i]
+    def load(self, layer_no):
+        return self.saved[layer_no]
 
-    def drop(self, i):
-        self.saved.pop(i, None)
+    def drop(self, layer_no):
+        self.saved.pop(layer_no, None)
 
     def clear(self):
         self.saved.clear()
@@ -99,94 +100,95 @@ class PinnedCpuTier(ActivationTier):
         self.saved_ev: dict[int, object] = {}
         self.loaded: dict[int, tuple[torch.Tensor, object]] = {}
 
-    def _d2h(self, x: torch.Tensor, buf: torch.Tensor):
+    def _d2h(self, hidden: torch.Tensor, buf: torch.Tensor):
         st = self.streams
         # Note: [Why the d2h waits for the compute event] x_i is produced on the compute stream.
         st.wait(st.record(), st.d2h)
         with st.on(st.d2h):
-            buf.copy_(x.reshape(-1), non_blocking=True)
+            buf.copy_(hidden.reshape(-1), non_blocking=True)
         done = st.record(st.d2h)
-        st.hand_over([x], done)               # transfer.py: [Why copy sources are handed over, not recorded]
-        self.count("act_d2h", x.numel() * x.element_size())
+        st.hand_over([hidden], done)               # transfer.py: [Why copy sources are handed over, not recorded]
+        self.count("act_d2h", hidden.numel() * hidden.element_size())
         return done
 
-    def _h2d(self, i: int, src: torch.Tensor):
+    def _h2d(self, layer_no: int, src: torch.Tensor):
         st = self.streams
-        shape, dtype = self.meta[i]
+        shape, dtype = self.meta[layer_no]
         # Note: [Why a loaded input is allocated on the compute stream] the caching allocator keeps
         # a pool per stream: made on the h2d stream, the inputs' memory could serve no other
         # tensor, and memory held apart is what pushes a tight cap into the allocator's
         # free-everything-and-retry path (a device synchronisation). Made on the compute stream,
         # the copy must first wait for the compute work issued so far (it may still read the
         # block's previous tensor): issued one layer ahead, that work ends before the input is needed.
-        x = torch.empty(shape, dtype=dtype, device=st.device)
+        hidden = torch.empty(shape, dtype=dtype, device=st.device)
         st.wait(st.record(), st.h2d)
         with st.on(st.h2d):
-            x.view(-1).copy_(src[:shape.numel()], non_blocking=True)
-        self.count("act_h2d", shape.numel() * x.element_size())
-        return x, st.record(st.h2d)
+            hidden.view(-1).copy_(src[:shape.numel()], non_blocking=True)
+        self.count("act_h2d", shape.numel() * hidden.element_size())
+        return hidden, st.record(st.h2d)
 
-    def _keep(self, i, x, remake) -> bool:
+    def _keep(self, layer_no, hidden, remake) -> bool:
         """Held without a host copy: as a recipe, or on the device (the last layer's)."""
         if remake is not None:
-            self.remade[i] = remake
-        elif i == self.keep_index:
-            self.kept[i] = x
+            self.remade[layer_no] = remake
+        elif layer_no == self.keep_index:
+            self.kept[layer_no] = hidden
         else:
             return False
-        self.meta[i] = (x.shape, x.dtype)
+        self.meta[layer_no] = (hidden.shape, hidden.dtype)
         return True
 
-    def save(self, i, x, remake=None):
-        if self._keep(i, x, remake):
+    def save(self, layer_no, hidden, remake=None):
+        if self._keep(layer_no, hidden, remake):
             return
-        self.host[i] = buf = self._host_buffer(self.host.get(i), x.numel(), x.dtype)
-        self.saved_ev[i] = self._d2h(x, buf[:x.numel()])
-        self.meta[i] = (x.shape, x.dtype)
+        self.host[layer_no] = buf = self._host_buffer(self.host.get(layer_no), hidden.numel(), hidden.dtype)
+        self.saved_ev[layer_no] = self._d2h(hidden, buf[:hidden.numel()])
+        self.meta[layer_no] = (hidden.shape, hidden.dtype)
 
-    def _on_host(self, i) -> bool:
-        """x_i went to the host and is not on its way back yet."""
-        return i in self.meta and i not in self.loaded and i not in self.kept and i not in self.remade
+    def _on_host(self, layer_no) -> bool:
+        """Layer `layer_no`'s input x_i went to the host and is not on its way back yet."""
+        return (layer_no in self.meta and layer_no not in self.loaded and layer_no not in self.kept
+                and layer_no not in self.remade)
 
-    def prefetch(self, i):
-        if not self._on_host(i):
+    def prefetch(self, layer_no):
+        if not self._on_host(layer_no):
             return
-        self.streams.wait(self.saved_ev[i], self.streams.h2d)
-        self.loaded[i] = self._h2d(i, self.host[i])
+        self.streams.wait(self.saved_ev[layer_no], self.streams.h2d)
+        self.loaded[layer_no] = self._h2d(layer_no, self.host[layer_no])
 
-    def _bring(self, i) -> None:
-        """Make sure `loaded[i]` holds x_i's device copy and its h2d event."""
-        self.prefetch(i)
+    def _bring(self, layer_no) -> None:
+        """Make sure `loaded[layer_no]` holds x_i's device copy and its h2d event."""
+        self.prefetch(layer_no)
 
-    def load(self, i):
-        if i in self.kept:
-            return self.kept[i]            # made on the compute stream: no event to wait for
-        if i in self.remade:
-            return self.remade[i]()
-        self._bring(i)
-        x, ev = self.loaded.pop(i)
+    def load(self, layer_no):
+        if layer_no in self.kept:
+            return self.kept[layer_no]            # made on the compute stream: no event to wait for
+        if layer_no in self.remade:
+            return self.remade[layer_no]()
+        self._bring(layer_no)
+        hidden, ev = self.loaded.pop(layer_no)
         self.streams.wait(ev)
-        return x
+        return hidden
 
-    def _unload(self, i) -> None:
+    def _unload(self, layer_no) -> None:
         """Forget a device copy that was brought back and not used: the compute stream first waits
         for the copy that writes it, so its memory serves no one before the copy has run."""
-        x, ev = self.loaded.pop(i)
+        hidden, ev = self.loaded.pop(layer_no)
         self.streams.wait(ev)
 
-    def drop(self, i):
-        if i in self.loaded:
-            self._unload(i)
-        self.kept.pop(i, None)
-        self.remade.pop(i, None)
+    def drop(self, layer_no):
+        if layer_no in self.loaded:
+            self._unload(layer_no)
+        self.kept.pop(layer_no, None)
+        self.remade.pop(layer_no, None)
 
     def clear(self):
-        for i in list(self.loaded):
-            self._unload(i)
+        for layer_no in list(self.loaded):
+            self._unload(layer_no)
         self.kept.clear()
         self.remade.clear()
 
     def materialize(self):
-        for i, remake in list(self.remade.items()):
-            del self.remade[i]
-            self.save(i, remake())
+        for layer_no, remake in list(self.remade.items()):
+            del self.remade[layer_no]
+            self.save(layer_no, remake())

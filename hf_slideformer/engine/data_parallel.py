@@ -151,9 +151,9 @@ class DataParallel:
         scalar) first. Returns (hi - lo,) on the device."""
         per = self.per_rank(numel)
         flat = torch.zeros(per * self.world, dtype=dtype, device=device)
-        for g, off in zip(grads, offsets):
-            if g is not None:
-                flat[off:off + g.numel()].copy_(g.reshape(-1))
+        for grad, off in zip(grads, offsets):
+            if grad is not None:
+                flat[off:off + grad.numel()].copy_(grad.reshape(-1))
         return self.reduce_flat(flat, numel, scale)
 
     def reduce_flat(self, flat: torch.Tensor, numel: int, scale=None) -> torch.Tensor:
@@ -165,17 +165,17 @@ class DataParallel:
         lo, hi = self.span(numel)
         return out[:hi - lo].mul_(1.0 / self.world)
 
-    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` (a device tensor) summed over the ranks, in place."""
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a device tensor) summed over the ranks, in place."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
 
     # ------------------------------------------------------------------ collectives: host side
-    def worker_sum(self, x: float) -> float:
-        """Worker thread: `x` summed over the ranks' workers."""
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.worker_group)
-        return float(t[0])
+    def worker_sum(self, value: float) -> float:
+        """Worker thread: `value` summed over the ranks' workers."""
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.worker_group)
+        return float(total[0])
 
     def barrier(self) -> None:
         """Main thread: every rank gets here before any goes on."""
@@ -268,8 +268,8 @@ class SharedHostMemory:
         if free < nbytes:
             return f"!{self.dir} has {free / 2 ** 30:.1f} GiB free of the {nbytes / 2 ** 30:.1f} GiB needed", None
         path = os.path.join(self.dir, name)
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
+        with open(path, "wb") as file:
+            file.truncate(nbytes)
         return path, None
 
     def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -284,7 +284,7 @@ class SharedHostMemory:
                 f"{SHM_DIR_ENV} at a RAM file system that has room (docker: --shm-size for /dev/shm).")
         failed = None
         try:
-            t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+            tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         except (RuntimeError, OSError) as exc:
             failed = exc
         finally:
@@ -301,7 +301,7 @@ class SharedHostMemory:
             raise HostMemoryError(f"rank {self.dp.rank} could not map the ranks' shared state at {path}: {failed}. "
                                   f"Set {SHM_DIR_ENV} to a RAM file system (such as /dev/shm) to share it through "
                                   "files there.") from failed
-        return t
+        return tensor
 
     def empty(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """A shared buffer the copies read (page-locked on CUDA)."""

@@ -30,13 +30,13 @@ class Piece:
         self.base = (0, 0)
 
     def pairs(self, unit, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device view, host view) of the master and each array for [lo, hi) of unit `u`."""
+        """(device view, host view) of the master and each array for [lo, hi) of unit `unit`."""
         b0, b1 = block_at(unit.entries, lo), block_at(unit.entries, hi)
         self.base = (lo, b0)
         out = [(self.master[:hi - lo], unit.master[lo:hi])]
-        for a in self.format.arrays:
-            i, j = (lo, hi) if a.per == "param" else (b0, b1)
-            out.append((self.arrays[a.name][:j - i], getattr(unit, a.name)[i:j]))
+        for array in self.format.arrays:
+            start, end = (lo, hi) if array.per == "param" else (b0, b1)
+            out.append((self.arrays[array.name][:end - start], getattr(unit, array.name)[start:end]))
         return out
 
     def __getattr__(self, name):                   # the format's arrays, as `StateFormat.run` reads them
@@ -93,32 +93,32 @@ class PieceSets:
         `found_inf` is nonzero), the new weights cast into `dst` if given, master and state back
         on the d2h stream (`unit.host_write` then records it). Returns the h2d event after the
         copies in."""
-        st, n = self.streams, hi - lo
-        k = self.turn
+        st, numel = self.streams, hi - lo
+        turn = self.turn
         self.turn ^= 1
         # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
-        # buffers alternate: set k is overwritten once its last d2h copy has read it.
-        st.wait(self.free[k], st.h2d)
-        piece = self.sets[k]
+        # buffers alternate: set `turn` is overwritten once its last d2h copy has read it.
+        st.wait(self.free[turn], st.h2d)
+        piece = self.sets[turn]
         pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
-        g = piece.grad[:n]
+        grad_dev = piece.grad[:numel]
         with st.on(st.h2d):
-            grad_bytes = grad.copy_into(g, lo, hi)
+            grad_bytes = grad.copy_into(grad_dev, lo, hi)
             for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
             read = st.record(st.h2d)
-            piece.update(unit, batch, lo, g, steps, groups, scale, found_inf)
+            piece.update(unit, batch, lo, grad_dev, steps, groups, scale, found_inf)
             if dst is not None:
                 dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
         st.wait(st.record(st.h2d), st.d2h)
         with st.on(st.d2h):
             for dev, host in pairs:
                 host.copy_(dev, non_blocking=True)
-        self.free[k] = unit.host_write = st.record(st.d2h)
+        self.free[turn] = unit.host_write = st.record(st.d2h)
         moved = sum(dev.numel() * dev.element_size() for dev, _ in pairs)
         self.stats.add_h2d(moved + grad_bytes)
         self.stats.add_bytes("d2h", moved)
-        self.stats.gpu_adam_params += n
+        self.stats.gpu_adam_params += numel
         return read
 
 
@@ -132,14 +132,14 @@ class EntryGrads:
     def copy_into(self, out: torch.Tensor, lo: int, hi: int) -> int:
         """out[:hi - lo] = the flat gradient [lo, hi), widened to out's dtype (zeros where unused); 0
         bytes crossed."""
-        for entry, g in zip(self.unit.entries, self.grads):
-            a, b = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
-            if a >= b:
+        for entry, grad in zip(self.unit.entries, self.grads):
+            start, end = max(lo, entry.offset), min(hi, entry.offset + entry.numel)
+            if start >= end:
                 continue
-            if g is None:
-                out[a - lo:b - lo].zero_()
+            if grad is None:
+                out[start - lo:end - lo].zero_()
             else:
-                out[a - lo:b - lo].copy_(g.reshape(-1)[a - entry.offset:b - entry.offset])
+                out[start - lo:end - lo].copy_(grad.reshape(-1)[start - entry.offset:end - entry.offset])
         return 0
 
 

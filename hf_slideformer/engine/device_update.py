@@ -168,17 +168,17 @@ class DeviceUpdater:
     def share(self) -> float:
         """The share of the host-held layers to update on the device (the config's, or balanced)."""
         engine = self.engine
-        c = engine.config
-        if c.max_grad_norm is None:
+        config = engine.config
+        if config.max_grad_norm is None:
             # Without clipping only a share given as a number, with one backward per step: the
             # updates then run in the backward, and pay only where the CPU's bound the step.
-            if c.device_update_share == "auto" or not engine.single_micro or engine.dp is not None:
+            if config.device_update_share == "auto" or not engine.single_micro or engine.dp is not None:
                 return 0.0
-            return float(c.device_update_share)
-        if c.device_update_share == "auto":
+            return float(config.device_update_share)
+        if config.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
             return balanced_share() if engine.streams.cuda and engine.pinned.enabled else 0.0
-        return float(c.device_update_share)
+        return float(config.device_update_share)
 
     def prepare(self) -> None:
         """At the first step with a share: allocate the device buffers, plan the resident units (the
@@ -199,8 +199,8 @@ class DeviceUpdater:
             return
         t0 = time.perf_counter()
         self._pin_units(chosen)
-        for u in chosen:
-            engine.set_place(u, DeviceUpdateLayer(engine, u))
+        for unit in chosen:
+            engine.set_place(unit, DeviceUpdateLayer(engine, unit))
         logger.info("%d of %d layers updated on the device (share %.2f); pinning their host state took "
                     "%.1f s", len(chosen), len(engine.layer_units), share, time.perf_counter() - t0)
 
@@ -225,10 +225,10 @@ class DeviceUpdater:
                 new.copy_(old)
                 setattr(unit, attr, new)
                 release_pages(old)
-            for k, x in enumerate(unit.entries):
-                st = opt_state.get(x.param)
+            for index, entry in enumerate(unit.entries):
+                st = opt_state.get(entry.param)
                 if st is not None:                       # the optimizer's state views the new buffers
-                    st.update(fmt.entry_state(unit, k))
+                    st.update(fmt.entry_state(unit, index))
 
     def reset(self) -> None:
         """Flush and forget the device layers (the clipping or accumulation mode changed; picked again at
@@ -255,11 +255,11 @@ class DeviceUpdater:
         """Drop the pending device update of `place` when the worker found the step's norm not
         finite (host_tasks: [Why a non-finite gradient stops the host updates after it]); the slot
         then copies the unchanged master."""
-        p = place.pending
-        if p.batches is not None or p.known is None:
+        pending = place.pending
+        if pending.batches is not None or pending.known is None:
             return False
         engine = self.engine
-        engine.clock.wait(p.known, "update")
+        engine.clock.wait(pending.known, "update")
         if not engine.host_updates.poisoned:
             return False
         place.pending = None
@@ -338,38 +338,38 @@ class DeviceUpdater:
     def run(self, place: DeviceUpdateLayer, dst):
         """The pending update of `place`, one piece per step; the new weights cast into `dst` if given."""
         engine, unit = self.engine, place.unit
-        p = place.pending
+        pending = place.pending
         st = engine.streams
-        groups, group_of = p.hp
-        if p.batches is None:
-            if p.clip_done is not None:
+        groups, group_of = pending.hp
+        if pending.batches is None:
+            if pending.clip_done is not None:
                 # The worker has folded every micro-batch in and taken the norm: the factor is known.
-                engine.clock.wait(p.clip_done, "update")
+                engine.clock.wait(pending.clip_done, "update")
                 with st.on(st.h2d):
-                    p.scale = _optim.grad_scale(engine.host_updates.clip_coef, engine.device)
+                    pending.scale = _optim.grad_scale(engine.host_updates.clip_coef, engine.device)
             # This update consumes the accumulator: the next backward overwrites it (the worker is
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
-            by_group, _, p.steps = self._advance_steps(unit, group_of)
-            p.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
+            by_group, _, pending.steps = self._advance_steps(unit, group_of)
+            pending.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
         unit.readers = []
-        for ev in (p.ready_ev, p.grad_ev, unit.host_write):
+        for ev in (pending.ready_ev, pending.grad_ev, unit.host_write):
             st.wait(ev, st.h2d)
-        if dst is not None and p.next:
+        if dst is not None and pending.next:
             # Resumed after an error stopped an earlier fill half way (its slot was dropped): the
             # pieces done then are final in the host store; copy them into this slot.
-            done = p.batches[p.next][0] if p.next < len(p.batches) else unit.numel
+            done = pending.batches[pending.next][0] if pending.next < len(pending.batches) else unit.numel
             with st.on(st.h2d):
                 dst[:done].copy_(unit.master[:done].to(engine.device, non_blocking=True))
-        st.used_by(p.scale, st.h2d)
-        while p.next < len(p.batches):
-            lo, hi, batch = p.batches[p.next]
-            n = hi - lo
-            if n:
-                self.pieces.update(unit, lo, hi, batch, HostGrad(unit.grad), p.steps, groups, scale=p.scale,
+        st.used_by(pending.scale, st.h2d)
+        while pending.next < len(pending.batches):
+            lo, hi, batch = pending.batches[pending.next]
+            numel = hi - lo
+            if numel:
+                self.pieces.update(unit, lo, hi, batch, HostGrad(unit.grad), pending.steps, groups, scale=pending.scale,
                                    dst=dst)
-            p.next += 1
+            pending.next += 1
             yield
         place.pending = None

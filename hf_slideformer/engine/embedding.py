@@ -98,7 +98,7 @@ class Embedding:
         (`HostTable`), copied in."""
         engine = self.engine
         master = self.unit.master.view(self.vocab, self.hidden)
-        T = ids.numel()
+        num_tokens = ids.numel()
         if not engine.streams.cuda:
             rows_out = master.index_select(0, ids).to(engine.dtype)
             return rows_out.view(*shape, self.hidden)
@@ -113,14 +113,14 @@ class Embedding:
         adam = engine.host_adam
         rounded = adam.native and engine.dtype == torch.bfloat16 and master.dtype == torch.float32
         dt = torch.bfloat16 if rounded else master.dtype
-        if self.fwd_buf is None or self.fwd_buf.shape[0] < T or self.fwd_buf.dtype != dt:
+        if self.fwd_buf is None or self.fwd_buf.shape[0] < num_tokens or self.fwd_buf.dtype != dt:
             if self.fwd_buf is not None:
                 engine.pinned.release(self.fwd_buf)
-            self.fwd_buf = engine.pinned.empty(T, self.hidden, dtype=dt)
-        buf = self.fwd_buf[:T]
-        rows_out = torch.empty(T, self.hidden, dtype=dt, device=engine.device)
-        for lo in range(0, T, GATHER_CHUNK):
-            hi = min(lo + GATHER_CHUNK, T)
+            self.fwd_buf = engine.pinned.empty(num_tokens, self.hidden, dtype=dt)
+        buf = self.fwd_buf[:num_tokens]
+        rows_out = torch.empty(num_tokens, self.hidden, dtype=dt, device=engine.device)
+        for lo in range(0, num_tokens, GATHER_CHUNK):
+            hi = min(lo + GATHER_CHUNK, num_tokens)
             if dt != master.dtype:                 # an fp32 master's rows rounded on the way
                 adam.gather_bf16(master, ids[lo:hi], buf[lo:hi], threads=max(1, adam.threads // 2))
             else:
@@ -152,7 +152,7 @@ class Embedding:
         if not self.unit.trainable:                # a frozen embedding (the base under LoRA)
             engine.end_backward()
             return
-        T = gx.numel() // self.hidden
+        num_tokens = gx.numel() // self.hidden
         _, inv, keep = self.rows_dev
         distinct = self.touch.numel()
         # Note: [Why the embedding gradient is summed on the GPU] the worker's embedding task is on
@@ -161,13 +161,13 @@ class Embedding:
         # per distinct token (far fewer in real text), and the worker's gather / scatter are
         # parallel copies instead of an index_add_ over every token.
         span = engine.clock.span_start()
-        token_grads = gx.reshape(T, self.hidden).float() * keep[:, None]
-        S = torch.zeros(distinct, self.hidden, dtype=torch.float32, device=gx.device)
-        S.index_put_((inv,), token_grads, accumulate=True)
-        # The embedding's gradient is S, the per-row sums of the token gradients over the batch's rows
+        token_grads = gx.reshape(num_tokens, self.hidden).float() * keep[:, None]
+        row_sums = torch.zeros(distinct, self.hidden, dtype=torch.float32, device=gx.device)
+        row_sums.index_put_((inv,), token_grads, accumulate=True)
+        # The embedding's gradient is `row_sums`, the per-row sums of the token gradients over the batch's rows
         # (padding dropped), plus a tied lm_head's dW: its norm without the (V, H) gradient (lm_weight.py).
-        engine.backward_plan.norm.add(engine.head.lm_weight.embedding_sq, S)
-        self.table.take_sums(S, span)
+        engine.backward_plan.norm.add(engine.head.lm_weight.embedding_sq, row_sums)
+        self.table.take_sums(row_sums, span)
 
     def send_sums(self, sums: torch.Tensor, span) -> None:
         """The batch rows' gradient sums `sums` (distinct rows, H) to the host, and the worker's task
@@ -202,18 +202,18 @@ class Embedding:
                              self.reset_grad, done=(unit.updated,))
 
     # ----------------------------------------------------------------- worker side
-    def rows_buffer(self, k: int, n: int) -> torch.Tensor:
-        """Persistent (n, H) fp32 scratch number k of the worker's embedding-row work.
+    def rows_buffer(self, index: int, rows: int) -> torch.Tensor:
+        """Persistent (`rows`, H) fp32 scratch number `index` of the worker's embedding-row work.
 
         Note: [Why the row buffers persist] a fresh 100-400 MB tensor per step is a fresh mmap whose
         pages fault in on first touch (the cost is measured in docs/engine.md, "Where the time
         goes"). The buffers grow to the largest batch seen and stay.
         """
         bufs = self.row_buffers
-        if bufs[k] is None or bufs[k].shape[0] < n:
-            grow = n if bufs[k] is None else max(n, bufs[k].shape[0] * 5 // 4)
-            bufs[k] = torch.empty(grow, self.hidden, dtype=torch.float32)
-        return bufs[k][:n]
+        if bufs[index] is None or bufs[index].shape[0] < rows:
+            grow = rows if bufs[index] is None else max(rows, bufs[index].shape[0] * 5 // 4)
+            bufs[index] = torch.empty(grow, self.hidden, dtype=torch.float32)
+        return bufs[index][:rows]
 
     def _embed_task(self, sums, rows, done, update, host_norms, hp, norm=None):
         """Fold the batch's per-row gradient sums (distinct rows) into the embedding's gradient."""

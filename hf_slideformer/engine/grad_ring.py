@@ -56,17 +56,17 @@ class GradientRing:
         self.slab
         return self._buffers
 
-    def claim(self, k: int) -> None:
-        """Main thread: wait until buffer k is free, then hold it (its task's `done` frees it)."""
-        self.engine.clock.wait(self.free[k], "grad_buffer")
-        self.free[k].clear()
+    def claim(self, index: int) -> None:
+        """Main thread: wait until buffer `index` is free, then hold it (its task's `done` frees it)."""
+        self.engine.clock.wait(self.free[index], "grad_buffer")
+        self.free[index].clear()
 
     def claim_next(self) -> int:
         """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
-        k = self.next
-        self.next = (k + 1) % len(self.buffers)
-        self.claim(k)
-        return k
+        index = self.next
+        self.next = (index + 1) % len(self.buffers)
+        self.claim(index)
+        return index
 
     # ------------------------------------------------------------- the head's loan (head.py)
     def borrow_front(self, numel: int) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -76,15 +76,15 @@ class GradientRing:
         if numel > self.size * len(self.buffers):
             return None
         count = -(-numel // self.size)
-        for k in range(count):
-            self.claim(k)
+        for index in range(count):
+            self.claim(index)
         self.next = count % len(self.buffers)     # the layers' next gradients take the buffers after it
         return self.slab[:numel], tuple(range(count))
 
     def give_back(self, held: tuple[int, ...]) -> None:
         """Free the ring buffers `held` at once."""
-        for k in held:
-            self.free[k].set()
+        for index in held:
+            self.free[index].set()
 
     def returner(self, held: tuple[int, ...]):
         """A progress callback for a front-to-back reader of a gradient in the buffers `held` (in

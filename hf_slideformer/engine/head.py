@@ -79,33 +79,33 @@ class LossHead:
                              done=(unit.updated,))
 
     # ----------------------------------------------------------------- forward (main thread)
-    def forward(self, h, labels, num_items_in_batch, with_grad: bool, shift_labels=None, token_weights=None):
-        """(loss, the gradient of h or None): with gradients, the head's own are sent to the host now.
+    def forward(self, hidden, labels, num_items_in_batch, with_grad: bool, shift_labels=None, token_weights=None):
+        """(loss, the gradient of `hidden` or None): with gradients, the head's own are sent to the host now.
 
         `token_weights` (B*S,) fp32, when given, weighs each token's cross-entropy instead of the
         mean (`triton_ops.linear_cross_entropy`): the gradients are then those of a loss made from
         the per-token log-probabilities (`token_statistics`), `w_t = -d loss / d log p_t`.
         """
         engine, hu = self.engine, self.unit
-        slot, hv, W = self._weights()
+        slot, hv, weight = self._weights()
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
         sl = shift_labels.reshape(-1).to(engine.device, torch.long)
-        sl, poison = engine.labels.prepare(sl, W.shape[0])      # poison: NaN for a bad batch on CUDA (model_inputs.py)
+        sl, poison = engine.labels.prepare(sl, weight.shape[0])  # poison: NaN for a bad batch on CUDA (model_inputs.py)
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(engine.device)
         if not with_grad:
             with torch.no_grad(), swapped(hu, hv):
-                loss = self._loss(h, W, sl, num_items_in_batch, poison)
+                loss = self._loss(hidden, weight, sl, num_items_in_batch, poison)
             self.slots.release(slot)
             return loss, None
         if engine.dp is not None:
             engine.dp.meet(engine.meeting())     # before this micro-batch's first collective (data_parallel.py)
         span = engine.clock.span_start()
-        hx = h.detach().requires_grad_()
+        hx = hidden.detach().requires_grad_()
         if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
             with torch.enable_grad(), swapped(hu, hv):
-                loss = self._loss(hx, W, sl, num_items_in_batch, poison, token_weights)
+                loss = self._loss(hx, weight, sl, num_items_in_batch, poison, token_weights)
             (gh,) = torch.autograd.grad(loss, [hx])
             engine.clock.span_end(span)
             self.slots.release(slot)
@@ -116,7 +116,7 @@ class LossHead:
         # one is a leaf without gradient: zeros cross in its place, so the step's norm counts the
         # trained parameters only, as torch's clipping of the trainable parameters does.
         leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
-        wl, tied_leaves = self.lm_weight.leaf(leaves, W)
+        wl, tied_leaves = self.lm_weight.leaf(leaves, weight)
         with torch.enable_grad(), swapped(hu, leaves):
             loss = self._loss(hx, wl, sl, num_items_in_batch, poison, token_weights)
         trained = [t for t in leaves if t.requires_grad]
@@ -133,12 +133,13 @@ class LossHead:
         self.pending = True
         return loss.detach(), grads[0]
 
-    def _loss(self, h, W, labels, num_items_in_batch, poison, token_weights=None) -> torch.Tensor:
-        """The final norm and the fused linear cross-entropy of h against `labels` (B*S,), NaN
+    def _loss(self, hidden, weight, labels, num_items_in_batch, poison, token_weights=None) -> torch.Tensor:
+        """The final norm and the fused linear cross-entropy of `hidden` against `labels` (B*S,), NaN
         where `poison` marks a bad batch."""
         from triton_ops import linear_cross_entropy
-        hn = self.norm_fn(h)
-        loss = linear_cross_entropy(hn.reshape(-1, self.engine.hidden), W, labels, num_items_in_batch=num_items_in_batch,
+        hn = self.norm_fn(hidden)
+        loss = linear_cross_entropy(hn.reshape(-1, self.engine.hidden), weight, labels,
+                                    num_items_in_batch=num_items_in_batch,
                                     chunk_tokens=self.engine.config.head_chunk_tokens, softcap=self.softcap,
                                     token_weights=token_weights)
         return loss if poison is None else loss * poison
@@ -168,19 +169,19 @@ class LossHead:
             self.host_free.set()
             raise
 
-    def token_statistics(self, h, shift_labels):
+    def token_statistics(self, hidden, shift_labels):
         """Per-token (log p(label), entropy, is the label the argmax, the logits' mean, log sum p**2) of
-        h (B, S, H) against `shift_labels` (B, S), each (B, S), without gradients or logits
+        `hidden` (B, S, H) against `shift_labels` (B, S), each (B, S), without gradients or logits
         (`triton_ops.token_statistics`)."""
         from triton_ops import token_statistics
         engine, hu = self.engine, self.unit
-        slot, hv, W = self._weights()
+        slot, hv, weight = self._weights()
         sl = shift_labels.reshape(-1).to(engine.device, torch.long)
         try:
-            sl, poison = engine.labels.prepare(sl, W.shape[0])
+            sl, poison = engine.labels.prepare(sl, weight.shape[0])
             with torch.no_grad(), swapped(hu, hv):
-                hn = self.norm_fn(h)
-                stats = token_statistics(hn.reshape(-1, engine.hidden), W, sl,
+                hn = self.norm_fn(hidden)
+                stats = token_statistics(hn.reshape(-1, engine.hidden), weight, sl,
                                          chunk_tokens=engine.config.head_chunk_tokens,
                                          softcap=self.softcap)
                 if poison is not None:
@@ -189,14 +190,14 @@ class LossHead:
             self.slots.release(slot)
         return tuple(x.view(shift_labels.shape) for x in stats)
 
-    def logits(self, h, logits_to_keep=0):
-        """The logits of h (no loss), e.g. for generation."""
+    def logits(self, hidden, logits_to_keep=0):
+        """The logits of `hidden` (no loss), e.g. for generation."""
         hu = self.unit
-        slot, hv, W = self._weights()
+        slot, hv, weight = self._weights()
         if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            h = h[:, -logits_to_keep:, :]
+            hidden = hidden[:, -logits_to_keep:, :]
         with torch.no_grad(), swapped(hu, hv):
-            logits = F.linear(self.norm_fn(h), W)
+            logits = F.linear(self.norm_fn(hidden), weight)
             if self.softcap is not None:
                 logits = self.softcap * torch.tanh(logits / self.softcap)
         self.slots.release(slot)

@@ -54,20 +54,20 @@ class LateUpdates:
         self.count = count
 
     def claim(self) -> int | None:
-        """Main thread: the index of a buffer (`buffers`, freed by `free[k]`) for the next layer's
+        """Main thread: the index of a buffer (`buffers`, freed by `free[index]`) for the next layer's
         gradient if that layer is updated late, else None."""
-        k = self.claimed
-        if k >= self.count:
+        index = self.claimed
+        if index >= self.count:
             return None
-        if k == len(self.buffers):
+        if index == len(self.buffers):
             engine = self.engine
             self.buffers.append(engine.pinned.empty(self.size, dtype=engine.grad_ring.dtype))
             self.free.append(threading.Event())
             self.free[-1].set()
-        self.engine.clock.wait(self.free[k], "grad_buffer")
-        self.free[k].clear()
+        self.engine.clock.wait(self.free[index], "grad_buffer")
+        self.free[index].clear()
         self.claimed += 1
-        return k
+        return index
 
     def hold(self, order: int, task, args: tuple, done: tuple) -> None:
         """Main thread: queue `task` when the backward ends, by `order` (a layer's index; the head

@@ -155,8 +155,8 @@ def merge_and_unload(peft_model) -> nn.Module:
     engine.synchronize()
     if engine.micro:
         raise ValueError("merge_and_unload in the middle of an optimizer step: call optimizer.step() first")
-    for p in engine.lora.params:
-        p.data = p.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
+    for param in engine.lora.params:
+        param.data = param.data.to("cpu", torch.float32)         # PEFT adds B @ A on the weights' (host) device
     merged = peft_model.merge_and_unload()
     for unit in engine.store.units:        # the entries carry the plain HF names already (slide_build.build_units)
         unit.version += 1                                     # device copies of the old weights are stale
@@ -241,70 +241,70 @@ class AdapterSet:
         engine = self.engine
         owned = self._held
         layer_of = {}
-        for i, layer in enumerate(engine.layers):
-            for p in layer.parameters():
-                layer_of.setdefault(id(p), i)
+        for layer_no, layer in enumerate(engine.layers):
+            for param in layer.parameters():
+                layer_of.setdefault(id(param), layer_no)
         stray = []
-        for name, p in engine.model_ref().named_parameters():
-            if not p.requires_grad or id(p) in owned or any(p is q for q in self.params):
+        for name, param in engine.model_ref().named_parameters():
+            if not param.requires_grad or id(param) in owned or any(param is q for q in self.params):
                 continue
-            i = layer_of.get(id(p))
-            if i is None:
+            layer_no = layer_of.get(id(param))
+            if layer_no is None:
                 stray.append(name)
                 continue
             with torch.no_grad():
-                p.data = p.data.to(engine.device, torch.float32)
-            self.by_layer[i].append(p)
-            self.params.append(p)
+                param.data = param.data.to(engine.device, torch.float32)
+            self.by_layer[layer_no].append(param)
+            self.params.append(param)
             self.names.append(name)
         return stray
 
     def state(self) -> dict[str, torch.Tensor]:
         """Weights, moments and step counters by name, on the host (a training checkpoint)."""
         out = {}
-        for n, param in zip(self.names, self.params):
-            out[f"weight/{n}"] = param.detach().cpu()
+        for name, param in zip(self.names, self.params):
+            out[f"weight/{name}"] = param.detach().cpu()
             if id(param) in self.exp_avg:
-                out[f"exp_avg/{n}"] = self.exp_avg[id(param)].cpu()
-                out[f"exp_avg_sq/{n}"] = self.exp_avg_sq[id(param)].cpu()
-                out[f"step/{n}"] = self.steps[id(param)].cpu().reshape(1)
+                out[f"exp_avg/{name}"] = self.exp_avg[id(param)].cpu()
+                out[f"exp_avg_sq/{name}"] = self.exp_avg_sq[id(param)].cpu()
+                out[f"step/{name}"] = self.steps[id(param)].cpu().reshape(1)
         return out
 
     @torch.no_grad()
     def load_state(self, read, weights: bool = True, optimizer: bool = True) -> None:
         """Restore from `read(key)` (keys as in `state`)."""
-        for n, param in zip(self.names, self.params):
+        for name, param in zip(self.names, self.params):
             if weights:
-                param.copy_(read(f"weight/{n}"))
+                param.copy_(read(f"weight/{name}"))
             if optimizer and id(param) in self.exp_avg:
-                self.exp_avg[id(param)].copy_(read(f"exp_avg/{n}"))
-                self.exp_avg_sq[id(param)].copy_(read(f"exp_avg_sq/{n}"))
-                self.steps[id(param)].copy_(read(f"step/{n}").reshape(()))
+                self.exp_avg[id(param)].copy_(read(f"exp_avg/{name}"))
+                self.exp_avg_sq[id(param)].copy_(read(f"exp_avg_sq/{name}"))
+                self.steps[id(param)].copy_(read(f"step/{name}").reshape(()))
 
     def allocate(self, state: dict) -> None:
         """Zeroed AdamW moments and step counters on the device, registered in the optimizer's `state`."""
-        for p in self.params:
-            if id(p) not in self.exp_avg:
-                self.exp_avg[id(p)] = torch.zeros_like(p)
-                self.exp_avg_sq[id(p)] = torch.zeros_like(p)
-                self.steps[id(p)] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state[p] = {"step": self.steps[id(p)], "exp_avg": self.exp_avg[id(p)],
-                        "exp_avg_sq": self.exp_avg_sq[id(p)]}
+        for param in self.params:
+            if id(param) not in self.exp_avg:
+                self.exp_avg[id(param)] = torch.zeros_like(param)
+                self.exp_avg_sq[id(param)] = torch.zeros_like(param)
+                self.steps[id(param)] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state[param] = {"step": self.steps[id(param)], "exp_avg": self.exp_avg[id(param)],
+                        "exp_avg_sq": self.exp_avg_sq[id(param)]}
 
-    def take_gradient(self, i: int, grads) -> None:
-        """The micro-batch's gradients of layer i's adapters: summed into `.grad` on the device,
+    def take_gradient(self, layer_no: int, grads) -> None:
+        """The micro-batch's gradients of layer `layer_no`'s adapters: summed into `.grad` on the device,
         their squared norm added to the step's where the step's norm is taken on the device."""
         engine = self.engine
-        ps = self.by_layer[i]
+        ps = self.by_layer[layer_no]
         if not ps:
             return
-        for p, g in zip(ps, grads):
-            if g is None:
+        for param, grad in zip(ps, grads):
+            if grad is None:
                 continue
-            if p.grad is None:
-                p.grad = g.to(torch.float32)
+            if param.grad is None:
+                param.grad = grad.to(torch.float32)
             else:
-                p.grad.add_(g)
+                param.grad.add_(grad)
         engine.backward_plan.sums_norm.add(lambda: _sq_norm([p.grad for p in ps if p.grad is not None]))
 
     def sq_norm(self) -> torch.Tensor | None:
@@ -322,10 +322,10 @@ class AdapterSet:
             return
         groups, group_of = hp
         by_group: dict[int, list[nn.Parameter]] = {}
-        for p in self.params:
-            gi = group_of.get(id(p))
-            if gi is not None and p.grad is not None and p.requires_grad:
-                by_group.setdefault(gi, []).append(p)
+        for param in self.params:
+            gi = group_of.get(id(param))
+            if gi is not None and param.grad is not None and param.requires_grad:
+                by_group.setdefault(gi, []).append(param)
         scale = grad_scale(clip_coef, self.engine.device)
         dev_inf = found_inf if found_inf is not None and found_inf.device.type != "cpu" else None
         for gi, ps in by_group.items():
@@ -339,8 +339,8 @@ class AdapterSet:
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        for param in self.params:
+            param.grad = None
 
     def clear(self) -> None:
         """Forget the adapters (merged into the base; the modules_to_save copies replaced their wrappers)."""

@@ -66,13 +66,13 @@ def check_modules_to_save(model: nn.Module, adapter) -> None:
         adapter: its family adapter (`models.get_adapter`).
     """
     supported = {id(adapter.embed(model)), id(adapter.lm_head(model))}
-    for name, m in model.named_modules():
-        if not _is_wrapper(m):
+    for name, module in model.named_modules():
+        if not _is_wrapper(module):
             continue
-        if trained_copy(m) is m:
+        if trained_copy(module) is module:
             raise ValueError(f"modules_to_save: {name} has no active trainable copy (no active adapter); "
                              "hf_slideformer slides a PEFT model with its adapter active")
-        if id(trained_copy(m)) not in supported:
+        if id(trained_copy(module)) not in supported:
             raise ValueError(f"modules_to_save: {name} is not supported by hf_slideformer. Supported: the input "
                              "embedding (embed_tokens) and the lm_head, which then train in full beside the LoRA "
                              "adapters; leave other modules (a norm, a module inside the decoder layers) out of "
@@ -98,23 +98,23 @@ def fill_originals(model: nn.Module) -> None:
     holding their copy's weights as loaded: what PEFT's copy starts from, the checkpoint's. A
     parameter two originals share (a tied table) stays shared."""
     filled: dict[int, nn.Parameter] = {}
-    for w in saved_wrappers(model):
-        copy = dict(trained_copy(w).named_parameters())
-        for name, p in w.original_module.named_parameters():
-            if p.is_meta and id(p) not in filled:
-                t = torch.empty_like(p, device="cpu").copy_(copy[name].detach())
-                filled[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
-    for m in model.modules():
-        for attr, p in m._parameters.items():
-            if p is not None and id(p) in filled:
-                m._parameters[attr] = filled[id(p)]
+    for wrapper in saved_wrappers(model):
+        copy = dict(trained_copy(wrapper).named_parameters())
+        for name, param in wrapper.original_module.named_parameters():
+            if param.is_meta and id(param) not in filled:
+                tensor = torch.empty_like(param, device="cpu").copy_(copy[name].detach())
+                filled[id(param)] = nn.Parameter(tensor, requires_grad=param.requires_grad)
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) in filled:
+                module._parameters[attr] = filled[id(param)]
 
 
 def check_active(wrappers: list[nn.Module]) -> None:
     """Raise if a wrapper's adapter is disabled (`PeftModel.disable_adapter()`) or switched: the
     engine computes with the trained copies only."""
-    for w in wrappers:
-        if w.disable_adapters or trained_copy(w) is w:
+    for wrapper in wrappers:
+        if wrapper.disable_adapters or trained_copy(wrapper) is wrapper:
             raise SlideStateError("a forward with the PEFT adapter disabled or switched (disable_adapter(), "
                                   "set_adapter()) on a slid model with modules_to_save: the engine computes with "
                                   "the trained copies of the embedding / lm_head only. Run this forward with the "

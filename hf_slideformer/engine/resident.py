@@ -77,15 +77,15 @@ class ResidentLayer(LayerPlacement):
             first = True
         else:
             g32, first = state.grad, not state.grad_valid
-        for x, g in zip(unit.entries, grads):
-            d = x.view(g32)
-            if g is None:
+        for entry, grad in zip(unit.entries, grads):
+            dst = entry.view(g32)
+            if grad is None:
                 if first:
-                    d.zero_()
+                    dst.zero_()
             elif first:
-                d.copy_(g.reshape(d.shape))
+                dst.copy_(grad.reshape(dst.shape))
             else:
-                d.add_(g.reshape(d.shape))
+                dst.add_(grad.reshape(dst.shape))
         if not plan.running_norm:
             state.grad_valid = True
             if plan.ends_step:
@@ -159,7 +159,7 @@ class ResidentPlan:
     def plan(self) -> tuple[bool, int]:
         """(embedding resident, number of resident layers) from the config and the measured peak."""
         engine = self.engine
-        c = engine.config
+        config = engine.config
         if not engine.single_micro:
             # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
             # layer sums its micro-batches' gradients on the GPU and is updated there when the step
@@ -167,14 +167,14 @@ class ResidentPlan:
             # gradient and per-row folding have no device path across micro-batches). The layers
             # are taken only as many as `resident_layers` asks: "auto" keeps none here until the
             # mode has been measured on a GPU.
-            return False, (0 if c.resident_layers == "auto" else int(c.resident_layers))
-        embed = None if c.resident_embedding == "auto" else bool(c.resident_embedding)
-        layers = None if c.resident_layers == "auto" else int(c.resident_layers)
+            return False, (0 if config.resident_layers == "auto" else int(config.resident_layers))
+        embed = None if config.resident_embedding == "auto" else bool(config.resident_embedding)
+        layers = None if config.resident_layers == "auto" else int(config.resident_layers)
         if not engine.streams.cuda:                       # nothing to gain on a CPU device unless asked
             return bool(embed), layers or 0
         if embed is not None and layers is not None:
             return embed, layers
-        limit = (int(c.gpu_memory_limit * GiB) if c.gpu_memory_limit is not None
+        limit = (int(config.gpu_memory_limit * GiB) if config.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(engine.device).total_memory)
         if self.peak is None:      # the first step's peak, less the resident state it began with
             self.peak = max(0, measured_peak(engine.device) - self.resident_bytes())
@@ -183,7 +183,7 @@ class ResidentPlan:
         plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak,
                              layer_numel=max(u.numel for u in engine.layer_units), n_layers=len(engine.layer_units),
                              embed_numel=engine.embed_unit.numel, dtype=engine.dtype, embed=embed, layers=layers,
-                             clipping=c.max_grad_norm is not None, layer_bytes_per_param=per)
+                             clipping=config.max_grad_norm is not None, layer_bytes_per_param=per)
         self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak,
                        "allocated_peak_bytes": allocated_peak(engine.device),
                        "layer_bytes_per_param": per, "embedding": plan[0], "layers": plan[1]}
@@ -210,21 +210,21 @@ class ResidentPlan:
         confirms it or writes it back (`promote`).
         """
         engine = self.engine
-        c = engine.config
-        if c.resident_embedding != "auto":
-            return bool(c.resident_embedding)
+        config = engine.config
+        if config.resident_embedding != "auto":
+            return bool(config.resident_embedding)
         if not engine.streams.cuda or self.model_config is None:
             return False
-        limit = (c.gpu_memory_limit if c.gpu_memory_limit is not None
+        limit = (config.gpu_memory_limit if config.gpu_memory_limit is not None
                  else torch.cuda.get_device_properties(engine.device).total_memory / GiB)
         try:
-            p = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
-                          max_grad_norm=c.max_grad_norm, window=c.window, activation_tier=c.activation_tier,
-                          grad_buffers=c.grad_buffers)
+            plan = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
+                             max_grad_norm=config.max_grad_norm, window=config.window,
+                             activation_tier=config.activation_tier, grad_buffers=config.grad_buffers)
         except (ValueError, KeyError, TypeError) as err:     # a config the planner cannot read: measure first
             logger.info("no estimate before the first step (%s); the embedding waits for the measured plan", err)
             return False
-        return bool(p.resident_embedding)
+        return bool(plan.resident_embedding)
 
     def resident_bytes(self) -> int:
         """Device bytes the resident units hold now (outside any step's own peak)."""
@@ -275,20 +275,20 @@ class ResidentPlan:
         engine = self.engine
         if engine.optimizer is None:
             return
-        embed, n = self.target()
-        n = min(n, len(engine.layer_units))
+        embed, count = self.target()
+        count = min(count, len(engine.layer_units))
         if embed:
             engine.embedding.table.to_device()
         else:
             engine.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again
             engine.embedding.table.to_host()
-        if not engine.places.any_streamed_trainable(n):
+        if not engine.places.any_streamed_trainable(count):
             return                                # nothing (more) to make resident: a frozen base stays
         own_grad = engine.config.max_grad_norm is not None or not engine.single_micro   # a gradient per layer
         if self.shared_grad is None and not own_grad:
             self.shared_grad = torch.empty(max(u.numel for u in engine.layer_units), dtype=torch.float32,
                                            device=engine.device)
-        for place in engine.places.residency_candidates(n):
+        for place in engine.places.residency_candidates(count):
             state = self.make_state(place.unit, with_grad=own_grad)
             engine.set_place(place.unit, ResidentLayer(engine, place.unit, state, place))
 
@@ -367,6 +367,6 @@ class ResidentPlan:
         before its last micro-batch); their unit ids."""
         places = self.engine.places.resident()
         ids = self.engine.embedding.table.step_on_device(deferred) | {id(p.unit) for p in places}
-        for p in places:
-            p.step(deferred)
+        for place in places:
+            place.step(deferred)
         return ids

@@ -31,8 +31,8 @@ class ResidentState:
         self.unit = unit
         self.format = fmt = unit.state_format or ADAMW
         self.master = torch.empty(unit.numel, dtype=fmt.master_dtype, device=device)
-        for a, n in zip(fmt.arrays, fmt.sizes(unit).values()):
-            setattr(self, a.name, torch.empty(n, dtype=a.dtype, device=device))
+        for array, size in zip(fmt.arrays, fmt.sizes(unit).values()):
+            setattr(self, array.name, torch.empty(size, dtype=array.dtype, device=device))
         self.weights = torch.empty(unit.numel, dtype=dtype, device=device) if dtype != self.master.dtype else self.master
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in unit.entries]
         # The step's gradient, kept until optimizer.step() when it clips, or summed over the
@@ -63,8 +63,8 @@ class ResidentState:
 
     def release_host(self, release_pages) -> None:
         """Give back the host pages of the arrays (not read until `store_to_host` writes them)."""
-        for a in self.format.arrays:
-            release_pages(getattr(self.unit, a.name))
+        for array in self.format.arrays:
+            release_pages(getattr(self.unit, array.name))
 
     def views(self) -> list[torch.Tensor]:
         return self.unit.views(self.weights)

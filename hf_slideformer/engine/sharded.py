@@ -81,8 +81,8 @@ class ShardedHostLayer(HostLayer):
         engine, unit = self.engine, self.unit
         dtype = next((g.dtype for g in grads if g is not None), engine.dtype)
         shard = engine.dp.reduce_grads(unit.numel, grads, [x.offset for x in unit.entries], dtype, engine.device)
-        k = engine.grad_ring.claim_next()
-        self.shard.send(shard, engine.grad_ring.buffers[k][:shard.numel()], engine.grad_ring.free[k])
+        index = engine.grad_ring.claim_next()
+        self.shard.send(shard, engine.grad_ring.buffers[index][:shard.numel()], engine.grad_ring.free[index])
 
     def step(self, deferred: DeferredStep) -> None:
         self.shard.deferred(deferred)
@@ -98,15 +98,15 @@ class _HostShard:
         self.free = threading.Event()
         self.free.set()
 
-    def take(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         engine = self.engine
         engine.clock.wait(self.free, "other")               # the worker is done with the previous one
-        if self.buf is None or self.buf.numel() < n or self.buf.dtype != dtype:
+        if self.buf is None or self.buf.numel() < numel or self.buf.dtype != dtype:
             if self.buf is not None:
                 engine.pinned.release(self.buf)
-            self.buf = engine.pinned.empty(max(n, 1), dtype=dtype)
+            self.buf = engine.pinned.empty(max(numel, 1), dtype=dtype)
         self.free.clear()
-        return self.buf[:n]
+        return self.buf[:numel]
 
 
 class ShardedEmbedding(Embedding):
@@ -128,23 +128,23 @@ class ShardedEmbedding(Embedding):
         if not unit.trainable:
             engine.end_backward()
             return
-        T = gx.numel() // self.hidden
+        num_tokens = gx.numel() // self.hidden
         uniq, inv, keep = self.rows_dev
-        t = engine.clock.span_start()
+        span = engine.clock.span_start()
         # Summed per distinct row first, as one process does ([Why the embedding gradient is summed
         # on the GPU]), then scattered into the dense layout the shards cut.
-        g = gx.reshape(T, self.hidden).float() * keep[:, None]
-        S = torch.zeros(uniq.numel(), self.hidden, dtype=torch.float32, device=gx.device)
-        S.index_put_((inv,), g, accumulate=True)
+        token_grads = gx.reshape(num_tokens, self.hidden).float() * keep[:, None]
+        row_sums = torch.zeros(uniq.numel(), self.hidden, dtype=torch.float32, device=gx.device)
+        row_sums.index_put_((inv,), token_grads, accumulate=True)
         flat = torch.zeros(dp.per_rank(unit.numel) * dp.world, dtype=torch.float32, device=gx.device)
-        G = flat[:unit.numel].view(self.vocab, self.hidden)
-        G.index_add_(0, uniq, S)
+        dense_grad = flat[:unit.numel].view(self.vocab, self.hidden)
+        dense_grad.index_add_(0, uniq, row_sums)
         if self.dw is not None:     # tied: the lm_head's gradient, widened, times the loss gradient
-            G.add_(self.dw.float().mul_(self.dw_scale))
+            dense_grad.add_(self.dw.float().mul_(self.dw_scale))
             self.dw = self.dw_scale = None
         shard = dp.reduce_flat(flat, unit.numel)
-        del flat, G, S, g
-        engine.clock.span_end(t)
+        del flat, dense_grad, row_sums, token_grads
+        engine.clock.span_end(span)
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
         engine.end_backward()
 

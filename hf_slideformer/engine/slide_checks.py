@@ -36,17 +36,17 @@ _MODEL_SHAPE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_key_value_heads", "tie_word_embeddings")
 
 
-def check_finite(name: str, t: torch.Tensor, where: str) -> None:
-    """Raise `NonFiniteWeightError` naming `name` when `t` holds inf or NaN (judged in chunks)."""
-    if not (t.dtype.is_floating_point or t.dtype.is_complex) or t.device.type == "meta":
+def check_finite(name: str, tensor: torch.Tensor, where: str) -> None:
+    """Raise `NonFiniteWeightError` naming `name` when `tensor` holds inf or NaN (judged in chunks)."""
+    if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex) or tensor.device.type == "meta":
         return
-    flat = t.detach().reshape(-1)
-    for a in range(0, flat.numel(), _CHUNK):
-        part = flat[a:a + _CHUNK]
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK]
         if not bool(torch.isfinite(part).all()):
             bad = int((~torch.isfinite(part)).sum())
             raise NonFiniteWeightError(
-                f"{name} holds {bad}{'+' if flat.numel() > a + _CHUNK else ''} non-finite value(s) (inf or NaN) "
+                f"{name} holds {bad}{'+' if flat.numel() > start + _CHUNK else ''} non-finite value(s) (inf or NaN) "
                 f"{where}: every step of this model would be skipped as a non-finite gradient. Load other weights, "
                 "or pass SlideConfig(check_finite_weights=False) (SlideArgs: --slide_check_finite_weights false) to "
                 "slide it anyway, to repair those weights, say.")
@@ -54,8 +54,8 @@ def check_finite(name: str, t: torch.Tensor, where: str) -> None:
 
 def check_finite_weights(named: Iterable[tuple[str, torch.Tensor]], where: str = "at slide()") -> None:
     """`check_finite` on each (name, tensor)."""
-    for name, t in named:
-        check_finite(name, t, where)
+    for name, tensor in named:
+        check_finite(name, tensor, where)
 
 
 def rank_fingerprint(config, model, units) -> dict:
@@ -73,9 +73,9 @@ def rank_fingerprint(config, model, units) -> dict:
 def compare_ranks(prints: list[dict]) -> None:
     """Raise `RankMismatchError` naming the first entry in which a rank differs from rank 0."""
     first = prints[0]
-    for rank, p in enumerate(prints[1:], start=1):
+    for rank, rank_print in enumerate(prints[1:], start=1):
         for key, want in first.items():
-            got = p.get(key)
+            got = rank_print.get(key)
             if got == want:
                 continue
             if key == "unit shapes":
@@ -104,12 +104,12 @@ def gpu_minimum_bytes(config, units, tied: bool) -> int:
     """The GPU bytes the engine allocates before any activation: `window` slots of the largest
     layer, the head's slot (with the tied embedding), one layer's gradients, and the fp32 staging
     buffer of the on-GPU cast (slide_engine.py, slots.py). A lower bound: activations come on top."""
-    b = torch.empty((), dtype=config.dtype).element_size()
+    elem_bytes = torch.empty((), dtype=config.dtype).element_size()
     layers = [_numel(u) for u in units if u.kind == "layer"]
     max_layer = max(layers, default=0)
     head = _numel(units[-1]) + (_numel(units[0]) if tied else 0)
     staging = 4 * min(max(max_layer, head), COPY_CHUNK) if config.dtype != torch.float32 else 0
-    return (config.window + 1) * max_layer * b + head * b + staging
+    return (config.window + 1) * max_layer * elem_bytes + head * elem_bytes + staging
 
 
 def check_gpu_limit(config, units, tied: bool) -> None:

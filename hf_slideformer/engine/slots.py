@@ -59,11 +59,11 @@ class SlotQueue:
             the device as it is copied in (see `device_update.py`).
     """
 
-    def __init__(self, n: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None,
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, streams: Streams, staging=None, bytes_counter=None,
                  waiter=None, filler=None):
         self.streams = streams
         self.dtype = dtype
-        self.slots = [Slot(numel, dtype, streams.device) for _ in range(n)]
+        self.slots = [Slot(numel, dtype, streams.device) for _ in range(count)]
         self.staging = staging
         self.clock = 0
         self.count = bytes_counter or (lambda n: None)
@@ -119,14 +119,14 @@ class SlotQueue:
                 continue
             # The host store's copy of a device update lands on the d2h stream (see device_update.py).
             st.wait(unit.host_write, st.h2d)
-            for a in range(0, unit.numel, cap):
-                b = min(a + cap, unit.numel)
-                lo = a
-                while lo < b:
+            for start in range(0, unit.numel, cap):
+                end = min(start + cap, unit.numel)
+                lo = start
+                while lo < end:
                     # Note: [Why the copy waits for the update] the master must hold the finished
                     # update of the previous step before it is read: block until the CPU worker
                     # has finished element `lo` (it reports finished prefixes), copy what is final.
-                    hi = min(b, self.wait_host(unit, lo))
+                    hi = min(end, self.wait_host(unit, lo))
                     with st.on(st.h2d):        # entered per copy: never held across a yield
                         if cast and unit.master.dtype != self.dtype:     # fp32 -> compute dtype on the GPU
                             staged_copy(dst[lo:hi], unit.master[lo:hi], self.staging)
@@ -177,14 +177,14 @@ def staged_copy(dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> No
     copy out of it has read it; the caller keeps `stage` to that one stream.
 
     Args:
-        dst: (n,) destination (the compute-dtype slot, or a host buffer).
-        src: (n,) source (a host master, or a device gradient).
+        dst: (numel,) destination (the compute-dtype slot, or a host buffer).
+        src: (numel,) source (a host master, or a device gradient).
         stage: (m,) device buffer of `src`'s or `dst`'s wider dtype, any m >= 1.
     """
-    n, cap = src.numel(), stage.numel()
+    numel, cap = src.numel(), stage.numel()
     src, dst = src.reshape(-1), dst.view(-1)
-    for a in range(0, n, cap):
-        b = min(a + cap, n)
-        chunk = stage[:b - a]
-        chunk.copy_(src[a:b], non_blocking=True)
-        dst[a:b].copy_(chunk, non_blocking=True)
+    for start in range(0, numel, cap):
+        end = min(start + cap, numel)
+        chunk = stage[:end - start]
+        chunk.copy_(src[start:end], non_blocking=True)
+        dst[start:end].copy_(chunk, non_blocking=True)

@@ -42,15 +42,15 @@ class StepNorm:
         self._steps = torch.zeros(4, dtype=torch.float32, pin_memory=pin)
 
     def slot(self, unit) -> torch.Tensor:
-        """The pinned scalar that receives the running norm with `u`'s gradient. Written again only
-        by `u`'s next backward, which follows its update (the forward in between waits for it)."""
-        k = self._snap_of[id(unit)]
-        return self._snap[k:k + 1]
+        """The pinned scalar that receives the running norm with `unit`'s gradient. Written again only
+        by `unit`'s next backward, which follows its update (the forward in between waits for it)."""
+        index = self._snap_of[id(unit)]
+        return self._snap[index:index + 1]
 
     def step_slot(self, step_no: int) -> torch.Tensor:
         """A pinned scalar for the whole norm of step `step_no` (one per step in flight)."""
-        k = step_no % self._steps.numel()
-        return self._steps[k:k + 1]
+        index = step_no % self._steps.numel()
+        return self._steps[index:index + 1]
 
     def copy(self, dst: torch.Tensor):
         """`dev` into the pinned scalar `dst`, without a host sync; the compute event after it."""

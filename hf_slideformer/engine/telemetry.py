@@ -61,11 +61,11 @@ class StepStats:
         if self.trace is not None:
             self.trace.append((threading.current_thread().name, label, t0, t0 if t1 is None else t1))
 
-    def add_bytes(self, kind: str, n: int) -> None:
-        self.bytes[kind] += n
+    def add_bytes(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
 
-    def add_h2d(self, n: int) -> None:
-        self.bytes["h2d"] += n
+    def add_h2d(self, nbytes: int) -> None:
+        self.bytes["h2d"] += nbytes
 
     def gpu_span(self, start, end) -> None:
         if self.cuda:
@@ -76,17 +76,17 @@ class StepStats:
     def fold(self, block: bool = False) -> None:
         """Add the elapsed time of completed GPU spans."""
         keep = []
-        for a, b in self._pending:
+        for start, end in self._pending:
             if block:
-                b.synchronize()
-            if b.query():
-                self.gpu_compute_s += a.elapsed_time(b) / 1000.0
+                end.synchronize()
+            if end.query():
+                self.gpu_compute_s += start.elapsed_time(end) / 1000.0
                 if self.trace is not None and self._ref is not None:
                     t_ref, ref = self._ref
-                    self.trace.append(("gpu", "compute", t_ref + ref.elapsed_time(a) / 1000.0,
-                                       t_ref + ref.elapsed_time(b) / 1000.0))
+                    self.trace.append(("gpu", "compute", t_ref + ref.elapsed_time(start) / 1000.0,
+                                       t_ref + ref.elapsed_time(end) / 1000.0))
             else:
-                keep.append((a, b))
+                keep.append((start, end))
         self._pending = keep
 
     def mark_step(self) -> None:
@@ -128,8 +128,8 @@ class StepStats:
             out["gpu_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
             out["gpu_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
         try:
-            with open("/proc/self/status") as f:
-                for line in f:
+            with open("/proc/self/status") as status:
+                for line in status:
                     if line.startswith("VmHWM:"):
                         out["host_peak_rss_bytes"] = int(line.split()[1]) * 1024
                     elif line.startswith("VmRSS:"):
