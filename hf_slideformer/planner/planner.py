@@ -70,11 +70,9 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
         gpu_mem: GPU memory in GiB (default: the current CUDA device's, else 24).
         host_mem: host memory in GiB (default: this machine's MemAvailable).
         pcie_gbs: pinned host<->device bandwidth, GB/s each way (H200 machine: 54.6).
-        adam_gps: the host AdamW's rate alone on the machine, G parameters/s, or "host" to measure
-            this machine's (`host_rate.measure_rate`, about a second and 1 GiB). Default: ADAM_GPS,
-            the H200 machine's calibration figure (its 16 cores measured 3.5-4.1 G/s).
-        gpu_tflops, gpu_efficiency: the GPU's dense bf16 peak (H100 / H200 SXM: 989.4) and the
-            achieved share of it (calibrated on the H200: 0.61).
+        adam_gps: the host AdamW's rate alone, G parameters/s, or "host" to measure this machine's
+            (`host_rate.measure_rate`, about a second and 1 GiB). Default: ADAM_GPS (the H200 machine's).
+        gpu_tflops, gpu_efficiency: the GPU's dense bf16 peak (H100 / H200 SXM: 989.4), its achieved share (0.61).
         gradient_accumulation_steps, max_grad_norm, window, activation_tier, grad_buffers,
             mlp_chunk_tokens: SlideConfig's settings, with its defaults and checks ("auto" plans
             the CUDA device's tier, "cpu").
@@ -91,9 +89,8 @@ def plan(config_or_path, *, batch: int | None = None, seq: int | None = None, gp
             (SlideConfig.host_memory_limit with nvme_path; the plan gives the limit). None: no disk.
         nvme_bw: the rate that disk reads and writes the state at, GB/s (2rw / (r + w) for read
             rate r and write rate w, as `benchmarks/disk_bandwidth.py` prints).
-        resident: model the engine's resident units (SlideConfig.resident_embedding /
-            resident_layers "auto"), decided from the allocated-peak estimate times
-            RESERVED_VS_ALLOCATED. None with gradient accumulation or several GPUs.
+        resident: model the engine's resident units (SlideConfig.resident_embedding / resident_layers
+            "auto", from the allocated peak times RESERVED_VS_ALLOCATED; none with accumulation or GPUs > 1).
         lora_r: plan a PEFT LoRA run (lora.py) of this rank on `lora_target_modules` and
             `lora_target_parameters`: the base frozen and streamed, the adapters on the GPU. None:
             full fine-tuning.
