@@ -122,8 +122,9 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
         key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
     query = query * k_dim ** -0.5
     pad = (chunk_size - seq % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    if pad:                               # (a pad of zero would still copy each tensor)
+        query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+        beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
     query, key, k_beta, v_beta = [x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
