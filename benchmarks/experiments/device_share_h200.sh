@@ -2,18 +2,21 @@
 # Device-updated layers without clipping (device_update.py: [Why a layer may be updated on the GPU
 # without clipping]) on one GPU machine, each row beside the same run without them in one call
 # (docs/host_state.md, "Host-bound steps: part of the update on the GPU"):
-#   OUT=out bash benchmarks/experiments/device_share_h200.sh tests|24b|3b [SHARE]
+#   OUT=out bash benchmarks/experiments/device_share_h200.sh tests|24b|trace|3b [SHARE]
 #   tests  the GPU tests of the mode: against plain PyTorch (fp32), under slowed streams (fp32 and
 #          adamw_8bit_bf16), a non-finite step skipped on the device, compact formats against the
 #          host run (tests/test_engine_gpu.py, tests/test_adam8_torch.py; about 2 minutes)
 #   24b    Mistral-Small-24B shape, adamw_8bit_bf16, batch 8 under 24 GiB: device_update_share
-#          SHARE (default 0.5) then 0 (about 5 minutes)
+#          SHARE (default 0.5) then 0 (about 7 minutes; each run's first step takes about two
+#          minutes: the host state is paged in and the device layers' state pinned)
+#   trace  the 24b row at SHARE with a step timeline (SLIDE_TRACE), summarized by
+#          benchmarks/trace_summary.py: what the backward waits for (about 4 minutes)
 #   3b     Llama-3.2-3B, batch 8 under 8 GiB, 8 gradient buffers: fp32 AdamW and adamw_8bit_bf16,
 #          each with SHARE (default 0.5) and 0 (about 5 minutes)
-# Each training row first writes the planner's prediction with the share. Full logs and JSON
-# under $OUT; a short table last.
+# Each training row first writes the planner's prediction with the share. SHARES="0.5 0.7" runs
+# those shares instead of SHARE and 0. Full logs and JSON under $OUT; a short table last.
 set -uo pipefail
-PART=${1:?usage: OUT=out bash benchmarks/experiments/device_share_h200.sh tests|24b|3b [SHARE]}
+PART=${1:?usage: OUT=out bash benchmarks/experiments/device_share_h200.sh tests|24b|trace|3b [SHARE]}
 SHARE=${2:-0.5}
 OUT=${OUT:-out}; D="$OUT/$PART"; mkdir -p "$D"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -37,20 +40,28 @@ case "$PART" in
     EXTRA=""
     python3 -m hf_slideformer.cli plan benchmarks/configs/mistral-small-24b.json --batch 8 --gpu-mem 24 \
       --host-mem 125 --optim adamw_8bit_bf16 --device-update-share "$SHARE" > "$D/plan.txt" 2>&1
-    for s in "$SHARE" 0.0; do
-      row "share_$s" 200 "$s" --model mistral-small-24b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 24
+    for s in ${SHARES:-$SHARE 0.0}; do
+      row "share_$s" 235 "$s" --model mistral-small-24b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 24
     done ;;
+  trace)
+    EXTRA=""
+    export SLIDE_TRACE="$D/trace.json"
+    row "trace_$SHARE" 235 "$SHARE" --model mistral-small-24b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 \
+      --cap-gib 24
+    unset SLIDE_TRACE
+    python3 benchmarks/trace_summary.py "$D/trace.json" --gaps 8 > "$D/trace_summary.txt" 2>&1
+    tail -25 "$D/trace_summary.txt" ;;
   3b)
     EXTRA=', "grad_buffers": 8'
     for p in slide slide_8bit_bf16; do
       optim=$([ $p = slide ] && echo adamw || echo adamw_8bit_bf16)
       python3 -m hf_slideformer.cli plan benchmarks/configs/llama3-3b.json --batch 8 --gpu-mem 8 --host-mem 125 \
         --grad-buffers 8 --optim $optim --device-update-share "$SHARE" > "$D/plan_$p.txt" 2>&1
-      for s in "$SHARE" 0.0; do
+      for s in ${SHARES:-$SHARE 0.0}; do
         row "${p}_$s" 120 "$s" --model llama3-3b --providers $p --batch 8 --offload-batches 8 --cap-gib 8
       done
     done ;;
-  *) echo "unknown part $PART (tests, 24b, 3b)"; exit 2 ;;
+  *) echo "unknown part $PART (tests, 24b, trace, 3b)"; exit 2 ;;
 esac
 
 python3 - "$D" <<'PY'
