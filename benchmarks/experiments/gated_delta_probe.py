@@ -5,8 +5,8 @@
 Builds one ``Qwen3_5GatedDeltaNet`` of the qwen3.5-9b shape (bf16, random init) and times, with
 CUDA events (median of 5 after 2 warm-up), the whole module and its parts: the depthwise causal
 conv, the chunked gated delta rule (transformers' torch path and `triton_ops.gated_delta`), the
-module with the latter; then prints the 25 CUDA kernels that take the most time in one
-forward + backward under torch.profiler.
+module with the latter; then, for each rule, the 25 CUDA kernels that take the most time in one
+forward + backward of the module under torch.profiler.
 """
 import argparse
 import json
@@ -103,10 +103,17 @@ def main():
     print(f"conv fwd+bwd: {timed(conv_fb):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        module_fb()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90))
+    for label, rule in (("transformers' rule", original), ("triton_ops.gated_delta", chunk_gated_delta_rule)):
+        q35.torch_chunk_gated_delta_rule = rule
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                module_fb()
+                torch.cuda.synchronize()
+        finally:
+            q35.torch_chunk_gated_delta_rule = original
+        print(f"module fwd+bwd with {label}: the CUDA kernels by time")
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        print("\n".join(line[:70] + line[-95:] for line in table.splitlines()))
 
 
 if __name__ == "__main__":
