@@ -265,8 +265,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", ("GraniteDecoderLayer",), None, final_logits=_granite_logits),
     # Linear-attention layers (gated delta rule) run HF's module as the layer body, its chunked
     # rule the project's (same mathematics, own backward for the scan) unless fla is installed;
-    # partial rotary and the (1 + w) norm: the MLP takes the SwiGLU kernel.
-    Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None, kernels=("swiglu", "gated_delta"),
+    # the (1 + w) norms are Gemma 3's (the offset kernel; the gated norm of the linear attention
+    # stays HF's), partial rotary HF's; the MLP takes the SwiGLU kernel.
+    Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None, kernels=("rms_norm", "swiglu", "gated_delta"),
            layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
     # Mixtures of experts: the router and the experts are part of the layer's unit, and HF's
     # expert code runs as the layer body (its grouped kernels where transformers has them). The
@@ -277,7 +278,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            router_class="Qwen3MoeTopKRouter"),
     Family("mixtral", ("MixtralDecoderLayer",), None, kernels=("rms_norm", "rope", "swiglu"),
            router_class="MixtralTopKRouter"),
-    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=("gated_delta",),
+    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=("rms_norm", "gated_delta"),
            router_class="Qwen3_5MoeTopKRouter", layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
     # Attention sinks (a logit per head beside the keys), sliding and full layers alternating, a
     # router with a bias, experts with a fused, interleaved gate_up and a clamped SwiGLU (with
