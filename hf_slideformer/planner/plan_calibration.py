@@ -11,7 +11,7 @@ __all__ = [
     "GRAD_BYTES", "GPU_USABLE", "GPU_CONTEXT_BYTES", "DUPLEX", "ADD_VS_ADAM", "ADAM_GPS", "FP8_GEMM_SPEEDUP",
     "FP8_QUANT_HBM_SHARE",
     "ENGINE_EFFICIENCY", "FORWARD_SHARE", "DEVICE_UPDATE_LINK", "RESERVED_VS_ALLOCATED",
-    "LINEAR_ATTENTION_S_PER_TOKEN",
+    "LINEAR_ATTENTION_S_PER_TOKEN", "ACT_LINEAR",
 ]
 
 # Calibration (docs/planner.md, "Calibration"). Change them together with the table there.
@@ -40,3 +40,7 @@ RESERVED_VS_ALLOCATED = 1.10  # reserved peak over allocated, expandable segment
 # batch 16 x 2048, the project's rule, an H100: 45 + 133 ms a layer less 29 ms of projections;
 # docs/planner.md, "Calibration").
 LINEAR_ATTENTION_S_PER_TOKEN = 4.5e-6
+# fp32 tensors of the value width (value heads x their dim) per token that a linear-attention layer's
+# recompute + backward holds beyond ACT_HIDDEN H + ACT_INTER I: the Qwen3.5-9B shape at batch 16 under
+# 24 GiB, no resident unit, 22.3 GiB allocated at the peak on an H100 (docs/planner.md, "Calibration").
+ACT_LINEAR = 22

@@ -19,7 +19,7 @@ from ..host.memory import COPY_CHUNK
 from .plan_calibration import (  # noqa: F401 - the calibration, importable from here as well
     PEAK_TFLOPS, GPU_EFFICIENCY, ACT_HIDDEN, ACT_INTER, PROCESS_HOST_BYTES, NVME_BUFFERS, GRAD_BYTES,
     GPU_USABLE, GPU_CONTEXT_BYTES, DUPLEX, ADD_VS_ADAM, ADAM_GPS, FP8_GEMM_SPEEDUP, FP8_QUANT_HBM_SHARE, ENGINE_EFFICIENCY,
-    FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED, LINEAR_ATTENTION_S_PER_TOKEN,
+    FORWARD_SHARE, DEVICE_UPDATE_LINK, RESERVED_VS_ALLOCATED, LINEAR_ATTENTION_S_PER_TOKEN, ACT_LINEAR,
 )
 from .plan_shape import ModelShape, load_model_config, model_shape
 
@@ -212,6 +212,10 @@ class Estimator:
             key = next(k for k in phases if k.startswith("layer recompute"))
             phases[key + "; FP8 forms of a gradient and an input (I + H, e4m3)"] = \
                 phases.pop(key) + T * (H + shape.intermediate)
+        if shape.linear_attention_layers:       # the chunked gated delta rule's fp32 tensors
+            key = next(k for k in phases if k.startswith("layer recompute"))
+            phases[key + f"; a linear-attention layer's {ACT_LINEAR} fp32 value-width tensors"] = \
+                phases.pop(key) + 4 * T * ACT_LINEAR * shape.linear_width
         if self.gpus > 1:
             # sharded.ShardedEmbedding.backward: the rows' fp32 gradients summed per distinct row,
             # scattered into a dense fp32 gradient (a tied lm_head's added, widened), reduce-scattered

@@ -32,6 +32,7 @@ class ModelShape:
     active_layer_params: int | None = None   # one token's share of a layer (a mixture of experts: top-k); None: all
     moe: bool = False                    # routed experts: the MLP has no down_proj product to skip
     linear_attention_layers: int = 0     # layers of linear attention (Qwen3.5's gated delta rule)
+    linear_width: int = 0                # their value width: value heads x value head dim
 
     @property
     def n_params(self) -> int:
@@ -101,7 +102,9 @@ def model_shape(cfg: dict) -> ModelShape:
     return ModelShape(model_type, hidden, intermediate, layers, vocab, nh, nkv, hd, tied, layer_params=layer,
                       embed_params=vocab * hidden, head_params=hidden + (0 if tied else vocab * hidden),
                       max_positions=int(maxpos) if maxpos else None, active_layer_params=active, moe=moe,
-                      linear_attention_layers=_linear_attention_layers(cfg, family))
+                      linear_attention_layers=(linear := _linear_attention_layers(cfg, family)),
+                      linear_width=int(cfg.get("linear_num_value_heads", 0)) * int(cfg.get("linear_value_head_dim", 0))
+                      if linear else 0)
 
 
 def _linear_attention_layers(cfg: dict, family) -> int:
