@@ -13,8 +13,8 @@ that entry lists (a family's op that differs keeps HF's module):
   `forward` uses the fused `swiglu`;
 - "geglu": the same MLPs with the tanh GeLU (`gelu_pytorch_tanh`, Gemma's): the fused `geglu`;
 - "rope": the family's `apply_rotary_pos_emb` (a module-level function the attention layers look
-  up at call time) becomes `triton_ops.rope`. This is the one change that is not per model: it
-  lasts while at least one model of that family is patched (a count per family);
+  up at call time) becomes `triton_ops.rope`. Such a module-level swap is not per model: it
+  lasts while at least one model of that family is patched (a count per family and function);
 - "gated_delta": likewise the family's `torch_chunk_gated_delta_rule` (transformers' torch path
   of the linear-attention layers, which it takes when flash-linear-attention is not installed)
   becomes `triton_ops.gated_delta.chunk_gated_delta_rule`: the same mathematics in fp32, the

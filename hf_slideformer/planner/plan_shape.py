@@ -102,9 +102,8 @@ def model_shape(cfg: dict) -> ModelShape:
     return ModelShape(model_type, hidden, intermediate, layers, vocab, nh, nkv, hd, tied, layer_params=layer,
                       embed_params=vocab * hidden, head_params=hidden + (0 if tied else vocab * hidden),
                       max_positions=int(maxpos) if maxpos else None, active_layer_params=active, moe=moe,
-                      linear_attention_layers=(linear := _linear_attention_layers(cfg, family)),
-                      linear_width=int(cfg.get("linear_num_value_heads", 0)) * int(cfg.get("linear_value_head_dim", 0))
-                      if linear else 0)
+                      linear_attention_layers=_linear_attention_layers(cfg, family),
+                      linear_width=int(cfg.get("linear_num_value_heads", 0)) * int(cfg.get("linear_value_head_dim", 0)))
 
 
 def _linear_attention_layers(cfg: dict, family) -> int:
