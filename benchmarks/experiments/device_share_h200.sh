@@ -20,7 +20,7 @@ PART=${1:?usage: OUT=out bash benchmarks/experiments/device_share_h200.sh tests|
 SHARE=${2:-0.5}
 OUT=${OUT:-out}; D="$OUT/$PART"; mkdir -p "$D"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
-C=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+C=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 B="python3 benchmarks/bench_train.py --seq 2048 --steps 3 --warmup 2 --no-probe --commit $C"
 
 row() {            # row NAME LIMIT_S SHARE ARGS...: one bench_train run with that share
