@@ -13,6 +13,7 @@ returns a handle; `unpatch(model)` (or `handle.revert()`) restores the original 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
@@ -110,30 +111,24 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return reference.rope(q, k, cos, sin, unsqueeze_dim)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
-    """SiLU(gate) * up fused (see `reference.swiglu`).
-
-    Args:
-        gate, up: (..., I) projections of one shape and dtype.
-        in_place_backward: (kernel only) write the gradients over gate and up.
-    """
+def _gated(op: str, gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool) -> torch.Tensor:
+    """act(gate) * up by the kernel module `op` (swiglu, geglu) where kernels apply, else the reference."""
     if kernels_apply(gate):
-        from .kernels.swiglu import swiglu as fused
-        return fused(gate, up, in_place_backward)
-    return reference.swiglu(gate, up)
+        kernel = importlib.import_module(f".kernels.{op}", __name__)
+        return getattr(kernel, op)(gate, up, in_place_backward)
+    return getattr(reference, op)(gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
+    """SiLU(gate) * up fused (see `reference.swiglu`); gate, up (..., I) of one shape and dtype.
+    With `in_place_backward` the kernel's backward writes the gradients over gate and up."""
+    return _gated("swiglu", gate, up, in_place_backward)
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
-    """gelu_tanh(gate) * up fused, rounded as HF's Gemma MLP (see `reference.geglu`).
-
-    Args:
-        gate, up: (..., I) projections of one shape and dtype.
-        in_place_backward: (kernel only) write the gradients over gate and up.
-    """
-    if kernels_apply(gate):
-        from .kernels.geglu import geglu as fused
-        return fused(gate, up, in_place_backward)
-    return reference.geglu(gate, up)
+    """gelu_tanh(gate) * up fused, rounded as HF's Gemma MLP (see `reference.geglu`); the
+    arguments are `swiglu`'s."""
+    return _gated("geglu", gate, up, in_place_backward)
 
 
 def swiglu_rows(gate: torch.Tensor, up: torch.Tensor,

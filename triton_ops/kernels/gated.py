@@ -5,8 +5,26 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 _BLOCK = 4096
+
+
+@triton.jit
+def forward_operands(a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+    """(offs, mask, a, b) of this program's flat block of BLOCK elements, loaded in fp32."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return offs, mask, a, b
+
+
+@triton.jit
+def backward_operands(dc_ptr, a_ptr, b_ptr, n, BLOCK: tl.constexpr):
+    """(offs, mask, dc, a, b) of this program's flat block of BLOCK elements, loaded in fp32."""
+    offs, mask, a, b = forward_operands(a_ptr, b_ptr, n, BLOCK)
+    return offs, mask, tl.load(dc_ptr + offs, mask=mask, other=0.0).to(tl.float32), a, b
 
 
 def launch_forward(kernel, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -56,3 +74,23 @@ def gated_function(name: str, forward_kernel, backward_kernel) -> type[torch.aut
     GatedFunction.__name__ = GatedFunction.__qualname__ = f"{name}Function"
     GatedFunction.__doc__ = f"c = {name.lower()}(gate, up); gate, up (..., I) of one dtype. Saves gate and up."
     return GatedFunction
+
+
+def gated_entry(function: type[torch.autograd.Function], formula: str, reference: str):
+    """The public op of a gated Function: `op(gate, up, in_place_backward=False)` -> c."""
+
+    def op(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
+        return function.apply(gate, up, in_place_backward)
+
+    op.__doc__ = f"""Triton {formula}; see `{reference}`.
+
+    Args:
+        gate: (..., I) output of gate_proj.
+        up: (..., I) output of up_proj.
+        in_place_backward: let the backward overwrite gate and up with their gradients (only
+            where nothing else reads them, as inside the MLP).
+
+    Returns:
+        (..., I) tensor of the inputs' dtype.
+    """
+    return op

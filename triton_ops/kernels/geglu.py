@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gated import gated_function
+from .gated import backward_operands, forward_operands, gated_entry, gated_function
 
 __all__ = ["GeGLUFunction", "geglu"]
 
@@ -40,10 +40,7 @@ def _gelu_tanh_parts(a):
 @triton.jit
 def _geglu_fwd_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
     """c = (gelu_tanh(a).to(dtype) * b).to(dtype) over a flat block of BLOCK elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, a, b = forward_operands(a_ptr, b_ptr, n, BLOCK)
     g, _ = _gelu_tanh_parts(a)
     g = g.to(c_ptr.dtype.element_ty).to(tl.float32)          # HF's act_fn output, in the input dtype
     tl.store(c_ptr + offs, (g * b).to(c_ptr.dtype.element_ty), mask=mask)
@@ -52,11 +49,7 @@ def _geglu_fwd_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _geglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
     """da, db of c = gelu_tanh(a) * b; da/db may alias a/b (each element is read before written)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dc = tl.load(dc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, dc, a, b = backward_operands(dc_ptr, a_ptr, b_ptr, n, BLOCK)
     g, s = _gelu_tanh_parts(a)
     dg = s + 2.0 * a * s * (1.0 - s) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _CUBIC * a * a)
     da = dc * b * dg
@@ -68,16 +61,4 @@ def _geglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constex
 GeGLUFunction = gated_function("GeGLU", _geglu_fwd_kernel, _geglu_bwd_kernel)
 
 
-def geglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
-    """Triton gelu_tanh(gate) * up; see `triton_ops.reference.geglu`.
-
-    Args:
-        gate: (..., I) output of gate_proj.
-        up: (..., I) output of up_proj.
-        in_place_backward: let the backward overwrite gate and up with their gradients (only
-            where nothing else reads them, as inside the MLP).
-
-    Returns:
-        (..., I) tensor of the inputs' dtype.
-    """
-    return GeGLUFunction.apply(gate, up, in_place_backward)
+geglu = gated_entry(GeGLUFunction, "gelu_tanh(gate) * up", "triton_ops.reference.geglu")

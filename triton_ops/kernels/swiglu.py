@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import _ONE_PASS_MAX, _ROW_BLOCK, _pow2_scale
-from .gated import checked_inputs, gated_function
+from .gated import backward_operands, forward_operands, checked_inputs, gated_entry, gated_function
 
 __all__ = ["SwiGLUFunction", "SwiGLURowsFunction", "swiglu", "swiglu_rows"]
 
@@ -30,10 +30,7 @@ __all__ = ["SwiGLUFunction", "SwiGLURowsFunction", "swiglu", "swiglu_rows"]
 @triton.jit
 def _swiglu_fwd_kernel(a_ptr, b_ptr, c_ptr, n, BLOCK: tl.constexpr):
     """c = silu(a) * b over a flat block of BLOCK elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, a, b = forward_operands(a_ptr, b_ptr, n, BLOCK)
     c = a * tl.sigmoid(a) * b
     tl.store(c_ptr + offs, c.to(c_ptr.dtype.element_ty), mask=mask)
 
@@ -77,11 +74,7 @@ def _swiglu_rows_kernel(a_ptr, b_ptr, c_ptr, q_ptr, inv_ptr, I, BLOCK: tl.conste
 @triton.jit
 def _swiglu_bwd_kernel(dc_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
     """da, db of c = silu(a) * b; da/db may alias a/b (each element is read before written)."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dc = tl.load(dc_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    offs, mask, dc, a, b = backward_operands(dc_ptr, a_ptr, b_ptr, n, BLOCK)
     sig = tl.sigmoid(a)
     silu = a * sig
     da = dc * b * sig * (1.0 + a * (1.0 - sig))
@@ -137,16 +130,4 @@ def swiglu_rows(gate: torch.Tensor, up: torch.Tensor,
     return c, (q, inv)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, in_place_backward: bool = False) -> torch.Tensor:
-    """Triton SiLU(gate) * up; see `triton_ops.reference.swiglu`.
-
-    Args:
-        gate: (..., I) output of gate_proj.
-        up: (..., I) output of up_proj.
-        in_place_backward: let the backward overwrite gate and up with their gradients (only
-            where nothing else reads them, as inside the MLP).
-
-    Returns:
-        (..., I) tensor of the inputs' dtype.
-    """
-    return SwiGLUFunction.apply(gate, up, in_place_backward)
+swiglu = gated_entry(SwiGLUFunction, "SiLU(gate) * up", "triton_ops.reference.swiglu")
