@@ -226,14 +226,7 @@ class Embedding:
             host_updates.poison("the gradient of the embedding")
         table_grad = self.grad.view(self.vocab, self.hidden)
         rows_update = update and self._bulk is not None
-        if rows_update and engine.single_micro:
-            # On the path to the next forward: the rows' gradient sums added inside their AdamW, one
-            # pass, and the gradient's rows cleared in it (a tied one is overwritten by the next head).
-            self.touched.append(rows)
-            cleared = not engine.head.lm_weight.overwrites_embedding_grad
-            if self._rows_update(hp, sums=sums, zero_grad=cleared):
-                self.touched.pop()
-            self.reset_grad()
+        if rows_update and engine.step_shape.rows_update(self, rows, sums, hp):   # step_shape.py
             return
         grad_rows = torch.index_select(table_grad, 0, rows, out=self.rows_buffer(0, rows.numel())).add_(sums)
         table_grad.index_copy_(0, rows, grad_rows)
@@ -259,6 +252,17 @@ class Embedding:
         table_grad = self.grad.view(self.vocab, self.hidden)
         if self.engine.host_updates.update_rows(self.unit, table_grad, rows, hp, advance=True, exclude=True):
             self._bulk = rows
+
+    def update_rows_with_sums(self, rows: torch.Tensor, sums: torch.Tensor, hp) -> None:
+        """Worker, with one backward per step (step_shape.py): the batch's rows after the bulk
+        update, their gradient sums `sums` added inside their AdamW."""
+        # On the path to the next forward: the rows' gradient sums added inside their AdamW, one
+        # pass, and the gradient's rows cleared in it (a tied one is overwritten by the next head).
+        self.touched.append(rows)
+        cleared = not self.engine.head.lm_weight.overwrites_embedding_grad
+        if self._rows_update(hp, sums=sums, zero_grad=cleared):
+            self.touched.pop()
+        self.reset_grad()
 
     def _rows_update(self, hp, sums: torch.Tensor | None = None, zero_grad: bool = False) -> bool:
         """AdamW of the batch's rows after the bulk update, with the dense gradient's rows (plus

@@ -96,16 +96,17 @@ class HostTable:
 
     def tied_host_numel(self) -> int:
         """Elements a tied lm_head's gradient takes in the head's host buffer: with accumulation
-        it joins the head's there (else it goes straight into the embedding's)."""
+        it joins the head's there (else it goes straight into the embedding's; the engine's step
+        shape says, step_shape.py)."""
         emb = self.embedding
-        return 0 if emb.engine.single_micro else emb.unit.numel
+        return emb.engine.step_shape.tied_host_numel(emb)
 
     def tied_destinations(self, pgrads: list, rest: torch.Tensor) -> list:
         """Where a tied lm_head's gradient crosses to: with one backward per step straight into the
         embedding's pinned gradient buffer (which the previous step's update has released), else
         the head's host buffer after the head unit's (`rest`)."""
         emb = self.embedding
-        return [emb.grad if emb.engine.single_micro else rest]
+        return emb.engine.step_shape.tied_destinations(emb, rest)
 
     def scale_tied_on_device(self, loss_grad: torch.Tensor) -> None:
         """backward: the loss gradient scales a tied lm_head's gradient kept on the device (none here)."""
@@ -114,13 +115,7 @@ class HostTable:
         """The worker's head task: a tied lm_head's gradient times the loss gradient `scale`, in
         the embedding's dense host gradient (folded in from `rest` with accumulation)."""
         emb = self.embedding
-        engine = emb.engine
-        if engine.single_micro:            # already in place (head.py: forward)
-            if scale != 1.0:
-                emb.grad.mul_(scale)
-        else:
-            engine.host_updates.fold(emb.grad, rest, scale, first=not emb.unit.grad_valid)
-            emb.unit.grad_valid = True
+        emb.engine.step_shape.scale_tied_on_host(emb, rest, scale)
 
 
 class ResidentTable:

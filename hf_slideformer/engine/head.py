@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from ..errors import SlideStateError
 from ..compute.functions import swapped
 from .lm_weight import lm_weight_of
-from ..host.optim import sq_norm as _sq_norm
 from .slots import SlotQueue
 from ..host.store import Unit
 
@@ -124,9 +123,7 @@ class LossHead:
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)
         own = iter(grads[1:1 + len(trained)])
         pgrads = [next(own) if t.requires_grad else None for t in leaves] + list(grads[1 + len(trained):])
-        if engine.single_micro:
-            self._sq = _sq_norm([g for g in pgrads[:len(leaves)] if g is not None])
-            self.lm_weight.take_norm(pgrads)
+        self._sq = engine.step_shape.head_norm_terms(self.lm_weight, pgrads, len(leaves))
         engine.clock.span_end(span)
         self.slots.release(slot)
         self._send(pgrads)
@@ -220,7 +217,7 @@ class LossHead:
         accumulation or clipping every update waits for optimizer.step() anyway.
         """
         engine, hu = self.engine, self.unit
-        return (hu.trainable and self.lm_weight.may_update_last() and engine.single_micro
+        return (hu.trainable and self.lm_weight.may_update_last() and engine.step_shape.head_may_update_last()
                 and engine.config.max_grad_norm is None and hu.grad is None)
 
     def _buffer(self, numel: int, own: bool = False) -> torch.Tensor:

@@ -39,6 +39,7 @@ from .placements import FrozenLayer, HostLayer, Placements
 from .resident import ResidentPlan
 from .schedule import BackwardPlan, Schedule
 from .step_norm import StepNorm
+from .step_shape import AccumulatedStep, OneBackwardStep
 from .slots import SlotQueue
 from ..host.store import HostStore, Unit
 from .telemetry import MainClock, StepStats
@@ -134,6 +135,7 @@ class SlideEngine:
         self.grad_ring = GradientRing(self, max_layer, config.grad_buffers, max(max_layer, head_numel))
         self.late = LateUpdates(self, max_layer)
         self.norm = StepNorm(self)
+        self.set_step_shape()
         self.tier = make_tier(config, self.streams, self.stats.add_bytes, self.pinned)
         self.tier.keep_index = len(self.layer_units) - 1   # activation_tiers.py: [Why the last layer's input stays on the device]
         for layer_no, unit in enumerate(self.layer_units):       # host_memory_limit: the last layers' state on disk
@@ -188,6 +190,11 @@ class SlideEngine:
     def single_micro(self) -> bool:
         return self.config.gradient_accumulation_steps == 1
 
+    def set_step_shape(self) -> None:
+        """What the parts do with one backward per step or with accumulation (step_shape.py),
+        chosen whenever the accumulation setting is set."""
+        self.step_shape = OneBackwardStep(self) if self.single_micro else AccumulatedStep(self)
+
     def configure_steps(self, gradient_accumulation_steps: int, max_grad_norm: float | None) -> None:
         """Change accumulation and clipping between optimizer steps (e.g. to follow a Trainer's arguments)."""
         if self.micro:
@@ -208,6 +215,7 @@ class SlideEngine:
             self.residents.planned = None
         self.config.gradient_accumulation_steps = gradient_accumulation_steps
         self.config.max_grad_norm = clip
+        self.set_step_shape()
         if self.config.deferred:
             if self.store.optimizer_ready:
                 self.store.allocate_grad_accumulators()

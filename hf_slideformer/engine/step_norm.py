@@ -80,11 +80,18 @@ class StepNorm:
         return grad_scale(self.clip_coef(), engine.device), engine.streams.record()
 
     def last(self) -> float:
-        """The L2 norm of the last step's gradients (before clipping)."""
+        """The L2 norm of the last step's gradients (before clipping): where it is depends on the
+        step's shape (step_shape.py)."""
+        return self.engine.step_shape.last_norm(self)
+
+    def running_last(self) -> float:
+        """`last` with one backward per step: on the GPU, no need to wait for the CPU updates."""
+        self.engine.worker.raise_if_failed()
+        return float(self.dev) ** 0.5
+
+    def summed_last(self) -> float:
+        """`last` with accumulation: the worker's norms of the sums, and the device's part."""
         engine = self.engine
-        if engine.single_micro:              # on the GPU: no need to wait for the CPU updates
-            engine.worker.raise_if_failed()
-            return float(self.dev) ** 0.5
         engine.worker.join()
         norm_sq = engine.host_updates.norm_sq
         if not norm_sq and not self.dev_valid:
