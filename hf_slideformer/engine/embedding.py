@@ -189,7 +189,7 @@ class Embedding:
         if update and not engine.head.trainable:
             engine.begin_update(unit)                     # ... unless the head is frozen and sent nothing
         engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.host_norms,
-                             engine.hp, norm, done=(self.host_free,) + ((unit.updated,) if update else ()))
+                             engine.hp, norm, done=(self.host_free,) + engine.backward_plan.updating.signals(unit))
         engine.end_backward()
 
     def step(self, deferred: DeferredStep) -> None:

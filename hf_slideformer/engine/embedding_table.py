@@ -162,8 +162,8 @@ class ResidentTable:
         grad = emb.rgrad.view(emb.vocab, emb.hidden)
         engine.head.lm_weight.start_resident_grad(grad)     # tied: it holds the lm_head's gradient already
         grad.index_add_(0, emb.rows_dev[0], sums)           # distinct rows: one add per element, deterministic
-        if engine.backward_plan.updates:
-            engine.residents.resident_step(emb.unit, self.state, emb.rgrad, found_inf=engine.norm.found_inf())
+        engine.backward_plan.updating.now(lambda: engine.residents.resident_step(
+            emb.unit, self.state, emb.rgrad, found_inf=engine.norm.found_inf()))
         engine.clock.span_end(span)
         engine.end_backward()
 

@@ -3,7 +3,9 @@ whether one an error stopped half way left the state inconsistent (`BackwardGuar
 
 The engine makes a `BackwardMode` at `begin_backward` from the accumulation and clipping settings
 and the number of backward passes since the last optimizer step; every part of the schedule reads
-it instead of re-deriving the same facts from the config and counters.
+it instead of re-deriving the same facts from the config and counters. What a part does with a
+unit's update as it takes the unit's gradient is an object the backward's plan hands it
+(`BackwardPlan.updating`: `UpdatesInBackward`, or `UpdatesAtStep`), not a flag it tests.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Callable
 
 from ..errors import SlideStateError
 
-__all__ = ["BackwardMode", "BackwardGuard"]
+__all__ = ["BackwardMode", "BackwardGuard", "UpdatesInBackward", "UpdatesAtStep", "UPDATES_IN_BACKWARD",
+           "UPDATES_AT_STEP"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,58 @@ class BackwardMode:
         """The mode of backward number `micro` (0-based) of a step of `gradient_accumulation_steps`."""
         ends = micro + 1 == gradient_accumulation_steps
         return cls(ends_step=ends, updates=ends and not clipping)
+
+
+class UpdatesInBackward:
+    """What a part does with a unit's gradient when the backward updates (`BackwardPlan.updating`):
+    the unit's update is begun now, runs as the gradient lands, and its task signals the unit
+    updated."""
+
+    def begin(self, engine, unit) -> None:
+        """Mark `unit` as being updated (`SlideEngine.begin_update`)."""
+        engine.begin_update(unit)
+
+    def signals(self, unit) -> tuple:
+        """The events the unit's task sets when done, besides its buffer's: the unit is updated."""
+        return (unit.updated,)
+
+    def late_buffer(self, late):
+        """A late buffer for the gradient, when the late layers have one left (late_updates.py:
+        [Why the top layers are updated late]), else None."""
+        return late.claim()
+
+    def queue(self, engine, unit, task, *args) -> None:
+        """Begin `unit`'s update and queue `task(*args)` on the worker, which signals it updated."""
+        engine.begin_update(unit)
+        engine.worker.submit(task, *args, done=(unit.updated,))
+
+    def now(self, run) -> None:
+        """Run the update `run()` now (on the device)."""
+        run()
+
+
+class UpdatesAtStep:
+    """What a part does with a unit's gradient when the backward does not update: the gradient
+    waits for `optimizer.step()`; nothing is begun, queued or signalled."""
+
+    def begin(self, engine, unit) -> None:
+        pass
+
+    def signals(self, unit) -> tuple:
+        return ()
+
+    def late_buffer(self, late) -> None:
+        return None
+
+    def queue(self, engine, unit, task, *args) -> None:
+        pass
+
+    def now(self, run) -> None:
+        pass
+
+
+UPDATES_IN_BACKWARD = UpdatesInBackward()
+UPDATES_AT_STEP = UpdatesAtStep()
 
 
 class BackwardGuard:

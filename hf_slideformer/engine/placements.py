@@ -164,13 +164,10 @@ class HostLayer(LayerPlacement):
         plan.norm.add(_sq_norm, [g for g in grads if g is not None])
         if engine.accumulator.active(unit):                 # accumulation: the GPU adds (accumulate.py)
             done = engine.accumulator.fold(self, grads)
-            if plan.updates:
-                engine.begin_update(unit)
-                engine.worker.submit(self._accumulated_update_task, done, engine.hp, engine.norm.slot(unit),
-                                     done=(unit.updated,))
+            plan.updating.queue(engine, unit, self._accumulated_update_task, done, engine.hp, engine.norm.slot(unit))
             return
         # late_updates.py: [Why the top layers are updated late]
-        late = engine.late.claim() if plan.updates else None
+        late = plan.updating.late_buffer(engine.late)
         if late is None:
             ring_no = engine.grad_ring.claim_next()
             buf, free = engine.grad_ring.buffers[ring_no], engine.grad_ring.free[ring_no]
@@ -183,10 +180,9 @@ class HostLayer(LayerPlacement):
         done = engine.grad_ring.d2h(grads, [x.view(buf) for x in unit.entries],
                                     [x.offset + x.numel for x in unit.entries],
                                marks, norm_dst=norm)
-        if plan.updates:
-            engine.begin_update(unit)
+        plan.updating.begin(engine, unit)
         args = (buf[:unit.numel], done, plan.updates, plan.host_norms, engine.hp, marks, norm)
-        done = (free,) + ((unit.updated,) if plan.updates else ())
+        done = (free,) + plan.updating.signals(unit)
         layer_no = engine.layer_no(unit)
         if late is not None or (layer_no == 0 and plan.holds_layer0):
             engine.late.hold(layer_no, self.layer_task, args, done=done)

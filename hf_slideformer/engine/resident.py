@@ -90,10 +90,15 @@ class ResidentLayer(LayerPlacement):
             state.grad_valid = True
             if plan.ends_step:
                 engine.norm.dev += _sq_norm([g32])
-        if plan.updates:
-            engine.residents.resident_step(unit, state, g32, found_inf=engine.norm.found_inf())
-            state.grad_valid = False
+        plan.updating.now(lambda: self._update_in_backward(g32))
         engine.residents.pace()
+
+    def _update_in_backward(self, g32: torch.Tensor) -> None:
+        """The backward updates: AdamW from the fp32 gradient `g32` now, skipped where the running
+        norm is not finite."""
+        engine = self.engine
+        engine.residents.resident_step(self.unit, self.state, g32, found_inf=engine.norm.found_inf())
+        self.state.grad_valid = False
 
     def step(self, deferred: DeferredStep) -> None:
         coef, found_inf = deferred.resident_clip()

@@ -16,7 +16,8 @@
 The two plans are made once, where the modes are read (accumulation, clipping, the LoRA
 adapters, the resident and device-updated units, several ranks); the parts do what the plan
 says: what they give the step's norm is an object the backward's plan hands them
-(`RunningNorm`, or `NoRunningNorm` with accumulation), not a flag they test. What a placement
+(`RunningNorm`, or `NoRunningNorm` with accumulation), not a flag they test, and so is what they
+do with a unit's update (`UpdatesInBackward`, or `UpdatesAtStep`: mode.py). What a placement
 does with a gradient is its own (placements.py); where an update is held is `LateUpdates`
 (late_updates.py), filled as this plan says.
 """
@@ -31,7 +32,7 @@ import torch
 
 from ..errors import SlideStateError
 from ..compute.functions import swapped
-from .mode import BackwardMode
+from .mode import UPDATES_AT_STEP, UPDATES_IN_BACKWARD, BackwardMode, UpdatesAtStep, UpdatesInBackward
 from ..host.optim import sq_norm
 from .placements import DeferredStep
 
@@ -81,6 +82,8 @@ class BackwardPlan:
         ends_step: this backward is the optimizer step's last micro-batch.
         updates: the units are updated during this backward, as their gradients land (it ends the
             step and no clipping norm is needed first); else the gradients wait for `optimizer.step()`.
+        updating: what the parts do with a unit's update as they take its gradient (mode.py):
+            `UpdatesInBackward` when `updates`, else `UpdatesAtStep`.
         running_norm: the step has one backward: each gradient's squared norm joins a running
             norm on the device, copied out beside the gradient and judged by the worker before the
             unit's update (with accumulation the norm is taken from the step's sums).
@@ -99,6 +102,7 @@ class BackwardPlan:
 
     ends_step: bool = False
     updates: bool = False
+    updating: UpdatesInBackward | UpdatesAtStep = UPDATES_AT_STEP
     running_norm: bool = False
     host_norms: bool = False
     late_layers: int = 0
@@ -118,7 +122,8 @@ class BackwardPlan:
         mode = BackwardMode.of(engine.micro, cfg.gradient_accumulation_steps, clipping=cfg.max_grad_norm is not None)
         single = engine.single_micro
         running = RunningNorm(engine.norm)
-        return cls(ends_step=mode.ends_step, updates=mode.updates, running_norm=single,
+        return cls(ends_step=mode.ends_step, updates=mode.updates,
+                   updating=UPDATES_IN_BACKWARD if mode.updates else UPDATES_AT_STEP, running_norm=single,
                    host_norms=mode.ends_step and not single,
                    late_layers=_late_layers(engine, mode.updates and single),
                    norm=running if single else NO_RUNNING_NORM,

@@ -42,11 +42,9 @@ class _Shard:
         plan.norm.add(lambda: engine.dp.all_sum(_sq_norm([shard]).to(engine.norm.dev.device)))
         norm = plan.norm.slot(unit)
         done = engine.grad_ring.d2h([shard], [dst], norm_dst=norm)
-        update = plan.updates
-        if update:
-            engine.begin_update(unit)
-        engine.worker.submit(self.task, dst, done, update, plan.host_norms, engine.hp, norm,
-                        done=(free,) + ((unit.updated,) if update else ()))
+        plan.updating.begin(engine, unit)
+        engine.worker.submit(self.task, dst, done, plan.updates, plan.host_norms, engine.hp, norm,
+                        done=(free,) + plan.updating.signals(unit))
 
     def task(self, src, done, update: bool, host_norms: bool, hp, norm=None) -> None:
         """Worker: fold the shard's gradient in `src` into the range and/or update it."""
