@@ -282,6 +282,7 @@ class DeviceUpdater:
         streamed through the GPU piece by piece and updated from `grads`, its gradients still on the
         device (entry order, None where unused); nothing where `found_inf` is nonzero."""
         engine, unit, st = self.engine, place.unit, self.engine.streams
+        issued = time.perf_counter()
         self.settle(place)
         if not st.cuda and float(found_inf):     # decided on the host: nothing changes, counters included
             return
@@ -306,6 +307,7 @@ class DeviceUpdater:
                 place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
             place.unsettled = (advanced, st.record(st.h2d))
             st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1])
+        engine.stats.event("device_update", issued, time.perf_counter())     # the main thread's time issuing it
 
     def _advance_steps(self, unit, group_of: dict) -> tuple[dict, list[int], list]:
         """Advance the host step counters of `unit`'s entries in the optimizer's groups (the host
