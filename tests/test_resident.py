@@ -99,7 +99,7 @@ def test_resident_units_with_clipping_match_plain_training(tied):
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_resident_layers_with_accumulation_match_plain_training(tied, clip):
-    """resident.py: [Why accumulation keeps resident layers opt-in]: the layers asked for sum
+    """step_shape.py: [Why accumulation keeps resident layers opt-in]: the layers asked for sum
     their micro-batches on the device; the embedding stays on the host."""
     ref, slid = make_pair("llama", tied, gradient_accumulation_steps=2, max_grad_norm=clip, resident_layers=2,
                           resident_embedding=True)

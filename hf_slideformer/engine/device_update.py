@@ -97,22 +97,34 @@ class DeviceUpdateLayer(HostLayer):
         self.skip_flag: torch.Tensor | None = None
 
     def take_gradient(self, grads: list) -> None:
+        # step_shape.py: with accumulation the worker folds it in, as a host layer's
+        self.engine.step_shape.device_layer_gradient(self, grads)
+
+    def fold_gradient(self, grads: list) -> None:
+        """With accumulation: the gradient is a host layer's (`HostLayer.take_gradient`)."""
+        super().take_gradient(grads)
+
+    def take_step_gradient(self, grads: list) -> None:
+        """One backward per step: the gradient's norm joins the running norm; the update runs now
+        without clipping ([Why a layer may be updated on the GPU without clipping]), else at the
+        next copy in, from the pinned accumulator the gradient goes straight into."""
         engine, unit, plan = self.engine, self.unit, self.engine.backward_plan
-        if not plan.running_norm:               # accumulation: the worker folds it in, as a host layer's
-            super().take_gradient(grads)
-            return
-        # One backward per step: the gradient's norm joins the running norm; the update runs now
-        # without clipping ([Why a layer may be updated on the GPU without clipping]), else at the
-        # next copy in, from the pinned accumulator the gradient goes straight into.
         plan.norm.add(_optim.sq_norm, [g for g in grads if g is not None])
         if self.pending is not None:            # never the case in a well-formed step: a guard
             engine.device_updates.flush(unit)
-        if plan.updates:
-            engine.begin_update(unit)
-            engine.device_updates.update_now(self, grads, engine.hp, engine.norm.found_inf())
-            unit.updated.set()
-            return
-        self.grad_ev = engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
+        plan.updating.update_or_keep(lambda: self._update_in_backward(grads), lambda: self._keep_for_step(grads))
+
+    def _update_in_backward(self, grads: list) -> None:
+        """The backward updates: the layer's update streamed through the GPU now, from `grads`."""
+        engine, unit = self.engine, self.unit
+        engine.begin_update(unit)
+        engine.device_updates.update_now(self, grads, engine.hp, engine.norm.found_inf())
+        unit.updated.set()
+
+    def _keep_for_step(self, grads: list) -> None:
+        """The gradient crosses into the unit's pinned accumulator, for the update at the next copy in."""
+        unit = self.unit
+        self.grad_ev = self.engine.grad_ring.d2h(grads, [x.view(unit.grad) for x in unit.entries])
         unit.grad_valid = True
 
     def step(self, deferred: DeferredStep) -> None:
@@ -172,9 +184,9 @@ class DeviceUpdater:
         if config.max_grad_norm is None:
             # Without clipping only a share given as a number, with one backward per step: the
             # updates then run in the backward, and pay only where the CPU's bound the step.
-            if config.device_update_share == "auto" or not engine.single_micro or engine.dp is not None:
+            if config.device_update_share == "auto" or engine.dp is not None:
                 return 0.0
-            return float(config.device_update_share)
+            return engine.step_shape.share_in_backward(float(config.device_update_share))   # step_shape.py
         if config.device_update_share == "auto":
             # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
             return balanced_share() if engine.streams.cuda and engine.pinned.enabled else 0.0

@@ -67,6 +67,16 @@ class UpdatesInBackward:
         """Run the update `run()` now (on the device)."""
         run()
 
+    def update_or_keep(self, update, keep) -> None:
+        """Run the update `update()` now, from the gradient still on the device (`keep`, which
+        keeps it for `optimizer.step()`, is not called)."""
+        update()
+
+    def buffer(self, shared, own):
+        """Where a gradient that is updated from at once is summed: `shared()`, a buffer the units
+        share (each update uses it up before the next unit's gradient), not the unit's `own()`."""
+        return shared()
+
 
 class UpdatesAtStep:
     """What a part does with a unit's gradient when the backward does not update: the gradient
@@ -86,6 +96,14 @@ class UpdatesAtStep:
 
     def now(self, run) -> None:
         pass
+
+    def update_or_keep(self, update, keep) -> None:
+        """Keep the gradient for `optimizer.step()`: `keep()`."""
+        keep()
+
+    def buffer(self, shared, own):
+        """The unit's own buffer, `own()`, where the gradient waits for `optimizer.step()`."""
+        return own()
 
 
 UPDATES_IN_BACKWARD = UpdatesInBackward()

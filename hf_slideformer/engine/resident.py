@@ -70,14 +70,35 @@ class ResidentLayer(LayerPlacement):
         on the device for optimizer.step(). With accumulation it is summed on the device over the
         micro-batches, and the last one updates (or, with clipping, leaves the sum for
         optimizer.step()); the squared norm is the sum's."""
-        engine, unit, state, plan = self.engine, self.unit, self.state, self.engine.backward_plan
-        if plan.running_norm:
-            engine.norm.dev += _sq_norm([g for g in grads if g is not None])
-            g32 = engine.residents.shared_grad[:unit.numel] if plan.updates else state.grad
-            first = True
-        else:
-            g32, first = state.grad, not state.grad_valid
-        for entry, grad in zip(unit.entries, grads):
+        engine, plan = self.engine, self.engine.backward_plan
+        g32 = engine.step_shape.resident_gradient(self, grads, plan)     # step_shape.py
+        plan.updating.now(lambda: self._update_in_backward(g32))
+        engine.residents.pace()
+
+    def take_step_gradient(self, grads: list, plan) -> torch.Tensor:
+        """One backward per step: the gradients' squared norm joins the running norm, then they
+        are copied into the fp32 gradient the update reads (the layers' shared one when this
+        backward updates, else the layer's own, kept for optimizer.step()), which is returned."""
+        engine, unit, state = self.engine, self.unit, self.state
+        plan.norm.add(_sq_norm, [g for g in grads if g is not None])
+        g32 = plan.updating.buffer(lambda: engine.residents.shared_grad[:unit.numel], lambda: state.grad)
+        self._sum_gradient(g32, grads, first=True)
+        return g32
+
+    def sum_micro_gradient(self, grads: list, plan) -> torch.Tensor:
+        """With accumulation: the gradients summed into the layer's fp32 gradient (returned); the
+        step's last backward adds the sum's squared norm to the device's part (`plan.sums_norm`)."""
+        state = self.state
+        g32 = state.grad
+        self._sum_gradient(g32, grads, first=not state.grad_valid)
+        state.grad_valid = True
+        plan.sums_norm.add(_sq_norm, [g32])
+        return g32
+
+    def _sum_gradient(self, g32: torch.Tensor, grads: list, first: bool) -> None:
+        """Copy (`first`) or add `grads` into the fp32 gradient `g32`, entry by entry (zeros for an
+        unused entry's first)."""
+        for entry, grad in zip(self.unit.entries, grads):
             dst = entry.view(g32)
             if grad is None:
                 if first:
@@ -86,12 +107,6 @@ class ResidentLayer(LayerPlacement):
                 dst.copy_(grad.reshape(dst.shape))
             else:
                 dst.add_(grad.reshape(dst.shape))
-        if not plan.running_norm:
-            state.grad_valid = True
-            if plan.ends_step:
-                engine.norm.dev += _sq_norm([g32])
-        plan.updating.now(lambda: self._update_in_backward(g32))
-        engine.residents.pace()
 
     def _update_in_backward(self, g32: torch.Tensor) -> None:
         """The backward updates: AdamW from the fp32 gradient `g32` now, skipped where the running
@@ -162,17 +177,15 @@ class ResidentPlan:
         return self.planned
 
     def plan(self) -> tuple[bool, int]:
-        """(embedding resident, number of resident layers) from the config and the measured peak."""
+        """(embedding resident, number of resident layers) from the config and the measured peak
+        (with accumulation the config's layers alone: step_shape.py)."""
+        return self.engine.step_shape.resident_plan(self)
+
+    def measured_plan(self) -> tuple[bool, int]:
+        """With one backward per step: (embedding resident, number of resident layers) from the
+        config and, where it says "auto", the measured peak."""
         engine = self.engine
         config = engine.config
-        if not engine.single_micro:
-            # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
-            # layer sums its micro-batches' gradients on the GPU and is updated there when the step
-            # ends (`ResidentLayer.take_gradient`); the embedding stays on the host (its tied head
-            # gradient and per-row folding have no device path across micro-batches). The layers
-            # are taken only as many as `resident_layers` asks: "auto" keeps none here until the
-            # mode has been measured on a GPU.
-            return False, (0 if config.resident_layers == "auto" else int(config.resident_layers))
         embed = None if config.resident_embedding == "auto" else bool(config.resident_embedding)
         layers = None if config.resident_layers == "auto" else int(config.resident_layers)
         if not engine.streams.cuda:                       # nothing to gain on a CPU device unless asked

@@ -10,6 +10,10 @@ engine chooses one of the two whenever the accumulation setting is set (at `slid
 | the embedding's rows update in backward | the batch rows' sums added inside their AdamW | the sums folded into the dense gradient first |
 | the head's update held to the end of the backward | may be (head.py) | never |
 | `last_grad_norm()` | the device's running norm | the worker's sums' norms and the device's part |
+| a device-updated layer's gradient | its own path: updated now, or kept in its pinned accumulator | a host layer's: the worker folds it in |
+| a resident layer's gradient | its norm joins the running norm; copied into the buffer its update reads | summed on the device; the last backward adds the sum's norm |
+| the resident plan (resident.py) | from the config and the measured peak | the config's layers alone, no embedding |
+| the device updates' share without clipping | the config's number | none |
 """
 from __future__ import annotations
 
@@ -70,6 +74,27 @@ class OneBackwardStep:
         """`last_grad_norm()`: from the device's running norm (`StepNorm.running_last`)."""
         return norm.running_last()
 
+    # ------------------------------------------------------------- the device-updated layers (device_update.py)
+    def device_layer_gradient(self, place, grads: list) -> None:
+        """A device-updated layer's gradient: updated from now, or kept for the next copy in
+        (`DeviceUpdateLayer.take_step_gradient`)."""
+        place.take_step_gradient(grads)
+
+    def share_in_backward(self, share: float) -> float:
+        """The share of the host-held layers updated on the device in the backward (no clipping):
+        the config's `share`."""
+        return share
+
+    # ------------------------------------------------------------- the resident layers (resident.py)
+    def resident_gradient(self, place, grads: list, plan) -> torch.Tensor:
+        """A resident layer's gradient, into the fp32 gradient its update reads (returned):
+        `ResidentLayer.take_step_gradient`."""
+        return place.take_step_gradient(grads, plan)
+
+    def resident_plan(self, residents) -> tuple[bool, int]:
+        """The resident units: from the config and the measured peak (`ResidentPlan.measured_plan`)."""
+        return residents.measured_plan()
+
 
 class AccumulatedStep:
     """Several backward passes per optimizer step (gradient accumulation): the gradients are
@@ -110,3 +135,27 @@ class AccumulatedStep:
     def last_norm(self, norm) -> float:
         """From the worker's norms of the sums and the device's part (`StepNorm.summed_last`)."""
         return norm.summed_last()
+
+    def device_layer_gradient(self, place, grads: list) -> None:
+        """The worker folds it in, as a host layer's (`DeviceUpdateLayer.fold_gradient`)."""
+        place.fold_gradient(grads)
+
+    def share_in_backward(self, share: float) -> float:
+        """None: without clipping the device updates run in a backward that ends the step, which
+        needs one backward per step."""
+        return 0.0
+
+    def resident_gradient(self, place, grads: list, plan) -> torch.Tensor:
+        """Summed over the micro-batches on the device (`ResidentLayer.sum_micro_gradient`)."""
+        return place.sum_micro_gradient(grads, plan)
+
+    def resident_plan(self, residents) -> tuple[bool, int]:
+        """The resident units: no embedding, and the layers the config asks for."""
+        # Note: [Why accumulation keeps resident layers opt-in] with accumulation a resident
+        # layer sums its micro-batches' gradients on the GPU and is updated there when the step
+        # ends (`ResidentLayer.take_gradient`); the embedding stays on the host (its tied head
+        # gradient and per-row folding have no device path across micro-batches). The layers
+        # are taken only as many as `resident_layers` asks: "auto" keeps none here until the
+        # mode has been measured on a GPU.
+        wanted = residents.engine.config.resident_layers
+        return False, (0 if wanted == "auto" else int(wanted))
