@@ -129,8 +129,9 @@ class DiskLayer(HostLayer):
         whether whole (for updates) or their masters alone (for copies)."""
         engine, unit, states, depth = self.engine, self.unit, self.states, self.states.read_ahead_count
         if engine.in_backward:                            # this layer (when it updates here), then down
-            updates = engine.backward_plan.updates
-            return ([unit] if updates else []) + states.ahead(unit, -1, depth, masters=not updates), updates
+            plan = engine.backward_plan
+            return (plan.updating.updated_here([unit]) + states.ahead(unit, -1, depth, masters=not plan.updates),
+                    plan.updates)
         if not states.ahead(unit, 1, 1) and engine.live_generation is not None and not engine.config.deferred:
             # the forward's last disk layer: its backward, which updates, starts with it and goes down
             return [unit] + states.ahead(unit, -1, depth - 1), True
@@ -138,15 +139,12 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
-        if not self.engine.backward_plan.updates:
-            super().take_gradient(grads)             # only moved into the host accumulator
-            return
-        self.states.pin(self.unit)                   # the read starts beside the gradient's copy
-        try:
-            super().take_gradient(grads)             # queues exactly one update task, which unpins
-        except BaseException:
-            self.states.unpin(self.unit)
-            raise
+        # When the backward updates, the unit is pinned: the read starts beside the gradient's
+        # copy, and the host layer's path queues exactly one update task, which unpins. Else the
+        # gradient is only moved into the host accumulator.
+        states, unit, host_take = self.states, self.unit, super().take_gradient
+        self.engine.backward_plan.updating.holding(lambda: states.pin(unit), lambda: states.unpin(unit),
+                                                   lambda: host_take(grads))
 
     def step(self, deferred: DeferredStep) -> None:
         engine = self.engine
