@@ -76,6 +76,7 @@ class _Pending:
         self.known = known
         self.batches = None
         self.steps = None
+        self.prepared = None                    # the steps as the format's update takes them (prepare_steps)
         self.next = 0
 
 
@@ -305,6 +306,8 @@ class DeviceUpdater:
         st.wait(st.record(), st.h2d)            # the gradients and the flag are made on the compute stream
         unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
         st.wait(unit.host_write, st.h2d)
+        with st.on(st.h2d):          # what every piece of an entry shares, made once
+            steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None)
         source = EntryGrads(unit, grads)
         for lo, hi, batch in _optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True):
             if hi > lo:
@@ -378,12 +381,16 @@ class DeviceUpdater:
             with st.on(st.h2d):
                 dst[:done].copy_(unit.master[:done].to(engine.device, non_blocking=True))
         st.used_by(pending.scale, st.h2d)
+        if pending.prepared is None:
+            with st.on(st.h2d):      # after the waits: the scale is the clip factor's, made on another stream
+                pending.prepared = (unit.state_format or ADAMW).prepare_steps(
+                    groups, _optim.groups_of(unit, group_of), unit, pending.steps, pending.scale)
         while pending.next < len(pending.batches):
             lo, hi, batch = pending.batches[pending.next]
             numel = hi - lo
             if numel:
-                self.pieces.update(unit, lo, hi, batch, HostGrad(unit.grad), pending.steps, groups, scale=pending.scale,
-                                   dst=dst)
+                self.pieces.update(unit, lo, hi, batch, HostGrad(unit.grad), pending.prepared, groups,
+                                   scale=pending.scale, dst=dst)
             pending.next += 1
             yield
         place.pending = None

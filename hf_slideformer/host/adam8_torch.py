@@ -105,6 +105,17 @@ class Hyper8:
         self.bc2 = torch.sqrt(1.0 - beta2 ** step64).to(torch.float32)
         self.neg_step = (-lr / (1.0 - beta1 ** step64)).to(torch.float32)
         self.key = key
+        self._kernel_args = None
+
+    def kernel_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Triton kernel's (3,) fp32 scalars (the gradient's scale, sqrt(1 - beta2^t),
+        -lr / (1 - beta1^t)) and its 0-dim int64 key, on `device`: made once, on the current
+        stream, for every range the constants serve."""
+        if self._kernel_args is None:
+            scalars = torch.stack([_dev_scalar(self.gscale, device), _dev_scalar(self.bc2, device),
+                                   _dev_scalar(self.neg_step, device)])
+            self._kernel_args = (scalars, self.key.to(device, torch.int64).reshape(()))
+        return self._kernel_args
 
 
 def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:
@@ -145,8 +156,9 @@ def _blocks(hyper: Hyper8, master, q1, q2, a1, a2, grad, ctr0: int, skip) -> Non
         dst.copy_(src if skip is None else torch.where(skip, dst, src))
 
 
-def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
-                 scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor | None, key: torch.Tensor | None, ctr: int,
+                 scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None,
+                 hyper: Hyper8 | None = None) -> None:
     """One 8-bit AdamW step of a flat range from a block of its parameter, in place: the Triton
     kernel (adam8_triton.py) where it runs for these tensors (CUDA, or Triton's interpreter), else
     `adamw8_range_torch`; the two agree bit for bit.
@@ -158,13 +170,16 @@ def adamw8_range(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key
             ctr: the range's first element's counter (its offset in the unit).
         scale: divide the gradient by it (a float or a scalar tensor), None for 1.
         found_inf: where nonzero, nothing changes (decided on the device).
+        hyper: the update's constants made once for several ranges of one step (`Hyper8` of hp,
+            scale, grad_mul, step and key; then step and key are not read), else made here.
     """
     from triton_ops import kernels_apply
 
+    hyper = hyper or Hyper8(hp, scale, grad_mul, step, key)
     if kernels_apply(master) and all(t.is_contiguous() for t in (master, q1, q2, a1, a2, grad)):
-        adamw8_range_triton(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf)
+        adamw8_range_triton(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf, hyper)
     else:
-        adamw8_range_torch(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf)
+        adamw8_range_torch(hp, master, q1, q2, a1, a2, grad, step, key, ctr, scale, grad_mul, found_inf, hyper)
 
 
 def _dev_scalar(value, device) -> torch.Tensor:
@@ -174,23 +189,24 @@ def _dev_scalar(value, device) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=device)
 
 
-def adamw8_range_triton(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
-                        scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+def adamw8_range_triton(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor | None, key: torch.Tensor | None,
+                        ctr: int, scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None,
+                        hyper: Hyper8 | None = None) -> None:
     """`adamw8_range` in one launch of the Triton kernel (`triton_ops.kernels.adamw8`): its tensors
     contiguous, on CUDA (or on the CPU under Triton's interpreter)."""
     from triton_ops.kernels.adamw8 import adamw8_blocks
 
-    hyper, dev = Hyper8(hp, scale, grad_mul, step, key), master.device
-    scalars = torch.stack([_dev_scalar(hyper.gscale, dev), _dev_scalar(hyper.bc2, dev),
-                           _dev_scalar(hyper.neg_step, dev)])
-    adamw8_blocks(master, q1, q2, a1, a2, grad, scalars, hyper.key.to(dev, torch.int64).reshape(()), _tables(dev), ctr,
+    hyper, dev = hyper or Hyper8(hp, scale, grad_mul, step, key), master.device
+    scalars, key_dev = hyper.kernel_args(dev)
+    adamw8_blocks(master, q1, q2, a1, a2, grad, scalars, key_dev, _tables(dev), ctr,
                   (hyper.wd_mul, hyper.beta1, hyper.c1, hyper.beta2, hyper.c2, hyper.eps), BLOCK, found_inf)
 
 
-def adamw8_range_torch(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor, key: torch.Tensor, ctr: int,
-                       scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+def adamw8_range_torch(hp: dict, master, q1, q2, a1, a2, grad, step: torch.Tensor | None, key: torch.Tensor | None,
+                       ctr: int, scale=None, grad_mul: float = 1.0, found_inf: torch.Tensor | None = None,
+                       hyper: Hyper8 | None = None) -> None:
     """`adamw8_range` in torch ops, `CHUNK_BLOCKS` blocks at a time: the reference."""
-    hyper = Hyper8(hp, scale, grad_mul, step, key)
+    hyper = hyper or Hyper8(hp, scale, grad_mul, step, key)
     skip = None if found_inf is None else (found_inf != 0)
     numel = master.numel()
     full = numel // BLOCK

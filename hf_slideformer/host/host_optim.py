@@ -109,8 +109,16 @@ class StateFormat:
             found_inf=None) -> None:
         """One AdamW step of the flat ranges [(entry index, lo, hi)] of `unit`'s `state` (the
         unit, or a holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]`
-        its counter (advanced). `scale`: divide the gradient by it (the clip factor's reciprocal)."""
+        its counter (advanced), or what `prepare_steps` made of it. `scale`: divide the gradient by
+        it (the clip factor's reciprocal)."""
         raise NotImplementedError
+
+    def prepare_steps(self, groups: list[dict], by_group: dict[int, list[int]], unit, steps: list, scale) -> list:
+        """`steps` (a counter per entry of `unit`, advanced) as `run` takes them for an update cut
+        into many pieces with one `scale`: what a format derives from a counter, made once per entry
+        (on the current stream) instead of once per piece. `by_group` maps a param group's index
+        in `groups` to its entries. Here: the counters themselves."""
+        return steps
 
     def run_rows(self, kernel, hp: dict, unit, grad: torch.Tensor, rows: torch.Tensor, step, *,
                  sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
@@ -248,11 +256,23 @@ class AdamW8bit(StateFormat):
                hi - lo, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp),
                lo, int(grad.dtype == torch.bfloat16), mbf, kernel.threads)
 
+    def prepare_steps(self, groups, by_group, unit, steps, scale) -> list:
+        """Per entry the update's constants (`adam8_torch.Hyper8`: the bias corrections, the
+        gradient's scale, the stochastic rounding's key), shared by its pieces: about thirty small
+        device operations each, once per entry instead of once per piece."""
+        from .adam8_torch import Hyper8, rounding_key_t
+
+        out = list(steps)
+        for gi, entries in by_group.items():
+            for k in entries:
+                out[k] = Hyper8(groups[gi], scale, 1.0, steps[k], rounding_key_t(self.seed, unit.index, steps[k]))
+        return out
+
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
         """`run` in torch ops on the state's device (adam8_torch.py): device state, or no native
         kernel. A holder of part of a unit's arrays says where they start by `base` = (element
-        offset, block offset) in the unit."""
-        from .adam8_torch import adamw8_range, rounding_key_t
+        offset, block offset) in the unit. A step may be its prepared constants (`prepare_steps`)."""
+        from .adam8_torch import Hyper8, adamw8_range, rounding_key_t
 
         base, bbase = getattr(state, "base", (0, 0))
         starts, b0 = [], 0
@@ -266,10 +286,13 @@ class AdamW8bit(StateFormat):
             blk = starts[index] + (lo - entry.offset) // BLOCK - bbase
             nb = num_blocks(hi - lo)
             start, stop = lo - base, hi - base
-            adamw8_range(hp, state.master[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
-                         state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], grad, st,
-                         rounding_key_t(self.seed, unit.index, st), lo, scale=scale, grad_mul=grad_mul,
-                         found_inf=found_inf)
+            views = (state.master[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
+                     state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], grad)
+            if isinstance(st, Hyper8):
+                adamw8_range(hp, *views, None, None, lo, found_inf=found_inf, hyper=st)
+            else:
+                adamw8_range(hp, *views, st, rounding_key_t(self.seed, unit.index, st), lo, scale=scale,
+                             grad_mul=grad_mul, found_inf=found_inf)
 
     def rows_fit(self, hidden: int) -> bool:
         return hidden % BLOCK == 0             # a block never spans two rows
