@@ -139,12 +139,15 @@ class DiskLayer(HostLayer):
 
     # ------------------------------------------------------------- gradient and update
     def take_gradient(self, grads: list) -> None:
-        # When the backward updates, the unit is pinned: the read starts beside the gradient's
-        # copy, and the host layer's path queues exactly one update task, which unpins. Else the
-        # gradient is only moved into the host accumulator.
-        states, unit, host_take = self.states, self.unit, super().take_gradient
-        self.engine.backward_plan.updating.holding(lambda: states.pin(unit), lambda: states.unpin(unit),
-                                                   lambda: host_take(grads))
+        if not self.engine.backward_plan.updates:
+            super().take_gradient(grads)             # only moved into the host accumulator
+            return
+        self.states.pin(self.unit)                   # the read starts beside the gradient's copy
+        try:
+            super().take_gradient(grads)             # queues exactly one update task, which unpins
+        except BaseException:
+            self.states.unpin(self.unit)
+            raise
 
     def step(self, deferred: DeferredStep) -> None:
         engine = self.engine

@@ -77,16 +77,6 @@ class UpdatesInBackward:
         share (each update uses it up before the next unit's gradient), not the unit's `own()`."""
         return shared()
 
-    def holding(self, pin, unpin, queue) -> None:
-        """Queue the unit's update (`queue()`, one task, which releases the unit when done) with the
-        unit's state held: `pin()` before, `unpin()` if queueing raised."""
-        pin()
-        try:
-            queue()
-        except BaseException:
-            unpin()
-            raise
-
     def updated_here(self, units: list) -> list:
         """Those of `units` this backward updates as their gradients land: all of them."""
         return units
@@ -118,10 +108,6 @@ class UpdatesAtStep:
     def buffer(self, shared, own):
         """The unit's own buffer, `own()`, where the gradient waits for `optimizer.step()`."""
         return own()
-
-    def holding(self, pin, unpin, queue) -> None:
-        """`queue()` alone: no update, nothing to hold."""
-        queue()
 
     def updated_here(self, units: list) -> list:
         """None of `units`: their gradients wait for `optimizer.step()`."""

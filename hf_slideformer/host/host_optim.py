@@ -12,9 +12,8 @@ else assumes two fp32 moments.
 | `adamw_8bit` | fp32 | 8-bit block-wise, fp32 absmax per 256 | 6.03 | bitsandbytes' blockwise 8-bit AdamW |
 | `adamw_8bit_bf16` | bf16, rounded stochastically | as `adamw_8bit` | 4.03 | the same, master rounded to bf16 |
 
-The embedding keeps the units' format where its rows are whole blocks (`embed_format`: its update
-is row-wise, `run_rows`), else fp32 AdamW; a resident embedding (on the GPU) keeps fp32 AdamW.
-docs/host_state.md compares the formats and says how to add one.
+The embedding keeps the units' format where its rows are whole blocks (`embed_format`: row-wise
+`run_rows`), else fp32 AdamW, as a resident embedding does. docs/host_state.md compares them.
 """
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ from .quant_maps import BLOCK, code_search_table, dynamic_map, mix64, num_blocks
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
            "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES",
-           "StateFormatMismatchError", "CorruptOptimizerStateError",
-           "round_bf16_stochastic"]
+           "StateFormatMismatchError", "CorruptOptimizerStateError", "round_bf16_stochastic"]
 
 
 class StateFormatMismatchError(ValueError):
@@ -107,17 +105,14 @@ class StateFormat:
 
     def run(self, kernel, hp: dict, unit, state, ranges, grads, steps, scale, grad_mul: float = 1.0,
             found_inf=None) -> None:
-        """One AdamW step of the flat ranges [(entry index, lo, hi)] of `unit`'s `state` (the
-        unit, or a holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]`
-        its counter (advanced), or what `prepare_steps` made of it. `scale`: divide the gradient by
-        it (the clip factor's reciprocal)."""
+        """One AdamW step of the flat ranges [(entry index, lo, hi)] of `unit`'s `state` (the unit, or a
+        holder of its arrays), with `grads[i]` the gradient of range i and `steps[i]` its counter
+        (advanced) or `prepare_steps`' of it. `scale`: divide the gradient by it (the clip factor's reciprocal)."""
         raise NotImplementedError
 
     def prepare_steps(self, groups: list[dict], by_group: dict[int, list[int]], unit, steps: list, scale) -> list:
-        """`steps` (a counter per entry of `unit`, advanced) as `run` takes them for an update cut
-        into many pieces with one `scale`: what a format derives from a counter, made once per entry
-        (on the current stream) instead of once per piece. `by_group` maps a param group's index
-        in `groups` to its entries. Here: the counters themselves."""
+        """`steps` (per entry of `unit`; `by_group`: group index -> entries) as `run` takes them in an
+        update of many pieces with one `scale`, made once (on the current stream). Here: themselves."""
         return steps
 
     def run_rows(self, kernel, hp: dict, unit, grad: torch.Tensor, rows: torch.Tensor, step, *,
@@ -257,15 +252,15 @@ class AdamW8bit(StateFormat):
                lo, int(grad.dtype == torch.bfloat16), mbf, kernel.threads)
 
     def prepare_steps(self, groups, by_group, unit, steps, scale) -> list:
-        """Per entry the update's constants (`adam8_torch.Hyper8`: the bias corrections, the
-        gradient's scale, the stochastic rounding's key), shared by its pieces: about thirty small
-        device operations each, once per entry instead of once per piece."""
+        """Per entry its update's constants (`adam8_torch.Hyper8`: bias corrections, gradient scale,
+        rounding key; about thirty device operations), shared by its pieces."""
         from .adam8_torch import Hyper8, rounding_key_t
 
         out = list(steps)
         for gi, entries in by_group.items():
-            for k in entries:
-                out[k] = Hyper8(groups[gi], scale, 1.0, steps[k], rounding_key_t(self.seed, unit.index, steps[k]))
+            for index in entries:
+                out[index] = Hyper8(groups[gi], scale, 1.0, steps[index],
+                                    rounding_key_t(self.seed, unit.index, steps[index]))
         return out
 
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
@@ -286,13 +281,11 @@ class AdamW8bit(StateFormat):
             blk = starts[index] + (lo - entry.offset) // BLOCK - bbase
             nb = num_blocks(hi - lo)
             start, stop = lo - base, hi - base
-            views = (state.master[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
-                     state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], grad)
-            if isinstance(st, Hyper8):
-                adamw8_range(hp, *views, None, None, lo, found_inf=found_inf, hyper=st)
-            else:
-                adamw8_range(hp, *views, st, rounding_key_t(self.seed, unit.index, st), lo, scale=scale,
-                             grad_mul=grad_mul, found_inf=found_inf)
+            hyper = st if isinstance(st, Hyper8) else Hyper8(hp, scale, grad_mul, st,
+                                                             rounding_key_t(self.seed, unit.index, st))
+            adamw8_range(hp, state.master[start:stop], state.exp_avg[start:stop], state.exp_avg_sq[start:stop],
+                         state.exp_avg_absmax[blk:blk + nb], state.exp_avg_sq_absmax[blk:blk + nb], grad, None, None,
+                         lo, found_inf=found_inf, hyper=hyper)
 
     def rows_fit(self, hidden: int) -> bool:
         return hidden % BLOCK == 0             # a block never spans two rows
@@ -376,12 +369,9 @@ TRAINER_FP32_NAMES = ("adamw_torch", "adamw_torch_fused")
 
 def optimizer_state_of(optim: str) -> str:
     """`SlideConfig.optimizer_state` for a format's name or one of the Trainer's AdamW names."""
-    if optim in FORMATS:
-        return optim
-    if optim in TRAINER_8BIT_NAMES:
-        return "adamw_8bit"
-    if optim in TRAINER_FP32_NAMES:
-        return "adamw"
+    named = {**{n: "adamw_8bit" for n in TRAINER_8BIT_NAMES}, **{n: "adamw" for n in TRAINER_FP32_NAMES}}
+    if optim in FORMATS or optim in named:
+        return optim if optim in FORMATS else named[optim]
     raise ValueError(f"optim={optim!r}: one of {', '.join(FORMATS)}, or the Trainer's "
                      f"{', '.join(TRAINER_FP32_NAMES + TRAINER_8BIT_NAMES)}")
 
