@@ -110,8 +110,8 @@ class Hyper8:
     def kernel_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton kernel's (3,) fp32 scalars (the gradient's scale, sqrt(1 - beta2^t),
         -lr / (1 - beta1^t)) and its 0-dim int64 key, on `device`: made once, on the current
-        stream, for every range the constants serve."""
-        if self._kernel_args is None:
+        stream, for every range on that device the constants serve."""
+        if self._kernel_args is None or self._kernel_args[0].device != torch.device(device):
             scalars = torch.stack([_dev_scalar(self.gscale, device), _dev_scalar(self.bc2, device),
                                    _dev_scalar(self.neg_step, device)])
             self._kernel_args = (scalars, self.key.to(device, torch.int64).reshape(()))
