@@ -70,7 +70,8 @@ from pathlib import Path
 
 print(f"{'row':24} {'tokens/s':>9} {'step s':>7} {'cpu_adam s':>10} {'gpu s':>6} {'device layers':>13}")
 for f in sorted(Path(sys.argv[1]).glob("*.json")):
-    for r in json.loads(f.read_text()).get("results", []):
+    data = json.loads(f.read_text())
+    for r in data.get("results", []) if isinstance(data, dict) else []:      # not a row: a step trace
         if r.get("status") != "ok":
             print(f"{f.stem:24} {r.get('status')}")
             continue
