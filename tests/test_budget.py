@@ -16,3 +16,28 @@ def test_resident_bytes_per_param():
     assert budget.resident_bytes_per_param(torch.bfloat16) == 14      # master, m, v (fp32) + bf16 weights
     assert budget.resident_bytes_per_param(torch.float16) == 14
     assert budget.resident_bytes_per_param(torch.float32) == 12       # the master is the weights
+
+
+def test_device_piece_keeps_a_layer_to_a_bounded_number_of_pieces():
+    least, most = budget.DEVICE_PIECE, budget.DEVICE_PIECES_MAX
+    for numel in (1, least, least * most, least * most + 1, 218_103_808, 553_000_000, 1_400_000_000):
+        piece = budget.device_piece(numel)
+        assert piece >= least and piece % least == 0 and (piece // least).bit_count() == 1
+        assert numel <= piece * most                             # at most `most` pieces of it
+        assert piece == least or numel > piece // 2 * most       # and no larger than that needs
+    assert budget.device_piece(218_103_808) == least             # an 8B layer keeps 2^22
+    assert budget.device_piece(553_000_000) == 1 << 24           # a 24B layer: 2^24
+
+
+def test_the_planner_sizes_the_device_buffers_by_the_piece():
+    """Two sets of up to 2 pieces of fp32 master, gradient and moments: a 24B layer's are larger."""
+    from pathlib import Path
+
+    from hf_slideformer.planner.plan_estimate import Estimator
+    from hf_slideformer.planner.planner import load_model_config, model_shape
+
+    configs = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+    for name, piece in (("llama3-8b", 1 << 22), ("mistral-small-24b", 1 << 24)):
+        shape = model_shape(load_model_config(configs / f"{name}.json"))
+        extras = Estimator(shape, 2048, 2, 4, None).gpu_extras(1, clipping=True)
+        assert extras["device-update buffers (2 x 4 fp32 pieces)"] == 2 * 4 * 4 * min(2 * piece, shape.layer_params)

@@ -98,6 +98,31 @@ def test_updates_in_backward_on_the_device_bit_identical_to_host_updates(tied, o
             assert torch.equal(torch.as_tensor(sa[i][key]), torch.as_tensor(sb[i][key])), (i, key)
 
 
+def test_a_large_layer_is_cut_into_larger_pieces(monkeypatch):
+    """A layer of more than DEVICE_PIECES_MAX pieces is cut into larger ones (budget.py: [Why a large
+    layer's pieces are larger]): the device buffers grow with them and the state stays the worker's."""
+    from hf_slideformer.planner import budget
+
+    data = batches(3, pad=True)
+    monkeypatch.setattr(device_update, "DEVICE_PIECE", 256)
+    monkeypatch.setattr(budget, "DEVICE_PIECES_MAX", 4)
+    _, host = make_pair("llama", False, device_update_share=0.0, optimizer_state="adamw_8bit_bf16")
+    _, dev = make_pair("llama", False, device_update_share=0.5, optimizer_state="adamw_8bit_bf16")
+    opts = [m.create_optimizer(lr=1e-2) for m in (host, dev)]
+    for b in data:
+        for m, o in zip((host, dev), opts):
+            m(**b).loss.backward(); o.step(); o.zero_grad()
+    eng = dev.slide_engine
+    largest = max(u.numel for u in eng.layer_units)
+    piece = budget.device_piece(largest, 256)
+    assert piece > 256 and largest <= 4 * piece < 2 * largest
+    assert eng.device_updates.pieces.sets[0].numel == min(2 * piece, largest)
+    assert eng.stats.gpu_adam_params > 0
+    a, b = _state(host), _state(dev)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_updates_in_backward_match_hf_adamw():
     ref, dev = make_pair("llama", False, device_update_share=1.0)
     assert train_both(ref, dev, batches(3, pad=True)) < PARAM_TOL

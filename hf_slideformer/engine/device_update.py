@@ -54,7 +54,7 @@ import time
 import torch
 
 from ..host import optim as _optim
-from ..planner.budget import DEVICE_PIECE, balanced_share, pick_device_units
+from ..planner.budget import DEVICE_PIECE, balanced_share, device_piece, pick_device_units
 from ..host.host_optim import ADAMW
 from .device_pieces import EntryGrads, HostGrad, PieceSets
 from ..host.memory import release_pages
@@ -176,7 +176,7 @@ class DeviceUpdater:
         engine = self.engine
         fmt = engine.layer_units[0].state_format or ADAMW
         entries = max(len(u.entries) for u in engine.layer_units)
-        self.pieces.ensure(fmt, min(2 * DEVICE_PIECE, numel), entries)
+        self.pieces.ensure(fmt, min(2 * device_piece(numel, DEVICE_PIECE), numel), entries)
 
     def share(self) -> float:
         """The share of the host-held layers to update on the device (the config's, or balanced)."""
@@ -309,7 +309,7 @@ class DeviceUpdater:
         with st.on(st.h2d):          # what every piece of an entry shares, made once
             steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None)
         source = EntryGrads(unit, grads)
-        for lo, hi, batch in _optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True):
+        for lo, hi, batch in _optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE), span=True):
             if hi > lo:
                 self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
         if found_inf is not None:
@@ -368,7 +368,8 @@ class DeviceUpdater:
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
             by_group, _, pending.steps = self._advance_steps(unit, group_of)
-            pending.batches = list(_optim.piece_batches(unit, by_group, DEVICE_PIECE, span=True))
+            pending.batches = list(_optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE),
+                                                        span=True))
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
         unit.readers = []

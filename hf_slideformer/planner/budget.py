@@ -12,11 +12,31 @@ import torch
 
 from ..host.memory import GiB
 
-__all__ = ["DEVICE_PIECE", "PCIE_BOTH_WAYS", "CPU_ADAMW_RATE", "resident_bytes_per_param", "plan_resident",
+__all__ = ["DEVICE_PIECE", "DEVICE_PIECES_MAX", "device_piece", "PCIE_BOTH_WAYS", "CPU_ADAMW_RATE", "resident_bytes_per_param", "plan_resident",
            "balanced_share", "pick_device_units"]
 
 # Elements per piece of a device update: a copy of 4-8 M parameters (64-128 MB in, 48-96 MB out).
 DEVICE_PIECE = 1 << 22
+# Note: [Why a large layer's pieces are larger] a device layer's update in its backward is queued
+# by the thread that runs the backward, piece by piece: per piece about ten operations on the h2d
+# stream (the gradient's slice, the state's copies in, the update, the events) and seven on the
+# d2h stream, all behind the h2d stream's wait for the layer's own backward. A CUDA stream holds
+# about a thousand pending operations; the thread that queues past that blocks until the GPU
+# has run the head of the queue, and the next layer's recompute, which the same thread queues
+# afterwards, waits with it. The 24B shape's layers were about 130 pieces of 2^22 elements: the
+# thread spent 250 ms queuing each, the GPU idled 110 ms of it (docs/host_state.md, with the probe
+# of the queue's capacity). So a layer is cut into at most about DEVICE_PIECES_MAX pieces (some 640
+# operations on the h2d stream): larger pieces for a larger layer, at more device memory for them.
+DEVICE_PIECES_MAX = 64
+
+
+def device_piece(numel: int, least: int = DEVICE_PIECE) -> int:
+    """Elements per piece of a device update of a unit of `numel` elements: `least`, doubled until
+    the unit is at most `DEVICE_PIECES_MAX` pieces of it (each piece spans up to twice that)."""
+    piece = max(1, int(least))
+    while numel > piece * DEVICE_PIECES_MAX:
+        piece *= 2
+    return piece
 # The rates the automatic device-update share balances: the h2d stream's rate in a clipping forward
 # while the d2h stream carries the write-backs and the activations (both copy engines busy, so below
 # the one-way figure), and the worker's fused AdamW rate with the clip factor. Measured on the H200

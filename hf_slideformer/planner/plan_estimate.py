@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .budget import DEVICE_PIECE, balanced_share
+from .budget import balanced_share, device_piece
 from ..disk.disk_plan import DiskSplit
 from ..host.host_optim import embed_format, state_format
 from ..host.memory import COPY_CHUNK
@@ -233,8 +233,8 @@ class Estimator:
             return out
         if N > 1:
             out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
-        if clipping:
-            out["device-update buffers (2 x 4 fp32 pieces)"] = 2 * 4 * 4 * min(2 * DEVICE_PIECE, self.s.layer_params)
+        if clipping:     # two sets of up to two pieces (budget.device_piece)
+            out["device-update buffers (2 x 4 fp32 pieces)"] = 32 * min(2 * device_piece(self.s.layer_params), self.s.layer_params)
         return out
 
     def gpu_peak(self, B: int, tier: str) -> int:
