@@ -41,3 +41,17 @@ def test_the_planner_sizes_the_device_buffers_by_the_piece():
         shape = model_shape(load_model_config(configs / f"{name}.json"))
         extras = Estimator(shape, 2048, 2, 4, None).gpu_extras(1, clipping=True)
         assert extras["device-update buffers (2 x 4 fp32 pieces)"] == 2 * 4 * 4 * min(2 * piece, shape.layer_params)
+
+
+def test_the_planner_counts_the_device_buffers_of_a_share_in_the_backward():
+    """Without clipping, a numeric share updates layers on the device in their backward: same buffers."""
+    from pathlib import Path
+
+    from hf_slideformer.planner.plan_estimate import Estimator
+    from hf_slideformer.planner.planner import load_model_config, model_shape
+
+    shape = model_shape(load_model_config(Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+                                          / "mistral-small-24b.json"))
+    assert not Estimator(shape, 2048, 2, 4, None).gpu_extras(1, clipping=False)
+    with_share = Estimator(shape, 2048, 2, 4, None, device_share=0.5).gpu_extras(1, clipping=False)
+    assert with_share["device-update buffers (2 x 4 fp32 pieces)"] == 32 * (2 << 24)

@@ -226,14 +226,14 @@ class Estimator:
         return fixed, phases
 
     def gpu_extras(self, N: int, clipping: bool) -> dict:
-        """Device buffers of the deferred modes: one layer's fp32 running sum with accumulation
-        (accumulate.py), two sets of fp32 master / gradient / moments pieces with clipping (device_update.py)."""
+        """Device buffers: one layer's fp32 running sum with accumulation (accumulate.py), two sets of fp32
+        master / gradient / moments pieces with clipping or a share in the backward (device_update.py)."""
         out = {}
         if self.gpus > 1:           # several processes: no device accumulation, no device updates (sharded.py)
             return out
         if N > 1:
             out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
-        if clipping:     # two sets of up to two pieces (budget.device_piece)
+        if clipping or self.device_share:     # two sets of up to two pieces (budget.device_piece)
             out["device-update buffers (2 x 4 fp32 pieces)"] = 32 * min(2 * device_piece(self.s.layer_params), self.s.layer_params)
         return out
 
