@@ -10,7 +10,7 @@ from hf_slideformer.engine.activations import DeviceTier, FileTier, PinnedCpuTie
 from hf_slideformer.config import SlideConfig
 from hf_slideformer.engine.transfer import Streams
 
-CPU = Streams(torch.device("cpu"))
+CPU = Streams.for_device(torch.device("cpu"))
 
 
 def _inputs(n, dtype, shape=(2, 5, 8), seed=0):

@@ -213,7 +213,7 @@ def test_nvme_tier_file_work_on_its_own_thread(tmp_path, monkeypatch):
 def test_nvme_tier_reads_ahead_and_gives_back_its_buffers(tmp_path):
     from hf_slideformer.engine.activations import FileTier
     from hf_slideformer.engine.transfer import Streams
-    tier = FileTier(Streams(torch.device("cpu")), str(tmp_path), buffers=4)
+    tier = FileTier(Streams.for_device(torch.device("cpu")), str(tmp_path), buffers=4)
     xs = [torch.randn(3, 5 + i) for i in range(6)]          # sizes differ: buffers grow as needed
     for i, x in enumerate(xs):
         tier.save(i, x)

@@ -1,9 +1,12 @@
 """Resident layers (optimizer state on the compute device, updated there) against the host path."""
+from types import MethodType
+
 import torch
 import pytest
 
 import hf_slideformer as hs
 from hf_slideformer.host.memory import release_pages
+from hf_slideformer.engine.transfer import CudaStreams
 from hf_slideformer.engine.resident import plan_resident
 from hf_slideformer.checkpoints.train_checkpoint import load_training_state, save_training_state
 from helpers import batches, make_pair
@@ -329,7 +332,7 @@ def test_first_plan_decides_the_embedding_from_the_estimate(monkeypatch):
     assert eng.residents.first_embed_plan(32768) is False                 # a CPU device: measure first
     with open(os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "llama3-8b.json")) as f:
         eng.residents.model_config = json.load(f)
-    monkeypatch.setattr(eng.streams, "cuda", True)
+    monkeypatch.setattr(eng.streams, "plan_resident", MethodType(CudaStreams.plan_resident, eng.streams))   # as on CUDA
     monkeypatch.setattr(eng.config, "activation_tier", "cpu")    # what "auto" is on CUDA
     for cap, tokens, want in ((24, 16 * 2048, True), (8, 2048, False)):
         monkeypatch.setattr(eng.config, "gpu_memory_limit", cap)
@@ -353,7 +356,7 @@ def test_the_measured_plan_sizes_layers_by_the_format_s_bytes_and_says_what_it_r
     eng = slid.slide_engine
     numel = max(u.numel for u in eng.layer_units)
     budget = int(4 * numel + 12 * numel * 1.2)                    # one shared gradient, 1.2 fp32 layers
-    monkeypatch.setattr(eng.streams, "cuda", True)
+    monkeypatch.setattr(eng.streams, "plan_resident", MethodType(CudaStreams.plan_resident, eng.streams))   # as on CUDA
     monkeypatch.setattr(eng.config, "gpu_memory_limit", 4)
     monkeypatch.setattr(resident, "measured_peak", lambda device: 2 * GiB - budget)     # the margin: 2 GiB
     monkeypatch.setattr(resident, "allocated_peak", lambda device: GiB)

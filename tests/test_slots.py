@@ -13,7 +13,7 @@ def _unit(name, numel, seed):
 
 
 def test_chunked_load_fills_the_slot_only_when_finished():
-    q = SlotQueue(1, 64, torch.float32, Streams(torch.device("cpu")))
+    q = SlotQueue(1, 64, torch.float32, Streams.for_device(torch.device("cpu")))
     q.chunk = 7
     a, b = _unit("a", 23, 0), _unit("b", 30, 1)
     steps = q.load_steps((a, b))
@@ -30,7 +30,7 @@ def test_chunked_load_fills_the_slot_only_when_finished():
 
 
 def test_chunked_load_dropped_half_way_starts_over():
-    q = SlotQueue(1, 64, torch.float32, Streams(torch.device("cpu")))
+    q = SlotQueue(1, 64, torch.float32, Streams.for_device(torch.device("cpu")))
     q.chunk = 5
     a = _unit("a", 40, 2)
     steps = q.load_steps((a,))
@@ -57,7 +57,7 @@ def test_load_copies_each_finished_prefix_of_an_update_in_progress():
         if ready == u.numel:
             u.updated.set()
         return ready
-    q = SlotQueue(1, 64, torch.float32, Streams(torch.device("cpu")), waiter=waiter)
+    q = SlotQueue(1, 64, torch.float32, Streams.for_device(torch.device("cpu")), waiter=waiter)
     q.chunk = 20
     slot = q.load((a,))
     assert seen == [0, 12, 20, 32, 40]              # chunk [0, 20): 0-12, 12-20; [20, 40): 20-32, 32-40; [40, 50)
@@ -78,7 +78,7 @@ def test_staged_copy_casts_through_a_small_stage_bit_exactly():
 
 
 def test_slot_with_a_staging_buffer_holds_the_cast_weights():
-    q = SlotQueue(1, 64, torch.bfloat16, Streams(torch.device("cpu")), staging=torch.empty(5))
+    q = SlotQueue(1, 64, torch.bfloat16, Streams.for_device(torch.device("cpu")), staging=torch.empty(5))
     a = _unit("a", 23, 0)
     slot = q.load((a,))
     assert torch.equal(slot.views(a)[0], a.master.to(torch.bfloat16))

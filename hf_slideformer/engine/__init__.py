@@ -9,7 +9,8 @@
   kept or updated on the GPU; `embedding`, `head`: the embedding and the loss head; `embedding_table`:
   where the embedding's table lives (the host store or the GPU) and how it is updated; `lm_weight`:
   where the lm_head weight lives (the head unit or a tied embedding).
-- `slots`, `transfer`, `grad_ring`: the GPU slots, the copies in and out, the gradient buffers.
+- `slots`, `transfer`, `staging`, `grad_ring`: the GPU slots, the streams and the copies in and out
+  (`Streams`, chosen once per device: `HostStreams` or `CudaStreams`), the gradient buffers.
 - `activations`, `activation_tiers`, `activation_file`: the layer inputs kept for the recompute.
 - `lora`, `modules_to_save`: PEFT's adapters and trained copies inside a slid model.
 - `slide_build`, `slide_checks`: what `slide()` builds and checks; `data_parallel`, `sharded`:

@@ -189,8 +189,8 @@ class DeviceUpdater:
                 return 0.0
             return engine.step_shape.share_in_backward(float(config.device_update_share))   # step_shape.py
         if config.device_update_share == "auto":
-            # Without pinned host memory the copies would crawl (pageable h2d: 8.7 GB/s).
-            return balanced_share() if engine.streams.cuda and engine.pinned.enabled else 0.0
+            # 0.0 unless the copies are DMA from pinned memory (Streams.balanced_update_share)
+            return engine.streams.balanced_update_share(engine.pinned)
         return float(config.device_update_share)
 
     def prepare(self) -> None:
@@ -297,9 +297,11 @@ class DeviceUpdater:
         engine, unit, st = self.engine, place.unit, self.engine.streams
         issued = time.perf_counter()
         self.settle(place)
-        if not st.cuda and float(found_inf):     # decided on the host: nothing changes, counters included
+        # On the CPU the skip is decided on the host: nothing changes, counters included; on CUDA
+        # the device decides it from `found_inf`.
+        skip_now, found_inf = st.skip_on_host(found_inf)
+        if skip_now:
             return
-        found_inf = found_inf if st.cuda else None
         groups, group_of = hp
         by_group, advanced, steps = self._advance_steps(unit, group_of)
         self._ensure_sets(unit.numel)
@@ -327,19 +329,12 @@ class DeviceUpdater:
     def _advance_steps(self, unit, group_of: dict) -> tuple[dict, list[int], list]:
         """Advance the host step counters of `unit`'s entries in the optimizer's groups (the host
         counters are the state: the optimizer's state_dict reads them). Returns the entries by
-        group, the advanced entries, and every entry's counter as the update reads it (device
-        copies on CUDA, queued on the h2d stream)."""
-        engine, st = self.engine, self.engine.streams
+        group, the advanced entries, and every entry's counter as the update reads it
+        (`Streams.steps_for_update`: device copies on CUDA, queued on the h2d stream)."""
         by_group = _optim.groups_of(unit, group_of)
         advanced = [k for ks in by_group.values() for k in ks]
         torch._foreach_add_([unit.steps[k] for k in advanced], 1)
-        if not st.cuda:
-            return by_group, advanced, unit.steps
-        with st.on(st.h2d):
-            # pinned: a copy from pageable memory would block this thread until the h2d stream's
-            # queue (slot fills, earlier pieces) has run
-            steps = torch.stack(unit.steps).pin_memory()
-            return by_group, advanced, list(steps.to(engine.device, non_blocking=True).unbind())
+        return by_group, advanced, self.engine.streams.steps_for_update(unit.steps)
 
     def settle(self, place: DeviceUpdateLayer) -> None:
         """The host step counters of `place`'s last update in backward: taken back if the device

@@ -96,12 +96,16 @@ class Embedding:
     def gather_on_host(self, ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """The embedded batch (`shape` + (H,)) in the compute dtype: the rows of the host master
         (`HostTable`), copied in."""
-        engine = self.engine
         master = self.unit.master.view(self.vocab, self.hidden)
+        rows_out = self.engine.streams.gather_rows(master, ids, self.gather_staged)
+        return rows_out.to(self.engine.dtype).view(*shape, self.hidden)
+
+    def gather_staged(self, master: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The rows `ids` of the host `master` on a CUDA device (`Streams.gather_rows`), in the
+        gather's dtype: gathered into a pinned buffer in chunks, each copied in as the next is
+        gathered."""
+        engine = self.engine
         num_tokens = ids.numel()
-        if not engine.streams.cuda:
-            rows_out = master.index_select(0, ids).to(engine.dtype)
-            return rows_out.view(*shape, self.hidden)
         if self.fwd_ev is not None:
             self.fwd_ev.synchronize()          # the previous batch's rows have left the buffer
         # Note: [Why the rows are gathered in bf16, in chunks] the gather is on the path from the
@@ -128,7 +132,7 @@ class Embedding:
             rows_out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
         self.fwd_ev = engine.streams.record()
         engine.stats.add_h2d(buf.numel() * buf.element_size())
-        return rows_out.to(engine.dtype).view(*shape, self.hidden)
+        return rows_out
 
     def keep_gather(self, out: torch.Tensor, gather) -> None:
         """A training forward's output `out` and the `gather` that makes it again (`ResidentTable`)."""

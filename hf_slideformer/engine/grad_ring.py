@@ -12,7 +12,6 @@ import threading
 import torch
 
 from ..host.memory import COPY_CHUNK
-from .slots import staged_copy
 
 __all__ = ["GradientRing"]
 
@@ -102,47 +101,11 @@ class GradientRing:
         has their dtype, else widened to the buffer's fp32 on the device (never narrowed); the
         event after the last copy.
 
-        With `ends` and `marks` (CUDA only), `marks` receives (ends[k], event) after the k-th
-        gradient's copy: the worker can start on the front of a unit while the rest is in flight.
-        `norm_dst` (a pinned scalar) receives the running squared norm first.
+        With `ends` and `marks` (a list from `Streams.copy_marks`; None on the CPU), `marks`
+        receives (ends[k], event) after the k-th gradient's copy: the worker can start on the front
+        of a unit while the rest is in flight. `norm_dst` (a pinned scalar) receives the running
+        squared norm first. The copies are the streams' (`Streams.gradients_to_host`).
         """
         engine = self.engine
-        st, norm = engine.streams, engine.norm.dev
-        if not st.cuda:
-            if norm_dst is not None:
-                norm_dst.copy_(norm.reshape(1))
-            for grad, dst in zip(grads, dsts):
-                if grad is None:
-                    dst.zero_()
-                else:
-                    _check_lossless(grad, dst)
-                    dst.copy_(grad.reshape(dst.shape))
-            return st.record()
-        # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
-        st.wait(st.record(), st.d2h)
-        with st.on(st.d2h):
-            if norm_dst is not None:
-                norm_dst.copy_(norm.reshape(1), non_blocking=True)
-            for grad, dst in zip(grads, dsts):
-                dst = dst.view(-1)
-                if grad is None:
-                    dst.zero_()
-                else:
-                    _check_lossless(grad, dst)
-                    gf = grad.reshape(-1)
-                    if gf.dtype == dst.dtype:
-                        dst.copy_(gf, non_blocking=True)
-                    else:                    # widened on the device, all on the d2h stream
-                        staged_copy(dst, gf, self.stage)
-                    engine.stats.add_bytes("d2h", dst.numel() * dst.element_size())
-                if marks is not None:
-                    marks.append((ends[len(marks)], st.record(st.d2h)))
-        done = st.record(st.d2h)
-        # Note: [Why copy sources are handed over, not recorded] (transfer.py)
-        st.hand_over([g for g in grads if g is not None], done)
-        return done
-
-
-def _check_lossless(grad: torch.Tensor, dst: torch.Tensor) -> None:
-    if dst.dtype != grad.dtype and dst.dtype != torch.float32:
-        raise RuntimeError(f"a {grad.dtype} gradient cannot land in a {dst.dtype} host buffer without rounding")
+        return engine.streams.gradients_to_host(grads, dsts, ends, marks, engine.norm.dev, norm_dst, self.stage,
+                                                engine.stats)

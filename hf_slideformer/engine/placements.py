@@ -175,7 +175,7 @@ class HostLayer(LayerPlacement):
             buf, free = engine.late.buffers[late], engine.late.free[late]
         # Per-gradient events let the update start on the unit's front while its back is copied
         # (HostStore lays the entries out in order, so copy order is offset order).
-        marks = [] if engine.streams.cuda else None
+        marks = engine.streams.copy_marks()
         norm = plan.norm.slot(unit)
         done = engine.grad_ring.d2h(grads, [x.view(buf) for x in unit.entries],
                                     [x.offset + x.numel for x in unit.entries],

@@ -183,13 +183,17 @@ class ResidentPlan:
 
     def measured_plan(self) -> tuple[bool, int]:
         """With one backward per step: (embedding resident, number of resident layers) from the
-        config and, where it says "auto", the measured peak."""
-        engine = self.engine
-        config = engine.config
+        config and, where it says "auto", the measured peak (`Streams.plan_resident`: nothing to
+        gain on a CPU device unless asked)."""
+        config = self.engine.config
         embed = None if config.resident_embedding == "auto" else bool(config.resident_embedding)
         layers = None if config.resident_layers == "auto" else int(config.resident_layers)
-        if not engine.streams.cuda:                       # nothing to gain on a CPU device unless asked
-            return bool(embed), layers or 0
+        return self.engine.streams.plan_resident((bool(embed), layers or 0), lambda: self.fitted_plan(embed, layers))
+
+    def fitted_plan(self, embed: bool | None, layers: int | None) -> tuple[bool, int]:
+        """On a GPU: `embed` and `layers` where the config gives them, else what fits the cap above the peak."""
+        engine = self.engine
+        config = engine.config
         if embed is not None and layers is not None:
             return embed, layers
         limit = (int(config.gpu_memory_limit * GiB) if config.gpu_memory_limit is not None
@@ -227,14 +231,19 @@ class ResidentPlan:
         finds room for it, the embedding is resident from the first step; the measured plan then
         confirms it or writes it back (`promote`).
         """
-        engine = self.engine
-        config = engine.config
+        config = self.engine.config
         if config.resident_embedding != "auto":
             return bool(config.resident_embedding)
-        if not engine.streams.cuda or self.model_config is None:
+        return self.engine.streams.plan_resident(False, lambda: self.estimated_embed_plan(tokens))
+
+    def estimated_embed_plan(self, tokens: int) -> bool:
+        """On a GPU: does the planner's estimate for a batch of `tokens` tokens find room for the
+        resident embedding (False without the model's config)?"""
+        config = self.engine.config
+        if self.model_config is None:
             return False
         limit = (config.gpu_memory_limit if config.gpu_memory_limit is not None
-                 else torch.cuda.get_device_properties(engine.device).total_memory / GiB)
+                 else torch.cuda.get_device_properties(self.engine.device).total_memory / GiB)
         try:
             plan = _estimate(self.model_config, batch=1, seq=max(1, tokens), gpu_mem=limit, host_mem=1e6,
                              max_grad_norm=config.max_grad_norm, window=config.window,

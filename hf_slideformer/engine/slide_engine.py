@@ -109,8 +109,8 @@ class SlideEngine:
         self.matmuls = layer_matmuls(config, self.layers)     # the projections' math (layer_matmuls.py)
         self.tied = adapter.lm_head(model).weight is adapter.embed(model).weight
         self.vocab, self.hidden = adapter.embed(model).weight.shape
-        self.streams = Streams(self.device)
-        self.stats = StepStats(self.streams.cuda)
+        self.streams = Streams.for_device(self.device)       # CudaStreams or HostStreams (transfer.py)
+        self.stats = StepStats(config.is_cuda)
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         self.clock = MainClock(self.stats, self.streams, self.worker)   # timed waits and GPU spans

@@ -55,7 +55,7 @@ class StepNorm:
     def copy(self, dst: torch.Tensor):
         """`dev` into the pinned scalar `dst`, without a host sync; the compute event after it."""
         st = self.engine.streams
-        dst.copy_(self.dev.reshape(1), non_blocking=st.cuda)
+        st.copy_unsynced(dst, self.dev.reshape(1))
         return st.record()
 
     def found_inf(self) -> torch.Tensor:
@@ -64,14 +64,12 @@ class StepNorm:
         return (~torch.isfinite(self.dev)).to(torch.float32)
 
     def clip_coef(self):
-        """The clip factor from the GPU-side norm of a one-backward step: on CUDA a device scalar (no
-        sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the host tasks' own
-        arithmetic (see HostUpdates.clip_task), so that the results are identical there."""
+        """The clip factor from the GPU-side norm of a one-backward step (`Streams.clip_coef`): on CUDA
+        a device scalar (no sync, torch's clip_grad_norm_ arithmetic), on the CPU a float with the
+        host tasks' own arithmetic (see HostUpdates.clip_task), so that the results are identical
+        there."""
         engine = self.engine
-        mx = engine.config.max_grad_norm
-        if engine.streams.cuda:
-            return (mx / (self.dev.sqrt() + 1e-6)).clamp(max=1.0)
-        return min(mx / (float(self.dev) ** 0.5 + 1e-6), 1.0)
+        return engine.streams.clip_coef(engine.config.max_grad_norm, self.dev)
 
     def grad_scale(self):
         """The clip factor's reciprocal for the device updates (the fused kernel's grad_scale), and

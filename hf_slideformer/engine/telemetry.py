@@ -184,7 +184,7 @@ class MainClock:
 
     def span_start(self):
         """Mark the start of GPU compute to be timed (None without CUDA); pass it to `span_end`."""
-        return self.streams.record(timing=True) if self.streams.cuda else None
+        return self.streams.timing_event()
 
     def span_end(self, start) -> None:
         """Close the span opened by `span_start`: its elapsed time joins `gpu_compute_s` once done."""

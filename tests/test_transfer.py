@@ -1,0 +1,66 @@
+"""The streams chosen once for a device: the CPU's behaviour, and the interface both kinds share."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_slideformer.engine.transfer import CudaStreams, HostStreams, Streams
+
+CPU = torch.device("cpu")
+
+
+class _Stats:
+    def __init__(self):
+        self.bytes = {}
+
+    def add_bytes(self, kind, nbytes):
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+
+def test_the_factory_picks_host_streams_on_the_cpu():
+    streams = Streams.for_device(CPU)
+    assert isinstance(streams, HostStreams) and isinstance(streams, Streams)
+    assert streams.h2d is None and streams.d2h is None and streams.compute is None
+    assert streams.record().query() and streams.timing_event() is None
+    with streams.on(streams.h2d):
+        pass
+    streams.hand_over([torch.ones(3)], streams.record())
+    assert streams.owed == 0
+
+
+def test_both_kinds_implement_the_whole_interface():
+    assert not HostStreams.__abstractmethods__ and not CudaStreams.__abstractmethods__
+    with pytest.raises(TypeError):
+        Streams(CPU)                                  # the interface alone: use Streams.for_device
+
+
+def test_host_streams_decide_on_the_host():
+    streams = Streams.for_device(CPU)
+    assert streams.skip_on_host(torch.tensor(1.0)) == (True, None)
+    assert streams.skip_on_host(torch.tensor(0.0)) == (False, None)
+    steps = [torch.tensor(3.0), torch.tensor(4.0)]
+    assert streams.steps_for_update(steps) is steps
+    coef = streams.clip_coef(1.0, torch.tensor(16.0))
+    assert isinstance(coef, float) and coef == 1.0 / (4.0 + 1e-6)
+    assert streams.clip_coef(10.0, torch.tensor(16.0)) == 1.0
+    assert streams.copy_marks() is None
+    assert streams.balanced_update_share(SimpleNamespace(enabled=True)) == 0.0
+    assert streams.plan_resident((False, 0), lambda: pytest.fail("measured on a CPU device")) == (False, 0)
+    table = torch.arange(12.0).view(4, 3)
+    ids = torch.tensor([2, 0])
+    rows = streams.gather_rows(table, ids, lambda *args: pytest.fail("staged on a CPU device"))
+    assert torch.equal(rows, table[ids])
+
+
+def test_host_gradients_to_host_are_plain_copies():
+    streams, stats = Streams.for_device(CPU), _Stats()
+    grads = [torch.full((2, 2), 1.5, dtype=torch.bfloat16), None]
+    dsts = [torch.empty(4), torch.ones(3)]
+    norm, norm_dst = torch.tensor(9.0), torch.zeros(1)
+    done = streams.gradients_to_host(grads, dsts, None, None, norm, norm_dst, None, stats)
+    assert done.query()
+    assert torch.equal(dsts[0], torch.full((4,), 1.5)) and torch.equal(dsts[1], torch.zeros(3))
+    assert float(norm_dst[0]) == 9.0 and stats.bytes == {}        # no link crossed
+    with pytest.raises(RuntimeError, match="without rounding"):
+        streams.gradients_to_host([torch.ones(2)], [torch.empty(2, dtype=torch.bfloat16)], None, None, norm, None,
+                                  None, stats)
