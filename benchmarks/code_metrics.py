@@ -34,7 +34,7 @@ PACKAGE = ROOT / "hf_slideformer"
 
 # The engine and the parts of its schedule (what a reader opens to follow one step).
 ENGINE_PARTS = ("slide_engine.py", "schedule.py", "placements.py", "late_updates.py", "head.py", "lm_weight.py", "embedding.py",
-                "embedding_table.py",
+                "embedding_table.py", "end_training.py",
                 "resident.py", "device_update.py", "accumulate.py", "disk_placement.py", "lora.py",
                 "host_tasks.py", "grad_ring.py", "step_norm.py", "sharded.py", "slots.py", "mode.py")
 

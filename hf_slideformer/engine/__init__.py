@@ -8,7 +8,8 @@
   assigns them); `resident`, `resident_state`, `device_update`, `late_updates`: the placements
   kept or updated on the GPU; `embedding`, `head`: the embedding and the loss head; `embedding_table`:
   where the embedding's table lives (the host store or the GPU) and how it is updated; `lm_weight`:
-  where the lm_head weight lives (the head unit or a tied embedding).
+  where the lm_head weight lives (the head unit or a tied embedding); `end_training`: whether the
+  embedding and the head train.
 - `slots`, `transfer`, `staging`, `grad_ring`: the GPU slots, the streams and the copies in and out
   (`Streams`, chosen once per device: `HostStreams` or `CudaStreams`), the gradient buffers.
 - `activations`, `activation_tiers`, `activation_file`: the layer inputs kept for the recompute.

@@ -42,6 +42,8 @@ class Embedding:
             inverse index and the non-padding mask, on the device.
         dw_sq, dw_rows: a tied lm_head's squared gradient norm and its gradient's batch rows
             (set by the head's forward, for the norm of one-backward steps).
+        training: whether its unit trains (end_training.py): `TrainedEmbedding` or
+            `FrozenEmbedding`, given by `Placements.refresh_ends` at the start of every forward.
     """
 
     def __init__(self, engine, unit: Unit, module: torch.nn.Embedding):
@@ -56,6 +58,7 @@ class Embedding:
         self.grad: torch.Tensor | None = None
         self.touched: list[torch.Tensor] = []
         self.table: HostTable | ResidentTable = HostTable(self)
+        self.training = None                     # set with the head's (end_training.choose)
         self.rgrad: torch.Tensor | None = None
         self.touch = None
         self.rows_dev = None
@@ -69,6 +72,7 @@ class Embedding:
         """The embedded batch (B, S, H) in the compute dtype."""
         engine, unit = self.engine, self.unit
         engine.stats.event("forward_begin", time.perf_counter())
+        engine.places.refresh_ends()                      # requires_grad may have changed since the last forward
         engine.head.drop_prefetch()                       # a forward that stopped half way left it
         self._out = None
         engine.clock.wait(unit.updated, "update")
@@ -151,11 +155,14 @@ class Embedding:
 
     # ----------------------------------------------------------------- backward (main thread)
     def backward(self, gx: torch.Tensor) -> None:
-        """The last step of a backward: the embedding's gradient from the first layer's input gradient."""
+        """The last step of a backward: the embedding's gradient from the first layer's input
+        gradient, unless it is frozen (the base under LoRA; `FrozenEmbedding`)."""
+        self.training.backward(self, gx)
+
+    def take_gradient(self, gx: torch.Tensor) -> None:
+        """A trained embedding's backward (`TrainedEmbedding`): its gradient from the first layer's
+        input gradient `gx`, then the backward ends."""
         engine = self.engine
-        if not self.unit.trainable:                # a frozen embedding (the base under LoRA)
-            engine.end_backward()
-            return
         num_tokens = gx.numel() // self.hidden
         _, inv, keep = self.rows_dev
         distinct = self.touch.numel()
@@ -190,17 +197,16 @@ class Embedding:
         norm = engine.backward_plan.norm.slot(unit)
         done = engine.grad_ring.d2h([sums], [host_rows], norm_dst=norm)
         update = engine.backward_plan.updates                   # begun with the head's (see head.backward) ...
-        if update and not engine.head.trainable:
-            engine.begin_update(unit)                     # ... unless the head is frozen and sent nothing
+        if update:                                        # ... unless the head is frozen and sent nothing
+            engine.head.training.begin_embedding_update(engine, unit)
         engine.worker.submit(self._embed_task, host_rows, rows, done, update, engine.backward_plan.host_norms,
                              engine.hp, norm, done=(self.host_free,) + engine.backward_plan.updating.signals(unit))
         engine.end_backward()
 
     def step(self, deferred: DeferredStep) -> None:
-        """optimizer.step() after a backward that did not update: the worker updates from the dense gradient."""
+        """optimizer.step() after a backward that did not update: the worker updates from the dense
+        gradient (a frozen embedding's step is `Placements.updater_of`'s `NoUpdate`)."""
         engine, unit = self.engine, self.unit
-        if not unit.trainable:
-            return
         engine.begin_update(unit)
         engine.worker.submit(engine.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev, self.grad,
                              self.reset_grad, done=(unit.updated,))

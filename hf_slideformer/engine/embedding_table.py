@@ -44,8 +44,7 @@ class HostTable:
     def prepare_gradient(self) -> None:
         """A training forward: the dense host gradient of a trainable embedding, made on first use."""
         emb = self.embedding
-        if emb.unit.trainable:
-            emb.ensure_grad()
+        emb.training.prepare_gradient(emb)
 
     def gather(self, ids: torch.Tensor, shape: torch.Size, with_grad: bool) -> torch.Tensor:
         """The embedded batch (`shape` + (H,)) in the compute dtype from the token ids `ids` (host)."""
@@ -59,7 +58,7 @@ class HostTable:
     def updates_on_worker(self) -> bool:
         """Does the worker update the whole table (every row but the batch's) at its front, in the
         head's task (head.py; the late layers cover it, schedule.py)?"""
-        return self.embedding.unit.trainable
+        return self.embedding.training.updates_on_worker()
 
     def step_on_device(self, deferred: DeferredStep) -> set[int]:
         """`optimizer.step()`: the ids of the units this updated on the device (none: the worker's)."""
@@ -73,8 +72,7 @@ class HostTable:
     def to_device(self, wanted=None) -> None:
         """Make a trainable embedding resident, when `wanted()` (if given) agrees."""
         emb = self.embedding
-        if emb.unit.trainable and (wanted is None or wanted()):
-            emb.make_resident()
+        emb.training.to_device(emb, wanted)
 
     def to_host(self) -> None:
         """The plan keeps the embedding on the host: it is there."""

@@ -37,6 +37,8 @@ class LossHead:
         units: what the head slot carries: the head unit, and a tied lm_head's embedding unit.
         host_grad: the host buffer the pending head gradient lands in; `ring`: the ring buffers it holds.
         scale_host, scale_dev: the loss gradient (pinned for the worker, and on the device).
+        training: whether it takes gradients (end_training.py): `TrainedHead` or `FrozenHead`,
+            given by `Placements.refresh_ends`.
     """
 
     def __init__(self, engine, unit: Unit, lm_module, norm_fn, slots: SlotQueue):
@@ -49,6 +51,7 @@ class LossHead:
         self.norm_fn = norm_fn if transform.divisor == 1.0 else (lambda h: norm_fn(h) / transform.divisor)
         self.lm_weight = lm_weight_of(engine, unit, lm_module)
         self.units = self.lm_weight.units
+        self.training = None                      # set with the embedding's (end_training.choose)
         self.host_grad: torch.Tensor | None = None
         self.own_buffer: torch.Tensor | None = None     # a head buffer of its own, when the ring is too small
         self.ring: tuple[int, ...] = ()
@@ -69,10 +72,9 @@ class LossHead:
         return self.lm_weight.trainable()
 
     def step(self, deferred) -> None:
-        """optimizer.step() after a backward that did not update: the worker updates the head."""
+        """optimizer.step() after a backward that did not update: the worker updates the head
+        (a frozen head unit's step is `Placements.updater_of`'s `NoUpdate`)."""
         engine, unit = self.engine, self.unit
-        if not unit.trainable:
-            return
         engine.begin_update(unit)
         engine.worker.submit(engine.host_updates.deferred_task, unit, deferred.hp, deferred.grads_ev,
                              done=(unit.updated,))
@@ -102,14 +104,25 @@ class LossHead:
             engine.dp.meet(engine.meeting())     # before this micro-batch's first collective (data_parallel.py)
         span = engine.clock.span_start()
         hx = hidden.detach().requires_grad_()
-        if not self.trainable:                       # frozen (the base under LoRA): the input's gradient only
-            with torch.enable_grad(), swapped(hu, hv):
-                loss = self._loss(hx, weight, sl, num_items_in_batch, poison, token_weights)
-            (gh,) = torch.autograd.grad(loss, [hx])
-            engine.clock.span_end(span)
-            self.slots.release(slot)
-            self.pending, self.done = True, None
-            return loss.detach(), gh
+        batch = (sl, num_items_in_batch, poison, token_weights)
+        return self.training.grads_forward(self, hx, hv, weight, batch, slot, span)
+
+    def input_grad_forward(self, hx, hv, weight, batch, slot, span):
+        """A frozen head's training forward (`FrozenHead`): (loss, the gradient of `hx`) alone.
+        `batch`: the labels, the item count, the poison and the token weights of `_loss`."""
+        engine, hu = self.engine, self.unit
+        with torch.enable_grad(), swapped(hu, hv):
+            loss = self._loss(hx, weight, *batch)
+        (gh,) = torch.autograd.grad(loss, [hx])
+        engine.clock.span_end(span)
+        self.slots.release(slot)
+        self.pending, self.done = True, None
+        return loss.detach(), gh
+
+    def grads_forward(self, hx, hv, weight, batch, slot, span):
+        """A trained head's training forward (`TrainedHead`): (loss, the gradient of `hx`), the
+        head's own gradients (and a tied lm_head's) sent to the host now."""
+        engine, hu = self.engine, self.unit
         # Note: [Why a frozen part of a trained head takes no gradient] the head unit trains when
         # any of its parameters does (PEFT's lm_head copy beside the base's frozen norm). A frozen
         # one is a leaf without gradient: zeros cross in its place, so the step's norm counts the
@@ -117,7 +130,7 @@ class LossHead:
         leaves = [t.detach().requires_grad_(x.param is None or x.param.requires_grad) for t, x in zip(hv, hu.entries)]
         wl, tied_leaves = self.lm_weight.leaf(leaves, weight)
         with torch.enable_grad(), swapped(hu, leaves):
-            loss = self._loss(hx, wl, sl, num_items_in_batch, poison, token_weights)
+            loss = self._loss(hx, wl, *batch)
         trained = [t for t in leaves if t.requires_grad]
         wrt = [hx] + trained + tied_leaves
         grads = torch.autograd.grad(loss, wrt, allow_unused=True)

@@ -38,8 +38,9 @@ import torch
 from ..compute.functions import leaves as _leaves
 from ..host.optim import sq_norm as _sq_norm
 from ..host.store import Unit
+from .end_training import choose as choose_training
 
-__all__ = ["UnitPlacement", "LayerPlacement", "HostLayer", "FrozenLayer", "DeferredStep", "Placements"]
+__all__ = ["UnitPlacement", "LayerPlacement", "HostLayer", "FrozenLayer", "NoUpdate", "DeferredStep", "Placements"]
 
 
 @dataclass
@@ -248,11 +249,25 @@ class FrozenLayer(LayerPlacement):
         pass
 
 
+class NoUpdate:
+    """The update at `optimizer.step()` of an embedding or a head whose unit does not train: none.
+
+    Args:
+        unit: the frozen unit.
+    """
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+
+    def step(self, deferred: DeferredStep) -> None:
+        """Nothing to update."""
+
+
 class Placements(list):
     """The decoder layers' placements in layer order (`SlideEngine.places`): the one owner that
     assigns them, and the one place that asks which kind a layer's placement is. It also knows
     the embedding's and the head's places (`attach_ends`), so that every unit's update is found
-    in one place (`updater_of`).
+    in one place (`updater_of`), and chooses whether they train (`refresh_ends`).
 
     Args:
         units: the layer units in layer order.
@@ -263,15 +278,28 @@ class Placements(list):
         super().__init__(make(unit) for unit in units)
         self._layer_no = {id(unit): i for i, unit in enumerate(units)}
         self._ends: dict[int, UnitPlacement] = {}
+        self._embedding = self._head = None
 
     def attach_ends(self, embedding: UnitPlacement, head: UnitPlacement) -> None:
-        """The embedding's and the head's places (embedding.py, head.py), made once at `slide()`."""
+        """The embedding's and the head's places (embedding.py, head.py), made once at `slide()`,
+        and whether they train (`refresh_ends`)."""
         self._ends = {id(embedding.unit): embedding, id(head.unit): head}
+        self._embedding, self._head = embedding, head
+        self.refresh_ends()
+
+    def refresh_ends(self) -> None:
+        """Whether the embedding and the head train, as their units are now (end_training.py): at
+        `slide()`, at the start of every forward and before the resident plan moves the embedding
+        (`requires_grad` may change after `slide()`)."""
+        choose_training(self._embedding, self._head)
 
     def updater_of(self, unit: Unit) -> UnitPlacement:
-        """What runs unit `unit`'s deferred update: its layer's placement, the embedding or the head."""
+        """What runs unit `unit`'s deferred update: its layer's placement, or the embedding or
+        the head while its unit trains (else `NoUpdate`: asked at the step itself)."""
         end = self._ends.get(id(unit))
-        return end if end is not None else self.of(unit)
+        if end is None:
+            return self.of(unit)
+        return end if unit.trainable else NoUpdate(unit)
 
     def layer_no(self, unit: Unit) -> int:
         """The index of layer unit `unit` in the model."""

@@ -305,6 +305,7 @@ class ResidentPlan:
         embed, count = self.target()
         count = min(count, len(engine.layer_units))
         if embed:
+            engine.places.refresh_ends()            # a trained embedding only: as it is now, between steps
             engine.embedding.table.to_device()
         else:
             engine.head.lm_weight.embedding_stays_on_host()   # a tied one's gradient and master pinned again

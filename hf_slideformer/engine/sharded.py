@@ -121,11 +121,9 @@ class ShardedEmbedding(Embedding):
     def ensure_grad(self) -> None:
         pass                        # the unit's accumulator is the store's (its shard written), when needed
 
-    def backward(self, gx: torch.Tensor) -> None:
+    def take_gradient(self, gx: torch.Tensor) -> None:
+        """The batch rows' gradient made dense on the device, reduced into shards, this rank's sent."""
         engine, unit, dp = self.engine, self.unit, self.engine.dp
-        if not unit.trainable:
-            engine.end_backward()
-            return
         num_tokens = gx.numel() // self.hidden
         uniq, inv, keep = self.rows_dev
         span = engine.clock.span_start()
@@ -147,8 +145,7 @@ class ShardedEmbedding(Embedding):
         engine.end_backward()
 
     def step(self, deferred: DeferredStep) -> None:
-        if self.unit.trainable:
-            self.shard.deferred(deferred)
+        self.shard.deferred(deferred)
 
 
 class ShardedHead(LossHead):
@@ -184,5 +181,4 @@ class ShardedHead(LossHead):
         self.shard.send(shard, self.out.take(shard.numel(), shard.dtype), self.out.free)
 
     def step(self, deferred) -> None:
-        if self.unit.trainable:
-            self.shard.deferred(deferred)
+        self.shard.deferred(deferred)

@@ -139,13 +139,7 @@ class SlotQueue:
             base += unit.numel
         slot.ready = st.record(st.h2d)
         for unit in units:
-            # The CPU worker waits for this before it writes the master again (its update empties
-            # the list). A frozen unit is never updated: it keeps only the latest event, which
-            # covers the earlier ones (every copy is on the one h2d stream).
-            if unit.trainable:
-                unit.readers.append(slot.ready)
-            else:
-                unit.readers = [slot.ready]
+            unit.add_reader(slot.ready)          # every copy is on the one h2d stream
         slot.key, slot.units = self.key_of(units), units
         slot.fills += 1
         self.clock += 1

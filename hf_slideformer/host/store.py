@@ -99,6 +99,16 @@ class Unit:
         """Does any of its parameters train (a frozen base under LoRA does not)?"""
         return any(e.param is None or e.param.requires_grad for e in self.entries)
 
+    def add_reader(self, event) -> None:
+        """A device copy of `master` ends at `event` (on the h2d stream, in copy order)."""
+        # The CPU worker waits for this before it writes the master again (its update empties
+        # the list). A frozen unit is never updated: it keeps only the latest event, which
+        # covers the earlier ones (every copy is on the one h2d stream).
+        if self.trainable:
+            self.readers.append(event)
+        else:
+            self.readers = [event]
+
 
 class HostStore:
     """Owns the host memory of the model: one slab of fp32 masters, moments and gradients.
