@@ -89,3 +89,34 @@ def test_one_default_weight_decay():
     built = slid.create_optimizer().defaults["weight_decay"]
     direct = hs.SlideOptimizer(list(slid.parameters()), slid.slide_engine).defaults["weight_decay"]
     assert built == direct == 0.0
+
+
+def test_a_part_frozen_right_after_step_keeps_that_step_s_update():
+    """With clipping the step's updates run on the worker after `optimizer.step()` returns: freezing
+    a parameter then must not take it out of that step, as it does not in torch's AdamW (the groups
+    a step updates are read when it is queued, not when the worker runs it)."""
+    import threading
+
+    from helpers import batches, make_pair, max_param_diff
+
+    ref, slid = make_pair("llama", tied=False, max_grad_norm=1.0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    opt = slid.create_optimizer(lr=1e-2, weight_decay=0.0)
+    engine = slid.slide_engine
+    for batch in batches(2):
+        ref(**batch).loss.backward()
+        slid(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step(); ropt.zero_grad()
+        release = threading.Event()
+        engine.worker.submit(release.wait)          # the step's updates queue behind this
+        opt.step(); opt.zero_grad()
+        for model in (ref, slid):                   # frozen once the step has returned
+            for param in (model.get_input_embeddings().weight, model.model.layers[0].mlp.up_proj.weight):
+                param.requires_grad_(False)
+        release.set()
+        engine.synchronize()
+        for model in (ref, slid):
+            for param in model.parameters():
+                param.requires_grad_(True)
+    assert max_param_diff(ref, slid) < 0.05 * 1e-2

@@ -186,7 +186,7 @@ class HostUpdates:
         (entry,) = unit.entries
         groups, group_of = hp
         gi = group_of.get(id(entry.param))
-        if gi is None or not entry.param.requires_grad:
+        if gi is None:                   # in no group, or frozen when the update was queued (`snapshot`)
             return False
         self._wait_readers(unit)
         if advance:

@@ -108,11 +108,12 @@ def apply_adamw(unit: Unit, grad: torch.Tensor, groups: list[dict], group_of: di
 
 
 def groups_of(unit: Unit, group_of: dict[int, int]) -> dict[int, list[int]]:
-    """Param group -> indices of the unit's entries it updates (frozen or unlisted ones left out)."""
+    """Param group -> indices of the unit's entries it updates (those `group_of` leaves out: frozen
+    when it was made, or in no group)."""
     by_group: dict[int, list[int]] = {}
     for index, entry in enumerate(unit.entries):
         gi = group_of.get(id(entry.param))
-        if gi is None or not entry.param.requires_grad:
+        if gi is None:
             continue
         by_group.setdefault(gi, []).append(index)
     return by_group
@@ -222,9 +223,11 @@ class SlideOptimizer(torch.optim.Optimizer):
         engine.attach_optimizer(self)
 
     def snapshot(self) -> tuple[list[dict], dict[int, int]]:
-        """The current hyper-parameters per group and the parameter -> group map."""
+        """The current hyper-parameters per group and the parameter -> group map of the parameters
+        that train now: an update queued with it updates those, whenever the worker runs it (a
+        parameter frozen after `step()` returned keeps that step's update, as in torch)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad}
         return groups, group_of
 
     @torch.no_grad()
