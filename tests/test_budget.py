@@ -29,29 +29,27 @@ def test_device_piece_keeps_a_layer_to_a_bounded_number_of_pieces():
     assert budget.device_piece(553_000_000) == 1 << 24           # a 24B layer: 2^24
 
 
-def test_the_planner_sizes_the_device_buffers_by_the_piece():
-    """Two sets of up to 2 pieces of fp32 master, gradient and moments: a 24B layer's are larger."""
+def _estimator(name: str, **kw):
+    """The planner's estimator for benchmarks/configs/<name>.json, sequence 2048, window 2, 4 buffers."""
     from pathlib import Path
 
     from hf_slideformer.planner.plan_estimate import Estimator
     from hf_slideformer.planner.planner import load_model_config, model_shape
 
-    configs = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+    shape = model_shape(load_model_config(Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / f"{name}.json"))
+    return Estimator(shape, 2048, 2, 4, None, **kw)
+
+
+def test_the_planner_sizes_the_device_buffers_by_the_piece():
+    """Two sets of up to 2 pieces of fp32 master, gradient and moments: a 24B layer's are larger."""
     for name, piece in (("llama3-8b", 1 << 22), ("mistral-small-24b", 1 << 24)):
-        shape = model_shape(load_model_config(configs / f"{name}.json"))
-        extras = Estimator(shape, 2048, 2, 4, None).gpu_extras(1, clipping=True)
-        assert extras["device-update buffers (2 x 4 fp32 pieces)"] == 2 * 4 * 4 * min(2 * piece, shape.layer_params)
+        est = _estimator(name)
+        extras = est.gpu_extras(1, clipping=True)
+        assert extras["device-update buffers (2 x 4 fp32 pieces)"] == 2 * 4 * 4 * min(2 * piece, est.s.layer_params)
 
 
 def test_the_planner_counts_the_device_buffers_of_a_share_in_the_backward():
     """Without clipping, a numeric share updates layers on the device in their backward: same buffers."""
-    from pathlib import Path
-
-    from hf_slideformer.planner.plan_estimate import Estimator
-    from hf_slideformer.planner.planner import load_model_config, model_shape
-
-    shape = model_shape(load_model_config(Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
-                                          / "mistral-small-24b.json"))
-    assert not Estimator(shape, 2048, 2, 4, None).gpu_extras(1, clipping=False)
-    with_share = Estimator(shape, 2048, 2, 4, None, device_share=0.5).gpu_extras(1, clipping=False)
+    assert not _estimator("mistral-small-24b").gpu_extras(1, clipping=False)
+    with_share = _estimator("mistral-small-24b", device_share=0.5).gpu_extras(1, clipping=False)
     assert with_share["device-update buffers (2 x 4 fp32 pieces)"] == 32 * (2 << 24)

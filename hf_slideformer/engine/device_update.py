@@ -64,6 +64,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceUpdateLayer", "DeviceUpdater", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
 
+def _pieces(unit, by_group: dict):
+    """The pieces a device update of `unit` runs in (`piece_batches`; budget.py: [Why a large layer's
+    pieces are larger])."""
+    return _optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE), span=True)
+
+
 class _Pending:
     """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
     factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
@@ -311,7 +317,7 @@ class DeviceUpdater:
         with st.on(st.h2d):          # what every piece of an entry shares, made once
             steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None)
         source = EntryGrads(unit, grads)
-        for lo, hi, batch in _optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE), span=True):
+        for lo, hi, batch in _pieces(unit, by_group):
             if hi > lo:
                 self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
         if found_inf is not None:
@@ -363,8 +369,7 @@ class DeviceUpdater:
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
             by_group, _, pending.steps = self._advance_steps(unit, group_of)
-            pending.batches = list(_optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE),
-                                                        span=True))
+            pending.batches = list(_pieces(unit, by_group))
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
         unit.readers = []

@@ -23,10 +23,11 @@ DEVICE_PIECE = 1 << 22
 # d2h stream, all behind the h2d stream's wait for the layer's own backward. A CUDA stream holds
 # about a thousand pending operations; the thread that queues past that blocks until the GPU
 # has run the head of the queue, and the next layer's recompute, which the same thread queues
-# afterwards, waits with it. The 24B shape's layers were about 130 pieces of 2^22 elements: the
-# thread spent 250 ms queuing each, the GPU idled 110 ms of it (docs/host_state.md, with the probe
-# of the queue's capacity). So a layer is cut into at most about DEVICE_PIECES_MAX pieces (some 640
-# operations on the h2d stream): larger pieces for a larger layer, at more device memory for them.
+# afterwards, waits with it while the GPU runs out of queued work (measured, and the probe of a
+# stream's capacity: docs/host_state.md, "Host-bound steps: part of the update on the GPU"). So a
+# layer is cut into at most about DEVICE_PIECES_MAX
+# pieces (some 640 operations on the h2d stream): larger pieces for a larger layer, at more device
+# memory for their two buffer sets.
 DEVICE_PIECES_MAX = 64
 
 
