@@ -122,6 +122,7 @@ def test_from_pretrained_peak_host_memory_is_bounded(tmp_path):
         import importlib.util
         if importlib.util.find_spec("bitsandbytes"):     # code too: transformers imports it while loading
             import bitsandbytes
+        import hf_slideformer.trainer, hf_slideformer.accelerate_plugin   # code too: a slid model imports them
         def hwm():
             return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
         base = hwm()
