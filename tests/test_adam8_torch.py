@@ -3,7 +3,7 @@ units run: on CPU tensors it equals the native host kernel (csrc/host_adam8.c) s
 import pytest
 import torch
 
-from hf_slideformer.host.adam8_torch import adamw8_range, round_bf16_stochastic_t, rounding_key_t
+from hf_slideformer.host.adam8_torch import Hyper8, adamw8_range, round_bf16_stochastic_t, rounding_key_t
 from hf_slideformer.host.host_adam import HostAdam, NativeKernelError
 from hf_slideformer.host.host_optim import round_bf16_stochastic, rounding_key, state_format
 from hf_slideformer.host.store import ParamEntry, Unit
@@ -65,6 +65,29 @@ def test_the_torch_update_equals_the_native_kernel_step_by_step(name, grad_dtype
         a, b = arrays(fmt, native), arrays(fmt, ref)
         for k in a:
             assert torch.equal(a[k], b[k]), (t, k)
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_8bit_bf16"])
+def test_a_device_update_s_constants_from_the_host_counters_are_the_device_counters(name):
+    """`prepare_steps` makes each entry's constants from its counter's value on the host, and their
+    kernel arguments as rows of one table: the same fp32 values, key and arguments as constants made
+    from the counter as a device tensor, for any step, group and gradient scale."""
+    fmt = state_format(name)
+    u = make_unit(fmt, [torch.randn(s) for s in SHAPES])
+    by_group = {0: [0, 2], 1: [1, 3]}
+    for t, scale in ((1, None), (2, torch.tensor(1.7)), (97, None), (12345, torch.tensor(0.3))):
+        counters = [torch.tensor(float(t + k)) for k in range(len(u.entries))]
+        prepared = fmt.prepare_steps(GROUPS, by_group, u, counters, scale, "cpu")
+        for gi, entries in by_group.items():
+            for k in entries:
+                want = Hyper8(GROUPS[gi], scale, 1.0, counters[k], rounding_key_t(fmt.seed, u.index, counters[k]))
+                got = prepared[k]
+                for attr in ("gscale", "bc2", "neg_step", "wd_mul", "beta1", "c1", "beta2", "c2", "eps"):
+                    assert float(getattr(got, attr)) == float(getattr(want, attr)), (t, k, attr)
+                assert int(got.key) == int(want.key)
+                for a, b in zip(got.kernel_args("cpu"), want.kernel_args("cpu")):
+                    assert torch.equal(a, b), (t, k)
+        assert prepared[4] is counters[4]         # not in a group: left as it was
 
 
 def test_without_quantization_the_states_part():

@@ -38,8 +38,6 @@ def test_host_streams_decide_on_the_host():
     streams = Streams.for_device(CPU)
     assert streams.skip_on_host(torch.tensor(1.0)) == (True, None)
     assert streams.skip_on_host(torch.tensor(0.0)) == (False, None)
-    steps = [torch.tensor(3.0), torch.tensor(4.0)]
-    assert streams.steps_for_update(steps) is steps
     coef = streams.clip_coef(1.0, torch.tensor(16.0))
     assert isinstance(coef, float) and coef == 1.0 / (4.0 + 1e-6)
     assert streams.clip_coef(10.0, torch.tensor(16.0)) == 1.0

@@ -49,6 +49,10 @@ def main() -> None:
     dst = torch.empty(args.bytes, dtype=torch.uint8, device=device)
     small = torch.zeros(1024, device=device)
     rate = cycles_per_ms(device)
+    with torch.cuda.stream(copies):          # each operation once first: nothing loads lazily behind the wait
+        dst.copy_(src, non_blocking=True)
+        small.add_(1.0)
+    torch.cuda.synchronize(device)
 
     torch.cuda._sleep(int(args.sleep_ms * rate))         # the compute stream: the layer's backward
     busy = torch.cuda.Event()

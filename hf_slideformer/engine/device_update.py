@@ -315,7 +315,7 @@ class DeviceUpdater:
         unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
         st.wait(unit.host_write, st.h2d)
         with st.on(st.h2d):          # what every piece of an entry shares, made once
-            steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None)
+            steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None, engine.device)
         source = EntryGrads(unit, grads)
         for lo, hi, batch in _pieces(unit, by_group):
             if hi > lo:
@@ -335,12 +335,12 @@ class DeviceUpdater:
     def _advance_steps(self, unit, group_of: dict) -> tuple[dict, list[int], list]:
         """Advance the host step counters of `unit`'s entries in the optimizer's groups (the host
         counters are the state: the optimizer's state_dict reads them). Returns the entries by
-        group, the advanced entries, and every entry's counter as the update reads it
-        (`Streams.steps_for_update`: device copies on CUDA, queued on the h2d stream)."""
+        group, the advanced entries, and the counters (the format's `prepare_steps` makes them what
+        the update reads)."""
         by_group = _optim.groups_of(unit, group_of)
         advanced = [k for ks in by_group.values() for k in ks]
         torch._foreach_add_([unit.steps[k] for k in advanced], 1)
-        return by_group, advanced, self.engine.streams.steps_for_update(unit.steps)
+        return by_group, advanced, unit.steps
 
     def settle(self, place: DeviceUpdateLayer) -> None:
         """The host step counters of `place`'s last update in backward: taken back if the device
@@ -385,7 +385,7 @@ class DeviceUpdater:
         if pending.prepared is None:
             with st.on(st.h2d):      # after the waits: the scale is the clip factor's, made on another stream
                 pending.prepared = (unit.state_format or ADAMW).prepare_steps(
-                    groups, _optim.groups_of(unit, group_of), unit, pending.steps, pending.scale)
+                    groups, _optim.groups_of(unit, group_of), unit, pending.steps, pending.scale, engine.device)
         while pending.next < len(pending.batches):
             lo, hi, batch = pending.batches[pending.next]
             numel = hi - lo

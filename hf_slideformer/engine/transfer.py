@@ -132,11 +132,6 @@ class Streams(abc.ABC):
         an `index_select`, else `staged(table, ids)`, the caller's copy in through pinned memory."""
 
     @abc.abstractmethod
-    def steps_for_update(self, steps: list[torch.Tensor]) -> list:
-        """The host step counters `steps` as a device update reads them: the counters themselves on
-        the CPU; on CUDA device copies, queued on the h2d stream."""
-
-    @abc.abstractmethod
     def skip_on_host(self, found_inf: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """(skip now, the flag handed to the device update) from `found_inf` (1.0 on the device where
         the running norm is not finite): decided on the host on the CPU, on the device on CUDA."""
@@ -223,10 +218,6 @@ class HostStreams(Streams):
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor, staged) -> torch.Tensor:
         """The host table is on the device: an `index_select`."""
         return table.index_select(0, ids)
-
-    def steps_for_update(self, steps: list[torch.Tensor]) -> list:
-        """The host counters themselves."""
-        return steps
 
     def skip_on_host(self, found_inf: torch.Tensor) -> tuple[bool, None]:
         """Decided on the host: nothing changes, counters included; the update reads no flag."""
@@ -344,14 +335,6 @@ class CudaStreams(Streams):
     def gather_rows(self, table: torch.Tensor, ids: torch.Tensor, staged) -> torch.Tensor:
         """`staged(table, ids)`: the rows cross through pinned memory."""
         return staged(table, ids)
-
-    def steps_for_update(self, steps: list[torch.Tensor]) -> list:
-        """Device copies, queued on the h2d stream."""
-        with self.on(self.h2d):
-            # pinned: a copy from pageable memory would block this thread until the h2d stream's
-            # queue (slot fills, earlier pieces) has run
-            steps = torch.stack(steps).pin_memory()
-            return list(steps.to(self.device, non_blocking=True).unbind())
 
     def skip_on_host(self, found_inf: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """Decided on the device: never now, `found_inf` handed to the update."""

@@ -19,13 +19,14 @@ the fallback.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut
 
 __all__ = ["CHUNK_BLOCKS", "adamw8_range", "adamw8_range_torch", "adamw8_range_triton", "rounding_key_t",
-           "round_bf16_stochastic_t", "Hyper8"]
+           "round_bf16_stochastic_t", "Hyper8", "share_kernel_args"]
 
 CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
 _M32 = 0xFFFFFFFF
@@ -84,16 +85,21 @@ def _tables(device: torch.device):
 
 
 class Hyper8:
-    """The update's fp32 constants (as `host_optim._hp8` / `_set_step8` give the native kernel),
-    the step's as 0-dim tensors on the state's device (from its step counter, not read on the host)."""
+    """The update's fp32 constants (as `host_optim._hp8` / `_set_step8` give the native kernel).
 
-    def __init__(self, hp: dict, scale, grad_mul: float, step: torch.Tensor, key: torch.Tensor):
+    `step` is the step counter: a tensor on the state's device (the step's constants are then 0-dim
+    tensors there, not read on the host), or its value as a host number (then Python floats holding
+    fp32 values, the native kernel's own arithmetic, and `key` an int64 CPU scalar).
+    """
+
+    def __init__(self, hp: dict, scale, grad_mul: float, step, key: torch.Tensor):
         fp32 = lambda x: torch.tensor(x, dtype=torch.float32).item()       # noqa: E731 - fp32 as the kernel holds it
         beta1, beta2 = (float(b) for b in hp["betas"])
         lr, wd = float(hp["lr"]), float(hp["weight_decay"])
         sign = -1.0 if hp.get("maximize", False) else 1.0
         if torch.is_tensor(scale):          # on the device (the clip factor's reciprocal): not read here
-            gclip = (1.0 / scale.to(step.device, torch.float64)).to(torch.float32)
+            where = step.device if torch.is_tensor(step) else scale.device
+            gclip = (1.0 / scale.to(where, torch.float64)).to(torch.float32)
             self.gscale = (gclip * fp32(grad_mul)) * sign
         else:                               # Python floats holding fp32 values: the same products
             gclip = 1.0 if scale is None else fp32(1.0 / float(scale))
@@ -101,21 +107,53 @@ class Hyper8:
         self.wd_mul = fp32(1.0 - lr * wd) if wd > 0.0 else 1.0
         self.beta1, self.c1, self.beta2, self.c2 = fp32(beta1), fp32(1.0 - beta1), fp32(beta2), fp32(1.0 - beta2)
         self.eps = fp32(float(hp["eps"]))
-        step64 = step.to(torch.float64)
-        self.bc2 = torch.sqrt(1.0 - beta2 ** step64).to(torch.float32)
-        self.neg_step = (-lr / (1.0 - beta1 ** step64)).to(torch.float32)
+        if torch.is_tensor(step):
+            step64 = step.to(torch.float64)
+            self.bc2 = torch.sqrt(1.0 - beta2 ** step64).to(torch.float32)
+            self.neg_step = (-lr / (1.0 - beta1 ** step64)).to(torch.float32)
+        else:
+            self.bc2 = fp32(math.sqrt(1.0 - beta2 ** float(step)))
+            self.neg_step = fp32(-lr / (1.0 - beta1 ** float(step)))
         self.key = key
         self._kernel_args = None
 
     def kernel_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton kernel's (3,) fp32 scalars (the gradient's scale, sqrt(1 - beta2^t),
         -lr / (1 - beta1^t)) and its 0-dim int64 key, on `device`: made once, on the current
-        stream, for every range on that device the constants serve."""
+        stream, for every range on that device the constants serve (`share_kernel_args`)."""
         if self._kernel_args is None or self._kernel_args[0].device != torch.device(device):
             scalars = torch.stack([_dev_scalar(self.gscale, device), _dev_scalar(self.bc2, device),
                                    _dev_scalar(self.neg_step, device)])
             self._kernel_args = (scalars, self.key.to(device, torch.int64).reshape(()))
         return self._kernel_args
+
+
+def share_kernel_args(hypers: list[Hyper8], device) -> None:
+    """Give `hypers`, made from host step values for one update of many pieces, their kernel
+    arguments on `device` as rows of one table: two copies (and, for a gradient scale on the device,
+    its column written there) on the current stream.
+
+    Note: [Why a device update's constants cross as one table] a device-updated layer queues its
+    whole update while the GPU still runs the layer's backward; the device holds a bounded queue of
+    pending operations (about 2,000 on an H100: benchmarks/experiments/device_issue_probe.py), past
+    which the queuing thread waits for the GPU, and the next layer's recompute is queued late. The
+    constants made as device scalars took about thirty operations per entry and five more per range.
+    """
+    device = torch.device(device)
+    if not hypers:
+        return
+    on_device = [torch.is_tensor(h.gscale) for h in hypers]
+    rows = [[0.0 if dev else h.gscale, h.bc2, h.neg_step] for h, dev in zip(hypers, on_device)]
+    scalars = torch.tensor(rows, dtype=torch.float32)
+    keys = torch.stack([h.key.reshape(()) for h in hypers]).to(torch.int64)
+    if device.type == "cuda":            # pinned: a copy from pageable memory waits for the stream's queue
+        scalars, keys = scalars.pin_memory(), keys.pin_memory()
+    scalars, keys = scalars.to(device, non_blocking=True), keys.to(device, non_blocking=True)
+    if any(on_device):
+        index = [i for i, dev in enumerate(on_device) if dev]
+        scalars[index, 0] = torch.stack([hypers[i].gscale.to(device).reshape(()) for i in index])
+    for i, hyper in enumerate(hypers):
+        hyper._kernel_args = (scalars[i], keys[i])
 
 
 def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:

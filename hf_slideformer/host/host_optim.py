@@ -110,10 +110,15 @@ class StateFormat:
         (advanced) or `prepare_steps`' of it. `scale`: divide the gradient by it (the clip factor's reciprocal)."""
         raise NotImplementedError
 
-    def prepare_steps(self, groups: list[dict], by_group: dict[int, list[int]], unit, steps: list, scale) -> list:
-        """`steps` (per entry of `unit`; `by_group`: group index -> entries) as `run` takes them in an
-        update of many pieces with one `scale`, made once (on the current stream). Here: themselves."""
-        return steps
+    def prepare_steps(self, groups: list[dict], by_group: dict[int, list[int]], unit, counters: list, scale,
+                      device) -> list:
+        """The host step `counters` (per entry of `unit`, advanced; `by_group`: group index -> entries)
+        as `run` takes them in an update on `device` of many pieces with one `scale`, made once (on
+        the current stream). Here: the counters themselves on the CPU, device copies on a GPU."""
+        if torch.device(device).type == "cpu":
+            return counters
+        # pinned: a copy from pageable memory would block this thread until the stream's queue has run
+        return list(torch.stack(counters).pin_memory().to(device, non_blocking=True).unbind())
 
     def run_rows(self, kernel, hp: dict, unit, grad: torch.Tensor, rows: torch.Tensor, step, *,
                  sums: torch.Tensor | None = None, zero_grad: bool = False, exclude: bool = False) -> None:
@@ -173,6 +178,11 @@ def _bind(lib):
 
 
 _M64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    """The int64 holding the bits of the unsigned 64-bit `value`."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def rounding_key(seed: int, unit_index: int, step: int) -> int:
@@ -251,16 +261,20 @@ class AdamW8bit(StateFormat):
                hi - lo, code1.data_ptr(), code2.data_ptr(), lut1.data_ptr(), lut2.data_ptr(), ctypes.byref(native_hp),
                lo, int(grad.dtype == torch.bfloat16), mbf, kernel.threads)
 
-    def prepare_steps(self, groups, by_group, unit, steps, scale) -> list:
-        """Per entry its update's constants (`adam8_torch.Hyper8`: bias corrections, gradient scale,
-        rounding key; about thirty device operations), shared by its pieces."""
-        from .adam8_torch import Hyper8, rounding_key_t
+    def prepare_steps(self, groups, by_group, unit, counters, scale, device) -> list:
+        """Per entry its update's constants (`adam8_torch.Hyper8` from the counter's value: bias
+        corrections, gradient scale, rounding key), shared by its pieces, on `device` as one table
+        (`share_kernel_args`: [Why a device update's constants cross as one table])."""
+        from .adam8_torch import Hyper8, share_kernel_args
 
-        out = list(steps)
+        out, made = list(counters), []
         for gi, entries in by_group.items():
             for index in entries:
-                out[index] = Hyper8(groups[gi], scale, 1.0, steps[index],
-                                    rounding_key_t(self.seed, unit.index, steps[index]))
+                step = int(float(counters[index]))
+                key = torch.tensor(_signed64(rounding_key(self.seed, unit.index, step)), dtype=torch.int64)
+                out[index] = Hyper8(groups[gi], scale, 1.0, step, key)
+                made.append(out[index])
+        share_kernel_args(made, device)
         return out
 
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
