@@ -23,18 +23,13 @@ import math
 
 import torch
 
-from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut
+from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut, signed64
 
 __all__ = ["CHUNK_BLOCKS", "adamw8_range", "adamw8_range_torch", "adamw8_range_triton", "rounding_key_t",
            "round_bf16_stochastic_t", "Hyper8", "share_kernel_args"]
 
 CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
 _M32 = 0xFFFFFFFF
-
-
-def _signed64(value: int) -> int:
-    """The int64 with the bits of the unsigned 64-bit `value`."""
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _shr(x: torch.Tensor, shift: int) -> torch.Tensor:
@@ -44,15 +39,15 @@ def _shr(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 def _mix64_t(x: torch.Tensor) -> torch.Tensor:
     """quant_maps.mix64 on int64 tensors (products wrap mod 2^64, as the unsigned ones)."""
-    x = (x ^ _shr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
-    x = (x ^ _shr(x, 27)) * _signed64(0x94D049BB133111EB)
+    x = (x ^ _shr(x, 30)) * signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _shr(x, 27)) * signed64(0x94D049BB133111EB)
     return x ^ _shr(x, 31)
 
 
 def rounding_key_t(seed: int, unit_index: int, step: torch.Tensor) -> torch.Tensor:
-    """`host_optim.rounding_key(seed, unit_index, int(step))` from the step counter tensor (on its
+    """`quant_maps.rounding_key(seed, unit_index, int(step))` from the step counter tensor (on its
     device, without reading it on the host): an int64 scalar holding the 64-bit key's bits."""
-    return _mix64_t(step.to(torch.int64) ^ _signed64(mix64(mix64(seed) ^ unit_index)))
+    return _mix64_t(step.to(torch.int64) ^ signed64(mix64(mix64(seed) ^ unit_index)))
 
 
 def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .host_adam import torch_fused_adamw
-from .quant_maps import BLOCK, code_search_table, dynamic_map, mix64, num_blocks
+from .quant_maps import BLOCK, M64, code_search_table, dynamic_map, num_blocks, rounding_key, signed64
 
 __all__ = ["StateArray", "StateFormat", "AdamW32", "AdamW8bit", "AdamW8bitBf16", "FORMATS", "state_format",
            "embed_format", "unit_format", "formats_holding", "optimizer_state_of", "TRAINER_8BIT_NAMES",
@@ -177,19 +177,6 @@ def _bind(lib):
     return fn
 
 
-_M64 = (1 << 64) - 1
-
-
-def _signed64(value: int) -> int:
-    """The int64 holding the bits of the unsigned 64-bit `value`."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def rounding_key(seed: int, unit_index: int, step: int) -> int:
-    """The stochastic rounding's key of one unit's update at `step` (a pure function of the three)."""
-    return mix64(mix64(mix64(seed) ^ unit_index) ^ step)
-
-
 def round_bf16_stochastic(values: torch.Tensor, key: int, ctr: int = 0, threads: int = 1) -> torch.Tensor:
     """bf16 of fp32 `values` (flat) rounded stochastically as a bf16 master is: element i with the hash
     of (key, ctr + i). Native kernel only."""
@@ -199,7 +186,7 @@ def round_bf16_stochastic(values: torch.Tensor, key: int, ctr: int = 0, threads:
     _bind(lib)
     values = values.reshape(-1).contiguous().to(torch.float32)
     out = torch.empty(values.numel(), dtype=torch.bfloat16)
-    lib.slide_round_bf16_stochastic(values.data_ptr(), out.data_ptr(), values.numel(), key & _M64, ctr & _M64, threads)
+    lib.slide_round_bf16_stochastic(values.data_ptr(), out.data_ptr(), values.numel(), key & M64, ctr & M64, threads)
     return out
 
 
@@ -271,7 +258,7 @@ class AdamW8bit(StateFormat):
         for gi, entries in by_group.items():
             for index in entries:
                 step = int(float(counters[index]))
-                key = torch.tensor(_signed64(rounding_key(self.seed, unit.index, step)), dtype=torch.int64)
+                key = torch.tensor(signed64(rounding_key(self.seed, unit.index, step)), dtype=torch.int64)
                 out[index] = Hyper8(groups[gi], scale, 1.0, step, key)
                 made.append(out[index])
         share_kernel_args(made, device)

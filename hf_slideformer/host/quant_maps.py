@@ -17,8 +17,8 @@ import functools
 
 import torch
 
-__all__ = ["BLOCK", "LUT_SIZE", "mix64", "dynamic_map", "quantize_lut", "quantize_blockwise", "dequantize_blockwise",
-           "num_blocks", "block_at", "code_search_table", "SEARCH_LEVELS"]
+__all__ = ["BLOCK", "LUT_SIZE", "M64", "mix64", "rounding_key", "signed64", "dynamic_map", "quantize_lut",
+           "quantize_blockwise", "dequantize_blockwise", "num_blocks", "block_at", "code_search_table", "SEARCH_LEVELS"]
 
 BLOCK = 256
 LUT_SIZE = 65536
@@ -181,13 +181,23 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool
     return dynamic_map(signed)[codes.long()] * scale
 
 
-_M64 = (1 << 64) - 1
+M64 = (1 << 64) - 1
+
+
+def signed64(value: int) -> int:
+    """The int64 holding the bits of the unsigned 64-bit `value` (a key as a torch int64 holds it)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def mix64(x: int) -> int:
     """SplitMix64's finalizer on a Python int (mod 2^64): the stochastic rounding's key hash, as the
     native kernel and the torch-ops update compute it."""
-    x &= _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    x &= M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
     return x ^ (x >> 31)
+
+
+def rounding_key(seed: int, unit_index: int, step: int) -> int:
+    """The stochastic rounding's key of one unit's update at `step` (a pure function of the three)."""
+    return mix64(mix64(mix64(seed) ^ unit_index) ^ step)
