@@ -91,8 +91,7 @@ class PieceSets:
         stream (the gradient from `grad`: the host accumulator's `HostGrad`, or the device tensors'
         `EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
         `found_inf` is nonzero), the new weights cast into `dst` if given, master and state back
-        on the d2h stream (`unit.host_write` then records it). Returns the h2d event after the
-        copies in."""
+        on the d2h stream (`unit.host_write` then records it)."""
         st, numel = self.streams, hi - lo
         turn = self.turn
         self.turn ^= 1
@@ -106,7 +105,6 @@ class PieceSets:
             grad_bytes = grad.copy_into(grad_dev, lo, hi)
             for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
-            read = st.record(st.h2d)
             piece.update(unit, batch, lo, grad_dev, steps, groups, scale, found_inf)
             if dst is not None:
                 dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
@@ -119,7 +117,6 @@ class PieceSets:
         self.stats.add_h2d(moved + grad_bytes)
         self.stats.add_bytes("d2h", moved)
         self.stats.gpu_adam_params += numel
-        return read
 
 
 class EntryGrads:
