@@ -21,8 +21,8 @@ DEVICE_PIECE = 1 << 22
 # by the thread that runs the backward, piece by piece: per piece about ten operations on the h2d
 # stream (the gradient's slice, the state's copies in, the update, the events) and seven on the
 # d2h stream, all behind the h2d stream's wait for the layer's own backward. A CUDA stream holds
-# about a thousand pending operations; the thread that queues past that blocks until the GPU
-# has run the head of the queue, and the next layer's recompute, which the same thread queues
+# about 2,000 pending operations (benchmarks/experiments/device_issue_probe.py); the thread that
+# queues past that blocks until the GPU has run the head of the queue, and the next layer's recompute, which the same thread queues
 # afterwards, waits with it while the GPU runs out of queued work (measured, and the probe of a
 # stream's capacity: docs/host_state.md, "Host-bound steps: part of the update on the GPU"). So a
 # layer is cut into at most about DEVICE_PIECES_MAX
