@@ -76,6 +76,10 @@ class OwnWeight:
         """Where the lm_head's own gradient (`pgrads`' tail) crosses to (none here: it is an entry)."""
         return []
 
+    def hand_to_shards(self, pgrads: list, scale: torch.Tensor) -> None:
+        """Data parallel (sharded.py): the lm_head's gradient goes where the embedding's shards
+        are made (nothing here: it is the head's own entry)."""
+
     def scale_on_device(self, loss_grad: torch.Tensor) -> None:
         """backward: the loss gradient scales the part of the gradient kept on the device."""
 
@@ -154,6 +158,11 @@ class TiedWeight:
 
     def scale_on_device(self, loss_grad: torch.Tensor) -> None:
         self.engine.embedding.table.scale_tied_on_device(loss_grad)
+
+    def hand_to_shards(self, pgrads: list, scale: torch.Tensor) -> None:
+        """The gradient (`pgrads`' tail, after the head unit's) and the loss gradient that scales
+        it join the embedding's dense gradient (`ShardedEmbedding`)."""
+        self.engine.embedding.dw, self.engine.embedding.dw_scale = pgrads[len(self.unit.entries)], scale
 
     overwrites_embedding_grad = True
 

@@ -173,8 +173,7 @@ class ShardedHead(LossHead):
         if pgrads is None:          # a frozen head computed none
             return
         own = pgrads[:len(hu.entries)]
-        if engine.tied:
-            engine.embedding.dw, engine.embedding.dw_scale = pgrads[len(hu.entries)], self.scale_dev
+        self.lm_weight.hand_to_shards(pgrads, self.scale_dev)
         dtype = next((g.dtype for g in own if g is not None), engine.dtype)
         shard = dp.reduce_grads(hu.numel, own, [x.offset for x in hu.entries], dtype, engine.device,
                                 scale=self.scale_dev.to(dtype))

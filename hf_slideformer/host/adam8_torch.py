@@ -147,8 +147,8 @@ def share_kernel_args(hypers: list[Hyper8], device) -> None:
     if any(on_device):
         index = [i for i, dev in enumerate(on_device) if dev]
         scalars[index, 0] = torch.stack([hypers[i].gscale.to(device).reshape(()) for i in index])
-    for i, hyper in enumerate(hypers):
-        hyper._kernel_args = (scalars[i], keys[i])
+    for row, hyper in enumerate(hypers):
+        hyper._kernel_args = (scalars[row], keys[row])
 
 
 def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:
