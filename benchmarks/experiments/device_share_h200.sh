@@ -14,7 +14,8 @@
 #   3b     Llama-3.2-3B, batch 8 under 8 GiB, 8 gradient buffers: fp32 AdamW and adamw_8bit_bf16,
 #          each with SHARE (default 0.5) and 0 (about 5 minutes)
 # Each training row first writes the planner's prediction with the share. SHARES="0.5 0.7" runs
-# those shares instead of SHARE and 0. Full logs and JSON under $OUT; a short table last.
+# those shares instead of SHARE and 0; EXTRA adds settings to the 24b and trace rows' --slide-config
+# (EXTRA=', "grad_buffers": 8'). Full logs and JSON under $OUT; a short table last.
 set -uo pipefail
 PART=${1:?usage: OUT=out bash benchmarks/experiments/device_share_h200.sh tests|24b|trace|3b [SHARE]}
 SHARE=${2:-0.5}
@@ -37,14 +38,14 @@ case "$PART" in
     echo "gpu tests: rc $?"; grep -E "^(FAILED|ERROR)" "$D/gpu_tests.log" | cut -c1-200 | head -20
     tail -1 "$D/gpu_tests.log"; exit 0 ;;
   24b)
-    EXTRA=""
+    EXTRA=${EXTRA:-}
     python3 -m hf_slideformer.cli plan benchmarks/configs/mistral-small-24b.json --batch 8 --gpu-mem 24 \
       --host-mem 125 --optim adamw_8bit_bf16 --device-update-share "$SHARE" > "$D/plan.txt" 2>&1
     for s in ${SHARES:-$SHARE 0.0}; do
       row "share_$s" 235 "$s" --model mistral-small-24b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 24
     done ;;
   trace)
-    EXTRA=""
+    EXTRA=${EXTRA:-}
     export SLIDE_TRACE="$D/trace.json"
     row "trace_$SHARE" 235 "$SHARE" --model mistral-small-24b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 \
       --cap-gib 24
