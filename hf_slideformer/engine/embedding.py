@@ -142,15 +142,15 @@ class Embedding:
         """A training forward's output `out` and the `gather` that makes it again (`ResidentTable`)."""
         self._out = (out, out._version, gather)
 
-    def remake_input(self, i: int, x: torch.Tensor):
-        """Layer 0's input as a recipe when it is the resident embedding's gather itself (not a
-        product of it, as Gemma's scaled embedding is) and unchanged since."""
-        if i != 0 or self._out is None:
+    def remake_input(self, layer_no: int, hidden: torch.Tensor):
+        """Layer 0's input `hidden` as a recipe when it is the resident embedding's gather itself (not
+        a product of it, as Gemma's scaled embedding is) and unchanged since."""
+        if layer_no != 0 or self._out is None:
             return None
         out, version, gather = self._out
         self._out = None
-        same = (x.data_ptr() == out.data_ptr() and x.shape == out.shape and x.stride() == out.stride()
-                and x.dtype == out.dtype and x._version == version)
+        same = (hidden.data_ptr() == out.data_ptr() and hidden.shape == out.shape
+                and hidden.stride() == out.stride() and hidden.dtype == out.dtype and hidden._version == version)
         return gather if same else None
 
     # ----------------------------------------------------------------- backward (main thread)

@@ -208,22 +208,23 @@ class Schedule:
         self._backward_t0 = 0.0
 
     # ----------------------------------------------------------------- forward
-    def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
-        """Layer i's forward without a graph, on its placement's weights; saves x_i when training."""
+    def layer_forward(self, layer_no: int, hidden: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
+        """Layer `layer_no`'s forward of `hidden` without a graph, on its placement's weights; saves its
+        input when training."""
         engine = self.engine
-        place = engine.places[i]
+        place = engine.places[layer_no]
         ws, slot = place.weights()
         busy = (slot,) if slot is not None else ()
-        for ahead in range(i + 1, min(i + engine.config.window, len(engine.layer_units))):
+        for ahead in range(layer_no + 1, min(layer_no + engine.config.window, len(engine.layer_units))):
             engine.places[ahead].prefetch(busy)
         engine.head.prefetch()                  # head.py: [Why the head slot is loaded in chunks during the forward]
         if save:
-            engine.tier.save(i, x, engine.embedding.remake_input(i, x))
-            if any(m.training for m in engine.dropouts[i]):
-                engine.rng.save(i)
+            engine.tier.save(layer_no, hidden, engine.embedding.remake_input(layer_no, hidden))
+            if any(m.training for m in engine.dropouts[layer_no]):
+                engine.rng.save(layer_no)
         span = engine.clock.span_start()
-        with torch.no_grad(), swapped(place.unit, ws), engine.matmuls.forward(i, slot):
-            out = engine.call_layer(i, x, args, kwargs)
+        with torch.no_grad(), swapped(place.unit, ws), engine.matmuls.forward(layer_no, slot):
+            out = engine.call_layer(layer_no, hidden, args, kwargs)
         engine.clock.span_end(span)
         place.after_forward(slot)
         return out
@@ -255,33 +256,34 @@ class Schedule:
         self._backward_t0 = time.perf_counter()
         engine.stats.event("backward_begin", self._backward_t0)
 
-    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
-        """Layer i's backward: recompute from x_i with gradients, prefetch layer i-1, and hand the
-        parameter gradients to the placement and the adapters; the input's gradient."""
+    def layer_backward(self, layer_no: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Layer `layer_no`'s backward of the output gradient `gy`: recompute from its saved input with
+        gradients, prefetch the layer below, and hand the parameter gradients to the placement and the
+        adapters; the input's gradient."""
         engine = self.engine
-        place = engine.places[i]
+        place = engine.places[layer_no]
         ws, slot = place.weights()
         place.before_recompute()
-        if i > 0:
+        if layer_no > 0:
             if engine.config.window > 1:
-                engine.places[i - 1].prefetch((slot,) if slot is not None else ())
-            engine.tier.prefetch(i - 1)
-        x = engine.tier.load(i).detach().requires_grad_()
+                engine.places[layer_no - 1].prefetch((slot,) if slot is not None else ())
+            engine.tier.prefetch(layer_no - 1)
+        hidden = engine.tier.load(layer_no).detach().requires_grad_()
         ws, wrt = place.leaves(ws)
-        extra = engine.lora.by_layer[i]
+        extra = engine.lora.by_layer[layer_no]
         span = engine.clock.span_start()
-        skip = engine.output_projections[i] if engine.skip_output_projection else None
-        with torch.enable_grad(), swapped(place.unit, ws), engine.matmuls.recompute(i, slot, skip), \
-                engine.rng.replay(i):
-            out = engine.call_layer(i, x, args, kwargs)
-            aux = engine.router_aux.surrogate(i) if engine.router_aux is not None else None
+        skip = engine.output_projections[layer_no] if engine.skip_output_projection else None
+        with torch.enable_grad(), swapped(place.unit, ws), engine.matmuls.recompute(layer_no, slot, skip), \
+                engine.rng.replay(layer_no):
+            out = engine.call_layer(layer_no, hidden, args, kwargs)
+            aux = engine.router_aux.surrogate(layer_no) if engine.router_aux is not None else None
         outs, gouts = ([out], [gy]) if aux is None else ([out, aux], [gy, torch.ones_like(aux)])
-        grads = torch.autograd.grad(outs, [x] + wrt + extra, gouts, allow_unused=True)
+        grads = torch.autograd.grad(outs, [hidden] + wrt + extra, gouts, allow_unused=True)
         engine.clock.span_end(span)
         place.after_recompute(slot)
-        engine.tier.drop(i)
+        engine.tier.drop(layer_no)
         place.take_gradient(list(grads[1:1 + len(wrt)]))
-        engine.lora.take_gradient(i, grads[1 + len(wrt):])
+        engine.lora.take_gradient(layer_no, grads[1 + len(wrt):])
         return grads[0]
 
     def end_backward(self) -> None:

@@ -71,8 +71,8 @@ def build_units(model: nn.Module, adapter, skip: set[int] = frozenset()) -> list
         return out
 
     units = [Unit("embed", "embed", 0, entries(adapter.embed(model)))]
-    for i, layer in enumerate(adapter.layers(model)):
-        units.append(Unit(f"layer.{i}", "layer", i + 1, entries(layer)))
+    for layer_no, layer in enumerate(adapter.layers(model)):
+        units.append(Unit(f"layer.{layer_no}", "layer", layer_no + 1, entries(layer)))
     head = entries(adapter.final_norm(model)) + entries(adapter.lm_head(model))
     units.append(Unit("head", "head", len(units), head))
     left = [name for name, p in model.named_parameters() if id(p) not in seen]

@@ -294,18 +294,18 @@ class SlideEngine:
         self.residents.evict()
 
     # ----------------------------------------------------------------- layers
-    def layer_forward(self, i: int, x: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
-        """Layer i's forward (`Schedule.layer_forward`)."""
-        return self.schedule.layer_forward(i, x, args, kwargs, save)
+    def layer_forward(self, layer_no: int, hidden: torch.Tensor, args, kwargs, save: bool) -> torch.Tensor:
+        """Layer `layer_no`'s forward (`Schedule.layer_forward`)."""
+        return self.schedule.layer_forward(layer_no, hidden, args, kwargs, save)
 
-    def layer_backward(self, i: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
-        """Layer i's backward (`Schedule.layer_backward`); the input's gradient."""
-        return self.schedule.layer_backward(i, gy, args, kwargs)
+    def layer_backward(self, layer_no: int, gy: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Layer `layer_no`'s backward (`Schedule.layer_backward`); the input's gradient."""
+        return self.schedule.layer_backward(layer_no, gy, args, kwargs)
 
-    def call_layer(self, i: int, x: torch.Tensor, args, kwargs) -> torch.Tensor:
-        """Run HF's own forward of decoder layer i on `x`; its hidden states."""
-        layer = self.layers[i]
-        out = type(layer).forward(layer, x, *args, **kwargs)
+    def call_layer(self, layer_no: int, hidden: torch.Tensor, args, kwargs) -> torch.Tensor:
+        """Run HF's own forward of decoder layer `layer_no` on `hidden`; its hidden states."""
+        layer = self.layers[layer_no]
+        out = type(layer).forward(layer, hidden, *args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def find_dropouts(self) -> None:
