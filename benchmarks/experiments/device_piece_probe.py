@@ -47,6 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     adam8_torch.adamw8_range_torch = preamble_only
     device_update.DEVICE_PIECE = args.piece
+    device_update.device_piece = lambda numel, least: least     # every layer in pieces of --piece
     calls = []
     issue = device_update.DeviceUpdater.update_now
 
