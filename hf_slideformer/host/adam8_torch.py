@@ -26,7 +26,7 @@ import torch
 from .quant_maps import BLOCK, dynamic_map, mix64, quantize_lut, signed64
 
 __all__ = ["CHUNK_BLOCKS", "adamw8_range", "adamw8_range_torch", "adamw8_range_triton", "rounding_key_t",
-           "round_bf16_stochastic_t", "Hyper8", "share_kernel_args"]
+           "round_bf16_stochastic_t", "Hyper8"]
 
 CHUNK_BLOCKS = 1 << 14             # 4 M elements: about 200 MB of temporaries
 _M32 = 0xFFFFFFFF
@@ -115,40 +115,40 @@ class Hyper8:
     def kernel_args(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The Triton kernel's (3,) fp32 scalars (the gradient's scale, sqrt(1 - beta2^t),
         -lr / (1 - beta1^t)) and its 0-dim int64 key, on `device`: made once, on the current
-        stream, for every range on that device the constants serve (`share_kernel_args`)."""
+        stream, for every range on that device the constants serve (or `share_kernel_args`' row)."""
         if self._kernel_args is None or self._kernel_args[0].device != torch.device(device):
             scalars = torch.stack([_dev_scalar(self.gscale, device), _dev_scalar(self.bc2, device),
                                    _dev_scalar(self.neg_step, device)])
             self._kernel_args = (scalars, self.key.to(device, torch.int64).reshape(()))
         return self._kernel_args
 
+    @staticmethod
+    def share_kernel_args(hypers: list["Hyper8"], device) -> None:
+        """Give `hypers`, made from host step values for one update of many pieces, their kernel
+        arguments on `device` as rows of one table: two copies (and, for a gradient scale on the device,
+        its column written there) on the current stream.
 
-def share_kernel_args(hypers: list[Hyper8], device) -> None:
-    """Give `hypers`, made from host step values for one update of many pieces, their kernel
-    arguments on `device` as rows of one table: two copies (and, for a gradient scale on the device,
-    its column written there) on the current stream.
-
-    Note: [Why a device update's constants cross as one table] a device-updated layer queues its
-    whole update while the GPU still runs the layer's backward; the device holds a bounded queue of
-    pending operations (about 2,000 on an H100: benchmarks/experiments/device_issue_probe.py), past
-    which the queuing thread waits for the GPU, and the next layer's recompute is queued late. The
-    constants made as device scalars took about thirty operations per entry and five more per range.
-    """
-    device = torch.device(device)
-    if not hypers:
-        return
-    on_device = [torch.is_tensor(h.gscale) for h in hypers]
-    rows = [[0.0 if dev else h.gscale, h.bc2, h.neg_step] for h, dev in zip(hypers, on_device)]
-    scalars = torch.tensor(rows, dtype=torch.float32)
-    keys = torch.stack([h.key.reshape(()) for h in hypers]).to(torch.int64)
-    if device.type == "cuda":            # pinned: a copy from pageable memory waits for the stream's queue
-        scalars, keys = scalars.pin_memory(), keys.pin_memory()
-    scalars, keys = scalars.to(device, non_blocking=True), keys.to(device, non_blocking=True)
-    if any(on_device):
-        index = [i for i, dev in enumerate(on_device) if dev]
-        scalars[index, 0] = torch.stack([hypers[i].gscale.to(device).reshape(()) for i in index])
-    for row, hyper in enumerate(hypers):
-        hyper._kernel_args = (scalars[row], keys[row])
+        Note: [Why a device update's constants cross as one table] a device-updated layer queues its
+        whole update while the GPU still runs the layer's backward; the device holds a bounded queue of
+        pending operations (about 2,000 on an H100: benchmarks/experiments/device_issue_probe.py), past
+        which the queuing thread waits for the GPU, and the next layer's recompute is queued late. The
+        constants made as device scalars took about thirty operations per entry and five more per range.
+        """
+        device = torch.device(device)
+        if not hypers:
+            return
+        on_device = [torch.is_tensor(h.gscale) for h in hypers]
+        rows = [[0.0 if dev else h.gscale, h.bc2, h.neg_step] for h, dev in zip(hypers, on_device)]
+        scalars = torch.tensor(rows, dtype=torch.float32)
+        keys = torch.stack([h.key.reshape(()) for h in hypers]).to(torch.int64)
+        if device.type == "cuda":            # pinned: a copy from pageable memory waits for the stream's queue
+            scalars, keys = scalars.pin_memory(), keys.pin_memory()
+        scalars, keys = scalars.to(device, non_blocking=True), keys.to(device, non_blocking=True)
+        if any(on_device):
+            index = [i for i, dev in enumerate(on_device) if dev]
+            scalars[index, 0] = torch.stack([hypers[i].gscale.to(device).reshape(()) for i in index])
+        for row, hyper in enumerate(hypers):
+            hyper._kernel_args = (scalars[row], keys[row])
 
 
 def _fma(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:

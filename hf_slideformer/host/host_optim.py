@@ -251,8 +251,8 @@ class AdamW8bit(StateFormat):
     def prepare_steps(self, groups, by_group, unit, counters, scale, device) -> list:
         """Per entry its update's constants (`adam8_torch.Hyper8` from the counter's value: bias
         corrections, gradient scale, rounding key), shared by its pieces, on `device` as one table
-        (`share_kernel_args`: [Why a device update's constants cross as one table])."""
-        from .adam8_torch import Hyper8, share_kernel_args
+        (`Hyper8.share_kernel_args`: [Why a device update's constants cross as one table])."""
+        from .adam8_torch import Hyper8
 
         out, made = list(counters), []
         for gi, entries in by_group.items():
@@ -261,7 +261,7 @@ class AdamW8bit(StateFormat):
                 key = torch.tensor(signed64(rounding_key(self.seed, unit.index, step)), dtype=torch.int64)
                 out[index] = Hyper8(groups[gi], scale, 1.0, step, key)
                 made.append(out[index])
-        share_kernel_args(made, device)
+        Hyper8.share_kernel_args(made, device)
         return out
 
     def _run_torch(self, hp, unit, state, ranges, grads, steps, scale, grad_mul, found_inf) -> None:
