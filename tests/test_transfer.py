@@ -62,3 +62,31 @@ def test_host_gradients_to_host_are_plain_copies():
     with pytest.raises(RuntimeError, match="without rounding"):
         streams.gradients_to_host([torch.ones(2)], [torch.empty(2, dtype=torch.bfloat16)], None, None, norm, None,
                                   None, stats)
+
+
+class _Stream:
+    def __init__(self, *args, **kwargs):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_a_hand_over_is_settled_at_the_hand_over_its_hold_ends(monkeypatch):
+    # device_update.py: [Why an update in the backward has streams of its own] a device layer's
+    # gradients are held two hand-overs, every other copy source one.
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    streams = CudaStreams(torch.device("cuda", 0))
+    assert streams.update_h2d is not streams.h2d and streams.update_d2h is not streams.d2h
+    streams.hand_over([torch.ones(1)], "update", hold=2)
+    streams.hand_over([torch.ones(1), torch.ones(1)], "layer")
+    assert compute.waited == [] and streams.owed == 3             # the update is held past the next one
+    streams.hand_over([torch.ones(1)], "next layer")
+    assert compute.waited == ["update", "layer"] and streams.owed == 1
+    streams.settle()
+    assert compute.waited == ["update", "layer", "next layer"] and streams.owed == 0
+    streams.hand_over([torch.ones(1)], "one")
+    streams.hand_over([torch.ones(1)], "two")
+    assert compute.waited[-1] == "one" and streams.owed == 1          # the default: the next hand-over

@@ -61,7 +61,8 @@ class PieceSets:
     one piece's run on the streams.
 
     Args:
-        streams: the engine's `Streams` (pieces copy in on h2d, update there, copy back on d2h).
+        streams: the engine's `Streams` (pieces copy in on h2d, update there, copy back on d2h, unless
+            a piece names other lanes).
         stats: the engine's `StepStats` (bytes moved, parameters updated on the GPU).
         device: where the buffers live.
     """
@@ -86,33 +87,36 @@ class PieceSets:
         self.sets = None
         self.free = [None, None]
 
-    def update(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None, found_inf=None):
-        """One piece [lo, hi) of a device update of `unit`: master, gradient and state in on the h2d
-        stream (the gradient from `grad`: the host accumulator's `HostGrad`, or the device tensors'
-        `EntryGrads`), the format's update there (the gradient divided by `scale`, nothing where
-        `found_inf` is nonzero), the new weights cast into `dst` if given, master and state back
-        on the d2h stream (`unit.host_write` then records it)."""
+    def update(self, unit, lo: int, hi: int, batch, grad, steps, groups, scale=None, dst=None, found_inf=None,
+               lanes: tuple | None = None):
+        """One piece [lo, hi) of a device update of `unit`: master, gradient and state in on the
+        first of `lanes` (the streams' `h2d` and `d2h` unless given; the gradient from `grad`: the
+        host accumulator's `HostGrad`, or the device tensors' `EntryGrads`), the format's update
+        there (the gradient divided by `scale`, nothing where `found_inf` is nonzero), the new
+        weights cast into `dst` if given, master and state back on the second (`unit.host_write`
+        then records it)."""
         st, numel = self.streams, hi - lo
+        into, back = lanes if lanes is not None else (st.h2d, st.d2h)
         turn = self.turn
         self.turn ^= 1
         # Note: [Why a piece waits for the write-back two pieces earlier] the two sets of device
-        # buffers alternate: set `turn` is overwritten once its last d2h copy has read it.
-        st.wait(self.free[turn], st.h2d)
+        # buffers alternate: set `turn` is overwritten once its last write-back has read it.
+        st.wait(self.free[turn], into)
         piece = self.sets[turn]
         pairs = piece.pairs(unit, lo, hi)              # (device view, host view) of the master and arrays
         grad_dev = piece.grad[:numel]
-        with st.on(st.h2d):
+        with st.on(into):
             grad_bytes = grad.copy_into(grad_dev, lo, hi)
             for dev, host in pairs:
                 dev.copy_(host, non_blocking=True)
             piece.update(unit, batch, lo, grad_dev, steps, groups, scale, found_inf)
             if dst is not None:
                 dst[lo:hi].copy_(pairs[0][0])       # the new weights, cast on the device
-        st.wait(st.record(st.h2d), st.d2h)
-        with st.on(st.d2h):
+        st.wait(st.record(into), back)
+        with st.on(back):
             for dev, host in pairs:
                 host.copy_(dev, non_blocking=True)
-        self.free[turn] = unit.host_write = st.record(st.d2h)
+        self.free[turn] = unit.host_write = st.record(back)
         moved = sum(dev.numel() * dev.element_size() for dev, _ in pairs)
         self.stats.add_h2d(moved + grad_bytes)
         self.stats.add_bytes("d2h", moved)

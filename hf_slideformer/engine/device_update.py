@@ -36,8 +36,9 @@ CPU's AdamW of every host layer takes longer than the GPU's step (a compact stat
 update is compute-bound on the CPU; a large model under a small cap updates many parameters per
 token). A numeric `device_update_share` then takes that share of the layers off the CPU: a device
 layer's update runs in its own backward, as soon as its gradients are computed, from the
-gradients still on the device (`EntryGrads`): its master and state go in on the h2d stream, the
-format's update runs there, and they go back on the d2h stream, so no gradient crosses to the
+gradients still on the device (`EntryGrads`): its master and state go in on a stream of the
+updates' own (`update_h2d`), the format's update runs there, and they go back on `update_d2h`
+([Why an update in the backward has streams of its own]), so no gradient crosses to the
 host and no host accumulator is needed; the next forward's slot copy waits for the write-back
 (`unit.host_write`). Per parameter that moves the state's bytes each way (4 under
 `adamw_8bit_bf16`, 12 under fp32 AdamW) instead of a gradient out. The skip of a non-finite step
@@ -199,6 +200,15 @@ class DeviceUpdater:
             return engine.streams.balanced_update_share(engine.pinned)
         return float(config.device_update_share)
 
+    def held_gradient_bytes(self) -> int:
+        """Device memory a share updated in the backward holds beyond a step without it: one
+        layer's gradients, kept a layer longer ([Why an update in the backward has streams of its
+        own]); 0 without such a share."""
+        engine = self.engine
+        if engine.config.max_grad_norm is not None or self.share() <= 0:
+            return 0
+        return max(u.numel for u in engine.layer_units) * engine.dtype.itemsize
+
     def prepare(self) -> None:
         """At the first step with a share: allocate the device buffers, plan the resident units (the
         device layers are picked among the others), pick the layers and pin their host state."""
@@ -311,25 +321,38 @@ class DeviceUpdater:
         groups, group_of = hp
         by_group, advanced, steps = self._advance_steps(unit, group_of)
         self._ensure_sets(unit.numel)
-        st.wait(st.record(), st.h2d)            # the gradients and the flag are made on the compute stream
-        unit.readers = []                       # earlier h2d reads of the master are ahead on the h2d stream
-        st.wait(unit.host_write, st.h2d)
-        with st.on(st.h2d):          # what every piece of an entry shares, made once
+        # Note: [Why an update in the backward has streams of its own] a layer's update is about
+        # twenty pieces of copies and kernels, as long as a layer's backward. Queued on the h2d
+        # and d2h streams, the next layers' weights and inputs waited behind it on h2d and the
+        # host layers' gradients behind its write-backs on d2h, and the compute stream, which
+        # waits for a copy source's readers one hand-over later, waited for the whole update a
+        # layer later (measured at 3B: the GPU idle about 15 ms beside every device layer).
+        # On `update_h2d` / `update_d2h` it shares the link, not the queues, and its gradients are
+        # held two hand-overs (one layer's gradients more of device memory, the planner's
+        # `device layer's gradients, held a layer longer`), so the compute waits only for an
+        # update that outlasts two layers' backward.
+        into, back = lanes = (st.update_h2d, st.update_d2h)
+        st.wait(st.record(), into)              # the gradients and the flag are made on the compute stream
+        for ev in unit.readers:                 # the h2d copies of the old master that the write-backs follow
+            st.wait(ev, into)
+        unit.readers = []
+        st.wait(unit.host_write, into)
+        with st.on(into):            # what every piece of an entry shares, made once
             steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None, engine.device)
         source = EntryGrads(unit, grads)
         for lo, hi, batch in _pieces(unit, by_group):
             if hi > lo:
-                self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf)
+                self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf, lanes=lanes)
         if found_inf is not None:
             if place.skip_flag is None:
                 place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)
-            # On the h2d stream, after the last piece's update: the gradients' and the flag's
-            # last reader, so one event hands them over (transfer.py: [Why copy sources are handed
-            # over, not recorded]) without the compute stream waiting for the write-backs.
-            with st.on(st.h2d):
+            # After the last piece's update: the gradients' and the flag's last reader, so one
+            # event hands them over (transfer.py: [Why copy sources are handed over, not
+            # recorded]) without the compute stream waiting for the write-backs.
+            with st.on(into):
                 place.skip_flag.copy_(found_inf.reshape(1), non_blocking=True)
-            place.unsettled = (advanced, st.record(st.h2d))
-            st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1])
+            place.unsettled = (advanced, st.record(into))
+            st.hand_over([found_inf] + [g for g in grads if g is not None], place.unsettled[1], hold=2)
         engine.stats.event("device_update", issued, time.perf_counter())     # the main thread's time issuing it
 
     def _advance_steps(self, unit, group_of: dict) -> tuple[dict, list[int], list]:

@@ -1,5 +1,5 @@
-"""Streams and events: h2d and d2h on their own CUDA streams, ordered by events, never by a
-device-wide synchronize.
+"""Streams and events: h2d and d2h on their own CUDA streams (and a pair of the same for the
+updates that run in the backward), ordered by events, never by a device-wide synchronize.
 
 `Streams` is the interface the engine's parts use, chosen once for the engine's device by
 `Streams.for_device`: `CudaStreams` on a CUDA device, `HostStreams` on the CPU, where every event
@@ -90,10 +90,11 @@ class Streams(abc.ABC):
         queued work (`Tensor.record_stream`; nothing to do on the CPU or for a non-tensor)."""
 
     @abc.abstractmethod
-    def hand_over(self, tensors, event) -> None:
+    def hand_over(self, tensors, event, hold: int = 1) -> None:
         """Keep `tensors` (made on the compute stream) until the copies that read them, which end at
-        `event`, are ordered before the compute stream's later work (Note: [Why copy sources are
-        handed over, not recorded]); nothing to keep on the CPU."""
+        `event`, are ordered before the compute stream's later work: at the `hold`-th hand-over
+        after this one (Note: [Why copy sources are handed over, not recorded]); nothing to keep on
+        the CPU."""
 
     @abc.abstractmethod
     def settle(self) -> None:
@@ -155,7 +156,7 @@ class Streams(abc.ABC):
 class HostStreams(Streams):
     """A CPU device's streams: every event is already complete and every stream is the caller's."""
 
-    h2d = d2h = None
+    h2d = d2h = update_h2d = update_d2h = None
 
     @property
     def compute(self):
@@ -179,7 +180,7 @@ class HostStreams(Streams):
     def used_by(self, tensor, stream) -> None:
         """No caching allocator to tell."""
 
-    def hand_over(self, tensors, event) -> None:
+    def hand_over(self, tensors, event, hold: int = 1) -> None:
         """Nothing to keep: the copies that read `tensors` have run."""
 
     def settle(self) -> None:
@@ -237,15 +238,19 @@ class HostStreams(Streams):
 
 
 class CudaStreams(Streams):
-    """A CUDA device's streams: the caller's current stream computes, `h2d` and `d2h` copy; the
-    tensors read by copies to the host are handed over (Note: [Why copy sources are handed over,
-    not recorded])."""
+    """A CUDA device's streams: the caller's current stream computes, `h2d` and `d2h` copy, and
+    `update_h2d` / `update_d2h` carry the updates run in the backward (device_update.py: [Why an
+    update in the backward has streams of its own]); the tensors read by copies to the host are
+    handed over (Note: [Why copy sources are handed over, not recorded])."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
-        self._owed: list[tuple[list, object]] = []      # (tensors, the event of the copies that read them)
+        self.update_h2d = torch.cuda.Stream(device)
+        self.update_d2h = torch.cuda.Stream(device)
+        # [tensors, the event of the copies that read them, hand-overs left before the compute waits]
+        self._owed: list[list] = []
 
     @property
     def compute(self):
@@ -276,22 +281,28 @@ class CudaStreams(Streams):
         if torch.is_tensor(tensor):
             tensor.record_stream(stream)
 
-    def hand_over(self, tensors, event) -> None:
-        """Keep `tensors`: first settle the tensors handed over before (Note: [Why copy
-        sources are handed over, not recorded])."""
-        self.settle()
-        self._owed.append((list(tensors), event))
+    def hand_over(self, tensors, event, hold: int = 1) -> None:
+        """Keep `tensors`: first settle the tensors handed over before whose hold ends here (Note:
+        [Why copy sources are handed over, not recorded])."""
+        kept = []
+        for owed in self._owed:
+            owed[2] -= 1
+            if owed[2] > 0:
+                kept.append(owed)
+            else:
+                self.wait(owed[1])
+        self._owed = kept + [[list(tensors), event, hold]]
 
     def settle(self) -> None:
         """Make the compute stream wait for the copies of every tensor handed over, and drop them."""
         owed, self._owed = self._owed, []
-        for _, event in owed:
+        for _, event, _ in owed:
             self.wait(event)
 
     @property
     def owed(self) -> int:
         """Tensors handed over and not settled yet."""
-        return sum(len(t) for t, _ in self._owed)
+        return sum(len(t) for t, _, _ in self._owed)
 
     def on(self, stream):
         """`torch.cuda.stream(stream)`."""

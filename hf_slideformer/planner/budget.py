@@ -55,7 +55,7 @@ def resident_bytes_per_param(dtype: torch.dtype) -> int:
 def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_layers: int, embed_numel: int,
                   dtype: torch.dtype, embed: bool | None = None, layers: int | None = None, clipping: bool = False,
                   margin_fraction: float = 0.1, min_margin: int = 2 * GiB,
-                  layer_bytes_per_param: float | None = None) -> tuple[bool, int]:
+                  layer_bytes_per_param: float | None = None, held_bytes: int = 0) -> tuple[bool, int]:
     """What to keep resident in what a measured step left free under the limit: (embedding?, layers).
 
     The embedding comes first when it is not fixed by the caller: per byte of GPU memory it
@@ -74,9 +74,11 @@ def plan_resident(*, limit_bytes: int, peak_bytes: int, layer_numel: int, n_laye
         margin_fraction, min_margin: head-room kept free for longer batches and fragmentation.
         layer_bytes_per_param: a resident layer's GPU bytes per parameter in its state format
             (`resident_state.resident_bytes_per_param_of`); None: fp32 AdamW's.
+        held_bytes: what later steps hold beyond the measured one (a device layer's gradients held a
+            layer longer: device_update.py).
     """
     margin = max(min_margin, int(margin_fraction * limit_bytes))
-    budget = limit_bytes - peak_bytes - margin
+    budget = limit_bytes - peak_bytes - margin - held_bytes
     per = resident_bytes_per_param(dtype)
     if embed is None:
         embed = budget >= embed_numel * (per + 4)                        # + its fp32 gradient

@@ -227,7 +227,8 @@ class Estimator:
 
     def gpu_extras(self, N: int, clipping: bool) -> dict:
         """Device buffers: one layer's fp32 running sum with accumulation (accumulate.py), two sets of fp32
-        master / gradient / moments pieces with clipping or a share in the backward (device_update.py)."""
+        master / gradient / moments pieces with clipping or a share in the backward, and with the share
+        in the backward a device layer's gradients kept one layer longer (device_update.py)."""
         out = {}
         if self.gpus > 1:           # several processes: no device accumulation, no device updates (sharded.py)
             return out
@@ -235,6 +236,9 @@ class Estimator:
             out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
         if clipping or self.device_share:     # two sets of up to two pieces (budget.device_piece)
             out["device-update buffers (2 x 4 fp32 pieces)"] = 32 * min(2 * device_piece(self.s.layer_params), self.s.layer_params)
+        if self.device_share and not clipping:
+            # device_update.py: [Why an update in the backward has streams of its own]
+            out["device layer's gradients, held a layer longer"] = GRAD_BYTES * self.s.layer_params
         return out
 
     def gpu_peak(self, B: int, tier: str) -> int:
