@@ -266,11 +266,11 @@ def train_arm(args, matmuls: str, data: list[torch.Tensor], blocks: torch.Tensor
     model = initial_model(args, device)
     if perturb:
         flip_last_bits(model, args.seed + 3)
-    emulate = matmuls == "fp8" and args.emulate
+    emulate = matmuls != "dtype" and args.emulate
     model = hs.slide(model, hs.SlideConfig(device=device, dtype=torch.bfloat16, matmuls="dtype" if emulate else matmuls))
     if emulate:
         from hf_slideformer.compute.layer_matmuls import install_emulation
-        install_emulation(model)
+        install_emulation(model, hp_wgrad=matmuls == "fp8_gw_hp")
     opt = model.create_optimizer(lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     train, held = [], {0: held_out_loss(model, blocks, device)}
@@ -376,6 +376,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-stream", choices=("grammar", "corpus"), default="grammar",
                    help="grammar: new sentences of the corpus's grammar, no window seen twice (the default); "
                         "corpus: windows of the corpus's train split, drawn again and again (it is memorized)")
+    p.add_argument("--recipes", default="fp8",
+                   help="the FP8 arms, comma-separated SlideConfig.matmuls values (fp8: torchao's rowwise recipe; "
+                        "fp8_gw_hp: its rowwise_with_gw_hp); the first is judged as 'fp8', each other beside it")
     p.add_argument("--control", action="store_true",
                    help="a third arm: bf16 from the initial weights with their last bits flipped, bf16's own noise")
     p.add_argument("--json", required=True, help="where to write the results")
@@ -411,7 +414,9 @@ def main(argv=None) -> int:
         data = train_batches(train_stream, args.steps, args.batch, args.seq, args.seed)
     print(f"split: {train_stream.numel()} train tokens ({args.train_stream}), {held_stream.numel()} held out "
           f"({blocks.shape[0]} blocks of {args.seq}); {args.steps} steps of {args.batch} x {args.seq}", flush=True)
-    plan = [("bf16", "dtype", False), ("fp8", "fp8", False)] + ([("control", "dtype", True)] if args.control else [])
+    recipes = args.recipes.split(",")
+    plan = ([("bf16", "dtype", False)] + [("fp8" if i == 0 else m, m, False) for i, m in enumerate(recipes)]
+            + ([("control", "dtype", True)] if args.control else []))
     arms = {}
     for name, matmuls, perturb in plan:
         deadline = start + args.max_seconds / len(plan) if name == "bf16" else float("inf")
@@ -420,8 +425,8 @@ def main(argv=None) -> int:
     rows = logged_rows(arms, args.log_every)
     memorizable = args.train_stream == "corpus"
     verdict = judge(rows, args.warmup, args.tolerance, memorizable)
-    if args.control:
-        verdict["control"] = judge(rows, args.warmup, args.tolerance, memorizable, other="control")
+    for name, _, _ in plan[2:]:                  # the other recipes and the control, each against bf16
+        verdict[name] = judge(rows, args.warmup, args.tolerance, memorizable, other=name)
     print_table(rows, verdict, len(data), args)
     doc = {"args": vars(args), "steps_run": len(data), "rows": rows, "verdict": verdict, "stream": stream,
            "split": {"held_out_every": HELD_OUT_EVERY, "train_tokens": train_stream.numel(),
@@ -437,7 +442,7 @@ def main(argv=None) -> int:
 
 def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
     """The logged rows (train and held-out per arm, their gaps to bf16) and the verdict, last."""
-    others = ["fp8"] + (["control"] if "control" in verdict else [])
+    others = ["fp8"] + [k for k, v in verdict.items() if isinstance(v, dict) and "met" in v]
     if steps < args.steps:
         print(f"all arms ran {steps} of {args.steps} steps (--max-seconds {args.max_seconds:.0f})")
     head = f"\n{'step':>5} {'bf16 train':>10}" + "".join(f" {a + ' train':>13} {'gap':>7}" for a in others)
@@ -453,10 +458,8 @@ def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
         line += f" {r['bf16_held_out']:10.4f}" + "".join(
             f" {r[a + '_held_out']:12.4f} {rel_gap(r['bf16_held_out'], r[a + '_held_out']):7.2%}" for a in others)
         print(line)
-    for name, v in (("FP8", verdict), ("control", verdict.get("control"))):
-        if v is None:
-            continue
-        who = "FP8" if name == "FP8" else "bf16 control (last bits flipped)"
+    for name, v in [("FP8", verdict)] + [(a, verdict[a]) for a in others[1:]]:
+        who = {"FP8": f"FP8 ({args.recipes.split(',')[0]})", "control": "bf16 control (last bits flipped)"}.get(name, name)
         print(f"{who} against bf16:")
         if v["memorizable"]:
             print(f"  held-out, steps {args.warmup + 1}-{v['learning_end']} (to bf16's lowest): max gap "
@@ -473,6 +476,9 @@ def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
         print(f"  at most {v['fp8_max_excess']:+.2%} above bf16 at the judged steps: "
               f"{'not worse' if v['fp8_not_worse'] else 'WORSE'} (within {v['tolerance']:.1%} one way)")
     line = f"criterion (every FP8 gap within {verdict['tolerance']:.1%}): {'met' if verdict['met'] else 'NOT met'}"
+    for name in others[1:]:
+        if name != "control":
+            line += f"; {name}: {'met' if verdict[name]['met'] else 'NOT met'}"
     if "control" in verdict:
         c = verdict["control"]
         line += f"; bf16 against itself: max gap {max(c['held_out_max_gap'], c['train_max_gap']):.2%}"

@@ -141,22 +141,32 @@ class SlidePlugin:
         unset, and "fp8" turns on the FP8 projections (`matmuls='fp8'`, with bf16 around them)."""
         values = {name: getattr(self, name) for name, opt in SETTINGS.items() if "plugin" in opt.surfaces}
         if mixed_precision == "fp8":
-            values["matmuls"] = "fp8"
+            if values["matmuls"] == "dtype":
+                values["matmuls"] = "fp8"
             mixed_precision = "bf16"
         if values["dtype"] is None and mixed_precision not in (None, "no"):
             values["dtype"] = mixed_precision
         return SlideConfig(device=str(device), **values)
 
 
-def take_fp8_recipe(handlers, precision: str) -> list:
-    """The kwargs handlers less an FP8 recipe, which the engine carries out itself (docs/fp8.md).
+def _disabled(cast) -> bool:
+    """Is torchao's `CastConfig` `cast` one that leaves its tensor in high precision?"""
+    return str(getattr(cast, "scaling_type", "")).upper().endswith("DISABLED")
 
-    torchao's (`AORecipeKwargs`) is accepted when it is the row-wise recipe the engine runs: no
+
+def take_fp8_recipe(handlers, precision: str) -> tuple[list, str | None]:
+    """The kwargs handlers less an FP8 recipe, which the engine carries out itself (docs/fp8.md),
+    and the `SlideConfig.matmuls` it asks for (None: no recipe given).
+
+    torchao's (`AORecipeKwargs`) is accepted when it is a row-wise recipe the engine runs: no
     config, or one whose input, weight and gradient casts are axis-wise and whose scales are
-    rounded to powers of two. Other FP8 backends (Transformer Engine, MS-AMP) and other torchao
-    recipes are refused, naming what differs; an FP8 recipe without mixed_precision='fp8' too.
+    rounded to powers of two ('fp8'); "rowwise_with_gw_hp" ('fp8_gw_hp') is known by its weight
+    gradient's casts, which leave both operands in high precision. Other FP8 backends (Transformer
+    Engine, MS-AMP) and other torchao recipes are refused, naming what differs; an FP8 recipe
+    without mixed_precision='fp8' too.
     """
     handlers = list(handlers or [])
+    matmuls = None
     recipes = [h for h in handlers if type(h).__name__ in ("AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs")]
     for recipe in recipes:
         if precision != "fp8":
@@ -165,15 +175,20 @@ def take_fp8_recipe(handlers, precision: str) -> list:
         if type(recipe).__name__ != "AORecipeKwargs":
             raise ValueError(f"{type(recipe).__name__} is not supported with sliding: the engine's FP8 is torchao's "
                              "float8 rowwise recipe; pass AORecipeKwargs() or none")
+        matmuls = "fp8"
         cfg = getattr(recipe, "config", None)
         if cfg is not None:
             casts = [getattr(cfg, f"cast_config_{n}", None) for n in ("input", "weight", "grad_output")]
             axiswise = all(str(getattr(c, "scaling_granularity", "")).upper().endswith("AXISWISE") for c in casts)
-            if not (axiswise and getattr(cfg, "round_scales_to_power_of_2", False)):
-                raise ValueError("AORecipeKwargs(config=...) asks for a float8 recipe other than the rowwise one (axis-"
-                                 "wise e4m3 casts, power-of-two scales), which is the one the engine runs: pass "
-                                 "AORecipeKwargs() or Float8LinearConfig.from_recipe_name('rowwise')")
-    return [h for h in handlers if h not in recipes]
+            gw_hp = all(_disabled(getattr(cfg, f"cast_config_{n}_for_grad_weight", None)) for n in ("input", "grad_output"))
+            if gw_hp and axiswise:
+                matmuls = "fp8_gw_hp"
+            elif not (axiswise and getattr(cfg, "round_scales_to_power_of_2", False)):
+                raise ValueError("AORecipeKwargs(config=...) asks for a float8 recipe other than the rowwise ones (axis-"
+                                 "wise e4m3 casts, power-of-two scales), which are the ones the engine runs: pass "
+                                 "AORecipeKwargs() or Float8LinearConfig.from_recipe_name('rowwise' or "
+                                 "'rowwise_with_gw_hp')")
+    return [h for h in handlers if h not in recipes], matmuls
 
 
 def wrap_optimizer(optimizer) -> AcceleratedOptimizer:
@@ -209,7 +224,12 @@ class SlideAccelerator(Accelerator):
             raise ValueError(f"mixed_precision 'fp16' is refused with sliding: {FLOAT16_REFUSED}")
         if precision not in ("no", "bf16", "fp8"):
             raise ValueError(f"mixed_precision {precision!r} is not supported with sliding (use bf16, fp8 or no)")
-        kwargs["kwargs_handlers"] = take_fp8_recipe(kwargs.get("kwargs_handlers"), precision)
+        kwargs["kwargs_handlers"], recipe = take_fp8_recipe(kwargs.get("kwargs_handlers"), precision)
+        if recipe is not None and plugin.matmuls != recipe:
+            if plugin.matmuls not in ("dtype", recipe):
+                raise ValueError(f"the FP8 recipe given ({recipe}) contradicts the slideformer setting "
+                                 f"matmuls={plugin.matmuls!r}")
+            plugin.matmuls = recipe
         ga = kwargs.get("gradient_accumulation_steps")
         if ga not in (None, 1) and plugin.gradient_accumulation_steps not in (1, ga):
             raise ValueError(f"gradient_accumulation_steps={ga} contradicts the slideformer setting "

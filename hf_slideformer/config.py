@@ -152,10 +152,12 @@ class SlideConfig:
         "host_memory_limit the layers on disk keep it in their records; the compact formats run in one process "
         "(SlideArgs: also from the Trainer's optim, e.g. adamw_8bit).")
     matmuls: str = option(
-        "dtype", Choice("dtype", "fp8"),
+        "dtype", Choice("dtype", "fp8", "fp8_gw_hp"),
         "How the decoder layers' linear projections (q, k, v, o, gate, up, down) multiply, in their forward, "
-        "recompute and backward: 'dtype' (in the compute dtype) or 'fp8' (e4m3 with row-wise power-of-two scales "
-        "through torch._scaled_mm, torchao's float8 rowwise recipe; docs/fp8.md). The loss head, norms, attention, "
+        "recompute and backward: 'dtype' (in the compute dtype), 'fp8' (e4m3 with row-wise power-of-two scales "
+        "through torch._scaled_mm, torchao's float8 rowwise recipe; docs/fp8.md) or 'fp8_gw_hp' (torchao's "
+        "rowwise_with_gw_hp: the same forward, dgrad against a tensor-wise weight, the weight gradient in the "
+        "compute dtype, as AdamW reads it; wgrad then runs at the bf16 rate). The loss head, norms, attention, "
         "the embedding, the fp32 masters and AdamW are unchanged. 'fp8' needs a CUDA GPU of compute capability 8.9 "
         "or newer and dtype bfloat16 (SlideArgs: also --slide_matmuls fp8; yaml: also mixed_precision: fp8).")
     nonfinite_grads: str = option(

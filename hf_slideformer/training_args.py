@@ -59,8 +59,8 @@ class SlideArgs(TrainingArguments):
         self.mixed_precision = "no"
         if env_precision == "fp16":
             raise SlideArgsError(f"mixed precision fp16 (ACCELERATE_MIXED_PRECISION) is refused: {FLOAT16_REFUSED}")
-        if env_precision == "fp8":                      # Accelerate's FP8: the engine's FP8 projections, bf16 around
-            self.slide_matmuls = "fp8"
+        if env_precision == "fp8" and self.slide_matmuls == "dtype":     # Accelerate's FP8: the engine's FP8
+            self.slide_matmuls = "fp8"                                   # projections, bf16 around
         if self.slide_dtype is None and env_precision in ("bf16", "fp8"):
             self.slide_dtype = "bfloat16"
         if self.n_gpu > 1:

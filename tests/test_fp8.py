@@ -120,6 +120,35 @@ def test_fp8_linear_forward_and_every_gradient(shape):
             assert _rel(bad, e) > 0.5, (name, _rel(bad, e))
 
 
+def test_gw_hp_recipe_keeps_the_weight_gradient_in_the_compute_dtype():
+    """torchao's rowwise_with_gw_hp: the forward is rowwise's; dgrad multiplies dy's rows by the
+    weight quantized with one scale (its largest |value|), within the recipe's error of the exact
+    dx and bit for bit that oracle; wgrad is the compute dtype's dy^T x, the weight gradient a
+    plain bf16 linear gives."""
+    torch.manual_seed(4)
+    ops = EmulatedFp8()
+    x, w, gy = torch.randn(3, 7, 64), torch.randn(48, 64) * 5e-4, torch.randn(3, 7, 48) * 1e-4
+    w[5, 3] = 4e-3                                  # one large entry: the tensor-wise scale is its
+    exact = _exact(x, w, torch.zeros(48), gy)
+    xs, ws = (t.bfloat16().requires_grad_() for t in (x, w))
+    y = fp8_linear(xs, ws, ops=ops, hp_wgrad=True)
+    assert torch.equal(y, fp8_linear(xs, ws, ops=ops))                     # the forward is rowwise's
+    dx, dw = torch.autograd.grad(y, [xs, ws], gy.bfloat16())
+    xb, wb = (t.bfloat16().requires_grad_() for t in (x, w))
+    plain_dw = torch.autograd.grad(torch.nn.functional.linear(xb, wb), [wb], gy.bfloat16())[0]
+    assert torch.equal(dw, plain_dw)
+    assert _rel(dx, exact[1]) < LINEAR_RTOL and _rel(dw, exact[2]) < 0.01
+    # dgrad's weight form: one power-of-two scale from the largest |w| (the oracle), every column alike
+    q, inv = QuantizedWeight(ws, ops).cols_t_tensorwise
+    scale, values = oracle_rows(w.bfloat16().float().abs().amax().expand(1, 1))
+    assert torch.all(inv == 1 / scale.float()) and inv.shape == (64, 1)
+    g_rows = ops.quantize_rows(gy.bfloat16().reshape(-1, 48))
+    assert torch.equal(dx.reshape(-1, 64), ops.mm(g_rows, (q, inv), torch.bfloat16, False))
+    # the rowwise recipe's weight gradient is FP8's: farther from the exact one
+    rowwise_dw = torch.autograd.grad(fp8_linear(xs, ws, ops=ops), [ws], gy.bfloat16())[0]
+    assert _rel(rowwise_dw, exact[2]) > 3 * _rel(dw, exact[2])
+
+
 def test_cached_weight_gives_the_same_result_and_output_free_forward():
     torch.manual_seed(3)
     ops = EmulatedFp8()

@@ -85,8 +85,9 @@ def test_fused_producers_train_bit_identical_to_the_unfused_path():
         assert torch.equal(sa[key], sb[key]), key
 
 
+@pytest.mark.parametrize("hp_wgrad", [False, True])
 @pytest.mark.parametrize("lead, k, n", [((3, 37), 256, 704), ((2, 2048), 4096, 1024)])
-def test_fp8_linear_on_cuda(lead, k, n):
+def test_fp8_linear_on_cuda(lead, k, n, hp_wgrad):
     _need_fp8()
     torch.manual_seed(1)
     x = torch.randn(*lead, k, device="cuda")
@@ -96,7 +97,7 @@ def test_fp8_linear_on_cuda(lead, k, n):
     runs = []
     for ops in (CudaFp8(), EmulatedFp8()):
         xs, ws, bs = (t.detach().bfloat16().requires_grad_() for t in (x, w, b))
-        y = fp8_linear(xs, ws, bs, ops=ops)
+        y = fp8_linear(xs, ws, bs, ops=ops, hp_wgrad=hp_wgrad)
         y.backward(gy.bfloat16())
         runs.append([y.detach(), xs.grad, ws.grad, bs.grad])
     for name, e, c, m in zip(("y", "dx", "dw", "db"), exact, *runs):
@@ -109,7 +110,7 @@ def test_slid_model_in_fp8_trains_close_to_bf16():
     _need_fp8()
     data = batches(4, bsz=4, seq=128, vocab=1001)
     losses = {}
-    for mode in ("dtype", "fp8"):
+    for mode in ("dtype", "fp8", "fp8_gw_hp"):
         _, slid = _pair(torch.bfloat16, matmuls=mode)
         opt = slid.create_optimizer(lr=1e-3)
         out = []
@@ -120,11 +121,12 @@ def test_slid_model_in_fp8_trains_close_to_bf16():
             opt.zero_grad()
             out.append(loss.item())
         losses[mode] = out
-        if mode == "fp8":
-            assert slid.slide_config.matmuls == "fp8" and slid.slide_engine.matmuls.cache
-    assert losses["dtype"] != losses["fp8"]
-    for a, b in zip(losses["dtype"], losses["fp8"]):
-        assert math.isclose(a, b, rel_tol=0.02), losses
+        if mode != "dtype":
+            assert slid.slide_config.matmuls == mode and slid.slide_engine.matmuls.cache
+    assert losses["dtype"] != losses["fp8"] and losses["fp8"] != losses["fp8_gw_hp"]
+    for mode in ("fp8", "fp8_gw_hp"):
+        for a, b in zip(losses["dtype"], losses[mode]):
+            assert math.isclose(a, b, rel_tol=0.02), (mode, losses)
 
 
 @pytest.mark.parametrize("kw", [HOST_ONLY, {"resident_layers": 2}, {"window": 3}])

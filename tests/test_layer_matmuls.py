@@ -148,7 +148,8 @@ def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
 
     class TERecipeKwargs:
         pass
-    assert take_fp8_recipe([AORecipeKwargs()], "fp8") == []
+    assert take_fp8_recipe([AORecipeKwargs()], "fp8") == ([], "fp8")
+    assert take_fp8_recipe([], "fp8") == ([], None)
     with pytest.raises(ValueError, match="rowwise"):
         take_fp8_recipe([TERecipeKwargs()], "fp8")
     with pytest.raises(ValueError, match="mixed_precision='fp8'"):
@@ -157,6 +158,19 @@ def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
     tensorwise.config = type("Cfg", (), {"round_scales_to_power_of_2": False})()
     with pytest.raises(ValueError, match="rowwise"):
         take_fp8_recipe([tensorwise], "fp8")
+    # torchao's casts as Float8LinearConfig.from_recipe_name names them (torchao is not installed here)
+    cast = lambda granularity="ScalingGranularity.AXISWISE", kind="ScalingType.DYNAMIC": type(   # noqa: E731
+        "CastConfig", (), {"scaling_granularity": granularity, "scaling_type": kind})()
+    gw_hp = AORecipeKwargs()
+    gw_hp.config = type("Cfg", (), {"cast_config_input": cast(), "cast_config_weight": cast(),
+                                    "cast_config_grad_output": cast(),
+                                    "cast_config_input_for_grad_weight": cast(kind="ScalingType.DISABLED"),
+                                    "cast_config_grad_output_for_grad_weight": cast(kind="ScalingType.DISABLED"),
+                                    "round_scales_to_power_of_2": False})()
+    assert take_fp8_recipe([gw_hp], "fp8") == ([], "fp8_gw_hp")
+    assert SlidePlugin.from_dict({"matmuls": "fp8_gw_hp"}).to_slide_config("cpu", "fp8").matmuls == "fp8_gw_hp"
+    assert hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, slide_matmuls="fp8_gw_hp",
+                        report_to=[]).to_slide_config().matmuls == "fp8_gw_hp"
 
 
 def _fp8_layers_run(model, ids, fused, recompute=True, skip_down=False):

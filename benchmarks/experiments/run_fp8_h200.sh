@@ -15,7 +15,9 @@
 #      ~150 s for two, the build the rest); CONTROL=1 adds a bf16 arm from the weights' last bits
 #      flipped, bf16's own noise beside FP8's gap: ~75 s more, and since the bf16 arm then stops at
 #      a third of QUALITY_S, QUALITY_S=270 keeps 500 steps; $OUT/fp8_quality.json, from which
-#      `python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg` draws the figure
+#      `python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg` draws the figure;
+#      RECIPES=fp8,fp8_gw_hp adds an arm per further recipe (~75 s each; the bf16 arm stops at
+#      QUALITY_S over the arms: QUALITY_S=270 for three)
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
 #      1 warm-up, --no-probe) for 8B batch 16 under 12 GiB, 3B batch 16 under 9 GiB and 8B batch 16
 #      under 24 GiB, in that order (ROWS picks others: 8b12 3b9 8b24), after the matmuls' rate in both
@@ -81,7 +83,7 @@ for part in ${PARTS:-${1:-}}; do
         c) bench llama3-8b 12 fp8_8b_12 ;;
         d) bench llama3-3b 9 fp8_3b_9 ;;
         e) timeout $(( ${QUALITY_S:-180} + 60 )) python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" \
-               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} \
+               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} --recipes "${RECIPES:-fp8}" \
                --max-seconds "${QUALITY_S:-180}" --json "$OUT/fp8_quality.json" > "$OUT/fp8_quality.log" 2>&1
            rc=$?; echo "quality: exit $rc after $SECONDS s"
            if [ "$rc" = 0 ]; then grep -h '^grammar:' "$OUT/fp8_quality.log"; sed -n '/^ step/,$p' "$OUT/fp8_quality.log"; else tail -20 "$OUT/fp8_quality.log"; fi ;;

@@ -9,6 +9,12 @@ the forward, scaled per output feature, and one for dgrad, scaled per input feat
 gradient and the input one for wgrad, scaled per feature over the tokens); the forward GEMM uses
 fast accumulation, the two gradient GEMMs do not.
 
+torchao's "rowwise_with_gw_hp" recipe (`SlideConfig.matmuls='fp8_gw_hp'`) keeps the forward and
+changes the backward: dgrad multiplies the row-wise e4m3 gradient by the weight quantized with one
+scale for the whole tensor (tensor-wise), and wgrad runs in the compute dtype from the unquantized
+gradient and input, so the weight gradient that AdamW reads carries no FP8 error (and wgrad runs
+at the bf16 rate).
+
 Two implementations of the primitives (quantize rows, quantize rows and take the column maxima in
 the same read, quantize columns transposed, scaled GEMM), chosen once: `CudaFp8` (the Triton kernels of `triton_ops.kernels.fp8_quant` and
 `torch._scaled_mm`) and `EmulatedFp8` (the pure-torch reference, and a scaled GEMM emulated as
@@ -21,7 +27,7 @@ import torch
 from triton_ops import reference
 
 __all__ = ["Fp8Ops", "CudaFp8", "EmulatedFp8", "QuantizedWeight", "SharedInputs", "Fp8Linear", "fp8_linear", "fp8_unsupported",
-           "GEMM_ALIGN"]
+           "tensorwise_cols_t", "GEMM_ALIGN"]
 
 GEMM_ALIGN = 16          # torch._scaled_mm needs every dimension of its operands a multiple of 16 bytes
 
@@ -109,11 +115,25 @@ class QuantizedWeight:
             self._cols_t = self.ops.quantize_cols_t(self.weight)
         return self._cols_t
 
+    @property
+    def cols_t_tensorwise(self) -> tuple:
+        """W^T (K, N) with one scale for the whole weight (the gw_hp recipe's dgrad form)."""
+        if self._cols_t is None:
+            self._cols_t = tensorwise_cols_t(self.ops, self.weight)
+        return self._cols_t
+
     def drop_rows(self) -> None:
         self._rows = None
 
     def drop_cols_t(self) -> None:
         self._cols_t = None
+
+
+def tensorwise_cols_t(ops: Fp8Ops, weight: torch.Tensor) -> tuple:
+    """`weight` (N, K) transposed and quantized with one scale, its largest |value| (torchao's
+    tensor-wise cast): every column's scale made from the same maximum."""
+    amax = weight.abs().amax().float().expand(weight.shape[1]).contiguous()
+    return ops.quantize_cols_t(weight, amax)
 
 
 class SharedInputs:
@@ -185,16 +205,17 @@ class Fp8Linear(torch.autograd.Function):
     Args of `apply`: x (..., K), weight (N, K), bias (N,) or None, `QuantizedWeight` of the weight
     or None (quantized here), the `Fp8Ops`, `output`: False returns zeros of the output's shape
     without the forward GEMM (the engine's recompute of a layer's last projection, whose product
-    nothing reads: docs/engine.md) while the backward is the same, and a `SharedInputs` (or
-    None) that the projections reading the same input share.
+    nothing reads: docs/engine.md) while the backward is the same, a `SharedInputs` (or
+    None) that the projections reading the same input share, and `hp_wgrad`: the
+    "rowwise_with_gw_hp" backward (a tensor-wise weight for dgrad, wgrad in the compute dtype).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, qweight, ops, output, shared=None):
+    def forward(ctx, x, weight, bias, qweight, ops, output, shared=None, hp_wgrad=False):
         shared = shared if shared is not None else SharedInputs(ops)
         ctx.save_for_backward(weight)
         ctx.x, ctx.shared = x, shared       # x is an input, never this node's output: no reference cycle
-        ctx.ops, ctx.qweight, ctx.has_bias = ops, qweight, bias is not None
+        ctx.ops, ctx.qweight, ctx.has_bias, ctx.hp_wgrad = ops, qweight, bias is not None, hp_wgrad
         shared.hold(x)
         lead, out_features = x.shape[:-1], weight.shape[0]
         if not output:
@@ -214,31 +235,39 @@ class Fp8Linear(torch.autograd.Function):
             g2 = g2.contiguous()                                 # once, for both of its forms
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gx = gw = gb = g_amax = None
+        fp8_wgrad = need_dw and not ctx.hp_wgrad
         if need_dx:
-            # With wgrad to follow, the read that quantizes dy's rows also takes its column maxima.
-            g_rows, g_amax = ops.quantize_rows_col_amax(g2) if need_dw else (ops.quantize_rows(g2), None)
-            w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(weight.detach())
+            # With an FP8 wgrad to follow, the read that quantizes dy's rows also takes its column maxima.
+            g_rows, g_amax = ops.quantize_rows_col_amax(g2) if fp8_wgrad else (ops.quantize_rows(g2), None)
+            if ctx.hp_wgrad:
+                w_cols = (ctx.qweight.cols_t_tensorwise if ctx.qweight is not None
+                          else tensorwise_cols_t(ops, weight.detach()))
+            else:
+                w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(weight.detach())
             gx = ops.mm(g_rows, w_cols, gy.dtype, fast_accum=False)     # (M, K)
             gx = gx.view(*gy.shape[:-1], weight.shape[1])
             del g_rows, w_cols
             if ctx.qweight is not None:
                 ctx.qweight.drop_cols_t()          # one backward per fill reads it (made again if not)
-        if need_dw:
+        if fp8_wgrad:
             # dW (N, K) = dy^T x: both reduced over the tokens, so both quantized along them.
             gw = ops.mm(ops.quantize_cols_t(g2, g_amax), ctx.shared.cols_t(x), weight.dtype, fast_accum=False)
+        elif need_dw:
+            gw = torch.mm(g2.t(), x.detach().reshape(-1, x.shape[-1]).to(g2.dtype)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0)
         ctx.shared.release(x)
         ctx.qweight = ctx.x = ctx.shared = None
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               ops: Fp8Ops | None = None, qweight: QuantizedWeight | None = None) -> torch.Tensor:
-    """`F.linear` in FP8 (`Fp8Linear`); `ops` defaults to `CudaFp8` on CUDA, `EmulatedFp8` elsewhere."""
+               ops: Fp8Ops | None = None, qweight: QuantizedWeight | None = None, hp_wgrad: bool = False) -> torch.Tensor:
+    """`F.linear` in FP8 (`Fp8Linear`; `hp_wgrad`: the "rowwise_with_gw_hp" backward); `ops` defaults
+    to `CudaFp8` on CUDA, `EmulatedFp8` elsewhere."""
     if ops is None:
         ops = CudaFp8() if x.is_cuda else EmulatedFp8()
-    return Fp8Linear.apply(x, weight, bias, qweight, ops, True)
+    return Fp8Linear.apply(x, weight, bias, qweight, ops, True, None, hp_wgrad)
 
 
 def fp8_unsupported(device: torch.device) -> str | None:

@@ -74,10 +74,11 @@ class Fp8Matmuls:
         ops: the FP8 primitives (`CudaFp8`, or `EmulatedFp8` for the CPU tests).
         fused: the norms and the SwiGLU hand their outputs over quantized (`producers`); False
             quantizes them in the projections (the reference the fused path is tested against).
+        hp_wgrad: torchao's "rowwise_with_gw_hp" backward ('fp8_gw_hp'; fp8.py), else "rowwise".
     """
 
-    def __init__(self, layers: list[nn.Module], ops: Fp8Ops, fused: bool = True):
-        self.ops = ops
+    def __init__(self, layers: list[nn.Module], ops: Fp8Ops, fused: bool = True, hp_wgrad: bool = False):
+        self.ops, self.hp_wgrad = ops, hp_wgrad
         self.projections = [projections(layer) for layer in layers]
         self.producers = [producers(layer) if fused else [] for layer in layers]
         self.cache: dict = {}          # Slot -> (fills, {id(projection module): QuantizedWeight})
@@ -135,7 +136,8 @@ class Fp8Matmuls:
 
     def _runner(self, proj: nn.Linear, slot, output: bool, shared: SharedInputs):
         def run(x):
-            return Fp8Linear.apply(x, proj.weight, proj.bias, self.quantized(slot, proj), self.ops, output, shared)
+            return Fp8Linear.apply(x, proj.weight, proj.bias, self.quantized(slot, proj), self.ops, output, shared,
+                                   self.hp_wgrad)
         return run
 
 
@@ -168,17 +170,21 @@ def check_matmuls(config, adapter, model, lora: bool = False) -> None:
         return
     bad = fp8_refusals(config, adapter, model, list(adapter.layers(model)), lora)
     if bad:
-        raise ValueError("SlideConfig.matmuls='fp8' cannot run here: " + "; ".join(bad) + ". Use matmuls='dtype'.")
+        raise ValueError(f"SlideConfig.matmuls={config.matmuls!r} cannot run here: " + "; ".join(bad)
+                         + ". Use matmuls='dtype'.")
 
 
 def layer_matmuls(config, layers: list[nn.Module]):
     """The engine's `matmuls` object for `config.matmuls` (checked by `check_matmuls`)."""
-    return Fp8Matmuls(layers, CudaFp8()) if config.matmuls == "fp8" else DtypeMatmuls()
+    if config.matmuls == "dtype":
+        return DtypeMatmuls()
+    return Fp8Matmuls(layers, CudaFp8(), hp_wgrad=config.matmuls == "fp8_gw_hp")
 
 
-def install_emulation(model) -> Fp8Matmuls:
+def install_emulation(model, hp_wgrad: bool = False) -> Fp8Matmuls:
     """Test hook: run a slid model's projections through the FP8 recipe's CPU emulation
-    (`EmulatedFp8`), on any device. The public switch (`matmuls='fp8'`) refuses the CPU."""
+    (`EmulatedFp8`; `hp_wgrad`: the gw_hp recipe), on any device. The public switch
+    (`matmuls='fp8'`) refuses the CPU."""
     engine = model.slide_engine
-    engine.matmuls = Fp8Matmuls(engine.layers, EmulatedFp8())
+    engine.matmuls = Fp8Matmuls(engine.layers, EmulatedFp8(), hp_wgrad=hp_wgrad)
     return engine.matmuls
