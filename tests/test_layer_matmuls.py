@@ -137,7 +137,8 @@ def test_slide_args_and_accelerate_map_fp8(monkeypatch, tmp_path):
     assert args.to_slide_config().matmuls == "fp8"
     with pytest.raises(Exception, match="slide_matmuls"):
         hs.SlideArgs(output_dir=str(tmp_path), use_cpu=True, slide_matmuls="fp4", report_to=[])
-    from hf_slideformer.accelerate_plugin import SlidePlugin, take_fp8_recipe
+    from hf_slideformer.accelerate_plugin import SlidePlugin
+    from hf_slideformer.compute.fp8_recipes import take_fp8_recipe
     cfg = SlidePlugin().to_slide_config("cpu", "fp8")
     assert cfg.matmuls == "fp8" and cfg.dtype == torch.bfloat16
     assert SlidePlugin().to_slide_config("cpu", "bf16").matmuls == "dtype"

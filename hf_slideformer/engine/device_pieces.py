@@ -1,4 +1,5 @@
-"""What a device update's pieces run in (device_update.py): the two sets of device buffers a piece's
+"""What a device update's pieces run in (device_update.py): a scheduled update (`Pending`) and the
+pieces it is cut into (`pieces_of`), the two sets of device buffers a piece's
 master, state and gradient are copied into (`Piece`), their alternation and a piece's copies and
 update on the streams (`PieceSets`), and where a piece's gradient comes from: the
 layer's pinned host accumulator (`HostGrad`), or, for a layer updated in its backward, the device
@@ -11,8 +12,31 @@ import torch
 from ..host import optim as _optim
 from ..host.host_optim import ADAMW
 from ..host.quant_maps import block_at, num_blocks
+from ..planner.budget import device_piece
 
-__all__ = ["EntryGrads", "HostGrad", "Piece", "PieceSets"]
+__all__ = ["EntryGrads", "HostGrad", "Pending", "Piece", "PieceSets", "pieces_of"]
+
+
+def pieces_of(unit, by_group: dict, least: int):
+    """The pieces a device update of `unit` runs in (`piece_batches`), of at least `least` elements
+    (budget.py: [Why a large layer's pieces are larger])."""
+    return _optim.piece_batches(unit, by_group, device_piece(unit.numel, least), span=True)
+
+
+class Pending:
+    """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
+    factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
+
+    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None, known=None):
+        self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
+        # With accumulation the clip factor comes from the worker's norms (its clip task sets this).
+        self.clip_done = clip_done
+        # Set once the worker has judged the step's norm: a non-finite one skips the update.
+        self.known = known
+        self.batches = None
+        self.steps = None
+        self.prepared = None                    # the steps as the format's update takes them (prepare_steps)
+        self.next = 0
 
 
 class Piece:

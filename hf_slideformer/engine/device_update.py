@@ -57,35 +57,13 @@ import torch
 from ..host import optim as _optim
 from ..planner.budget import DEVICE_PIECE, balanced_share, device_piece, pick_device_units
 from ..host.host_optim import ADAMW
-from .device_pieces import EntryGrads, HostGrad, PieceSets
+from .device_pieces import EntryGrads, HostGrad, PieceSets, Pending, pieces_of
 from ..host.memory import release_pages
 from .placements import DeferredStep, HostLayer
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DeviceUpdateLayer", "DeviceUpdater", "balanced_share", "pick_device_units", "DEVICE_PIECE"]
-
-def _pieces(unit, by_group: dict):
-    """The pieces a device update of `unit` runs in (`piece_batches`; budget.py: [Why a large layer's
-    pieces are larger])."""
-    return _optim.piece_batches(unit, by_group, device_piece(unit.numel, DEVICE_PIECE), span=True)
-
-
-class _Pending:
-    """A scheduled device update: the hyper-parameter snapshot, the gradient scale (the clip
-    factor's reciprocal) and the events it waits for; `next` counts the pieces done."""
-
-    def __init__(self, hp, scale, ready_ev, grad_ev, clip_done=None, known=None):
-        self.hp, self.scale, self.ready_ev, self.grad_ev = hp, scale, ready_ev, grad_ev
-        # With accumulation the clip factor comes from the worker's norms (its clip task sets this).
-        self.clip_done = clip_done
-        # Set once the worker has judged the step's norm: a non-finite one skips the update.
-        self.known = known
-        self.batches = None
-        self.steps = None
-        self.prepared = None                    # the steps as the format's update takes them (prepare_steps)
-        self.next = 0
-
 
 class DeviceUpdateLayer(HostLayer):
     """A host-held layer whose update is streamed through the GPU: with clipping as the layer is
@@ -98,7 +76,7 @@ class DeviceUpdateLayer(HostLayer):
 
     def __init__(self, engine, unit):
         super().__init__(engine, unit)
-        self.pending: _Pending | None = None    # the update `step` scheduled, run by the next `fill`
+        self.pending: Pending | None = None    # the update `step` scheduled, run by the next `fill`
         # An update in backward whose skip flag (found_inf) is still on its way to the host: the
         # entries whose counters it advanced and the event after the flag's copy (`settle`).
         self.unsettled: tuple[list[int], object] | None = None
@@ -139,7 +117,7 @@ class DeviceUpdateLayer(HostLayer):
         """The update runs when the unit is next copied in (`fill`)."""
         engine, unit = self.engine, self.unit
         engine.begin_update(unit)
-        self.pending = _Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
+        self.pending = Pending(deferred.hp, deferred.scale, deferred.ready, self.grad_ev, deferred.clip_done,
                                     deferred.known)
         self.grad_ev = None
         unit.updated.set()                          # readers of the host state flush it (see the module note)
@@ -201,9 +179,8 @@ class DeviceUpdater:
         return float(config.device_update_share)
 
     def held_gradient_bytes(self) -> int:
-        """Device memory a share updated in the backward holds beyond a step without it: one
-        layer's gradients, kept a layer longer ([Why an update in the backward has streams of its
-        own]); 0 without such a share."""
+        """Device memory a share updated in the backward holds beyond a step without it: one layer's
+        gradients, kept a layer longer ([Why an update in the backward has streams of its own])."""
         engine = self.engine
         if engine.config.max_grad_norm is not None or self.share() <= 0:
             return 0
@@ -321,16 +298,12 @@ class DeviceUpdater:
         groups, group_of = hp
         by_group, advanced, steps = self._advance_steps(unit, group_of)
         self._ensure_sets(unit.numel)
-        # Note: [Why an update in the backward has streams of its own] a layer's update is about
-        # twenty pieces of copies and kernels, as long as a layer's backward. Queued on the h2d
-        # and d2h streams, the next layers' weights and inputs waited behind it on h2d and the
-        # host layers' gradients behind its write-backs on d2h, and the compute stream, which
-        # waits for a copy source's readers one hand-over later, waited for the whole update a
-        # layer later (measured at 3B: the GPU idle about 15 ms beside every device layer).
-        # On `update_h2d` / `update_d2h` it shares the link, not the queues, and its gradients are
-        # held two hand-overs (one layer's gradients more of device memory, the planner's
-        # `device layer's gradients, held a layer longer`), so the compute waits only for an
-        # update that outlasts two layers' backward.
+        # Note: [Why an update in the backward has streams of its own] an update is as long as a
+        # layer's backward. On h2d / d2h the next layers' weights and the host layers' gradients
+        # queued behind it, and the compute stream waited for it at the next hand-over (3B: the
+        # GPU idle 15 ms beside each device layer, docs/host_state.md). On streams of its own it
+        # shares the link, not the queues; its gradients are held two hand-overs (one layer's
+        # gradients of device memory, `held_gradient_bytes`).
         into, back = lanes = (st.update_h2d, st.update_d2h)
         st.wait(st.record(), into)              # the gradients and the flag are made on the compute stream
         for ev in unit.readers:                 # the h2d copies of the old master that the write-backs follow
@@ -340,7 +313,7 @@ class DeviceUpdater:
         with st.on(into):            # what every piece of an entry shares, made once
             steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None, engine.device)
         source = EntryGrads(unit, grads)
-        for lo, hi, batch in _pieces(unit, by_group):
+        for lo, hi, batch in pieces_of(unit, by_group, DEVICE_PIECE):
             if hi > lo:
                 self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf, lanes=lanes)
         if found_inf is not None:
@@ -392,7 +365,7 @@ class DeviceUpdater:
             # done with it, see above; with one backward per step it never touches it).
             unit.grad_valid = False
             by_group, _, pending.steps = self._advance_steps(unit, group_of)
-            pending.batches = list(_pieces(unit, by_group))
+            pending.batches = list(pieces_of(unit, by_group, DEVICE_PIECE))
         # Earlier h2d reads of the old master are ahead of these copies on the h2d stream, and the
         # write-backs wait for these copies: stream order covers the readers.
         unit.readers = []

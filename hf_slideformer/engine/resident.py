@@ -201,14 +201,13 @@ class ResidentPlan:
         if self.peak is None:      # the first step's peak, less the resident state it began with
             self.peak = max(0, measured_peak(engine.device) - self.resident_bytes())
             self.tokens = self.last_tokens
-        per = resident_bytes_per_param_of(engine.layer_units[0].state_format, engine.dtype)
-        held = engine.device_updates.held_gradient_bytes()
+        per, held = (resident_bytes_per_param_of(engine.layer_units[0].state_format, engine.dtype),
+                     engine.device_updates.held_gradient_bytes())
         plan = plan_resident(limit_bytes=limit, peak_bytes=self.peak, held_bytes=held,
                              layer_numel=max(u.numel for u in engine.layer_units), n_layers=len(engine.layer_units),
                              embed_numel=engine.embed_unit.numel, dtype=engine.dtype, embed=embed, layers=layers,
                              clipping=config.max_grad_norm is not None, layer_bytes_per_param=per)
-        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak,
-                       "allocated_peak_bytes": allocated_peak(engine.device),
+        self.inputs = {"limit_bytes": limit, "peak_bytes": self.peak, "allocated_peak_bytes": allocated_peak(engine.device),
                        "layer_bytes_per_param": per, "held_bytes": held, "embedding": plan[0], "layers": plan[1]}
         logger.info("resident on the GPU: embedding %s, layers 0..%d (reserved peak %.2f GiB of %.2f, %.2f B/param)",
                     "yes" if plan[0] else "no", plan[1] - 1, self.peak / GiB, limit / GiB, per)

@@ -2,10 +2,9 @@
 step time's terms, for a model's shape (plan_shape.py) and the calibrated constants
 (plan_calibration.py), both re-exported here.
 
-The estimate follows the engine's allocations (slide_engine.py, store.py, activations.py) and the
-step-time bound of docs/benchmarks.md ("Protocol and columns"); its free constants are calibrated on measurements
-of the Llama-3.2-3B and Llama-3.1-8B shapes on an H200 (docs/planner.md has the table). Nothing
-here touches a GPU or builds a model: the parameter counts come from the config's sizes.
+The estimate follows the engine's allocations (slide_engine.py, store.py, activations.py) and the step-time
+bound of docs/benchmarks.md ("Protocol and columns"); its free constants are calibrated on the Llama-3.2-3B and
+-3.1-8B shapes on an H200 (docs/planner.md). Nothing here touches a GPU or builds a model.
 `planner.plan` applies these formulas to one setting; `plan_report` turns the result into text.
 """
 from __future__ import annotations
@@ -38,9 +37,7 @@ class Estimator:
     gpus: int = 1                     # data-parallel processes of one host, one GPU each (data_parallel.py)
     optimizer_state: str = "adamw"    # SlideConfig.optimizer_state: the host bytes per parameter (host_optim.py)
     fp8: bool = False                 # SlideConfig.matmuls='fp8': the layers' projection GEMMs at FP8_GEMM_SPEEDUP
-    # The share of the streamed layers updated on the GPU in the backward (no clipping, one
-    # micro-batch: device_update.py, [Why a layer may be updated on the GPU without clipping])
-    device_share: float = 0.0
+    device_share: float = 0.0         # of the streamed layers, updated on the GPU in the backward (device_update.py)
 
     @property
     def state_key(self) -> str:
@@ -227,8 +224,8 @@ class Estimator:
 
     def gpu_extras(self, N: int, clipping: bool) -> dict:
         """Device buffers: one layer's fp32 running sum with accumulation (accumulate.py), two sets of fp32
-        master / gradient / moments pieces with clipping or a share in the backward, and with the share
-        in the backward a device layer's gradients kept one layer longer (device_update.py)."""
+        pieces with clipping or a share in the backward, and with that share a device layer's
+        gradients kept one layer longer (device_update.py)."""
         out = {}
         if self.gpus > 1:           # several processes: no device accumulation, no device updates (sharded.py)
             return out
@@ -236,8 +233,7 @@ class Estimator:
             out["accumulation buffer (fp32, one layer)"] = 4 * self.s.layer_params
         if clipping or self.device_share:     # two sets of up to two pieces (budget.device_piece)
             out["device-update buffers (2 x 4 fp32 pieces)"] = 32 * min(2 * device_piece(self.s.layer_params), self.s.layer_params)
-        if self.device_share and not clipping:
-            # device_update.py: [Why an update in the backward has streams of its own]
+        if self.device_share and not clipping:      # [Why an update in the backward has streams of its own]
             out["device layer's gradients, held a layer longer"] = GRAD_BYTES * self.s.layer_params
         return out
 
