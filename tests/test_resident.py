@@ -363,7 +363,12 @@ def test_the_measured_plan_sizes_layers_by_the_format_s_bytes_and_says_what_it_r
     assert eng.residents.plan() == (False, layers)
     stats = slid.slide_stats()["resident_plan"]
     assert stats == {"limit_bytes": 4 * GiB, "peak_bytes": 2 * GiB - budget, "allocated_peak_bytes": GiB,
-                     "layer_bytes_per_param": per, "embedding": False, "layers": layers}
+                     "layer_bytes_per_param": per, "held_bytes": 0, "embedding": False, "layers": layers}
+    # A share updated in the backward holds one layer's gradients more (device_update.py): less room.
+    monkeypatch.setattr(eng.config, "device_update_share", 0.5)
+    fewer = eng.residents.plan()[1]
+    held = slid.slide_stats()["resident_plan"]["held_bytes"]
+    assert held == numel * eng.dtype.itemsize and fewer == int((budget - 4 * numel - held) // (numel * per)) <= layers
 
 
 def test_resident_embedding_from_the_first_step_never_uses_host_gradients():
