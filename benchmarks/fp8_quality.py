@@ -37,6 +37,11 @@ with AdamW and a linear warm-up, slid on the GPU (`hs.slide`), the second arm wi
 steps since the last log (as the Trainer logs it). `--control` adds a third arm, bf16 again from
 the same weights with each one's last mantissa bit flipped at random (`flip_last_bits`, a 1-ulp
 change): its gap to bf16 is the noise of bf16 against itself, printed beside FP8's.
+`--recipes fp8,fp8_gw_hp` adds an arm per further FP8 recipe, each judged against bf16.
+`--torchao` adds two arms trained without sliding, the model GPU-resident (fp32 masters, bf16
+autocast, torch's AdamW): bf16, and torchao's own float8 rowwise recipe on the decoder layers
+(`train_resident_arm`), judged against that bf16 arm: the reference recipe's own gap on the
+same data, beside the engine's.
 
 The criterion (`judge`), after `--warmup` steps. With the grammar stream it is the requirement's
 own: FP8's train loss and its held-out loss within `--tolerance` (1.5%) of bf16's at every logged
@@ -296,6 +301,44 @@ def train_arm(args, matmuls: str, data: list[torch.Tensor], blocks: torch.Tensor
     return {"train": train, "held_out": held, "seconds": time.perf_counter() - t0}
 
 
+def train_resident_arm(args, kind: str, data: list[torch.Tensor], blocks: torch.Tensor, device: str,
+                       deadline: float = float("inf"), name: str | None = None, perturb: bool = False) -> dict:
+    """As `train_arm`, the model GPU-resident and not slid: fp32 masters, the forward and backward
+    under bf16 autocast, torch's AdamW (fused on CUDA), the same warm-up; `kind`
+    'resident_torchao' converts the decoder layers' linears with torchao's float8 rowwise recipe
+    (`convert_to_float8_training`), the reference the engine's 'fp8' follows."""
+    model = initial_model(args, device).float().to(device)
+    if kind == "resident_torchao":
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as exc:
+            raise SystemExit(f"--torchao needs torchao installed ({exc})") from exc
+        convert_to_float8_training(model.model.layers, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=device.startswith("cuda"))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
+    with autocast:
+        train, held = [], {0: held_out_loss(model, blocks, device)}
+    t0 = time.perf_counter()
+    for n, ids in enumerate(data, start=1):
+        ids = ids.to(device)
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        train.append(loss.item())
+        if n % args.log_every == 0:
+            with autocast:
+                held[n] = held_out_loss(model, blocks, device)
+        if time.perf_counter() > deadline:
+            break
+    del model, opt
+    gc.collect()
+    return {"train": train, "held_out": held, "seconds": time.perf_counter() - t0}
+
+
 def logged_rows(arms: dict[str, dict], log_every: int) -> list[dict]:
     """One row per logged step every arm reached: the step, each arm's mean train loss since the
     last log (None at step 0) and its held-out loss."""
@@ -316,7 +359,8 @@ def rel_gap(a: float, b: float) -> float:
     return abs(b - a) / abs(a)
 
 
-def judge(rows: list[dict], warmup: int, tolerance: float, memorizable: bool = True, other: str = "fp8") -> dict:
+def judge(rows: list[dict], warmup: int, tolerance: float, memorizable: bool = True, other: str = "fp8",
+          base: str = "bf16") -> dict:
     """The criterion on the logged rows after `warmup`, over the learning phase: the `other` arm's
     (FP8's) held-out loss within `tolerance` of bf16's at every logged step of the learning phase,
     and its train loss within it wherever both train losses are above the floor (the lowest
@@ -328,19 +372,20 @@ def judge(rows: list[dict], warmup: int, tolerance: float, memorizable: bool = T
     phase ends at bf16's lowest held-out loss (past it the held-out loss rises as the model
     memorizes; the gap there is `memorizing_max_gap`). Not `memorizable` (the grammar stream: every
     train window is new, and no loss falls below the stream's entropy): the learning phase is the
-    whole run, and every train loss is judged, whatever the floor."""
-    floor = min(min(r["bf16_held_out"], r[f"{other}_held_out"]) for r in rows)
-    best = min(rows, key=lambda r: r["bf16_held_out"])["step"]
+    whole run, and every train loss is judged, whatever the floor. `base` names the arm the gaps
+    are taken to (bf16, or the GPU-resident bf16 arm for torchao's)."""
+    floor = min(min(r[f"{base}_held_out"], r[f"{other}_held_out"]) for r in rows)
+    best = min(rows, key=lambda r: r[f"{base}_held_out"])["step"]
     end = best if memorizable else rows[-1]["step"]
     after = [r for r in rows if r["step"] > warmup]
     learning = [r for r in after if r["step"] <= end]
-    above = [r for r in after if r["bf16_train"] is not None
-             and (not memorizable or min(r["bf16_train"], r[f"{other}_train"]) > floor)]
-    held = max(((rel_gap(r["bf16_held_out"], r[f"{other}_held_out"]), r["step"]) for r in learning), default=(0.0, 0))
-    train = max(((rel_gap(r["bf16_train"], r[f"{other}_train"]), r["step"]) for r in above), default=(0.0, 0))
-    late = max(((rel_gap(r["bf16_held_out"], r[f"{other}_held_out"]), r["step"]) for r in after if r["step"] > end),
+    above = [r for r in after if r[f"{base}_train"] is not None
+             and (not memorizable or min(r[f"{base}_train"], r[f"{other}_train"]) > floor)]
+    held = max(((rel_gap(r[f"{base}_held_out"], r[f"{other}_held_out"]), r["step"]) for r in learning), default=(0.0, 0))
+    train = max(((rel_gap(r[f"{base}_train"], r[f"{other}_train"]), r["step"]) for r in above), default=(0.0, 0))
+    late = max(((rel_gap(r[f"{base}_held_out"], r[f"{other}_held_out"]), r["step"]) for r in after if r["step"] > end),
                default=(0.0, 0))
-    excess = max(((r[f"{other}_{kind}"] - r[f"bf16_{kind}"]) / r[f"bf16_{kind}"] for kind, rs in
+    excess = max(((r[f"{other}_{kind}"] - r[f"{base}_{kind}"]) / r[f"{base}_{kind}"] for kind, rs in
                   (("held_out", after), ("train", above)) for r in rs), default=0.0)
     not_worse = bool(after) and excess <= tolerance
     return {"floor": floor, "best_step": best, "learning_end": end, "memorizable": memorizable,
@@ -379,6 +424,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipes", default="fp8",
                    help="the FP8 arms, comma-separated SlideConfig.matmuls values (fp8: torchao's rowwise recipe; "
                         "fp8_gw_hp: its rowwise_with_gw_hp); the first is judged as 'fp8', each other beside it")
+    p.add_argument("--torchao", action="store_true",
+                   help="two more arms, the model GPU-resident (fp32 masters, bf16 autocast, torch AdamW): bf16, and "
+                        "torchao's own float8 rowwise recipe on the decoder layers (convert_to_float8_training), "
+                        "judged against that bf16 arm: the reference recipe's gap on the same run")
     p.add_argument("--control", action="store_true",
                    help="a third arm: bf16 from the initial weights with their last bits flipped, bf16's own noise")
     p.add_argument("--json", required=True, help="where to write the results")
@@ -416,17 +465,21 @@ def main(argv=None) -> int:
           f"({blocks.shape[0]} blocks of {args.seq}); {args.steps} steps of {args.batch} x {args.seq}", flush=True)
     recipes = args.recipes.split(",")
     plan = ([("bf16", "dtype", False)] + [("fp8" if i == 0 else m, m, False) for i, m in enumerate(recipes)]
-            + ([("control", "dtype", True)] if args.control else []))
+            + ([("control", "dtype", True)] if args.control else [])
+            + ([("resident_bf16", "resident", False), ("torchao", "resident_torchao", False)] if args.torchao else []))
     arms = {}
     for name, matmuls, perturb in plan:
         deadline = start + args.max_seconds / len(plan) if name == "bf16" else float("inf")
-        arms[name] = train_arm(args, matmuls, data, blocks, args.device, deadline, name=name, perturb=perturb)
+        run = train_resident_arm if matmuls.startswith("resident") else train_arm
+        arms[name] = run(args, matmuls, data, blocks, args.device, deadline, name=name, perturb=perturb)
         data = data[:len(arms[name]["train"])]        # the other arms cover the steps the bf16 arm made
     rows = logged_rows(arms, args.log_every)
     memorizable = args.train_stream == "corpus"
     verdict = judge(rows, args.warmup, args.tolerance, memorizable)
     for name, _, _ in plan[2:]:                  # the other recipes and the control, each against bf16
-        verdict[name] = judge(rows, args.warmup, args.tolerance, memorizable, other=name)
+        if name != "resident_bf16":              # torchao's arm against the resident bf16 arm
+            verdict[name] = judge(rows, args.warmup, args.tolerance, memorizable, other=name,
+                                  base="resident_bf16" if name == "torchao" else "bf16")
     print_table(rows, verdict, len(data), args)
     doc = {"args": vars(args), "steps_run": len(data), "rows": rows, "verdict": verdict, "stream": stream,
            "split": {"held_out_every": HELD_OUT_EVERY, "train_tokens": train_stream.numel(),
@@ -443,6 +496,8 @@ def main(argv=None) -> int:
 def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
     """The logged rows (train and held-out per arm, their gaps to bf16) and the verdict, last."""
     others = ["fp8"] + [k for k, v in verdict.items() if isinstance(v, dict) and "met" in v]
+    if "torchao" in others:
+        others.insert(others.index("torchao"), "resident_bf16")
     if steps < args.steps:
         print(f"all arms ran {steps} of {args.steps} steps (--max-seconds {args.max_seconds:.0f})")
     head = f"\n{'step':>5} {'bf16 train':>10}" + "".join(f" {a + ' train':>13} {'gap':>7}" for a in others)
@@ -458,8 +513,10 @@ def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
         line += f" {r['bf16_held_out']:10.4f}" + "".join(
             f" {r[a + '_held_out']:12.4f} {rel_gap(r['bf16_held_out'], r[a + '_held_out']):7.2%}" for a in others)
         print(line)
-    for name, v in [("FP8", verdict)] + [(a, verdict[a]) for a in others[1:]]:
-        who = {"FP8": f"FP8 ({args.recipes.split(',')[0]})", "control": "bf16 control (last bits flipped)"}.get(name, name)
+    for name, v in [("FP8", verdict)] + [(a, verdict[a]) for a in others[1:] if a in verdict]:
+        who = {"FP8": f"FP8 ({args.recipes.split(',')[0]})", "control": "bf16 control (last bits flipped)",
+               "torchao": "torchao's rowwise, GPU-resident (against the resident bf16 arm; the table's gaps are to bf16)"
+               }.get(name, name)
         print(f"{who} against bf16:")
         if v["memorizable"]:
             print(f"  held-out, steps {args.warmup + 1}-{v['learning_end']} (to bf16's lowest): max gap "
@@ -477,7 +534,7 @@ def print_table(rows: list[dict], verdict: dict, steps: int, args) -> None:
               f"{'not worse' if v['fp8_not_worse'] else 'WORSE'} (within {v['tolerance']:.1%} one way)")
     line = f"criterion (every FP8 gap within {verdict['tolerance']:.1%}): {'met' if verdict['met'] else 'NOT met'}"
     for name in others[1:]:
-        if name != "control":
+        if name in verdict and name != "control":
             line += f"; {name}: {'met' if verdict[name]['met'] else 'NOT met'}"
     if "control" in verdict:
         c = verdict["control"]

@@ -16,7 +16,8 @@ import json
 import math
 import sys
 
-COLORS = {"bf16": "#1f77b4", "fp8": "#d62728", "control": "#2ca02c"}
+COLORS = {"bf16": "#1f77b4", "fp8": "#d62728", "control": "#2ca02c", "fp8_gw_hp": "#ff7f0e",
+          "resident_bf16": "#9467bd", "torchao": "#8c564b"}
 PANEL_W, PANEL_H, PAD = 380, 300, 52
 
 

@@ -246,3 +246,46 @@ def test_out_of_time_the_fp8_arm_makes_the_bf16_arms_steps_on_the_corpus_stream(
     assert doc["verdict"]["memorizable"] and "control" not in doc
     svg = plot.svg(doc)
     assert svg.count("<polyline") == 6 and "floor " in svg and "lowest, step" in svg   # 2 panels x 2 arms
+
+
+def test_further_recipes_run_as_arms_of_their_own(tmp_path):
+    out = tmp_path / "q.json"
+    assert quality.main(["--steps", "4", "--warmup", "1", "--log-every", "2", "--lr", "1e-3", "--recipes",
+                         "fp8,fp8_gw_hp", "--json", str(out), *TINY]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["fp8_gw_hp"]["train"]) == len(doc["fp8"]["train"]) == 4
+    assert doc["fp8_gw_hp"]["train"] != doc["fp8"]["train"]            # another backward, another run
+    assert "fp8_gw_hp_held_out" in doc["rows"][-1] and "met" in doc["verdict"]["fp8_gw_hp"]
+    assert plot.svg(doc).count("<polyline") == 8                       # 2 panels x 3 arms, the entropy twice
+
+
+def test_the_resident_arm_trains_the_plain_model_and_is_judged_against_its_own_bf16(tmp_path):
+    args = quality.parse_args(["--steps", "4", "--log-every", "2", "--lr", "1e-3", "--warmup", "1",
+                               "--json", str(tmp_path / "x.json"), *TINY])
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 600, (2, 32), generator=gen) for _ in range(4)]
+    blocks = torch.randint(0, 600, (2, 32), generator=gen)
+    arm = quality.train_resident_arm(args, "resident", data, blocks, "cpu")
+    assert len(arm["train"]) == 4 and sorted(arm["held_out"]) == [0, 2, 4]
+    assert arm["held_out"][4] < arm["held_out"][0]                      # it learns
+    rows = rows_of((0, None, None, 6.0, 6.0), (10, 3.0, 3.0, 2.0, 2.0), (20, 1.0, 1.0, 1.0, 1.0))
+    for r in rows:                                                      # torchao 3% off its own bf16 at step 20
+        r["resident_bf16_train"], r["resident_bf16_held_out"] = r["bf16_train"], r["bf16_held_out"]
+        r["torchao_train"] = None if r["bf16_train"] is None else r["bf16_train"] * (1.03 if r["step"] == 20 else 1)
+        r["torchao_held_out"] = r["bf16_held_out"]
+    verdict = quality.judge(rows, 5, 0.015, memorizable=False, other="torchao", base="resident_bf16")
+    assert verdict["train_max_gap"] == pytest.approx(0.03) and verdict["train_max_step"] == 20 and not verdict["met"]
+
+
+def test_the_torchao_arms_need_torchao(tmp_path, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_torchao(name, *args, **kwargs):
+        if name.startswith("torchao"):
+            raise ImportError("No module named 'torchao'")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_torchao)
+    with pytest.raises(SystemExit, match="torchao"):
+        quality.main(["--steps", "2", "--warmup", "0", "--log-every", "1", "--torchao", "--json",
+                      str(tmp_path / "q.json"), *TINY])

@@ -17,7 +17,10 @@
 #      a third of QUALITY_S, QUALITY_S=270 keeps 500 steps; $OUT/fp8_quality.json, from which
 #      `python3 benchmarks/fp8_quality_plot.py fp8_quality.json docs/fp8_quality.svg` draws the figure;
 #      RECIPES=fp8,fp8_gw_hp adds an arm per further recipe (~75 s each; the bf16 arm stops at
-#      QUALITY_S over the arms: QUALITY_S=270 for three)
+#      QUALITY_S over the arms: QUALITY_S=270 for three); TORCHAO=1 adds the GPU-resident bf16 arm
+#      and torchao's own rowwise recipe beside it (`--torchao`: the reference recipe's gap on the
+#      same run; torchao travels as a wheel: `python3 -m pip download --no-deps --only-binary=:all:
+#      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao`)
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
 #      1 warm-up, --no-probe) for 8B batch 16 under 12 GiB, 3B batch 16 under 9 GiB and 8B batch 16
 #      under 24 GiB, in that order (ROWS picks others: 8b12 3b9 8b24), after the matmuls' rate in both
@@ -83,7 +86,7 @@ for part in ${PARTS:-${1:-}}; do
         c) bench llama3-8b 12 fp8_8b_12 ;;
         d) bench llama3-3b 9 fp8_3b_9 ;;
         e) timeout $(( ${QUALITY_S:-180} + 60 )) python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" \
-               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} --recipes "${RECIPES:-fp8}" \
+               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} --recipes "${RECIPES:-fp8}" ${TORCHAO:+--torchao} \
                --max-seconds "${QUALITY_S:-180}" --json "$OUT/fp8_quality.json" > "$OUT/fp8_quality.log" 2>&1
            rc=$?; echo "quality: exit $rc after $SECONDS s"
            if [ "$rc" = 0 ]; then grep -h '^grammar:' "$OUT/fp8_quality.log"; sed -n '/^ step/,$p' "$OUT/fp8_quality.log"; else tail -20 "$OUT/fp8_quality.log"; fi ;;
