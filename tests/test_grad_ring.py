@@ -18,6 +18,29 @@ def test_buffers_are_taken_in_turn_and_held_until_freed():
     assert ring.claim_next() == 0 and not ring.free[0].is_set()
 
 
+def test_a_wait_for_a_buffer_names_the_buffer_and_its_next_holder_in_the_trace(monkeypatch):
+    import threading
+    from hf_slideformer.engine.telemetry import MainClock, StepStats
+
+    class Worker:                                  # the CPU worker as the clock sees it
+        def raise_if_failed(self):
+            pass
+
+        def wait(self, event):
+            event.wait()
+    ring = _ring()
+    stats = StepStats(cuda=False)
+    stats.trace = []
+    monkeypatch.setattr(ring.engine, "clock", MainClock(stats, None, Worker()))
+    for _ in range(3):
+        ring.claim_next("layer.5")
+    threading.Timer(0.05, ring.free[0].set).start()            # the worker frees buffer 0 later
+    assert ring.claim_next("layer.3") == 0
+    (thread, label, t0, t1), = [e for e in stats.trace if e[1].startswith("main_wait:")]
+    assert label == "main_wait:grad_buffer.ring0:layer.3" and t1 - t0 >= 0.04
+    assert stats.wait_s["grad_buffer"] >= 0.04                   # slide_stats keeps one reason
+
+
 def test_d2h_copies_as_is_or_widens_and_zeros_missing_gradients():
     ring = _ring()
     g16 = torch.randn(7, 5).to(torch.bfloat16)

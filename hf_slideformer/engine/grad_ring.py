@@ -55,16 +55,17 @@ class GradientRing:
         self.slab
         return self._buffers
 
-    def claim(self, index: int) -> None:
-        """Main thread: wait until buffer `index` is free, then hold it (its task's `done` frees it)."""
-        self.engine.clock.wait(self.free[index], "grad_buffer")
+    def claim(self, index: int, holder: str = "") -> None:
+        """Main thread: wait until buffer `index` is free, then hold it for `holder` (a unit's name, for
+        the trace; its task's `done` frees it)."""
+        self.engine.clock.wait(self.free[index], "grad_buffer", f".ring{index}:{holder}")
         self.free[index].clear()
 
-    def claim_next(self) -> int:
-        """Main thread: hold the ring's next buffer (waiting until it is free); its index."""
+    def claim_next(self, holder: str = "") -> int:
+        """Main thread: hold the ring's next buffer for `holder` (waiting until it is free); its index."""
         index = self.next
         self.next = (index + 1) % len(self.buffers)
-        self.claim(index)
+        self.claim(index, holder)
         return index
 
     # ------------------------------------------------------------- the head's loan (head.py)
@@ -76,7 +77,7 @@ class GradientRing:
             return None
         count = -(-numel // self.size)
         for index in range(count):
-            self.claim(index)
+            self.claim(index, "head")
         self.next = count % len(self.buffers)     # the layers' next gradients take the buffers after it
         return self.slab[:numel], tuple(range(count))
 

@@ -170,7 +170,7 @@ class HostLayer(LayerPlacement):
         # late_updates.py: [Why the top layers are updated late]
         late = plan.updating.late_buffer(engine.late)
         if late is None:
-            ring_no = engine.grad_ring.claim_next()
+            ring_no = engine.grad_ring.claim_next(unit.name)
             buf, free = engine.grad_ring.buffers[ring_no], engine.grad_ring.free[ring_no]
         else:
             buf, free = engine.late.buffers[late], engine.late.free[late]

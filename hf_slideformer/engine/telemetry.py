@@ -152,8 +152,9 @@ class MainClock:
     def __init__(self, stats: StepStats, streams, worker):
         self.stats, self.streams, self.worker = stats, streams, worker
 
-    def wait(self, event: threading.Event, reason: str) -> None:
-        """Block until `event` is set by the worker; timed under `reason`, worker failures re-raised."""
+    def wait(self, event: threading.Event, reason: str, detail: str = "") -> None:
+        """Block until `event` is set by the worker; timed under `reason` (the trace's event also names
+        `detail`: which buffer, for whom), worker failures re-raised."""
         if event.is_set():
             self.worker.raise_if_failed()
             return
@@ -161,7 +162,7 @@ class MainClock:
         self.worker.wait(event)
         t1 = time.perf_counter()
         self.stats.wait_s[reason] += t1 - t0
-        self.stats.event(f"main_wait:{reason}", t0, t1)
+        self.stats.event(f"main_wait:{reason}{detail}", t0, t1)
 
     def wait_master(self, unit, start: int) -> int:
         """Block until element `start` of `unit.master` holds the update in progress (the worker
