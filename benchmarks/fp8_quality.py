@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import math
@@ -276,28 +277,41 @@ def train_arm(args, matmuls: str, data: list[torch.Tensor], blocks: torch.Tensor
     if emulate:
         from hf_slideformer.compute.layer_matmuls import install_emulation
         install_emulation(model, hp_wgrad=matmuls == "fp8_gw_hp")
-    opt = model.create_optimizer(lr=args.lr, weight_decay=0.0)
+    arm = train_steps(args, model, model.create_optimizer(lr=args.lr, weight_decay=0.0), data, blocks, device,
+                      deadline, name)
+    model.slide_engine.close()
+    del model
+    gc.collect()
+    return arm
+
+
+def train_steps(args, model, opt, data: list[torch.Tensor], blocks: torch.Tensor, device: str, deadline: float,
+                name: str, autocast=None) -> dict:
+    """The arms' loop: `opt` with the linear warm-up over `data` in order, the forwards under
+    `autocast` (a context manager, or none), stopping after the step that ends past `deadline`."""
+    autocast = autocast or contextlib.nullcontext()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-    train, held = [], {0: held_out_loss(model, blocks, device)}
+    with autocast:
+        train, held = [], {0: held_out_loss(model, blocks, device)}
     t0 = time.perf_counter()
     for n, ids in enumerate(data, start=1):
         ids = ids.to(device)
-        loss = model(input_ids=ids, labels=ids).loss
+        with autocast:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad()
         train.append(loss.item())
         if n % args.log_every == 0:
-            held[n] = held_out_loss(model, blocks, device)
+            with autocast:
+                held[n] = held_out_loss(model, blocks, device)
             print(f"  {name:7s} step {n:4d}  train {sum(train[-args.log_every:]) / args.log_every:.4f}  "
                   f"held-out {held[n]:.4f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
         if time.perf_counter() > deadline:
             print(f"  {name:7s} stopped after step {n}: its share of --max-seconds reached", flush=True)
             break
-    model.slide_engine.close()
-    del model, opt
-    gc.collect()
+    del opt, sched
     return {"train": train, "held_out": held, "seconds": time.perf_counter() - t0}
 
 
@@ -315,28 +329,11 @@ def train_resident_arm(args, kind: str, data: list[torch.Tensor], blocks: torch.
             raise SystemExit(f"--torchao needs torchao installed ({exc})") from exc
         convert_to_float8_training(model.model.layers, config=Float8LinearConfig.from_recipe_name("rowwise"))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=device.startswith("cuda"))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
-    with autocast:
-        train, held = [], {0: held_out_loss(model, blocks, device)}
-    t0 = time.perf_counter()
-    for n, ids in enumerate(data, start=1):
-        ids = ids.to(device)
-        with autocast:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        train.append(loss.item())
-        if n % args.log_every == 0:
-            with autocast:
-                held[n] = held_out_loss(model, blocks, device)
-        if time.perf_counter() > deadline:
-            break
+    arm = train_steps(args, model, opt, data, blocks, device, deadline, name or kind,
+                      autocast=torch.autocast(device.split(":")[0], dtype=torch.bfloat16))
     del model, opt
     gc.collect()
-    return {"train": train, "held_out": held, "seconds": time.perf_counter() - t0}
+    return arm
 
 
 def logged_rows(arms: dict[str, dict], log_every: int) -> list[dict]:
