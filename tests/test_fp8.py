@@ -139,7 +139,7 @@ def test_gw_hp_recipe_keeps_the_weight_gradient_in_the_compute_dtype():
     assert torch.equal(dw, plain_dw)
     assert _rel(dx, exact[1]) < LINEAR_RTOL and _rel(dw, exact[2]) < 0.01
     # dgrad's weight form: one power-of-two scale from the largest |w| (the oracle), every column alike
-    q, inv = QuantizedWeight(ws, ops).cols_t_tensorwise
+    q, inv = QuantizedWeight(ws, ops, tensorwise_dgrad=True).cols_t
     scale, values = oracle_rows(w.bfloat16().float().abs().amax().expand(1, 1))
     assert torch.all(inv == 1 / scale.float()) and inv.shape == (64, 1)
     g_rows = ops.quantize_rows(gy.bfloat16().reshape(-1, 48))

@@ -94,13 +94,14 @@ class CudaFp8(Fp8Ops):
 
 class QuantizedWeight:
     """A weight W (N, K) in its two FP8 forms: `rows` for the forward (scaled per output feature)
-    and `cols_t` for dgrad (W^T (K, N), scaled per input feature). Each is made on first use and
+    and `cols_t` for dgrad (W^T (K, N), scaled per input feature, or with one scale for the whole
+    weight where `tensorwise_dgrad`: the gw_hp recipe's). Each is made on first use and
     can be dropped once its last reader ran (`drop_rows` after the recompute, `drop_cols_t` after
     the backward): a dropped form is made again if it is read again, so dropping is never wrong,
     and the forms of a slot's weights hold GPU memory only while they serve."""
 
-    def __init__(self, weight: torch.Tensor, ops: Fp8Ops):
-        self.weight, self.ops = weight.detach(), ops
+    def __init__(self, weight: torch.Tensor, ops: Fp8Ops, tensorwise_dgrad: bool = False):
+        self.weight, self.ops, self.tensorwise_dgrad = weight.detach(), ops, tensorwise_dgrad
         self._rows = self._cols_t = None
 
     @property
@@ -112,14 +113,8 @@ class QuantizedWeight:
     @property
     def cols_t(self) -> tuple:
         if self._cols_t is None:
-            self._cols_t = self.ops.quantize_cols_t(self.weight)
-        return self._cols_t
-
-    @property
-    def cols_t_tensorwise(self) -> tuple:
-        """W^T (K, N) with one scale for the whole weight (the gw_hp recipe's dgrad form)."""
-        if self._cols_t is None:
-            self._cols_t = tensorwise_cols_t(self.ops, self.weight)
+            self._cols_t = (tensorwise_cols_t(self.ops, self.weight) if self.tensorwise_dgrad
+                            else self.ops.quantize_cols_t(self.weight))
         return self._cols_t
 
     def drop_rows(self) -> None:
@@ -239,14 +234,11 @@ class Fp8Linear(torch.autograd.Function):
         if need_dx:
             # With an FP8 wgrad to follow, the read that quantizes dy's rows also takes its column maxima.
             g_rows, g_amax = ops.quantize_rows_col_amax(g2) if fp8_wgrad else (ops.quantize_rows(g2), None)
-            if ctx.hp_wgrad:
-                w_cols = (ctx.qweight.cols_t_tensorwise if ctx.qweight is not None
-                          else tensorwise_cols_t(ops, weight.detach()))
-            else:
-                w_cols = ctx.qweight.cols_t if ctx.qweight is not None else ops.quantize_cols_t(weight.detach())
+            qweight = ctx.qweight if ctx.qweight is not None else QuantizedWeight(weight, ops, ctx.hp_wgrad)
+            w_cols = qweight.cols_t
             gx = ops.mm(g_rows, w_cols, gy.dtype, fast_accum=False)     # (M, K)
             gx = gx.view(*gy.shape[:-1], weight.shape[1])
-            del g_rows, w_cols
+            del g_rows, w_cols, qweight
             if ctx.qweight is not None:
                 ctx.qweight.drop_cols_t()          # one backward per fill reads it (made again if not)
         if fp8_wgrad:

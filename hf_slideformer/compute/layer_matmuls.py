@@ -99,7 +99,7 @@ class Fp8Matmuls:
             self.cache[slot] = (slot.fills, weights)
         qweight = weights.get(id(proj))
         if qweight is None:
-            qweight = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops)
+            qweight = weights[id(proj)] = QuantizedWeight(proj.weight, self.ops, self.hp_wgrad)
         return qweight
 
     def _prune(self) -> None:
