@@ -300,8 +300,8 @@ class DeviceUpdater:
         self._ensure_sets(unit.numel)
         # Note: [Why an update in the backward has streams of its own] an update is as long as a
         # layer's backward. On h2d / d2h the next layers' weights and the host layers' gradients
-        # queued behind it, and the compute stream waited for it at the next hand-over (3B: the
-        # GPU idle 15 ms beside each device layer, docs/host_state.md). On streams of its own it
+        # queued behind it, and the compute stream waited for it at the next hand-over (the GPU
+        # then idles beside each device layer: docs/host_state.md). On streams of its own it
         # shares the link, not the queues; its gradients are held two hand-overs (one layer's
         # gradients of device memory, `held_gradient_bytes`).
         into, back = lanes = (st.update_h2d, st.update_d2h)
