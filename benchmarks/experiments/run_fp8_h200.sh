@@ -34,7 +34,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 SECONDS=0
 bench() {   # model cap tag
     python3 benchmarks/bench_train.py --model "$1" --providers slide,slide_fp8 --batch 16 --offload-batches 16 \
