@@ -1,6 +1,8 @@
 """Summarize a step trace written by the slide provider (SLIDE_TRACE=path): per step, the GPU's
 busy and idle time, the worker's Adam / wait / other time, the main thread's waits by reason, and
-the longest GPU idle gaps with what the main thread and the worker were doing during them.
+the longest GPU idle gaps with what the main thread and the worker were doing during them and
+the copies that ended then (C:fill / input / update / gradients: the copy the GPU may have waited
+for; the time each kind of copy was in flight is the step's "copies" line).
 
 Usage: python benchmarks/trace_summary.py trace.json [--gaps 8]
 """
@@ -40,6 +42,20 @@ def slow_spans(events, factor: float = 1.2, k: int = 3) -> list[str]:
             + ", ".join(f"{d * 1e3:.0f}/{m * 1e3:.0f}" for d, m in slow[:8]) + " ms)"]
 
 
+def copy_busy(copies, s0: float, s1: float) -> dict:
+    """Seconds inside [s0, s1] during which a copy of each kind (fill, input, update, gradients:
+    the label's prefix) was in flight, overlapping spans of one kind counted once."""
+    out = {}
+    for kind in sorted({lab.split(":")[0] for _, lab, _, _ in copies}):
+        spans = sorted((max(a, s0), min(b, s1)) for _, lab, a, b in copies if lab.split(":")[0] == kind)
+        busy, last = 0.0, s0
+        for a, b in spans:
+            busy += max(0.0, b - max(a, last))
+            last = max(last, b)
+        out[kind] = busy
+    return out
+
+
 def summarize(events, gaps: int = 8) -> str:
     steps = [e[2] for e in events if e[1] == "step"]
     lines = []
@@ -56,7 +72,7 @@ def summarize(events, gaps: int = 8) -> str:
             idle.append((s1 - last, last, s1))
         by = defaultdict(float)
         for th, label, a, b in inside:
-            if th == "gpu" or a == b:
+            if th in ("gpu", "copy") or a == b:
                 continue
             kind = label.split(":")[0]
             by[("worker" if "worker" in th else "main", kind)] += overlap(a, b, s0, s1)
@@ -65,10 +81,15 @@ def summarize(events, gaps: int = 8) -> str:
         lines.append(f"step {s1 - s0:.3f}s  gpu busy {busy:.3f}s ({busy / (s1 - s0):.0%})  "
                      f"backward {((be[0] - fb[0]) if fb and be else float('nan')):.3f}s")
         lines.append("  " + "  ".join(f"{th}.{k} {v:.3f}" for (th, k), v in sorted(by.items())))
+        copies = [e for e in inside if e[0] == "copy"]
+        if copies:
+            lines.append("  copies " + "  ".join(f"{k} {v:.3f}" for k, v in sorted(copy_busy(copies, s0, s1).items())))
         lines.extend(slow_spans([e for e in inside if s0 <= e[2] < s1]))
         for d, a, b in sorted(idle, reverse=True)[:gaps]:
             what = sorted({f"{'W' if 'worker' in th else 'M'}:{lab}" for th, lab, x, y in inside
-                           if th != "gpu" and overlap(x, y, a, b) > 0.3 * d})
+                           if th not in ("gpu", "copy") and overlap(x, y, a, b) > 0.3 * d})
+            # the copies that end inside the gap or just after it: what the GPU may have waited for
+            what += sorted({f"C:{lab}" for th, lab, x, y in copies if a < y <= b + 0.5e-3})
             lines.append(f"  idle {d * 1e3:6.1f} ms at +{(a - s0) * 1e3:7.1f} ms: {', '.join(what)[:160]}")
     return "\n".join(lines)
 

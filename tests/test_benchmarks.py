@@ -285,6 +285,22 @@ def test_trace_summary_names_the_slow_gpu_spans():
     assert slow_spans(spans(steady)) == []
 
 
+def test_trace_summary_names_the_copy_a_gap_ended_with():
+    """A GPU idle gap lists the copies that ended inside it or within 0.5 ms after it (what the
+    GPU may have waited for), not those that ended well before; the step's copy time is per kind."""
+    from benchmarks.trace_summary import summarize
+    events = [("MainThread", "step", 0.0, 0.0),
+              ("gpu", "compute", 0.000, 0.010), ("gpu", "compute", 0.020, 0.030),
+              ("copy", "fill:layer.3", 0.004, 0.0202), ("copy", "update:layer.4", 0.001, 0.008),
+              ("copy", "input:layer.3", 0.012, 0.014), ("copy", "fill:layer.2", 0.022, 0.029),
+              ("MainThread", "step", 0.031, 0.031)]
+    text = summarize(events, gaps=2)
+    gap = next(line for line in text.splitlines() if "idle   10.0 ms" in line)
+    assert "C:fill:layer.3" in gap and "C:input:layer.3" in gap and "update" not in gap, gap
+    copies = next(line for line in text.splitlines() if line.strip().startswith("copies"))
+    assert "fill 0.023" in copies and "input 0.002" in copies and "update 0.007" in copies, copies
+
+
 def test_soak_reports_flat_memory_on_cpu(tmp_path):
     out = subprocess.run([sys.executable, "benchmarks/soak.py", "--device", "cpu", "--model", "tiny", "--batch", "2",
                           "--seq", "32", "--steps", "30", "--compare-clipping", "6", "--json", str(tmp_path / "s.json")],

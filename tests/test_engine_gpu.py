@@ -368,3 +368,23 @@ def test_generate_on_cuda(kernels):
             want = ref.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False,
                                 pad_token_id=0)
         assert torch.equal(got, want.cpu())
+
+
+def test_the_step_trace_times_the_copies():
+    """With a step trace on, the slot fills, layer inputs, gradients out and backward updates are
+    timed on their streams as "copy" spans, which add nothing to the compute time."""
+    _, slid = _pair(torch.bfloat16, False, device_update_share=0.5, **HOST_ONLY)
+    opt = slid.create_optimizer(lr=LR)
+    data = [{k: v.cuda() for k, v in b.items()} for b in batches(3, bsz=2, seq=64, vocab=1001, pad=True)]
+    stats = slid.slide_engine.stats
+    slid(**data[0]).loss.backward(); opt.step(); opt.zero_grad()
+    stats.start_trace()
+    for b in data[1:]:
+        slid(**b).loss.backward(); opt.step(); opt.zero_grad()
+    events = stats.stop_trace()
+    copies = [e for e in events if e[0] == "copy"]
+    kinds = {label.split(":")[0] for _, label, _, _ in copies}
+    assert {"fill", "input", "gradients", "update"} <= kinds, kinds
+    assert all(t1 >= t0 for _, _, t0, t1 in copies)
+    assert any(label == "fill:layer.0" for _, label, _, _ in copies)
+    assert not slid.slide_engine.streams.copy_span_start(slid.slide_engine.streams.h2d)   # trace off: no event

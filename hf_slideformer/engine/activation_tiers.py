@@ -122,8 +122,10 @@ class PinnedCpuTier(ActivationTier):
         # block's previous tensor): issued one layer ahead, that work ends before the input is needed.
         hidden = torch.empty(shape, dtype=dtype, device=st.device)
         st.wait(st.record(), st.h2d)
+        span = st.copy_span_start(st.h2d)
         with st.on(st.h2d):
             hidden.view(-1).copy_(src[:shape.numel()], non_blocking=True)
+        st.copy_span_end(span, st.h2d, f"input:layer.{layer_no}")
         self.count("act_h2d", shape.numel() * hidden.element_size())
         return hidden, st.record(st.h2d)
 

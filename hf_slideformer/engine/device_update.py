@@ -310,12 +310,14 @@ class DeviceUpdater:
             st.wait(ev, into)
         unit.readers = []
         st.wait(unit.host_write, into)
+        span = st.copy_span_start(into)
         with st.on(into):            # what every piece of an entry shares, made once
             steps = (unit.state_format or ADAMW).prepare_steps(groups, by_group, unit, steps, None, engine.device)
         source = EntryGrads(unit, grads)
         for lo, hi, batch in pieces_of(unit, by_group, DEVICE_PIECE):
             if hi > lo:
                 self.pieces.update(unit, lo, hi, batch, source, steps, groups, found_inf=found_inf, lanes=lanes)
+        st.copy_span_end(span, back, f"update:{unit.name}")     # from its first copy in to its last write-back
         if found_inf is not None:
             if place.skip_flag is None:
                 place.skip_flag = engine.pinned.empty(1, dtype=torch.float32)

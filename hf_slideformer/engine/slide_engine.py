@@ -111,6 +111,7 @@ class SlideEngine:
         self.vocab, self.hidden = adapter.embed(model).weight.shape
         self.streams = Streams.for_device(self.device)       # CudaStreams or HostStreams (transfer.py)
         self.stats = StepStats(config.is_cuda)
+        self.streams.tracer = self.stats            # copy spans join the step trace
         self.worker = CpuWorker(config.cpu_threads)
         self.worker.on_task = self.stats.event
         self.clock = MainClock(self.stats, self.streams, self.worker)   # timed waits and GPU spans

@@ -107,6 +107,7 @@ class SlotQueue:
         # Note: [Why the slot waits for the compute event] the h2d stream may overwrite a slot only
         # after every kernel that reads its previous contents has run: wait for its `free` event.
         st.wait(slot.free, st.h2d)
+        span = st.copy_span_start(st.h2d)
         slot.key, slot.units = None, ()
         base = 0
         cast = self.staging is not None and self.dtype != torch.float32
@@ -138,6 +139,7 @@ class SlotQueue:
             self.count(unit.numel * unit.master.element_size())
             base += unit.numel
         slot.ready = st.record(st.h2d)
+        st.copy_span_end(span, st.h2d, "fill:" + "+".join(u.name for u in units))
         for unit in units:
             unit.add_reader(slot.ready)          # every copy is on the one h2d stream
         slot.key, slot.units = self.key_of(units), units

@@ -32,7 +32,7 @@ class StepStats:
         self.gpu_adam_params = 0               # parameters updated on the GPU (resident layers)
         self.updated_params = 0
         self.gpu_compute_s = 0.0
-        self._pending: list[tuple[object, object]] = []
+        self._pending: list[tuple] = []        # (start, end, thread, label): GPU spans not yet folded
         self._t_step = None
         self.step_wall_s = 0.0
         self.worker_wait_s = 0.0               # the worker blocked on GPU copies / readers
@@ -67,26 +67,42 @@ class StepStats:
     def add_h2d(self, nbytes: int) -> None:
         self.bytes["h2d"] += nbytes
 
+    @property
+    def tracing_gpu(self) -> bool:
+        """Is a step trace recorded, with GPU spans to time?"""
+        return self.cuda and self.trace is not None
+
     def gpu_span(self, start, end) -> None:
+        """A span of compute (two timing events on the compute stream): counted, and traced."""
         if self.cuda:
-            self._pending.append((start, end))
-            if len(self._pending) > 4096:
-                self.fold(block=True)
+            self._queue((start, end, "gpu", "compute"))
+
+    def copy_span(self, start, end, label: str) -> None:
+        """A span of copies on a copy stream (`Streams.copy_span_start`): traced under "copy" only."""
+        if self.tracing_gpu:
+            self._queue((start, end, "copy", label))
+
+    def _queue(self, span: tuple) -> None:
+        self._pending.append(span)
+        if len(self._pending) > 4096:
+            self.fold(block=True)
 
     def fold(self, block: bool = False) -> None:
-        """Add the elapsed time of completed GPU spans."""
+        """Add the elapsed time of completed compute spans; trace the completed spans."""
         keep = []
-        for start, end in self._pending:
+        for span in self._pending:
+            start, end, thread, label = span
             if block:
                 end.synchronize()
             if end.query():
-                self.gpu_compute_s += start.elapsed_time(end) / 1000.0
+                if thread == "gpu":
+                    self.gpu_compute_s += start.elapsed_time(end) / 1000.0
                 if self.trace is not None and self._ref is not None:
                     t_ref, ref = self._ref
-                    self.trace.append(("gpu", "compute", t_ref + ref.elapsed_time(start) / 1000.0,
+                    self.trace.append((thread, label, t_ref + ref.elapsed_time(start) / 1000.0,
                                        t_ref + ref.elapsed_time(end) / 1000.0))
             else:
-                keep.append((start, end))
+                keep.append(span)
         self._pending = keep
 
     def mark_step(self) -> None:

@@ -54,8 +54,21 @@ class Streams(abc.ABC):
         device: the engine's device.
     """
 
+    tracer = None        # the StepStats whose step trace copy spans join (the engine sets it)
+
     def __init__(self, device: torch.device):
         self.device = device
+
+    def copy_span_start(self, stream):
+        """While a step trace is recorded on a GPU: a timing event on `stream` that opens the span
+        of the copies issued there next (`copy_span_end` closes it); else None."""
+        tracer = self.tracer
+        return self.record(stream, timing=True) if tracer is not None and tracer.tracing_gpu else None
+
+    def copy_span_end(self, start, stream, label: str) -> None:
+        """Close the span `start` opened: the work issued on `stream` since, `label` in the trace."""
+        if start is not None:
+            self.tracer.copy_span(start, self.record(stream, timing=True), label)
 
     @staticmethod
     def for_device(device: torch.device) -> "Streams":
@@ -317,6 +330,7 @@ class CudaStreams(Streams):
         """On the d2h stream, after the compute work issued so far; the gradients handed over."""
         # Note: [Why the d2h waits for the compute event] gradients are produced on the compute stream.
         self.wait(self.record(), self.d2h)
+        span = self.copy_span_start(self.d2h)
         with self.on(self.d2h):
             if norm_dst is not None:
                 norm_dst.copy_(norm.reshape(1), non_blocking=True)
@@ -335,6 +349,7 @@ class CudaStreams(Streams):
                 if marks is not None:
                     marks.append((ends[len(marks)], self.record(self.d2h)))
         done = self.record(self.d2h)
+        self.copy_span_end(span, self.d2h, "gradients")
         # Note: [Why copy sources are handed over, not recorded]
         self.hand_over([g for g in grads if g is not None], done)
         return done
