@@ -13,6 +13,11 @@
 #          benchmarks/trace_summary.py: what the backward waits for (about 4 minutes)
 #   3b     Llama-3.2-3B, batch 8 under 8 GiB, 8 gradient buffers: fp32 AdamW and adamw_8bit_bf16,
 #          each with SHARE (default 0.5) and 0 (about 5 minutes)
+#   threads  the 3b adamw_8bit_bf16 row at SHARE (default 0.5) with the worker's threads at
+#          THREADS (default "0 14 12": 0 is the default count), each with a step timeline, and
+#          the host update's rate alone (benchmarks/host_adam_rate.py) beside them: is the
+#          worker slower inside the step than alone, and does a core given back change it
+#          (docs/host_state.md; about 4 minutes)
 # Each training row first writes the planner's prediction with the share. SHARES="0.5 0.7" runs
 # those shares instead of SHARE and 0; EXTRA adds settings to the 24b and trace rows' --slide-config
 # (EXTRA=', "grad_buffers": 8'). Full logs and JSON under $OUT; a short table last.
@@ -62,7 +67,15 @@ case "$PART" in
         row "${p}_$s" 120 "$s" --model llama3-3b --providers $p --batch 8 --offload-batches 8 --cap-gib 8
       done
     done ;;
-  *) echo "unknown part $PART (tests, 24b, trace, 3b)"; exit 2 ;;
+  threads)
+    timeout 120 python3 benchmarks/host_adam_rate.py > "$D/host_rate.txt" 2>&1; tail -8 "$D/host_rate.txt"
+    for t in ${THREADS:-0 14 12}; do
+      extra=$([ "$t" = 0 ] && echo ', "grad_buffers": 8' || echo ", \"grad_buffers\": 8, \"cpu_threads\": $t")
+      EXTRA=$extra SLIDE_TRACE="$D/trace_t$t.json" row "threads_$t" 120 "$SHARE" --model llama3-3b \
+        --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 8
+      python3 benchmarks/trace_summary.py "$D/trace_t$t.json" --gaps 4 2>&1 | sed -n 7,14p | cut -c1-220
+    done ;;
+  *) echo "unknown part $PART (tests, 24b, trace, 3b, threads)"; exit 2 ;;
 esac
 
 python3 - "$D" <<'PY'
