@@ -21,6 +21,10 @@
 #      and torchao's own rowwise recipe beside it (`--torchao`: the reference recipe's gap on the
 #      same run; torchao travels as a wheel: `python3 -m pip download --no-deps --only-binary=:all:
 #      --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao`)
+#      SEEDS="0 1 2" runs the whole part once per seed (other weights, other text; QUALITY_S is each
+#      seed's) and then judges the seed-mean curves (benchmarks/fp8_quality_seeds.py: a single
+#      run's gap in the steep fall is mostly the run's own divergence); SEEDS="0 1 2" QUALITY_S=170
+#      fits one call
 #   f: the FP8 GPU tests (TESTS=0 leaves them out), then slide_fp8 beside slide (3 timed steps,
 #      1 warm-up, --no-probe) for 8B batch 16 under 12 GiB, 3B batch 16 under 9 GiB and 8B batch 16
 #      under 24 GiB, in that order (ROWS picks others: 8b12 3b9 8b24), after the matmuls' rate in both
@@ -78,6 +82,14 @@ part_f() {
     python3 benchmarks/experiments/fp8_table.py "${files[@]}"
     [ -f "$OUT/fp8_kernels.log" ] && sed -n '/^| matmuls/,$p' "$OUT/fp8_kernels.log"
 }
+quality() {   # seed suffix: one fp8_quality.py run, its table
+    timeout $(( ${QUALITY_S:-180} + 60 )) python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" --seed "$1" \
+        --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} --recipes "${RECIPES:-fp8}" ${TORCHAO:+--torchao} \
+        --max-seconds "${QUALITY_S:-180}" --json "$OUT/fp8_quality$2.json" > "$OUT/fp8_quality$2.log" 2>&1
+    local rc=$?; echo "quality (seed $1): exit $rc after $SECONDS s"
+    if [ "$rc" = 0 ]; then grep -h '^grammar:' "$OUT/fp8_quality$2.log"; sed -n '/^ step/,$p' "$OUT/fp8_quality$2.log"
+    else tail -20 "$OUT/fp8_quality$2.log"; fi
+}
 for part in ${PARTS:-${1:-}}; do
     case "$part" in
         a) python3 -m pytest -q -m gpu tests/test_fp8_gpu.py -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu.log" | tail -5
@@ -85,11 +97,13 @@ for part in ${PARTS:-${1:-}}; do
         b) bench llama3-8b 24 fp8_8b_24 ;;
         c) bench llama3-8b 12 fp8_8b_12 ;;
         d) bench llama3-3b 9 fp8_3b_9 ;;
-        e) timeout $(( ${QUALITY_S:-180} + 60 )) python3 benchmarks/fp8_quality.py --steps "${STEPS:-500}" \
-               --train-stream "${STREAM:-grammar}" ${CONTROL:+--control} --recipes "${RECIPES:-fp8}" ${TORCHAO:+--torchao} \
-               --max-seconds "${QUALITY_S:-180}" --json "$OUT/fp8_quality.json" > "$OUT/fp8_quality.log" 2>&1
-           rc=$?; echo "quality: exit $rc after $SECONDS s"
-           if [ "$rc" = 0 ]; then grep -h '^grammar:' "$OUT/fp8_quality.log"; sed -n '/^ step/,$p' "$OUT/fp8_quality.log"; else tail -20 "$OUT/fp8_quality.log"; fi ;;
+        e) if [ -n "${SEEDS:-}" ]; then
+               for seed in $SEEDS; do quality "$seed" "_s$seed"; done
+               python3 benchmarks/fp8_quality_seeds.py $(for seed in $SEEDS; do echo "$OUT/fp8_quality_s$seed.json"; done) \
+                   --json "$OUT/fp8_quality_seeds.json" 2>&1 | tee "$OUT/fp8_quality_seeds.log"
+           else
+               quality "${SEED:-0}" ""
+           fi ;;
         f) part_f ;;
         *) echo "usage: OUT=out bash $0 a|b|c|d|e|f, or PARTS=\"e f\" for several" >&2; exit 2 ;;
     esac
