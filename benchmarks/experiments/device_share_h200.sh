@@ -14,7 +14,7 @@
 #   3b     Llama-3.2-3B, batch 8 under 8 GiB, 8 gradient buffers: fp32 AdamW and adamw_8bit_bf16,
 #          each with SHARE (default 0.5) and 0 (about 5 minutes)
 #   threads  the 3b adamw_8bit_bf16 row at SHARE (default 0.5) with the worker's threads at
-#          THREADS (default "0 14 12": 0 is the default count), each with a step timeline, and
+#          THREADS (default "0 12 8": 0 is the default count), each with a step timeline, and
 #          the host update's rate alone (benchmarks/host_adam_rate.py) beside them: is the
 #          worker slower inside the step than alone, and does a core given back change it
 #          (docs/host_state.md; about 4 minutes)
@@ -68,8 +68,9 @@ case "$PART" in
       done
     done ;;
   threads)
+    lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\))" | tee "$D/lscpu.txt"
     timeout 120 python3 benchmarks/host_adam_rate.py > "$D/host_rate.txt" 2>&1; tail -8 "$D/host_rate.txt"
-    for t in ${THREADS:-0 14 12}; do
+    for t in ${THREADS:-0 12 8}; do
       extra=$([ "$t" = 0 ] && echo ', "grad_buffers": 8' || echo ", \"grad_buffers\": 8, \"cpu_threads\": $t")
       EXTRA=$extra SLIDE_TRACE="$D/trace_t$t.json" row "threads_$t" 120 "$SHARE" --model llama3-3b \
         --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 8
