@@ -10,7 +10,9 @@ between two arms is mostly that run's divergence, of either sign and larger than
 the runs logged, each arm's train and held-out losses are averaged over the seeds, and
 `fp8_quality.judge` reads those mean rows as it reads one run's (every arm against bf16, torchao's
 against the GPU-resident bf16 arm). Beside the mean gaps the table prints the spread of the
-per-seed gaps (their lowest and highest), which says how far one run is from the mean.
+per-seed gaps (their lowest and highest), which says how far one run is from the mean. The JSON's
+mean rows draw as one run's do: `python3 benchmarks/fp8_quality_plot.py fp8_quality_seeds.json
+docs/fp8_quality.svg`.
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def seed_verdicts(docs: list[dict], tolerance: float) -> dict:
             continue
         base = "resident_bf16" if arm == "torchao" else "bf16"
         verdicts[arm] = judge(rows, args["warmup"], tolerance, memorizable, other=arm, base=base)
-    return {"seeds": [d["args"]["seed"] for d in docs], "rows": rows, "verdicts": verdicts, "arms": arms}
+    return {"seeds": [d["args"]["seed"] for d in docs], "rows": rows, "verdicts": verdicts, "arms": arms,
+            "stream": docs[0].get("stream", {})}
 
 
 def print_table(result: dict, runs: list[list[dict]]) -> None:

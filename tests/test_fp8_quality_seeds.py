@@ -58,3 +58,5 @@ def test_two_seeded_runs_end_to_end(tmp_path, capsys):
     assert result["rows"][-1]["fp8_held_out"] == pytest.approx((one[0][-1]["fp8_held_out"] + one[1][-1]["fp8_held_out"]) / 2)
     text = capsys.readouterr().out
     assert "fp8: mean curves" in text and "per seed" in text
+    plot = importlib.import_module("benchmarks.fp8_quality_plot")      # the mean curves draw as one run's
+    assert plot.svg(result).count("<polyline") == 6 and "entropy 0.7" in plot.svg(result)
