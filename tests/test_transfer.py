@@ -4,6 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hf_slideformer.engine.telemetry import StepStats
 from hf_slideformer.engine.transfer import CudaStreams, HostStreams, Streams
 
 CPU = torch.device("cpu")
@@ -90,3 +91,47 @@ def test_a_hand_over_is_settled_at_the_hand_over_its_hold_ends(monkeypatch):
     streams.hand_over([torch.ones(1)], "one")
     streams.hand_over([torch.ones(1)], "two")
     assert compute.waited[-1] == "one" and streams.owed == 1          # the default: the next hand-over
+
+
+def test_copy_spans_are_timed_only_while_a_gpu_trace_is_recorded(monkeypatch):
+    """`copy_span_start` records a timing event on the copy stream only while the tracer records a
+    GPU trace; `copy_span_end` closes it with a second event on the stream it names and hands both,
+    with the label, to the tracer. The CPU's streams record nothing."""
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    recorded = []
+
+    class _Event:
+        def __init__(self, enable_timing=False):
+            self.timing = enable_timing
+
+        def record(self, stream):
+            recorded.append((self, stream))
+
+    class _Tracer:
+        tracing_gpu = False
+
+        def __init__(self):
+            self.spans = []
+
+        def copy_span(self, start, end, label):
+            self.spans.append((start, end, label))
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    streams, tracer = CudaStreams(torch.device("cuda", 0)), _Tracer()
+    assert streams.copy_span_start(streams.h2d) is None                  # no tracer yet
+    streams.tracer = tracer
+    assert streams.copy_span_start(streams.h2d) is None and not recorded  # not tracing
+    streams.copy_span_end(None, streams.h2d, "fill:layer.0")
+    tracer.tracing_gpu = True
+    start = streams.copy_span_start(streams.update_h2d)
+    assert start.timing and recorded == [(start, streams.update_h2d)]
+    streams.copy_span_end(start, streams.update_d2h, "update:layer.3")
+    (first, end, label), = tracer.spans
+    assert first is start and end.timing and recorded[-1] == (end, streams.update_d2h) and label == "update:layer.3"
+    host, stats = HostStreams(CPU), StepStats(cuda=False)
+    host.tracer = stats
+    stats.start_trace()
+    assert host.copy_span_start(None) is None               # a CPU trace has no GPU spans to time
+    assert stats.stop_trace() == []
