@@ -66,9 +66,20 @@ static inline __m512i row_lookup(__m512i key, const uint8_t *row) {
     return _mm512_mask_blend_epi8(_mm512_movepi8_mask(key), a, b);
 }
 
-/* The low bytes of 2 x 32 word lanes, in order. */
+/* The low bytes of 2 x 32 word lanes, in order: one two-source byte permute (the even bytes). */
 static inline __m512i low_bytes(__m512i w0, __m512i w1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)), _mm512_cvtepi16_epi8(w1), 1);
+    static const uint8_t even[64] = {
+        0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54,
+        56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106,
+        108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
+    return _mm512_permutex2var_epi8(w0, _mm512_loadu_si512(even), w1);
+}
+
+/* The low words of 2 x 16 dword lanes, in order: one two-source word permute (the even words). */
+static inline __m512i low_words(__m512i d0, __m512i d1) {
+    static const uint16_t even[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+    return _mm512_permutex2var_epi16(d0, _mm512_loadu_si512(even), d1);
 }
 
 /* The codes of 64 grid indices (2 x 32 word lanes, 0..65535): the finest level holding each answers. */
@@ -147,8 +158,7 @@ static inline void requantize(const int32_t *restrict x, unsigned char *restrict
     for (; j + 64 <= len; j += 64) {
         __m512i w[2];
         for (int h = 0; h < 2; h++)
-            w[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h))),
-                                      _mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h + 16)), 1);
+            w[h] = low_words(_mm512_loadu_si512(x + j + 32 * h), _mm512_loadu_si512(x + j + 32 * h + 16));
         _mm512_storeu_si512(q + j, search64(w[0], w[1], t));
     }
 #endif
