@@ -94,13 +94,24 @@ def print_table(result: dict, runs: list[list[dict]]) -> None:
               f"{'met' if v['met'] else 'NOT met'} (within {v['tolerance']:.1%})")
 
 
+def load_run(path: str) -> dict:
+    """One fp8_quality.py JSON, or a SystemExit that names the file and what it lacks."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{path}: not a readable JSON file ({exc}); pass fp8_quality.py --json outputs") from exc
+    if not isinstance(doc, dict) or not {"rows", "args"} <= doc.keys() or "seed" not in doc["args"]:
+        raise SystemExit(f"{path}: not an fp8_quality.py result (no rows or args.seed); pass its --json output")
+    return doc
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="fp8_quality.py JSON files, one per seed")
     p.add_argument("--tolerance", type=float, default=0.015)
     p.add_argument("--json", help="where to write the mean rows and the verdicts")
     args = p.parse_args(argv)
-    docs = [json.loads(Path(f).read_text()) for f in args.runs]
+    docs = [load_run(f) for f in args.runs]
     seeds = [d["args"]["seed"] for d in docs]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"the runs must have different seeds (got {seeds}): run fp8_quality.py with --seed N")

@@ -44,6 +44,14 @@ def test_runs_of_one_seed_are_refused(tmp_path):
         seeds.main([str(tmp_path / "s0.json"), str(tmp_path / "s1.json")])
 
 
+def test_a_missing_or_foreign_file_is_named(tmp_path):
+    (tmp_path / "trace.json").write_text("[]")                       # a step trace, not a quality run
+    with pytest.raises(SystemExit, match="trace.json: not an fp8_quality.py result"):
+        seeds.main([str(tmp_path / "trace.json"), str(tmp_path / "trace.json")])
+    with pytest.raises(SystemExit, match="nope.json: not a readable JSON file"):
+        seeds.main([str(tmp_path / "nope.json")])
+
+
 def test_two_seeded_runs_end_to_end(tmp_path, capsys):
     files = []
     for seed in (0, 1):
