@@ -42,18 +42,26 @@ def slow_spans(events, factor: float = 1.2, k: int = 3) -> list[str]:
             + ", ".join(f"{d * 1e3:.0f}/{m * 1e3:.0f}" for d, m in slow[:8]) + " ms)"]
 
 
+def sweep(spans, s0: float, s1: float) -> tuple[float, list]:
+    """The time inside [s0, s1] that `spans` ((start, end) pairs) cover, overlaps counted once, and
+    the gaps between them: (covered seconds, [(gap, start, end)])."""
+    busy, last, idle = 0.0, s0, []
+    for a, b in sorted((max(a, s0), min(b, s1)) for a, b in spans):
+        if a > last:
+            idle.append((a - last, last, a))
+        busy += max(0.0, b - max(a, last))
+        last = max(last, b)
+    if s1 > last:
+        idle.append((s1 - last, last, s1))
+    return busy, idle
+
+
 def copy_busy(copies, s0: float, s1: float) -> dict:
     """Seconds inside [s0, s1] during which a copy of each kind (fill, input, update, gradients:
     the label's prefix) was in flight, overlapping spans of one kind counted once."""
-    out = {}
-    for kind in sorted({lab.split(":")[0] for _, lab, _, _ in copies}):
-        spans = sorted((max(a, s0), min(b, s1)) for _, lab, a, b in copies if lab.split(":")[0] == kind)
-        busy, last = 0.0, s0
-        for a, b in spans:
-            busy += max(0.0, b - max(a, last))
-            last = max(last, b)
-        out[kind] = busy
-    return out
+    kinds = sorted({lab.split(":")[0] for _, lab, _, _ in copies})
+    return {kind: sweep([(a, b) for _, lab, a, b in copies if lab.split(":")[0] == kind], s0, s1)[0]
+            for kind in kinds}
 
 
 def summarize(events, gaps: int = 8) -> str:
@@ -61,15 +69,7 @@ def summarize(events, gaps: int = 8) -> str:
     lines = []
     for s0, s1 in zip(steps, steps[1:]):
         inside = [e for e in events if e[3] > s0 and e[2] < s1]
-        gpu = sorted((max(e[2], s0), min(e[3], s1)) for e in inside if e[0] == "gpu")
-        busy, last, idle = 0.0, s0, []
-        for a, b in gpu:
-            if a > last:
-                idle.append((a - last, last, a))
-            busy += max(0.0, b - max(a, last))
-            last = max(last, b)
-        if s1 > last:
-            idle.append((s1 - last, last, s1))
+        busy, idle = sweep([(e[2], e[3]) for e in inside if e[0] == "gpu"], s0, s1)
         by = defaultdict(float)
         for th, label, a, b in inside:
             if th in ("gpu", "copy") or a == b:
