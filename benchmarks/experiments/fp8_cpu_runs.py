@@ -55,23 +55,14 @@ def slid(base, fp8: bool):
     return model, model.create_optimizer(lr=1e-3, weight_decay=0.0)
 
 
-def train(model, opt, data, warmup: int = 0, log_every: int = 1, autocast=False) -> list[float]:
-    """The mean train loss over each `log_every` steps, lr warmed up linearly over `warmup` steps."""
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup)))
-    losses, out = [], []
-    for ids in data:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if len(losses) % log_every == 0:
-            out.append(sum(losses[-log_every:]) / log_every)
+def train(qargs, model, opt, data, blocks, name: str, autocast: bool = False) -> list[float]:
+    """`fp8_quality.train_steps` (its warm-up and logging); the mean train loss over each logged window."""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else None
+    losses = quality.train_steps(qargs, model, opt, data, blocks, "cpu", float("inf"), name, autocast=ctx)["train"]
     if hasattr(model, "slide_engine"):
         model.slide_engine.close()
-    return out
+    every = qargs.log_every
+    return [sum(losses[i:i + every]) / every for i in range(0, len(losses), every)]
 
 
 def one_step(base, ids) -> None:
@@ -105,32 +96,34 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=("step", "steps", "fall"))
     args = p.parse_args(argv)
-    qargs = quality.parse_args(SHAPE)
-    tokenizer = quality.train_tokenizer(vocab_size=4096)
     steps = {"step": 1, "steps": 12, "fall": 40}[args.part]
+    warmup, every = (0, 1) if args.part != "fall" else (10, 10)
+    qargs = quality.parse_args(SHAPE + ["--lr", "1e-3", "--warmup", str(warmup), "--log-every", str(every)])
+    tokenizer = quality.train_tokenizer(vocab_size=4096)
+    blocks = quality.held_out_blocks(quality.corpus_split(tokenizer)[1], 128)
     stream, _ = quality.grammar_stream(tokenizer, quality.corpus_grammar(), steps * 8 * 128, qargs.seed + 2)
     data = quality.grammar_batches(stream, steps, 8, 128)
     base = quality.initial_model(qargs, "cpu").float()
     if args.part == "step":
         one_step(base, data[0])
         return 0
-    warmup, every = (0, 1) if args.part == "steps" else (10, 10)
-    arms = {"plain fp32": (plain, False, False), "slid fp32": (slid, False, False),
-            "plain FP8": (plain, True, False), "slid FP8": (slid, True, False)}
-    for name, (make, fp8, _) in arms.items():
-        print(f"{name:14s}", " ".join(f"{x:.4f}" for x in train(*make(base, fp8), data, warmup, every)), flush=True)
+    arms = {"plain fp32": (plain, False), "slid fp32": (slid, False), "plain FP8": (plain, True),
+            "slid FP8": (slid, True)}
+    results = {name: train(qargs, *make(base, fp8), data, blocks, name) for name, (make, fp8) in arms.items()}
     if args.part == "fall":
-        print(f"{'plain bf16 ac':14s}", " ".join(f"{x:.4f}" for x in train(*plain(base, False), data, warmup, every,
-                                                                           autocast=True)), flush=True)
+        results["plain bf16 ac"] = train(qargs, *plain(base, False), data, blocks, "bf16 ac", autocast=True)
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         except ImportError:
             print("torchao not installed: its arm left out")
-            return 0
-        model = copy.deepcopy(base)
-        convert_to_float8_training(model.model.layers, config=Float8LinearConfig.from_recipe_name("rowwise"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        print(f"{'torchao ac':14s}", " ".join(f"{x:.4f}" for x in train(model, opt, data, warmup, every, autocast=True)))
+        else:
+            model = copy.deepcopy(base)
+            convert_to_float8_training(model.model.layers, config=Float8LinearConfig.from_recipe_name("rowwise"))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+            results["torchao ac"] = train(qargs, model, opt, data, blocks, "torchao", autocast=True)
+    print(f"train loss, the mean over each {every} step(s):")
+    for name, losses in results.items():
+        print(f"{name:14s}", " ".join(f"{x:.4f}" for x in losses))
     return 0
 
 
