@@ -22,8 +22,9 @@
  *
  * A bf16 master is rounded stochastically: the 16 low bits of the fp32 result are added to a
  * uniform 16-bit number and truncated, which is unbiased (E[round(x)] = x) for finite x. The
- * number is a counter-based hash of (seed, step, ctr + i): reproducible for a seed and the same for
- * any thread count or split of the range into calls. out16 (optional) receives the bf16 weights
+ * number is half of a counter-based hash of (seed, step, (ctr + i) / 2): the low half for an even
+ * counter, the high half for an odd one, so one hash serves two neighbours. It is reproducible for
+ * a seed and the same for any thread count or split of the range into calls. out16 (optional) receives the bf16 weights
  * (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
  *
  * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
@@ -173,10 +174,26 @@ static inline uint32_t hash32(uint32_t x, uint32_t k1, uint32_t k2) {
     return x ^ k2;
 }
 
-static inline uint16_t f2b_stochastic(float f, uint64_t key, uint64_t idx) {
+/* The rounding noise of counter c: half of the hash of c / 2 (low half for even c). */
+static inline uint32_t noise16(uint64_t key, uint32_t c) {
+    return (hash32(c >> 1, (uint32_t)key, (uint32_t)(key >> 32)) >> ((c & 1u) * 16u)) & 0xffffu;
+}
+
+/* The noise of counters c0 .. c0 + len - 1 into r (len <= Q_BLOCK): one hash per pair of counters,
+ * whose two halves are the pair's noises (little-endian: r16[2k] the low half). Element j's noise is
+ * r16[j + (c0 & 1)]. Counters do not wrap past 2^32 within a unit. */
+static inline const uint16_t *noise_block(uint64_t key, uint32_t c0, int64_t len, uint32_t *restrict pairs) {
+    const uint32_t p0 = c0 >> 1, k1 = (uint32_t)key, k2 = (uint32_t)(key >> 32);
+    const int64_t np = (len + (c0 & 1u) + 1) / 2;
+    _Pragma("omp simd")
+    for (int64_t k = 0; k < np; k++) pairs[k] = hash32(p0 + (uint32_t)k, k1, k2);
+    return (const uint16_t *)pairs + (c0 & 1u);
+}
+
+/* bf16 of f rounded up or down by the 16-bit noise r (0 <= r < 2^16). */
+static inline uint16_t f2b_noise(float f, uint32_t r) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    uint32_t r = hash32((uint32_t)idx, (uint32_t)key, (uint32_t)(key >> 32)) & 0xffffu;
     uint32_t t = u + r;
     /* inf / NaN stay as they are; a carry into the exponent of inf truncates instead */
     if ((u & 0x7f800000u) == 0x7f800000u || (t & 0x7f800000u) == 0x7f800000u) t = u;
@@ -212,6 +229,8 @@ static inline __attribute__((always_inline)) void adam8_block(
     const uint16_t *restrict g16 = (const uint16_t *)grad_;
     dequantize(q1 + lo, m, len, code1, lut1, s1);
     dequantize(q2 + lo, v, len, code2, lut2, s2);
+    uint32_t pairs[Q_BLOCK / 2 + 1];
+    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, pairs) : 0;
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
@@ -228,7 +247,7 @@ static inline __attribute__((always_inline)) void adam8_block(
         float p = (mbf ? bf16_to_f32(m16[i]) : m32[i]) * wd_mul;
         p = p + (neg_step * mm) / (sqrtf(vv) / bc2 + eps);
         if (mbf) {
-            uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);
+            uint16_t w = f2b_noise(p, noise[j]);
             m16[i] = w;
             if (o16) out16[i] = w;
         } else {
@@ -334,5 +353,5 @@ void slide_adamw8_rows(void *master, unsigned char *q1, unsigned char *q2, float
 void slide_round_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t key, uint64_t ctr, int threads) {
     if (threads < 1) threads = 1;
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) out[i] = f2b_stochastic(x[i], key, ctr + (uint64_t)i);
+    for (int64_t i = 0; i < n; i++) out[i] = f2b_noise(x[i], noise16(key, (uint32_t)(ctr + (uint64_t)i)));
 }
