@@ -33,7 +33,8 @@ def test_an_entry_finds_the_parts_and_counts_the_parameters(model_type):
 
 
 # The ops that replace a module-level function of the family's modeling module (fla absent here).
-FUNCTION_OPS = (("rope", "apply_rotary_pos_emb"), ("gated_delta", "torch_chunk_gated_delta_rule"))
+FUNCTION_OPS = (("rope", "apply_rotary_pos_emb"), ("gated_delta", "torch_chunk_gated_delta_rule"),
+                ("causal_conv", "causal_conv1d_fn"))
 
 
 @pytest.mark.parametrize("model_type", [n for n, f in REGISTRY.items() if f.kernels])

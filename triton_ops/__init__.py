@@ -21,6 +21,7 @@ import torch
 from . import reference
 
 __all__ = [
+    "causal_conv",
     "geglu",
     "is_triton_available",
     "kernels_apply",
@@ -68,6 +69,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         from .kernels.cross_entropy import linear_cross_entropy as fused
         return fused(hidden, weight, labels, **options)
     return reference.linear_cross_entropy(hidden, weight, labels, **options)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool = True) -> torch.Tensor:
+    """SiLU (when `silu`) of the causal depthwise convolution of x (B, C, T) by weight (C, K), in
+    x's dtype (`reference.causal_conv`: Qwen3.5's linear-attention convolution). The kernel reads x
+    in its own strides (the layers' (B, T, C) projection, transposed) and writes the result in them."""
+    if kernels_apply(x):
+        from .kernels.causal_conv import causal_conv as fused
+        return fused(x, weight, silu)
+    return reference.causal_conv(x, weight, silu)
 
 
 token_statistics = reference.token_statistics     # torch ops on every device: no kernel of its own

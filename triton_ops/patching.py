@@ -19,6 +19,11 @@ that entry lists (a family's op that differs keeps HF's module):
   of the linear-attention layers, which it takes when flash-linear-attention is not installed)
   becomes `triton_ops.gated_delta.chunk_gated_delta_rule`: the same mathematics in fp32, the
   scan over chunks with its own backward. Where `fla` is installed, its kernels stay;
+- "causal_conv": likewise the family's `causal_conv1d_fn` (the linear-attention layers'
+  depthwise causal convolution and SiLU, transformers' torch path without the causal-conv1d
+  package) becomes `triton_ops.causal_conv`, which reads and writes the projection's layout in
+  place of cuDNN's grouped convolution over a transposed copy; a call the kernel does not cover
+  (a bias, another activation) runs the original. Where `causal_conv1d` is installed, it stays;
 - the causal LM's `forward`: with labels, the loss comes from `linear_cross_entropy` on the
   final hidden states, with the family's logit transform (Granite's divisor, Gemma's
   soft-capping), and the logits are not materialized (`logits` is None in the output); without
@@ -173,7 +178,7 @@ class PatchHandle:
         family: its `config.model_type`.
         forwards: modules whose instance `forward` was replaced.
         functions: (modeling module name, function name) of the module-level functions replaced
-            (`apply_rotary_pos_emb`, `torch_chunk_gated_delta_rule`).
+            (`apply_rotary_pos_emb`, `torch_chunk_gated_delta_rule`, `causal_conv1d_fn`).
     """
 
     model: nn.Module
@@ -232,12 +237,13 @@ def _family(model: nn.Module):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-          geglu: bool = True, gated_delta: bool = True, cross_entropy: bool = True) -> PatchHandle:
+          geglu: bool = True, gated_delta: bool = True, causal_conv: bool = True,
+          cross_entropy: bool = True) -> PatchHandle:
     """Apply the fused ops to a Hugging Face model of a supported family, in place.
 
     Args:
         model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
-        rms_norm, rope, swiglu, geglu, gated_delta, cross_entropy: which ops to swap in (of those
+        rms_norm, rope, swiglu, geglu, gated_delta, causal_conv, cross_entropy: which ops to swap in (of those
             the family's entry lists; the loss head applies to every family).
 
     Returns:
@@ -274,8 +280,25 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
     if gated_delta and "gated_delta" in family.kernels and importlib.util.find_spec("fla") is None:
         from .gated_delta import chunk_gated_delta_rule
         _swap_function(handle, modeling, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule)
+    if causal_conv and "causal_conv" in family.kernels and importlib.util.find_spec("causal_conv1d") is None:
+        original = _function_patches.get((modeling, "causal_conv1d_fn"),
+                                         (getattr(importlib.import_module(modeling), "causal_conv1d_fn"),))[0]
+        _swap_function(handle, modeling, "causal_conv1d_fn", _causal_conv1d_fn(original))
     object.__setattr__(model, _ATTR, handle)
     return handle
+
+
+def _causal_conv1d_fn(original):
+    """transformers' `causal_conv1d_fn(hidden_states, weight, bias, activation, **kwargs)` by
+    `triton_ops.causal_conv`; with a bias or an activation other than SiLU, `original` runs.
+    (transformers' torch path reads none of the other keyword arguments either.)"""
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        if bias is not None or activation not in (None, "silu", "swish"):
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        return triton_ops.causal_conv(hidden_states, weight, silu=activation is not None)
+
+    causal_conv1d_fn.__module__ = __name__
+    return causal_conv1d_fn
 
 
 def _swap_function(handle: PatchHandle, modeling: str, name: str, replacement) -> None:

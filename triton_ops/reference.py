@@ -340,3 +340,15 @@ def fp8_quantize_cols_t(x: torch.Tensor, pad_to: int = 1,
     if pad:
         q = torch.cat([q, q.new_zeros(q.shape[0], pad)], dim=1)
     return q, inverse
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
+    """SiLU (when `silu`) of the causal depthwise convolution of x (B, C, T) by weight (C, K), as
+    transformers' `causal_conv1d_fn` of the linear-attention layers computes it without a bias:
+    the convolution in weight's dtype over x zero-padded by K - 1 positions on the left, the
+    activation, then the result in x's dtype."""
+    K = weight.shape[1]
+    out = F.conv1d(x.to(weight.dtype), weight.unsqueeze(1), padding=K - 1, groups=x.shape[1])[..., :x.shape[-1]]
+    if silu:
+        out = F.silu(out)
+    return out.to(x.dtype)

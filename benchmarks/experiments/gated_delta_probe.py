@@ -4,11 +4,13 @@
 
 Builds one ``Qwen3_5GatedDeltaNet`` of the qwen3.5-9b shape (bf16, random init) and times, with
 CUDA events (median of 5 after 2 warm-up), the whole module and its parts: the depthwise causal
-conv, the chunked gated delta rule (transformers' torch path and `triton_ops.gated_delta`), the
-module with the latter; then, for each rule, the 25 CUDA kernels that take the most time in one
+conv (cuDNN's, and in the layers' layout transformers' `causal_conv1d_fn` against
+`triton_ops.causal_conv`), the chunked gated delta rule (transformers' torch path and
+`triton_ops.gated_delta`), the module with the latter and with both; then, for each rule, the 25 CUDA kernels that take the most time in one
 forward + backward of the module under torch.profiler.
 """
 import argparse
+import contextlib
 import json
 import statistics
 from pathlib import Path
@@ -17,7 +19,20 @@ import torch
 from transformers import AutoConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 
+import triton_ops
 from triton_ops.gated_delta import chunk_gated_delta_rule
+
+
+@contextlib.contextmanager
+def _conv_and_rule():
+    """transformers' module with the project's gated delta rule and convolution swapped in."""
+    from triton_ops.patching import _causal_conv1d_fn
+    saved = q35.torch_chunk_gated_delta_rule, q35.causal_conv1d_fn
+    q35.torch_chunk_gated_delta_rule, q35.causal_conv1d_fn = chunk_gated_delta_rule, _causal_conv1d_fn(saved[1])
+    try:
+        yield
+    finally:
+        q35.torch_chunk_gated_delta_rule, q35.causal_conv1d_fn = saved
 
 
 def timed(fn, reps=5, warm=2):
@@ -101,6 +116,32 @@ def main():
         y.float().square().mean().backward()
 
     print(f"conv fwd+bwd: {timed(conv_fb):.2f} ms")
+    # In the layers' layout: the projection's (B, T, C) output transposed, through transformers'
+    # causal_conv1d_fn and through the project's kernel (triton_ops.causal_conv).
+    proj = torch.randn(h, args.seq, net.conv_dim, device=dev, dtype=torch.bfloat16)
+    weight = net.conv1d.weight.detach().squeeze(1).clone().requires_grad_()
+    conv_grads = []
+    for label, conv in (("transformers' causal_conv1d_fn", lambda t: q35.causal_conv1d_fn(t, weight, None, activation="silu")),
+                        ("triton_ops.causal_conv", lambda t: triton_ops.causal_conv(t, weight, True))):
+        xt = proj.clone().requires_grad_()
+
+        def layers_fb(conv=conv, xt=xt):
+            y = conv(xt.transpose(1, 2))
+            y.float().square().mean().backward()
+
+        print(f"conv fwd+bwd, the layers' layout, {label}: {timed(layers_fb):.2f} ms")
+        with torch.no_grad():
+            print(f"conv fwd only, the layers' layout, {label}: {timed(lambda conv=conv, xt=xt: conv(xt.transpose(1, 2))):.2f} ms")
+        xt.grad, weight.grad = None, None
+        y = conv(xt.transpose(1, 2))
+        y.float().square().mean().backward()
+        conv_grads.append((y.detach().float(), xt.grad.float(), weight.grad.float()))
+    print("conv relative difference (kernel vs transformers): y %.2e dx %.2e dw %.2e" % tuple(
+        rel(a, b) for a, b in zip(conv_grads[1], conv_grads[0])))
+    with _conv_and_rule():
+        print(f"module fwd+bwd with triton_ops.gated_delta and triton_ops.causal_conv: {timed(module_fb):.2f} ms")
+        with torch.no_grad():
+            print(f"module fwd only with both: {timed(lambda: net(x)):.2f} ms")
 
     from torch.profiler import ProfilerActivity, profile
     for label, rule in (("transformers' rule", original), ("triton_ops.gated_delta", chunk_gated_delta_rule)):
