@@ -22,6 +22,7 @@ from . import reference
 
 __all__ = [
     "causal_conv",
+    "gated_rms_norm",
     "geglu",
     "is_triton_available",
     "kernels_apply",
@@ -79,6 +80,16 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool = True) -> tor
         from .kernels.causal_conv import causal_conv as fused
         return fused(x, weight, silu)
     return reference.causal_conv(x, weight, silu)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(weight * RMSNorm(x)) * SiLU(gate) over the last dimension, in x's dtype
+    (`reference.gated_rms_norm`: Qwen3.5's gated norm of the linear attention's output). The kernel
+    takes x, gate and weight of one dtype; other mixes run the reference."""
+    if kernels_apply(x) and x.dtype == gate.dtype == weight.dtype:
+        from .kernels.gated_norm import gated_rms_norm as fused
+        return fused(x, gate, weight, eps)
+    return reference.gated_rms_norm(x, gate, weight, eps)
 
 
 token_statistics = reference.token_statistics     # torch ops on every device: no kernel of its own

@@ -24,6 +24,8 @@ that entry lists (a family's op that differs keeps HF's module):
   package) becomes `triton_ops.causal_conv`, which reads and writes the projection's layout in
   place of cuDNN's grouped convolution over a transposed copy; a call the kernel does not cover
   (a bias, another activation) runs the original. Where `causal_conv1d` is installed, it stays;
+- "gated_norm": every `*RMSNormGated` module (Qwen3.5's norm of the linear attention's output,
+  times SiLU of its gate): `forward` becomes `triton_ops.gated_rms_norm`;
 - the causal LM's `forward`: with labels, the loss comes from `linear_cross_entropy` on the
   final hidden states, with the family's logit transform (Granite's divisor, Gemma's
   soft-capping), and the logits are not materialized (`logits` is None in the output); without
@@ -237,13 +239,14 @@ def _family(model: nn.Module):
 
 
 def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-          geglu: bool = True, gated_delta: bool = True, causal_conv: bool = True,
+          geglu: bool = True, gated_delta: bool = True, causal_conv: bool = True, gated_norm: bool = True,
           cross_entropy: bool = True) -> PatchHandle:
     """Apply the fused ops to a Hugging Face model of a supported family, in place.
 
     Args:
         model: a `*ForCausalLM` (or its base `*Model`) of a family in `supported_families()`.
-        rms_norm, rope, swiglu, geglu, gated_delta, causal_conv, cross_entropy: which ops to swap in (of those
+        rms_norm, rope, swiglu, geglu, gated_delta, causal_conv, gated_norm, cross_entropy: which ops to
+            swap in (of those
             the family's entry lists; the loss head applies to every family).
 
     Returns:
@@ -268,6 +271,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
             residual = path.rpartition(".")[2] in family.residual_norms
             module.forward = types.MethodType(residual_norm_forward if residual else norm_forward, module)
             handle.forwards.append(module)
+        elif gated_norm and "gated_norm" in family.kernels and name.endswith("RMSNormGated") and hasattr(
+                module, "variance_epsilon"):
+            module.forward = types.MethodType(_gated_norm_forward, module)
+            handle.forwards.append(module)
         elif mlp_forward is not None and name.endswith("MLP") and all(
                 hasattr(module, p) for p in ("gate_proj", "up_proj", "down_proj")):
             module.forward = types.MethodType(mlp_forward, module)
@@ -286,6 +293,10 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
         _swap_function(handle, modeling, "causal_conv1d_fn", _causal_conv1d_fn(original))
     object.__setattr__(model, _ATTR, handle)
     return handle
+
+
+def _gated_norm_forward(self, hidden_states: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return triton_ops.gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
 
 
 def _causal_conv1d_fn(original):

@@ -352,3 +352,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tens
     if silu:
         out = F.silu(out)
     return out.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(weight * RMSNorm(x)) * SiLU(gate) over the last dimension, as Qwen3.5's
+    `Qwen3_5RMSNormGated` computes it: the norm in fp32 rounded to x's dtype, the weight's product
+    in the tensors' dtype, the gate's SiLU in fp32, the result in x's dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(dtype)
+    return (h * F.silu(gate.to(torch.float32))).to(dtype)

@@ -6,13 +6,16 @@ Builds one ``Qwen3_5GatedDeltaNet`` of the qwen3.5-9b shape (bf16, random init) 
 CUDA events (median of 5 after 2 warm-up), the whole module and its parts: the depthwise causal
 conv (cuDNN's, and in the layers' layout transformers' `causal_conv1d_fn` against
 `triton_ops.causal_conv`), the chunked gated delta rule (transformers' torch path and
-`triton_ops.gated_delta`), the module with the latter and with both; then, for each rule, the 25 CUDA kernels that take the most time in one
-forward + backward of the module under torch.profiler.
+`triton_ops.gated_delta`), the module with the latter, with the convolution's kernel too, and
+with the gated norm's kernel as well; then the 25 CUDA kernels that take the most time in one
+forward + backward of transformers' module and of the module with the three kernels, under
+torch.profiler.
 """
 import argparse
 import contextlib
 import json
 import statistics
+import types
 from pathlib import Path
 
 import torch
@@ -21,6 +24,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
 
 import triton_ops
 from triton_ops.gated_delta import chunk_gated_delta_rule
+from triton_ops.patching import _gated_norm_forward
 
 
 @contextlib.contextmanager
@@ -140,18 +144,24 @@ def main():
         rel(a, b) for a, b in zip(conv_grads[1], conv_grads[0])))
     with _conv_and_rule():
         print(f"module fwd+bwd with triton_ops.gated_delta and triton_ops.causal_conv: {timed(module_fb):.2f} ms")
-        with torch.no_grad():
-            print(f"module fwd only with both: {timed(lambda: net(x)):.2f} ms")
+        net.norm.forward = types.MethodType(_gated_norm_forward, net.norm)
+        try:
+            print(f"module fwd+bwd with those and triton_ops.gated_rms_norm: {timed(module_fb):.2f} ms")
+            with torch.no_grad():
+                print(f"module fwd only with the three: {timed(lambda: net(x)):.2f} ms")
+        finally:
+            del net.norm.forward
 
     from torch.profiler import ProfilerActivity, profile
-    for label, rule in (("transformers' rule", original), ("triton_ops.gated_delta", chunk_gated_delta_rule)):
-        q35.torch_chunk_gated_delta_rule = rule
-        try:
+    for label in ("transformers' module", "the project's rule, convolution and gated norm"):
+        with contextlib.ExitStack() as stack:
+            if label.startswith("the project"):
+                stack.enter_context(_conv_and_rule())
+                net.norm.forward = types.MethodType(_gated_norm_forward, net.norm)
+                stack.callback(delattr, net.norm, "forward")
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 module_fb()
                 torch.cuda.synchronize()
-        finally:
-            q35.torch_chunk_gated_delta_rule = original
         print(f"module fwd+bwd with {label}: the CUDA kernels by time")
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
         print("\n".join(line[:70] + line[-95:] for line in table.splitlines()))

@@ -147,7 +147,8 @@ class Family:
             `residual_norms`; "rope": the module-level `apply_rotary_pos_emb`; "swiglu":
             SiLU-gated MLPs with gate / up / down projections; "geglu": the same MLPs with the
             tanh GeLU; "gated_delta": the module-level `torch_chunk_gated_delta_rule` of the
-            linear-attention layers; "causal_conv": their module-level `causal_conv1d_fn`);
+            linear-attention layers; "causal_conv": their module-level `causal_conv1d_fn`;
+            "gated_norm": their `*RMSNormGated` modules);
             empty: the family runs HF's modules only.
         residual_norms: attribute names of the decoder layer's norms whose output feeds the
             residual add: with "rms_norm" listed their kernel's backward writes dx to a buffer of
@@ -266,10 +267,11 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("granite", ("GraniteDecoderLayer",), None, final_logits=_granite_logits),
     # Linear-attention layers (gated delta rule) run HF's module as the layer body, its chunked
     # rule the project's (same mathematics, own backward for the scan) unless fla is installed,
-    # its convolution the project's kernel unless causal-conv1d is installed;
-    # the (1 + w) norms are Gemma 3's (the offset kernel; the gated norm of the linear attention
-    # stays HF's), partial rotary HF's; the MLP takes the SwiGLU kernel.
-    Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None, kernels=("rms_norm", "swiglu", "gated_delta", "causal_conv"),
+    # its convolution and its gated output norm the project's kernels (the convolution's unless
+    # causal-conv1d is installed); the (1 + w) norms are Gemma 3's (the offset kernel), partial
+    # rotary HF's; the MLP takes the SwiGLU kernel.
+    Family("qwen3_5_text", ("Qwen3_5DecoderLayer",), None,
+           kernels=("rms_norm", "swiglu", "gated_delta", "causal_conv", "gated_norm"),
            layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
     # Mixtures of experts: the router and the experts are part of the layer's unit, and HF's
     # expert code runs as the layer body (its grouped kernels where transformers has them). The
@@ -280,7 +282,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            router_class="Qwen3MoeTopKRouter"),
     Family("mixtral", ("MixtralDecoderLayer",), None, kernels=("rms_norm", "rope", "swiglu"),
            router_class="MixtralTopKRouter"),
-    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None, kernels=("rms_norm", "gated_delta", "causal_conv"),
+    Family("qwen3_5_moe_text", ("Qwen3_5MoeDecoderLayer",), None,
+           kernels=("rms_norm", "gated_delta", "causal_conv", "gated_norm"),
            router_class="Qwen3_5MoeTopKRouter", layer_types=ATTENTION + ("linear_attention",), norm_offset=True),
     # Attention sinks (a logit per head beside the keys), sliding and full layers alternating, a
     # router with a bias, experts with a fused, interleaved gate_up and a clamped SwiGLU (with
