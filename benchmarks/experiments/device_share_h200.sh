@@ -14,7 +14,8 @@
 #   3b     Llama-3.2-3B, batch 8 under 8 GiB, 8 gradient buffers: fp32 AdamW and adamw_8bit_bf16,
 #          each with SHARE (default 0.5) and 0 (about 5 minutes)
 #   threads  the 3b adamw_8bit_bf16 row at SHARE (default 0.5) with the worker's threads at
-#          THREADS (default "0 12 8": 0 is the default count), each with a step timeline, and
+#          THREADS (default "0 12 8": 0 is the default count; "0passive", "8passive" run that count
+#          with OMP_WAIT_POLICY=PASSIVE: no OpenMP team spins after its work), each with a step timeline, and
 #          the host update's rate alone (benchmarks/host_adam_rate.py) beside them: is the
 #          worker slower inside the step than alone, and does a core given back change it
 #          (docs/host_state.md; about 4 minutes)
@@ -71,9 +72,14 @@ case "$PART" in
     lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\))" | tee "$D/lscpu.txt"
     timeout 120 python3 benchmarks/host_adam_rate.py > "$D/host_rate.txt" 2>&1; tail -8 "$D/host_rate.txt"
     for t in ${THREADS:-0 12 8}; do
-      extra=$([ "$t" = 0 ] && echo ', "grad_buffers": 8' || echo ", \"grad_buffers\": 8, \"cpu_threads\": $t")
-      EXTRA=$extra SLIDE_TRACE="$D/trace_t$t.json" row "threads_$t" 120 "$SHARE" --model llama3-3b \
-        --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 8
+      n=${t%passive}
+      extra=$([ "${n:-0}" = 0 ] && echo ', "grad_buffers": 8' || echo ", \"grad_buffers\": 8, \"cpu_threads\": $n")
+      args=(--model llama3-3b --providers slide_8bit_bf16 --batch 8 --offload-batches 8 --cap-gib 8)
+      if [ "$n" != "$t" ]; then
+        OMP_WAIT_POLICY=PASSIVE EXTRA=$extra SLIDE_TRACE="$D/trace_t$t.json" row "threads_$t" 120 "$SHARE" "${args[@]}"
+      else
+        EXTRA=$extra SLIDE_TRACE="$D/trace_t$t.json" row "threads_$t" 120 "$SHARE" "${args[@]}"
+      fi
       python3 benchmarks/trace_summary.py "$D/trace_t$t.json" --gaps 4 2>&1 | sed -n 7,14p | cut -c1-220
     done ;;
   *) echo "unknown part $PART (tests, 24b, trace, 3b, threads)"; exit 2 ;;
