@@ -69,7 +69,7 @@ case "$PART" in
       done
     done ;;
   threads)
-    lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\))" | tee "$D/lscpu.txt"
+    lscpu | grep -E "^(Model name|Thread|Core|Socket|CPU\(s\))" | tee "$D/lscpu.txt"; grep -o -w -E "avx512(f|bw|vbmi)" /proc/cpuinfo | sort -u | tee -a "$D/lscpu.txt"
     timeout 120 python3 benchmarks/host_adam_rate.py > "$D/host_rate.txt" 2>&1; tail -8 "$D/host_rate.txt"
     for t in ${THREADS:-0 12 8}; do
       n=${t%passive}
