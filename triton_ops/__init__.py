@@ -28,6 +28,7 @@ __all__ = [
     "kernels_apply",
     "linear_cross_entropy",
     "patch",
+    "qk_l2norm",
     "PatchHandle",
     "reference",
     "rms_norm",
@@ -90,6 +91,16 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         from .kernels.gated_norm import gated_rms_norm as fused
         return fused(x, gate, weight, eps)
     return reference.gated_rms_norm(x, gate, weight, eps)
+
+
+def qk_l2norm(x: torch.Tensor, repeat: int = 1, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """Queries or keys (B, T, Hk, D) L2-normalized per row in fp32, scaled, heads first with each
+    head repeated: (B, Hk * repeat, T, D) fp32 (`reference.qk_l2norm`: the chunked gated delta
+    rule's preparation of them, one pass each way in the kernel)."""
+    if kernels_apply(x):
+        from .kernels.qk_norm import qk_l2norm as fused
+        return fused(x, repeat, scale, eps)
+    return reference.qk_l2norm(x, repeat, scale, eps)
 
 
 token_statistics = reference.token_statistics     # torch ops on every device: no kernel of its own

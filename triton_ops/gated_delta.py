@@ -2,7 +2,8 @@
 scan over chunks.
 
 `chunk_gated_delta_rule` takes the arguments of transformers' `torch_chunk_gated_delta_rule` and
-computes the same mathematics, in fp32 as it does: the work inside each chunk (decays, the UT
+computes the same mathematics, in fp32 as it does (the queries' and keys' L2 norm through
+`triton_ops.qk_l2norm`, a kernel where the kernels apply, else transformers' ops): the work inside each chunk (decays, the UT
 transform's triangular solves, the within-chunk attention) in batched torch ops under autograd, and
 the sequential part, the recurrent state carried from chunk to chunk, as one autograd function
 (`_ChunkScan`).
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+import triton_ops
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -112,15 +115,18 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     initial_dtype = query.dtype
     batch, seq, k_heads, k_dim = key.shape
     v_heads, v_dim = value.shape[-2:]
-    if k_heads != v_heads:
-        query = query.repeat_interleave(v_heads // k_heads, dim=2)
-        key = key.repeat_interleave(v_heads // k_heads, dim=2)
-    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                                      for x in (query, key, value, beta, g)]
-    if use_qk_l2norm_in_kernel:
-        query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
-        key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
-    query = query * k_dim ** -0.5
+    if use_qk_l2norm_in_kernel:           # repeat, heads first in fp32, normalize, scale: one kernel each
+        query = triton_ops.qk_l2norm(query, v_heads // k_heads, k_dim ** -0.5)
+        key = triton_ops.qk_l2norm(key, v_heads // k_heads)
+    else:
+        if k_heads != v_heads:
+            query = query.repeat_interleave(v_heads // k_heads, dim=2)
+            key = key.repeat_interleave(v_heads // k_heads, dim=2)
+        query, key = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                      for x in (query, key)]
+        query = query * k_dim ** -0.5
+    value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                          for x in (value, beta, g)]
     pad = (chunk_size - seq % chunk_size) % chunk_size
     if pad:                               # (a pad of zero would still copy each tensor)
         query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))

@@ -363,3 +363,14 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(dtype)
     return (h * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+def qk_l2norm(x: torch.Tensor, repeat: int = 1, scale: float = 1.0, eps: float = 1e-6) -> torch.Tensor:
+    """Queries or keys (B, T, Hk, D) as the chunked gated delta rule takes them: each head repeated
+    `repeat` times, heads first in fp32 (B, Hk * repeat, T, D), each row L2-normalized
+    (transformers' l2norm: x * rsqrt(sum(x**2) + eps)), then multiplied by `scale` (left out at 1)."""
+    if repeat > 1:
+        x = x.repeat_interleave(repeat, dim=2)
+    x = x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    x = x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    return x * scale if scale != 1.0 else x
