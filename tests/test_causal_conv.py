@@ -115,3 +115,18 @@ def test_a_call_the_kernel_does_not_cover_runs_transformers_function():
         torch.testing.assert_close(q35.causal_conv1d_fn(x, w, bias, activation="silu"), expected, rtol=0, atol=0)
         gelu = q35.causal_conv1d_fn(x, w, None, activation="gelu")
     torch.testing.assert_close(gelu, original(x, w, None, activation="gelu"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["mixed dtypes", "autocast"])
+def test_calls_the_kernel_does_not_mirror_run_the_reference(case):
+    """transformers casts x to the weight's dtype before the convolution, and under autocast the
+    convolution runs in autocast's dtype: both go to the reference, bit for bit, on every device."""
+    device = KERNEL_DEVICE or "cpu"
+    x, w, _ = _inputs(2, 19, 24, 4, torch.float32, device, "layers")
+    if case == "mixed dtypes":
+        w = w.to(torch.bfloat16)
+        got, want = triton_ops.causal_conv(x, w, True), reference.causal_conv(x, w, True)
+    else:
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            got, want = triton_ops.causal_conv(x, w, True), reference.causal_conv(x, w, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -76,8 +76,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool = True) -> torch.Tensor:
     """SiLU (when `silu`) of the causal depthwise convolution of x (B, C, T) by weight (C, K), in
     x's dtype (`reference.causal_conv`: Qwen3.5's linear-attention convolution). The kernel reads x
-    in its own strides (the layers' (B, T, C) projection, transposed) and writes the result in them."""
-    if kernels_apply(x):
+    in its own strides (the layers' (B, T, C) projection, transposed) and writes the result in them;
+    it takes x and weight of one dtype outside autocast (the reference, as transformers, casts x to
+    the weight's dtype first, and autocast then picks the convolution's own)."""
+    if kernels_apply(x) and x.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type):
         from .kernels.causal_conv import causal_conv as fused
         return fused(x, weight, silu)
     return reference.causal_conv(x, weight, silu)
