@@ -288,8 +288,7 @@ def patch(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu:
         from .gated_delta import chunk_gated_delta_rule
         _swap_function(handle, modeling, "torch_chunk_gated_delta_rule", chunk_gated_delta_rule)
     if causal_conv and "causal_conv" in family.kernels and importlib.util.find_spec("causal_conv1d") is None:
-        original = _function_patches.get((modeling, "causal_conv1d_fn"),
-                                         (getattr(importlib.import_module(modeling), "causal_conv1d_fn"),))[0]
+        original = _original_function(modeling, "causal_conv1d_fn")
         _swap_function(handle, modeling, "causal_conv1d_fn", _causal_conv1d_fn(original))
     object.__setattr__(model, _ATTR, handle)
     return handle
@@ -312,12 +311,17 @@ def _causal_conv1d_fn(original):
     return causal_conv1d_fn
 
 
+def _original_function(modeling: str, name: str):
+    """Module `modeling`'s own function `name`, also while a patch has swapped it."""
+    swapped = _function_patches.get((modeling, name))
+    return swapped[0] if swapped else getattr(importlib.import_module(modeling), name)
+
+
 def _swap_function(handle: PatchHandle, modeling: str, name: str, replacement) -> None:
     """Replace the module-level function `name` of module `modeling` (looked up at call time by
     the family's layers) while at least one model of the family is patched."""
-    module = importlib.import_module(modeling)
-    original, count = _function_patches.get((modeling, name), (getattr(module, name), 0))
-    setattr(module, name, replacement)
+    original, count = _original_function(modeling, name), _function_patches.get((modeling, name), (None, 0))[1]
+    setattr(importlib.import_module(modeling), name, replacement)
     _function_patches[(modeling, name)] = (original, count + 1)
     handle.functions.append((modeling, name))
 

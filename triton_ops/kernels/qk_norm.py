@@ -23,45 +23,44 @@ _BLOCK_T = 16
 
 
 @triton.jit
-def _rows(x_ptr, b, t, k, d, sB, sT, sH, T, D):
+def _tile(x_ptr, sB, sT, sH, T, D, eps, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (BLOCK_T, BLOCK_D) rows of key head k: (b, k, t, d, x fp32, mask, rstd)."""
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
     m = (t < T)[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + b * sB + t[:, None] * sT + k * sH + d[None, :], mask=m, other=0.0).to(tl.float32)
-    return x, m
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    return b, k, t, d, x, m, rstd
+
+
+@triton.jit
+def _head(b, k, j, t, d, T, D, Hk, R: tl.constexpr):
+    """Offsets of the rows t of output head k * R + j in the (B, Hk * R, T, D) layout."""
+    return ((b * Hk * R + k * R + j) * T + t[:, None]) * D + d[None, :]
 
 
 @triton.jit
 def _fwd_kernel(x_ptr, y_ptr, sB, sT, sH, T, D, Hk, scale, eps, R: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    x, m = _rows(x_ptr, b, t, k, d, sB, sT, sH, T, D)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    b, k, t, d, x, m, rstd = _tile(x_ptr, sB, sT, sH, T, D, eps, BLOCK_T, BLOCK_D)
     y = (x * rstd[:, None]) * scale
     for j in tl.static_range(R):
-        h = k * R + j
-        tl.store(y_ptr + ((b * Hk * R + h) * T + t[:, None]) * D + d[None, :], y, mask=m)
+        tl.store(y_ptr + _head(b, k, j, t, d, T, D, Hk, R), y, mask=m)
 
 
 @triton.jit
 def _bwd_kernel(x_ptr, dy_ptr, dx_ptr, sB, sT, sH, T, D, Hk, scale, eps, R: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.arange(0, BLOCK_D)
-    x, m = _rows(x_ptr, b, t, k, d, sB, sT, sH, T, D)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) + eps)
+    b, k, t, d, x, m, rstd = _tile(x_ptr, sB, sT, sH, T, D, eps, BLOCK_T, BLOCK_D)
     acc = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     for j in tl.static_range(R):
-        h = k * R + j
-        g = tl.load(dy_ptr + ((b * Hk * R + h) * T + t[:, None]) * D + d[None, :], mask=m, other=0.0) * scale
+        g = tl.load(dy_ptr + _head(b, k, j, t, d, T, D, Hk, R), mask=m, other=0.0) * scale
         gx = tl.sum(g * x, axis=1)
         dxj = rstd[:, None] * g - (rstd * rstd * rstd * gx)[:, None] * x
         acc += dxj.to(dx_ptr.dtype.element_ty).to(tl.float32)        # each head's, rounded as HF's cast
-    out = dx_ptr + ((b * T + t[:, None]) * Hk + k) * D + d[None, :]
-    tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=m)
+    tl.store(dx_ptr + ((b * T + t[:, None]) * Hk + k) * D + d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m)
 
 
 def _launch(kernel, x: torch.Tensor, tensors: tuple, scale: float, eps: float, R: int) -> None:
