@@ -24,8 +24,9 @@
  * uniform 16-bit number and truncated, which is unbiased (E[round(x)] = x) for finite x. The
  * number is half of a counter-based hash of (seed, step, (ctr + i) / 2): the low half for an even
  * counter, the high half for an odd one, so one hash serves two neighbours. It is reproducible for
- * a seed and the same for any thread count or split of the range into calls. out16 (optional) receives the bf16 weights
- * (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
+ * a seed and the same for any thread count or split of the range into calls. out16 (optional)
+ * receives the bf16 weights (rounded to nearest even from an fp32 master; the master itself for a
+ * bf16 one).
  *
  * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
  */
@@ -179,15 +180,19 @@ static inline uint32_t noise16(uint64_t key, uint32_t c) {
     return (hash32(c >> 1, (uint32_t)key, (uint32_t)(key >> 32)) >> ((c & 1u) * 16u)) & 0xffffu;
 }
 
-/* The noise of counters c0 .. c0 + len - 1 into r (len <= Q_BLOCK): one hash per pair of counters,
- * whose two halves are the pair's noises (little-endian: r16[2k] the low half). Element j's noise is
- * r16[j + (c0 & 1)]. Counters do not wrap past 2^32 within a unit. */
-static inline const uint16_t *noise_block(uint64_t key, uint32_t c0, int64_t len, uint32_t *restrict pairs) {
+/* The noise of counters c0 .. c0 + len - 1 (len <= Q_BLOCK), returned as a pointer into `halves`
+ * (Q_BLOCK + 2 values): one hash per pair of counters, its bytes copied into two halves
+ * (little-endian: halves[2k] the low one), element j's noise at [j + (c0 & 1)]. Counters do not
+ * wrap past 2^32 within a unit. */
+static inline const uint16_t *noise_block(uint64_t key, uint32_t c0, int64_t len, uint16_t *restrict halves) {
     const uint32_t p0 = c0 >> 1, k1 = (uint32_t)key, k2 = (uint32_t)(key >> 32);
     const int64_t np = (len + (c0 & 1u) + 1) / 2;
     _Pragma("omp simd")
-    for (int64_t k = 0; k < np; k++) pairs[k] = hash32(p0 + (uint32_t)k, k1, k2);
-    return (const uint16_t *)pairs + (c0 & 1u);
+    for (int64_t k = 0; k < np; k++) {
+        const uint32_t h = hash32(p0 + (uint32_t)k, k1, k2);
+        memcpy(halves + 2 * k, &h, sizeof h);
+    }
+    return halves + (c0 & 1u);
 }
 
 /* bf16 of f rounded up or down by the 16-bit noise r (0 <= r < 2^16). */
@@ -229,8 +234,8 @@ static inline __attribute__((always_inline)) void adam8_block(
     const uint16_t *restrict g16 = (const uint16_t *)grad_;
     dequantize(q1 + lo, m, len, code1, lut1, s1);
     dequantize(q2 + lo, v, len, code2, lut2, s2);
-    uint32_t pairs[Q_BLOCK / 2 + 1];
-    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, pairs) : 0;
+    uint16_t halves[Q_BLOCK + 2];
+    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, halves) : 0;
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
