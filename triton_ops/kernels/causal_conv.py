@@ -114,7 +114,7 @@ class CausalConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, silu):
-        B, C, T = x.shape
+        _, C, T = x.shape
         if not _dense(x):
             x = x.contiguous()
         w = weight.contiguous()
@@ -140,13 +140,13 @@ class CausalConvFunction(torch.autograd.Function):
                                   SILU=ctx.silu, BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C, num_warps=4)
             _bwd_dx_kernel[grid](dp, w, dx, *x.stride(), T, C, K=K, BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
                                  num_warps=4)
-        dw = part.sum(0).to(w.dtype) if part.shape[0] else torch.zeros_like(w)
+        dw = part.sum(0).to(w.dtype)                  # no tiles (an empty x): zeros
         return dx, dw, None
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, silu: bool) -> torch.Tensor:
-    """act(causal depthwise convolution) of x (B, C, T) by weight (C, K): output in weight's dtype
-    with x's strides (`triton_ops.reference.causal_conv` is the mathematics)."""
+    """act(causal depthwise convolution) of x (B, C, T) by weight (C, K): the output in x's dtype
+    and strides, rounded through the weight's (`triton_ops.reference.causal_conv` is the mathematics)."""
     if x.dim() != 3 or weight.dim() != 2 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"causal_conv takes x (B, C, T) and weight (C, K), got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")

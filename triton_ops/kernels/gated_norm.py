@@ -11,14 +11,16 @@ Backward, with s = silu(z_f32), sig = sigmoid(z_f32), fp32 inside:
     dz = dy * a * sig * (1 + z * (1 - sig))
     dn = (da * w).to(d),   dw = sum over rows of da * n
     dx = rstd * (dn - x_hat * mean(dn * x_hat)),   x_hat = x_f32 * rstd
-Rows are processed in tiles of BLOCK_R rows (H is a head's dimension, 128 in Qwen3.5); the weight
-gradient is one fp32 partial per program, then a sum.
+Rows are processed in tiles of BLOCK_R rows, sized as the RMSNorm kernel sizes its tiles (H is a
+head's dimension, 128 in Qwen3.5); the weight gradient is one fp32 partial per program, then a sum.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from .rms_norm import _tile as _row_tiles
 
 __all__ = ["GatedRMSNormFunction", "gated_rms_norm"]
 
@@ -61,13 +63,6 @@ def _bwd_kernel(x_ptr, z_ptr, w_ptr, dy_ptr, dx_ptr, dz_ptr, part_ptr, H, n_rows
     tl.store(part_ptr + tl.program_id(0).to(tl.int64) * H + c, tl.sum(tl.where(mask, da * n, 0.0), axis=0), mask=c < H)
 
 
-def _config(H: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_H, warps): about 4096 values a program."""
-    block_h = triton.next_power_of_2(max(H, 16))
-    block_r = max(1, min(64, 4096 // block_h))
-    return block_r, block_h, 4 if block_r * block_h <= 4096 else 8
-
-
 class GatedRMSNormFunction(torch.autograd.Function):
     """y = (w * rmsnorm(x)) * silu(z) over the last dimension (the module docstring's roundings)."""
 
@@ -77,12 +72,12 @@ class GatedRMSNormFunction(torch.autograd.Function):
         x2, z2 = x.reshape(-1, H).contiguous(), gate.reshape(-1, H).contiguous()
         w = weight.contiguous()
         y = torch.empty_like(x2)
-        block_r, block_h, warps = _config(H)
+        block_r, block_h, warps = _row_tiles(H)
         if x2.shape[0]:
             _fwd_kernel[(triton.cdiv(x2.shape[0], block_r),)](x2, z2, w, y, H, x2.shape[0], eps, BLOCK_R=block_r,
                                                              BLOCK_H=block_h, num_warps=warps)
         ctx.save_for_backward(x2, z2, w)
-        ctx.eps, ctx.shapes, ctx.gate_dtype = eps, (x.shape, gate.shape), gate.dtype
+        ctx.eps, ctx.shape = eps, x.shape               # gate has x's shape
         return y.view(x.shape)
 
     @staticmethod
@@ -91,14 +86,14 @@ class GatedRMSNormFunction(torch.autograd.Function):
         H = x2.shape[-1]
         dy2 = dy.reshape(-1, H).contiguous()
         dx, dz = torch.empty_like(x2), torch.empty_like(z2)
-        block_r, block_h, warps = _config(H)
+        block_r, block_h, warps = _row_tiles(H)
         grid = triton.cdiv(x2.shape[0], block_r)
-        part = torch.zeros((max(grid, 1), H), dtype=torch.float32, device=x2.device)
+        part = torch.empty((grid, H), dtype=torch.float32, device=x2.device)     # no rows: the sum is zeros
         if x2.shape[0]:
             _bwd_kernel[(grid,)](x2, z2, w, dy2, dx, dz, part, H, x2.shape[0], ctx.eps, BLOCK_R=block_r,
                                  BLOCK_H=block_h, num_warps=warps)
         dw = part.sum(0).to(w.dtype)
-        return dx.view(ctx.shapes[0]), dz.view(ctx.shapes[1]), dw, None
+        return dx.view(ctx.shape), dz.view(ctx.shape), dw, None
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
