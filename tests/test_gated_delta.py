@@ -45,8 +45,12 @@ def test_equals_transformers_torch_path(seq, k_heads, v_heads, dtype, initial, c
     xs = _inputs(2, seq, k_heads, v_heads, 8, 12, dtype, initial)
     leaves = [x for x in xs if x is not None]
     results = []
-    for rule in (_hf_rule(), chunk_gated_delta_rule):
-        out, state = rule(*xs[:5], chunk_size=chunk, initial_state=xs[5], output_final_state=True,
+    # transformers 5.17's rule takes the heads repeated (its module repeats them), later ones repeat
+    # them inside: repeated first, the reference is the same for both.
+    repeat = v_heads // k_heads
+    hf_xs = [x.repeat_interleave(repeat, dim=2) for x in xs[:2]] + list(xs[2:])
+    for rule, args in ((_hf_rule(), hf_xs), (chunk_gated_delta_rule, xs)):
+        out, state = rule(*args[:5], chunk_size=chunk, initial_state=args[5], output_final_state=True,
                           use_qk_l2norm_in_kernel=True)
         gen = torch.Generator().manual_seed(1)
         loss = (out.float() * torch.randn(out.shape, generator=gen)).sum() + \
