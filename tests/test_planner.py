@@ -825,8 +825,8 @@ def test_device_update_share_without_clipping_moves_the_host_term_onto_the_link(
 def test_linear_attention_layers_are_timed_at_their_measured_rate():
     """Qwen3.5's linear-attention layers (three in four, from the config's derived layer types or
     its own list) add their measured time beyond the projections; the Qwen3.5-9B row at batch 16
-    under 24 GiB (an H100 machine, the project's gated delta rule: 7.59 s a step) is then planned
-    within 10%, where FLOPs alone planned 3.3 s."""
+    under 24 GiB (an H100 machine, the project's gated delta rule and the module's kernels: 5.68 s a
+    step) is then planned within 10%, where FLOPs alone planned 3.3 s."""
     from hf_slideformer.planner.plan_calibration import LINEAR_ATTENTION_S_PER_TOKEN
 
     cfg = load_model_config(CONFIGS / "qwen3.5-9b.json")
@@ -837,17 +837,18 @@ def test_linear_attention_layers_are_timed_at_their_measured_rate():
 
     p = plan(cfg, batch=16, gpu_mem=24, **H200)
     assert p.linear_attention_s == pytest.approx(24 * 16 * 2048 * LINEAR_ATTENTION_S_PER_TOKEN)
-    assert rel(p.expected_step_s, 7.59) < 0.10
+    assert rel(p.expected_step_s, 5.68) < 0.10
     assert "of linear attention beyond its projections" in p.report()
     assert plan(CONFIGS / "llama3-8b.json", batch=16, gpu_mem=24, **H200).linear_attention_s == 0
 
 
 def test_linear_attention_layers_hold_their_measured_activations():
-    """The Qwen3.5-9B row at batch 16 under 24 GiB held 22.3 GiB allocated at its peak with no
-    resident unit (an H100 machine): the plan without resident units lands within 10%, where the
-    Llama activation factor alone planned 10.8 GiB and a largest batch of 44; batch 16 was at the
-    card's edge (23.8 GiB reserved), so the plan's largest batch is about 16, not 44."""
+    """The Qwen3.5-9B row at batch 16 under 24 GiB held 20.3 GiB allocated at its peak with no
+    resident unit (an H100 machine, the module's kernels): the plan without resident units lands
+    within 10%, where the Llama activation factor alone planned 10.8 GiB and a largest batch of 44;
+    batch 16 ran near the card's edge (21.9 GiB reserved), so the plan's largest batch is about 16,
+    not 44."""
     p = plan(CONFIGS / "qwen3.5-9b.json", batch=16, gpu_mem=24, resident=False, **H200)
-    assert rel(p.gpu_peak / GiB, 22.3) < 0.10
+    assert rel(p.gpu_peak / GiB, 20.3) < 0.10
     assert 12 <= p.max_batch_gpu <= 16
     assert "linear-attention layer's" in p.report()

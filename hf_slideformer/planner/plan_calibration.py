@@ -37,10 +37,11 @@ DEVICE_UPDATE_LINK = 35 / 54.6  # h2d rate of a clipping forward with device upd
 RESERVED_VS_ALLOCATED = 1.10  # reserved peak over allocated, expandable segments on (see docs/planner.md)
 # GPU seconds per token of one linear-attention layer beyond its projections' FLOPs: the chunked gated
 # delta rule, the causal conv, the gating and norms, forward + recompute + backward (Qwen3.5-9B shape,
-# batch 16 x 2048, the project's rule, an H100: 45 + 133 ms a layer less 29 ms of projections;
-# docs/planner.md, "Calibration").
-LINEAR_ATTENTION_S_PER_TOKEN = 4.5e-6
+# batch 16 x 2048, the project's rule, convolution, gated norm and q/k norm kernels, an H100: 30.5 +
+# 94.3 ms a layer less 29 ms of projections; docs/planner.md, "Calibration").
+LINEAR_ATTENTION_S_PER_TOKEN = 2.9e-6
 # fp32 tensors of the value width (value heads x their dim) per token that a linear-attention layer's
 # recompute + backward holds beyond ACT_HIDDEN H + ACT_INTER I: the Qwen3.5-9B shape at batch 16 under
-# 24 GiB, no resident unit, 22.3 GiB allocated at the peak on an H100 (docs/planner.md, "Calibration").
-ACT_LINEAR = 22
+# 24 GiB, no resident unit, 20.3 GiB allocated at the peak on an H100 with the q/k norm kernel (docs/planner.md,
+# "Calibration").
+ACT_LINEAR = 19
