@@ -26,11 +26,10 @@ CSRC = REPO_ROOT / "hf_slideformer" / "host" / "csrc"
 # Each part runs twice (its second run writes what the first wrote, or is picked only where it
 # cannot differ), so the data every other part sees is unchanged and the time added is the part's.
 TWICE = {
-    "rounding": ("    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, halves) : 0;",
-                 "    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, halves) : 0;\n"
-                 "    uint16_t halves2[Q_BLOCK + 2];\n"
-                 "    if (mbf) noise_block(hp->seed ^ 1u, (uint32_t)(ctr + (uint64_t)lo), len, halves2);\n"
-                 "    if (mbf && halves2[0] == 7u && halves[0] == 7u) noise = halves2;"),
+    "rounding": ("            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));",
+                 "            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));\n"
+                 "            const uint16_t w2 = f2b_noise(p, noise16(hp->seed ^ 1u, c0 + (uint32_t)j));\n"
+                 "            w = (p == 1234.5f && w2 == 7) ? w2 : w;"),
     "requantize": ("    requantize(x1, q1 + lo, len, lut1, !(mx1 > 0.0f));      /* an all-zero block: codes 0 */\n"
                    "    requantize(x2, q2 + lo, len, lut2, !(mx2 > 0.0f));",
                    "    requantize(x1, q1 + lo, len, lut1, !(mx1 > 0.0f));\n"

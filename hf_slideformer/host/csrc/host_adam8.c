@@ -23,10 +23,12 @@
  * A bf16 master is rounded stochastically: the 16 low bits of the fp32 result are added to a
  * uniform 16-bit number and truncated, which is unbiased (E[round(x)] = x) for finite x. The
  * number is half of a counter-based hash of (seed, step, (ctr + i) / 2): the low half for an even
- * counter, the high half for an odd one, so one hash serves two neighbours. It is reproducible for
- * a seed and the same for any thread count or split of the range into calls. out16 (optional)
- * receives the bf16 weights (rounded to nearest even from an fp32 master; the master itself for a
- * bf16 one).
+ * counter, the high half for an odd one. It is reproducible for a seed and the same for any thread
+ * count or split of the range into calls. Each element hashes its pair in the update's loop:
+ * storing a block's hashes and reading their halves back in that loop was 7% faster on an AMD
+ * EPYC core, but with it this format's rate on the GPU machines' Intel Xeon host fell to about
+ * half (docs/host_state.md, "The bf16 master's rounding noise"). out16 (optional) receives the
+ * bf16 weights (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
  *
  * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
  */
@@ -180,21 +182,6 @@ static inline uint32_t noise16(uint64_t key, uint32_t c) {
     return (hash32(c >> 1, (uint32_t)key, (uint32_t)(key >> 32)) >> ((c & 1u) * 16u)) & 0xffffu;
 }
 
-/* The noise of counters c0 .. c0 + len - 1 (len <= Q_BLOCK), returned as a pointer into `halves`
- * (Q_BLOCK + 2 values): one hash per pair of counters, its bytes copied into two halves
- * (little-endian: halves[2k] the low one), element j's noise at [j + (c0 & 1)]. Counters do not
- * wrap past 2^32 within a unit. */
-static inline const uint16_t *noise_block(uint64_t key, uint32_t c0, int64_t len, uint16_t *restrict halves) {
-    const uint32_t p0 = c0 >> 1, k1 = (uint32_t)key, k2 = (uint32_t)(key >> 32);
-    const int64_t np = (len + (c0 & 1u) + 1) / 2;
-    _Pragma("omp simd")
-    for (int64_t k = 0; k < np; k++) {
-        const uint32_t h = hash32(p0 + (uint32_t)k, k1, k2);
-        memcpy(halves + 2 * k, &h, sizeof h);
-    }
-    return halves + (c0 & 1u);
-}
-
 /* bf16 of f rounded up or down by the 16-bit noise r (0 <= r < 2^16). */
 static inline uint16_t f2b_noise(float f, uint32_t r) {
     uint32_t u;
@@ -234,8 +221,7 @@ static inline __attribute__((always_inline)) void adam8_block(
     const uint16_t *restrict g16 = (const uint16_t *)grad_;
     dequantize(q1 + lo, m, len, code1, lut1, s1);
     dequantize(q2 + lo, v, len, code2, lut2, s2);
-    uint16_t halves[Q_BLOCK + 2];
-    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, (uint32_t)(ctr + (uint64_t)lo), len, halves) : 0;
+    const uint32_t c0 = (uint32_t)(ctr + (uint64_t)lo);       /* the block's first rounding counter */
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
@@ -252,7 +238,7 @@ static inline __attribute__((always_inline)) void adam8_block(
         float p = (mbf ? bf16_to_f32(m16[i]) : m32[i]) * wd_mul;
         p = p + (neg_step * mm) / (sqrtf(vv) / bc2 + eps);
         if (mbf) {
-            uint16_t w = f2b_noise(p, noise[j]);
+            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));
             m16[i] = w;
             if (o16) out16[i] = w;
         } else {
