@@ -713,3 +713,59 @@ def test_code_metrics_counts_one_letter_bindings_outside_comprehensions_and_lamb
                      "    return [x for x in unit], (lambda n: n), {y: 1 for y in unit}\n"
                      "_ = 2\n")
     assert sorted(name for _, name in one_letter_names(tree)) == ["e", "k", "u"]
+
+
+_VARIANT_STATE = r"""
+import hashlib, sys, torch
+from pathlib import Path
+sys.path[:0] = [{repo!r}]
+import hf_slideformer.host.host_adam as host_adam
+host_adam._SOURCE = Path({src!r}) / "host_adam.c"
+from hf_slideformer.host.host_optim import state_format
+from hf_slideformer.host.host_rate import rate_unit
+fmt, n = state_format({fmt!r}), 1000
+unit, native = rate_unit(fmt, n), host_adam.HostAdam("native", 2)
+hp = {{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}}
+gen = torch.Generator().manual_seed(0)
+for s in range(3):
+    grad = (torch.rand(n, generator=gen) - 0.5).bfloat16()
+    fmt.run(native, hp, unit, unit, [(0, 0, n)], [grad], [torch.tensor(float(s + 1))], None)
+arrays = [unit.master] + [getattr(unit, a.name) for a in fmt.arrays]
+print(hashlib.sha256(b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in arrays)).hexdigest())
+"""
+
+
+def test_the_host_update_probes_variants_apply_and_give_the_kernels_values(tmp_path):
+    """adam8_variants_probe.py's variants are other forms of the same update: built from today's
+    source, each leaves the master, the 8-bit moments and their scales bit for bit as the kernel
+    as it is does (three steps of 1,000 elements, a partial last block). adam8_parts_probe.py's
+    substitutions still apply to the source."""
+    import importlib
+    import shutil
+
+    from hf_slideformer.host.host_adam import NativeKernelError, native_library
+    try:
+        native_library()
+    except NativeKernelError as e:
+        pytest.skip(f"no native host kernel: {e}")
+    variants = importlib.import_module("benchmarks.experiments.adam8_variants_probe")
+    parts = importlib.import_module("benchmarks.experiments.adam8_parts_probe")
+    source = (variants.CSRC / "host_adam8.c").read_text()
+    assert all(old in source for old, _ in parts.TWICE.values())
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+
+    def state(src, fmt):
+        code = _VARIANT_STATE.format(repo=repo, src=str(src), fmt=fmt)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.split()[-1]
+
+    as_is = tmp_path / "as_is"
+    shutil.copytree(variants.CSRC, as_is)
+    for fmt in ("adamw_8bit_bf16", "adamw_8bit"):
+        expected = state(as_is, fmt)
+        for name in variants.VARIANTS:
+            if fmt == "adamw_8bit" and name not in variants.EIGHT_BIT:
+                continue
+            assert state(variants.variant(tmp_path / fmt, name), fmt) == expected, f"{name} changes {fmt}'s values"
