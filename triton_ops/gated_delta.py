@@ -6,7 +6,8 @@ computes the same mathematics, in fp32 as it does (the queries' and keys' L2 nor
 `triton_ops.qk_l2norm`, a kernel where the kernels apply, else transformers' ops): the work inside each chunk (decays, the UT
 transform's triangular solves, the within-chunk attention) in batched torch ops under autograd, and
 the sequential part, the recurrent state carried from chunk to chunk, as one autograd function
-(`_ChunkScan`).
+(`_ChunkScan`), whose loop over chunks is a Triton kernel each way where the kernels apply
+(`kernels/chunk_scan.py`; fp32 products, equal to the loop to fp32 rounding).
 
 Note: [Why the scan has its own backward] transformers' loop over chunks writes each chunk's
 output into a slice of one tensor and builds about ten autograd nodes per chunk; the backward of
@@ -39,25 +40,40 @@ import triton_ops
 __all__ = ["chunk_gated_delta_rule"]
 
 
+def _kernels():
+    from .kernels import chunk_scan        # triton is imported only where the kernels apply
+    return chunk_scan
+
+
 class _ChunkScan(torch.autograd.Function):
     """(O, final state) from the per-chunk tensors (the module docstring's symbols); shapes
     Q, K, W (b, h, n, C, Dk), U (b, h, n, C, Dv), A (b, h, n, C, C), y (b, h, n), S0 (b, h, Dk, Dv)."""
 
     @staticmethod
     def forward(ctx, query, key, new_values, k_cumdecay, attn, chunk_decay, initial_state):
-        n = query.shape[2]
-        states = query.new_empty(query.shape[:3] + (query.shape[-1], new_values.shape[-1]))
+        device = query.device.type
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        # The scan kernels where the kernels apply, outside autocast (whose products are bf16 here).
+        ctx.kernel = (triton_ops.kernels_apply(query) and not ctx.autocast[1]
+                      and _kernels().supported(key, new_values, k_cumdecay, initial_state))
+        if ctx.kernel:
+            states, corrected, state = _kernels().scan_forward(key, new_values, k_cumdecay, chunk_decay, initial_state)
+        else:
+            states, corrected, state = _ChunkScan._scan(key, new_values, k_cumdecay, chunk_decay, initial_state)
+        out = query @ states + attn @ corrected
+        ctx.save_for_backward(query, key, k_cumdecay, attn, chunk_decay, states, corrected)
+        return out, state
+
+    @staticmethod
+    def _scan(key, new_values, k_cumdecay, chunk_decay, state):
+        n = key.shape[2]
+        states = key.new_empty(key.shape[:3] + (key.shape[-1], new_values.shape[-1]))
         corrected = torch.empty_like(new_values)
-        state = initial_state
         for c in range(n):
             states[:, :, c] = state
             corrected[:, :, c] = new_values[:, :, c] - k_cumdecay[:, :, c] @ state
             state = state * chunk_decay[:, :, c, None, None] + key[:, :, c].transpose(-1, -2) @ corrected[:, :, c]
-        out = query @ states + attn @ corrected
-        ctx.save_for_backward(query, key, k_cumdecay, attn, chunk_decay, states, corrected)
-        device = query.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        return out, state
+        return states, corrected, state
 
     @staticmethod
     def backward(ctx, d_out, d_final):
@@ -72,16 +88,20 @@ class _ChunkScan(torch.autograd.Function):
         query, key, k_cumdecay, attn, chunk_decay, states, corrected = ctx.saved_tensors
         n = query.shape[2]
         d_out = d_out.contiguous()
-        grad = torch.zeros_like(states[:, :, 0]) if d_final is None else d_final.clone()
         from_out = attn.transpose(-1, -2) @ d_out                   # A_c^T dO_c
         q_out = query.transpose(-1, -2) @ d_out                     # Q_c^T dO_c
-        d_corrected = torch.empty_like(corrected)
-        next_grads = torch.empty_like(states)                       # G_{c+1} per chunk
-        for c in range(n - 1, -1, -1):
-            next_grads[:, :, c] = grad
-            d_corrected[:, :, c] = from_out[:, :, c] + key[:, :, c] @ grad
-            grad = (grad * chunk_decay[:, :, c, None, None] + q_out[:, :, c]
-                    - k_cumdecay[:, :, c].transpose(-1, -2) @ d_corrected[:, :, c])
+        if ctx.kernel:
+            next_grads, d_corrected, grad = _kernels().scan_backward(key, k_cumdecay, chunk_decay, from_out, q_out,
+                                                                     d_final)
+        else:
+            grad = torch.zeros_like(states[:, :, 0]) if d_final is None else d_final.clone()
+            d_corrected = torch.empty_like(corrected)
+            next_grads = torch.empty_like(states)                   # G_{c+1} per chunk
+            for c in range(n - 1, -1, -1):
+                next_grads[:, :, c] = grad
+                d_corrected[:, :, c] = from_out[:, :, c] + key[:, :, c] @ grad
+                grad = (grad * chunk_decay[:, :, c, None, None] + q_out[:, :, c]
+                        - k_cumdecay[:, :, c].transpose(-1, -2) @ d_corrected[:, :, c])
         states_t = states.transpose(-1, -2)
         d_query = d_out @ states_t
         d_key = corrected @ next_grads.transpose(-1, -2)
