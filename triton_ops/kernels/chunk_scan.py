@@ -28,20 +28,19 @@ _BLOCK_V = 32
 
 @triton.jit
 def _offsets(DK, DV, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
-    """This program's (batch x head, key rows, value columns, chunk rows, masks)."""
+    """This program's batch x head, key rows, value columns, chunk rows, their masks, and its state
+    tile's offsets within a (DK, DV) state and mask."""
     bh = tl.program_id(0).to(tl.int64)
     kr = tl.arange(0, BK)
     vc = tl.program_id(1) * BV + tl.arange(0, BV)
-    t = tl.arange(0, C)
-    return bh, kr, vc, t, kr < DK, vc < DV
+    mk, mv = kr < DK, vc < DV
+    return bh, kr, vc, tl.arange(0, C), mk, mv, kr[:, None] * DV + vc[None, :], mk[:, None] & mv[None, :]
 
 
 @triton.jit
 def _fwd_kernel(w_ptr, u_ptr, k_ptr, y_ptr, s0_ptr, states_ptr, v_ptr, final_ptr, N, DK, DV,
                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    bh, kr, vc, t, mk, mv = _offsets(DK, DV, BK, BV, C)
-    s_at = kr[:, None] * DV + vc[None, :]
-    ms = mk[:, None] & mv[None, :]
+    bh, kr, vc, t, mk, mv, s_at, ms = _offsets(DK, DV, BK, BV, C)
     s = tl.load(s0_ptr + bh * DK * DV + s_at, mask=ms, other=0.0)
     for c in range(N):
         chunk = bh * N + c
@@ -58,9 +57,7 @@ def _fwd_kernel(w_ptr, u_ptr, k_ptr, y_ptr, s0_ptr, states_ptr, v_ptr, final_ptr
 @triton.jit
 def _bwd_kernel(k_ptr, w_ptr, y_ptr, f_ptr, p_ptr, gn_ptr, next_ptr, dv_ptr, g0_ptr, N, DK, DV,
                 C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    bh, kr, vc, t, mk, mv = _offsets(DK, DV, BK, BV, C)
-    s_at = kr[:, None] * DV + vc[None, :]
-    ms = mk[:, None] & mv[None, :]
+    bh, kr, vc, t, mk, mv, s_at, ms = _offsets(DK, DV, BK, BV, C)
     g = tl.load(gn_ptr + bh * DK * DV + s_at, mask=ms, other=0.0)
     for i in range(N):
         chunk = bh * N + (N - 1 - i)
