@@ -3,7 +3,8 @@
 The kernel path of `gated_delta._ChunkScan` (fp32, where the kernels apply) against the same
 function's torch loop in float64 on the CPU: output, final state and the gradient of each of its
 seven inputs, on chunk lengths 16 and 64, key and value widths below, between and above the
-kernels' tiles (8, 12, 20, 33, 40), with and without a gradient for the final state. The kernel
+kernels' tiles (8, 12, 20, 33, 40) and at Qwen3.5's (128), with and without a gradient for the final
+state. The kernel
 tests run on CUDA, or on the CPU in the interpreter's child run of test_triton_ops.py (`-k kernel`).
 """
 from __future__ import annotations
@@ -15,8 +16,8 @@ from test_triton_ops import KERNEL_DEVICE, _fp64, _leaf, assert_close, needs_ker
 from triton_ops.gated_delta import _ChunkScan
 
 NAMES = ("query", "key", "new_values", "k_cumdecay", "attn", "chunk_decay", "initial_state")
-# (batch, heads, chunks, chunk length, key width, value width)
-SHAPES = [(2, 2, 3, 16, 8, 12), (1, 3, 2, 16, 33, 20), (1, 1, 2, 64, 16, 40)]
+# (batch, heads, chunks, chunk length, key width, value width); the last one at Qwen3.5's tiles
+SHAPES = [(2, 2, 3, 16, 8, 12), (1, 3, 2, 16, 33, 20), (1, 1, 2, 64, 16, 40), (1, 2, 2, 64, 128, 128)]
 
 
 def _inputs(b, h, n, c, dk, dv, seed=0):
