@@ -3,9 +3,9 @@
 The kernel path of `gated_delta._ChunkScan` (fp32, where the kernels apply) against the same
 function's torch loop in float64 on the CPU: output, final state and the gradient of each of its
 seven inputs, on chunk lengths 16 and 64, key and value widths below, between and above the
-kernels' tiles (8, 12, 20, 33, 40) and at Qwen3.5's (128), with and without a gradient for the final
-state. The kernel
-tests run on CUDA, or on the CPU in the interpreter's child run of test_triton_ops.py (`-k kernel`).
+kernels' tiles (8, 12, 20, 33, 40) and at Qwen3.5's (128), with and without a gradient for the
+final state. The kernel tests run on CUDA, or on the CPU in the interpreter's child run of
+test_triton_ops.py (`-k kernel`).
 """
 from __future__ import annotations
 
