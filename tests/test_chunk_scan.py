@@ -80,7 +80,8 @@ def test_kernel_chunk_scan_comparison_fails_without_the_chunks_decay():
 
 
 def test_the_kernels_take_fp32_chunks_of_a_power_of_two_from_16():
-    """float64, a chunk length below 16 or not a power of two, a strided view: the loop runs them."""
+    """float64, a chunk length below 16 or not a power of two, a strided view, keys wider than 256:
+    the loop runs them."""
     import triton_ops
     if not triton_ops.is_triton_available():
         pytest.skip("triton is not installed")
@@ -95,3 +96,4 @@ def test_the_kernels_take_fp32_chunks_of_a_power_of_two_from_16():
     assert not takes((1, 1, 2, 16, 8, 8), torch.float64)
     assert not takes((1, 1, 2, 8, 8, 8)) and not takes((1, 1, 2, 24, 8, 8))
     assert not takes((1, 1, 2, 16, 8, 8), view=True)
+    assert takes((1, 1, 1, 16, 256, 8)) and not takes((1, 1, 1, 16, 257, 8))

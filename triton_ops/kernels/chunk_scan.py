@@ -13,7 +13,7 @@ and backward from the last chunk, with F_c = A_c^T dO_c and P_c = Q_c^T dO_c com
 The products are fp32 (`input_precision="ieee"`: no TF32) and each update sums in the torch loop's
 order; the products' own summation order is the kernel's, so results agree with the loop to fp32
 rounding, not bit for bit. Every tensor is fp32 and contiguous; the chunk length is a power of two
-of at least 16 (`supported`).
+of at least 16 and the key width at most 256 (`supported`).
 """
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ def _bwd_kernel(k_ptr, w_ptr, y_ptr, f_ptr, p_ptr, gn_ptr, next_ptr, dv_ptr, g0_
     tl.store(g0_ptr + bh * DK * DV + s_at, g, mask=ms)
 
 
-def supported(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these (b, h, n, C, d) chunk tensors: fp32, contiguous, C a power of two >= 16."""
-    chunk = tensors[0].shape[3]
-    return (chunk >= 16 and chunk & (chunk - 1) == 0
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors))
+def supported(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    """Whether the kernels take the key (b, h, n, C, Dk) and these tensors: fp32, contiguous, C a power
+    of two >= 16, Dk <= 256 (a program holds Dk state rows in registers)."""
+    chunk = key.shape[3]
+    return (chunk >= 16 and chunk & (chunk - 1) == 0 and key.shape[-1] <= 256
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (key, *tensors)))
 
 
 def _launch(kernel, key: torch.Tensor, dv: int, *args) -> None:
