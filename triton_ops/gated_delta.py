@@ -56,16 +56,15 @@ class _ChunkScan(torch.autograd.Function):
         # The scan kernels where the kernels apply, outside autocast (whose products are bf16 here).
         ctx.kernel = (triton_ops.kernels_apply(query) and not ctx.autocast[1]
                       and _kernels().supported(key, new_values, k_cumdecay, initial_state))
-        if ctx.kernel:
-            states, corrected, state = _kernels().scan_forward(key, new_values, k_cumdecay, chunk_decay, initial_state)
-        else:
-            states, corrected, state = _ChunkScan._scan(key, new_values, k_cumdecay, chunk_decay, initial_state)
+        scan = _kernels().scan_forward if ctx.kernel else _ChunkScan._scan
+        states, corrected, state = scan(key, new_values, k_cumdecay, chunk_decay, initial_state)
         out = query @ states + attn @ corrected
         ctx.save_for_backward(query, key, k_cumdecay, attn, chunk_decay, states, corrected)
         return out, state
 
     @staticmethod
     def _scan(key, new_values, k_cumdecay, chunk_decay, state):
+        """The forward loop: (states entering each chunk, corrected values, final state)."""
         n = key.shape[2]
         states = key.new_empty(key.shape[:3] + (key.shape[-1], new_values.shape[-1]))
         corrected = torch.empty_like(new_values)
@@ -74,6 +73,20 @@ class _ChunkScan(torch.autograd.Function):
             corrected[:, :, c] = new_values[:, :, c] - k_cumdecay[:, :, c] @ state
             state = state * chunk_decay[:, :, c, None, None] + key[:, :, c].transpose(-1, -2) @ corrected[:, :, c]
         return states, corrected, state
+
+    @staticmethod
+    def _scan_back(key, k_cumdecay, chunk_decay, from_out, q_out, d_final):
+        """The backward loop: (G_{c+1} per chunk, dV per chunk, the initial state's gradient)."""
+        n = key.shape[2]              # buffers in the keys' dtype, as the forward's (not autocast's)
+        grad = key.new_zeros(q_out.shape[:2] + q_out.shape[3:]) if d_final is None else d_final.clone()
+        d_corrected = key.new_empty(from_out.shape)
+        next_grads = key.new_empty(q_out.shape)
+        for c in range(n - 1, -1, -1):
+            next_grads[:, :, c] = grad
+            d_corrected[:, :, c] = from_out[:, :, c] + key[:, :, c] @ grad
+            grad = (grad * chunk_decay[:, :, c, None, None] + q_out[:, :, c]
+                    - k_cumdecay[:, :, c].transpose(-1, -2) @ d_corrected[:, :, c])
+        return next_grads, d_corrected, grad
 
     @staticmethod
     def backward(ctx, d_out, d_final):
@@ -86,22 +99,11 @@ class _ChunkScan(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, d_out, d_final):
         query, key, k_cumdecay, attn, chunk_decay, states, corrected = ctx.saved_tensors
-        n = query.shape[2]
         d_out = d_out.contiguous()
         from_out = attn.transpose(-1, -2) @ d_out                   # A_c^T dO_c
         q_out = query.transpose(-1, -2) @ d_out                     # Q_c^T dO_c
-        if ctx.kernel:
-            next_grads, d_corrected, grad = _kernels().scan_backward(key, k_cumdecay, chunk_decay, from_out, q_out,
-                                                                     d_final)
-        else:
-            grad = torch.zeros_like(states[:, :, 0]) if d_final is None else d_final.clone()
-            d_corrected = torch.empty_like(corrected)
-            next_grads = torch.empty_like(states)                   # G_{c+1} per chunk
-            for c in range(n - 1, -1, -1):
-                next_grads[:, :, c] = grad
-                d_corrected[:, :, c] = from_out[:, :, c] + key[:, :, c] @ grad
-                grad = (grad * chunk_decay[:, :, c, None, None] + q_out[:, :, c]
-                        - k_cumdecay[:, :, c].transpose(-1, -2) @ d_corrected[:, :, c])
+        scan_back = _kernels().scan_backward if ctx.kernel else _ChunkScan._scan_back
+        next_grads, d_corrected, grad = scan_back(key, k_cumdecay, chunk_decay, from_out, q_out, d_final)
         states_t = states.transpose(-1, -2)
         d_query = d_out @ states_t
         d_key = corrected @ next_grads.transpose(-1, -2)
