@@ -69,6 +69,33 @@ def test_kernel_chunk_scan_forward_and_gradients(shape, with_final, kernel_calls
 
 
 @needs_kernels
+def test_kernel_the_rule_takes_the_scan_kernels_and_equals_transformers(kernel_calls):
+    """`chunk_gated_delta_rule` in fp32 where the kernels apply goes through both kernels (its
+    triangular solves hand over column-major chunks) and keeps transformers' results to fp32
+    rounding: output, final state and every gradient."""
+    from test_gated_delta import _hf_rule, _inputs as rule_inputs
+    from triton_ops.gated_delta import chunk_gated_delta_rule
+
+    xs = [None if x is None else _leaf(x.to(KERNEL_DEVICE)) for x in rule_inputs(2, 100, 2, 2, 8, 12, torch.float32, True)]
+    refs = [None if x is None else _fp64(x) for x in xs]
+    results = []
+    for rule, args in ((chunk_gated_delta_rule, xs), (_hf_rule(), refs)):
+        out, state = rule(*args[:5], chunk_size=16, initial_state=args[5], output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        gen = torch.Generator().manual_seed(1)
+        loss = (out * torch.randn(out.shape, generator=gen).to(out)).sum() + \
+            (state * torch.randn(state.shape, generator=gen).to(state)).sum()
+        loss.backward()
+        results.append((out, state))
+    assert kernel_calls == ["scan_forward", "scan_backward"]
+    (out, state), (ref_out, ref_state) = results
+    assert_close(out, ref_out, torch.float32, "out")
+    assert_close(state, ref_state, torch.float32, "final state")
+    for name, x, ref in zip("q k v g beta state".split(), xs, refs):
+        assert_close(x.grad, ref.grad, torch.float32, f"d{name}", scale=2.0)
+
+
+@needs_kernels
 def test_kernel_chunk_scan_comparison_fails_without_the_chunks_decay():
     """A scan that forgot y_c (every decay 1) is told apart from the one that applies it."""
     from triton_ops.kernels import chunk_scan
@@ -80,20 +107,17 @@ def test_kernel_chunk_scan_comparison_fails_without_the_chunks_decay():
 
 
 def test_the_kernels_take_fp32_chunks_of_a_power_of_two_from_16():
-    """float64, a chunk length below 16 or not a power of two, a strided view, keys wider than 256:
-    the loop runs them."""
+    """float64, a chunk length below 16 or not a power of two, keys wider than 256: the loop runs them."""
     import triton_ops
     if not triton_ops.is_triton_available():
         pytest.skip("triton is not installed")
     from triton_ops.kernels import chunk_scan
 
-    def takes(shape, dtype=torch.float32, view=False):
+    def takes(shape, dtype=torch.float32):
         _, k, u, w, _, _, s0 = _inputs(*shape)
-        k = k.transpose(-1, -2).contiguous().transpose(-1, -2) if view else k
         return chunk_scan.supported(k.to(dtype), u.to(dtype), w.to(dtype), s0.to(dtype))
 
     assert takes((1, 1, 2, 16, 8, 8)) and takes((1, 1, 2, 64, 8, 8))
     assert not takes((1, 1, 2, 16, 8, 8), torch.float64)
     assert not takes((1, 1, 2, 8, 8, 8)) and not takes((1, 1, 2, 24, 8, 8))
-    assert not takes((1, 1, 2, 16, 8, 8), view=True)
     assert takes((1, 1, 1, 16, 256, 8)) and not takes((1, 1, 1, 16, 257, 8))

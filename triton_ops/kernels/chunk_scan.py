@@ -12,8 +12,9 @@ and backward from the last chunk, with F_c = A_c^T dO_c and P_c = Q_c^T dO_c com
     next[c] = G;   dV_c = F_c + K_c G;   G <- y_c G + P_c - W_c^T dV_c
 The products are fp32 (`input_precision="ieee"`: no TF32) and each update sums in the torch loop's
 order; the products' own summation order is the kernel's, so results agree with the loop to fp32
-rounding, not bit for bit. Every tensor is fp32 and contiguous; the chunk length is a power of two
-of at least 16 and the key width at most 256 (`supported`).
+rounding, not bit for bit. Every tensor is fp32 (read row-major: a column-major one is copied
+first); the chunk length is a power of two of at least 16 and the key width at most 256
+(`supported`).
 """
 from __future__ import annotations
 
@@ -73,11 +74,11 @@ def _bwd_kernel(k_ptr, w_ptr, y_ptr, f_ptr, p_ptr, gn_ptr, next_ptr, dv_ptr, g0_
 
 
 def supported(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    """Whether the kernels take the key (b, h, n, C, Dk) and these tensors: fp32, contiguous, C a power
-    of two >= 16, Dk <= 256 (a program holds Dk state rows in registers)."""
+    """Whether the kernels take the key (b, h, n, C, Dk) and these tensors: fp32, C a power of two
+    >= 16, Dk <= 256 (a program holds Dk state rows in registers)."""
     chunk = key.shape[3]
     return (chunk >= 16 and chunk & (chunk - 1) == 0 and key.shape[-1] <= 256
-            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (key, *tensors)))
+            and all(t.dtype == torch.float32 for t in (key, *tensors)))
 
 
 def _launch(kernel, key: torch.Tensor, dv: int, *args) -> None:
@@ -93,10 +94,11 @@ def scan_forward(key, new_values, k_cumdecay, chunk_decay, initial_state):
     b, h, n, _, dk = key.shape
     dv = new_values.shape[-1]
     states = key.new_empty((b, h, n, dk, dv))
-    corrected = torch.empty_like(new_values)
+    corrected = key.new_empty(new_values.shape)             # row-major, as the kernel writes it
     final = key.new_empty((b, h, dk, dv))
-    _launch(_fwd_kernel, key, dv, k_cumdecay, new_values, key, chunk_decay.contiguous(),
-            initial_state.contiguous(), states, corrected, final)
+    # The solves return column-major chunks (LAPACK's and cuBLAS's layout): made row-major here.
+    _launch(_fwd_kernel, key, dv, *(t.contiguous() for t in (k_cumdecay, new_values, key, chunk_decay, initial_state)),
+            states, corrected, final)
     return states, corrected, final
 
 
@@ -107,8 +109,8 @@ def scan_backward(key, k_cumdecay, chunk_decay, from_out, q_out, d_final):
     dv = from_out.shape[-1]
     g_final = key.new_zeros((b, h, dk, dv)) if d_final is None else d_final.contiguous()
     next_grads = key.new_empty((b, h, n, dk, dv))
-    d_corrected = torch.empty_like(from_out)
+    d_corrected = key.new_empty(from_out.shape)
     g0 = key.new_empty((b, h, dk, dv))
-    _launch(_bwd_kernel, key, dv, key, k_cumdecay, chunk_decay.contiguous(), from_out.contiguous(),
-            q_out.contiguous(), g_final, next_grads, d_corrected, g0)
+    _launch(_bwd_kernel, key, dv, *(t.contiguous() for t in (key, k_cumdecay, chunk_decay, from_out, q_out)),
+            g_final, next_grads, d_corrected, g0)
     return next_grads, d_corrected, g0
