@@ -9,25 +9,16 @@ each for the values and for the decayed keys):
 - through the inverse: one solve against the identity (64 right-hand columns), then two batched
   products; forward and forward + backward under autograd, and the largest relative difference.
 If the second is clearly faster, the rule can take it on CUDA (the CPU path stays transformers'
-bit for bit). CUDA only; CUDA events, median of 10 after 3 warm-up runs.
+bit for bit). CUDA only; CUDA events (the module probe's timer).
 """
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-
-def timed(fn, reps=10, warm=3):
-    times = []
-    for i in range(reps + warm):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warm:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gated_delta_probe import timed  # noqa: E402
 
 
 def main(argv=None) -> int:
