@@ -47,12 +47,14 @@ from pathlib import Path
 sys.path[:0] = [{repo!r}, {bench!r}]
 import hf_slideformer.host.host_adam as host_adam
 host_adam._SOURCE = Path({src!r}) / "host_adam.c"
+if {march!r}:
+    host_adam._FLAGS = [f if f != "-march=native" else "-march=" + {march!r} for f in host_adam._FLAGS]
 from hf_slideformer.host.host_optim import state_format
 from host_adam_rate import rate_unit
-torch.set_num_threads(1)
+torch.set_num_threads({threads})
 torch.manual_seed(0)
 n, fmt = {n}, state_format({fmt!r})
-native = host_adam.HostAdam("native", 1)
+native = host_adam.HostAdam("native", {threads})
 unit = rate_unit(fmt, n)
 hp = {{"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}}
 step = [torch.tensor(1.0)]
@@ -67,9 +69,11 @@ print(n / best / 1e9)
 """
 
 
-def rate(source_dir: Path, n: int, fmt: str) -> float:
-    """G params/s of one thread with the kernel built from `source_dir`."""
-    code = TIMER.format(repo=str(REPO_ROOT), bench=str(REPO_ROOT / "benchmarks"), src=str(source_dir), n=n, fmt=fmt)
+def rate(source_dir: Path, n: int, fmt: str, threads: int = 1, march: str | None = None) -> float:
+    """G params/s on `threads` threads with the kernel built from `source_dir` (with -march=`march`
+    in place of -march=native where given)."""
+    code = TIMER.format(repo=str(REPO_ROOT), bench=str(REPO_ROOT / "benchmarks"), src=str(source_dir), n=n, fmt=fmt,
+                        threads=threads, march=march)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"timing {source_dir} failed:\n{out.stderr[-2000:]}")

@@ -2,7 +2,7 @@
 source as it is: which form of a part is fastest on this host's CPU.
 
     python3 benchmarks/experiments/adam8_variants_probe.py [--threads 1,15] [--params 33554432] [--rounds 2]
-        [--dirs DIR ...]
+        [--dirs DIR ...] [--march sapphirerapids]
 
 Variants (host_adam8.c, each the source with its substitutions; all give the same values):
 - `noise_stored`: a block's rounding noise is hashed once per pair of elements into an array
@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adam8_parts_probe import CSRC, REPO_ROOT, TIMER  # noqa: E402
+from adam8_parts_probe import CSRC, rate  # noqa: E402
 
 NOISE_BLOCK = """/* The noise of counters c0 .. c0 + len - 1 (len <= Q_BLOCK) as a pointer into `halves` (Q_BLOCK + 2
  * values): one hash per pair of counters, its bytes copied into two halves. */
@@ -80,23 +79,14 @@ def variant(root: Path, name: str) -> Path:
     return d
 
 
-def rate(source_dir: Path, n: int, fmt: str, threads: int) -> float:
-    """G params/s of the kernel built from `source_dir` on `threads` threads."""
-    code = TIMER.format(repo=str(REPO_ROOT), bench=str(REPO_ROOT / "benchmarks"), src=str(source_dir), n=n, fmt=fmt)
-    code = code.replace("torch.set_num_threads(1)", f"torch.set_num_threads({threads})").replace(
-        'HostAdam("native", 1)', f'HostAdam("native", {threads})')
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    if out.returncode != 0:
-        raise SystemExit(f"timing {source_dir} failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1", help="comma-separated thread counts")
     p.add_argument("--params", type=int, default=1 << 25)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dirs", nargs="*", default=[], help="more source directories, timed by their name")
+    p.add_argument("--march", default=None, help="build with -march=MARCH instead of native (e.g. sapphirerapids: "
+                                                  "another core's tuning, where this CPU runs its instructions)")
     args = p.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,8 +102,8 @@ def main(argv=None) -> int:
                         if fmt == "adamw_8bit" and name not in EIGHT_BIT and name not in extra:
                             continue
                         key = (fmt, t, name)
-                        best[key] = max(best.get(key, 0.0), rate(d, args.params, fmt, t))
-    print(f"{args.params:,} parameters, best of {args.rounds} rounds")
+                        best[key] = max(best.get(key, 0.0), rate(d, args.params, fmt, t, args.march))
+    print(f"{args.params:,} parameters, best of {args.rounds} rounds, -march={args.march or 'native'}")
     print(f"{'format':<16} {'threads':>7} {'variant':<19} {'G params/s':>10} {'x as is':>8}")
     for (fmt, t, name), r in sorted(best.items()):
         print(f"{fmt:<16} {t:>7} {name:<19} {r:10.3f} {r / best[(fmt, t, 'as_is')]:8.3f}")

@@ -25,7 +25,7 @@
  * number is half of a counter-based hash of (seed, step, (ctr + i) / 2): the low half for an even
  * counter, the high half for an odd one. It is reproducible for a seed and the same for any thread
  * count or split of the range into calls. Each element hashes its pair in the update's loop:
- * storing a block's hashes and reading their halves back in that loop was 7% faster on an AMD
+ * storing a block's hashes and reading their halves back in that loop was 7-9% faster on an AMD
  * EPYC core, but with it this format's rate on the GPU machines' Intel Xeon host fell to about
  * half (docs/host_state.md, "The bf16 master's rounding noise"). out16 (optional) receives the
  * bf16 weights (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
