@@ -4,7 +4,7 @@ scan over chunks.
 `chunk_gated_delta_rule` takes the arguments of transformers' `torch_chunk_gated_delta_rule` and
 computes the same mathematics, in fp32 as it does (the queries' and keys' L2 norm through
 `triton_ops.qk_l2norm`, a kernel where the kernels apply, else transformers' ops): the work inside each chunk (decays, the UT
-transform's triangular solves, the within-chunk attention) in batched torch ops under autograd, and
+transform's triangular inverse, the within-chunk attention) in batched torch ops under autograd, and
 the sequential part, the recurrent state carried from chunk to chunk, as one autograd function
 (`_ChunkScan`), whose loop over chunks is a Triton kernel each way where the kernels apply
 (`kernels/chunk_scan.py`; fp32 products, equal to the loop to fp32 rounding).
@@ -164,8 +164,14 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
     attn = (query @ key.transpose(-1, -2)) * pairwise
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    # The UT transform through its inverse, as transformers' path forms it: one solve against the
+    # identity (chunk-wide right-hand sides) and two batched products, about half the time of two
+    # solves of the value- and key-wide right-hand sides, forward and backward
+    # (benchmarks/experiments/ut_solve_probe.py); the products also come out row-major.
+    eye = torch.eye(chunk_size, dtype=ut_system.dtype, device=ut_system.device).expand_as(ut_system)
+    ut_inverse = torch.linalg.solve_triangular(ut_system, eye, upper=False, unitriangular=True)
+    new_values = ut_inverse @ v_beta
+    k_cumdecay = ut_inverse @ decayed_k_beta
     state = (torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
              if initial_state is None else initial_state.to(torch.float32))
     query = query * cum_decay.exp().unsqueeze(-1)

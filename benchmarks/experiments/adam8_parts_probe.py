@@ -26,9 +26,9 @@ CSRC = REPO_ROOT / "hf_slideformer" / "host" / "csrc"
 # Each part runs twice (its second run writes what the first wrote, or is picked only where it
 # cannot differ), so the data every other part sees is unchanged and the time added is the part's.
 TWICE = {
-    "rounding": ("            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));",
-                 "            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));\n"
-                 "            const uint16_t w2 = f2b_noise(p, noise16(hp->seed ^ 1u, c0 + (uint32_t)j));\n"
+    "rounding": ("            uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);",
+                 "            uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);\n"
+                 "            const uint16_t w2 = f2b_stochastic(p, hp->seed ^ 1u, ctr + (uint64_t)i);\n"
                  "            w = (p == 1234.5f && w2 == 7) ? w2 : w;"),
     "requantize": ("    requantize(x1, q1 + lo, len, lut1, !(mx1 > 0.0f));      /* an all-zero block: codes 0 */\n"
                    "    requantize(x2, q2 + lo, len, lut2, !(mx2 > 0.0f));",

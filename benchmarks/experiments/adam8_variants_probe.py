@@ -5,17 +5,14 @@ source as it is: which form of a part is fastest on this host's CPU.
         [--dirs DIR ...] [--march sapphirerapids]
 
 Variants (host_adam8.c, each the source with its substitutions; all give the same values):
-- `noise_stored`: a block's rounding noise is hashed once per pair of elements into an array
-  before the update's loop, which reads its halves back (the form that was 7% faster on an AMD
-  EPYC core), instead of each element hashing its pair in the loop;
-- `noise_stored_early`: the same, hashed before the block's moments are dequantized, so the loop's
-  loads come well after the stores;
-- `convert_pack`: the code search packs its words and bytes with the narrowing conversions it used
-  before the two-source permutes.
-`--dirs` adds source directories (a copy of hf_slideformer/host/csrc, e.g. another tree's) by their
-name. Each variant is built and timed in a process of its own, all in turn for --rounds rounds,
-each one's best round counting; `adamw_8bit_bf16` for every variant, `adamw_8bit` for the source as
-it is and `convert_pack`.
+- `permute_pack`: the code search packs its bytes and words with one two-source permute each
+  (`vpermt2b` / `vpermt2w`) instead of two narrowing conversions and an insert (5-7% faster on an
+  AMD EPYC core; on the GPU machines' Xeon host the source's conversions were measured faster, the
+  update with the permutes and a per-pair noise at about half the rate: docs/host_state.md).
+`--dirs` adds source directories (a copy of hf_slideformer/host/csrc, e.g. another tree's from
+`git archive REV hf_slideformer/host/csrc`) by their name. Each variant is built and timed in a
+process of its own, all in turn for --rounds rounds, each one's best round counting, each rate
+printed as it is measured; both 8-bit formats for every variant.
 """
 from __future__ import annotations
 
@@ -28,41 +25,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from adam8_parts_probe import CSRC, rate  # noqa: E402
 
-NOISE_BLOCK = """/* The noise of counters c0 .. c0 + len - 1 (len <= Q_BLOCK) as a pointer into `halves` (Q_BLOCK + 2
- * values): one hash per pair of counters, its bytes copied into two halves. */
-static inline const uint16_t *noise_block(uint64_t key, uint32_t c0, int64_t len, uint16_t *restrict halves) {
-    const uint32_t p0 = c0 >> 1, k1 = (uint32_t)key, k2 = (uint32_t)(key >> 32);
-    const int64_t np = (len + (c0 & 1u) + 1) / 2;
-    _Pragma("omp simd")
-    for (int64_t k = 0; k < np; k++) {
-        const uint32_t h = hash32(p0 + (uint32_t)k, k1, k2);
-        memcpy(halves + 2 * k, &h, sizeof h);
-    }
-    return halves + (c0 & 1u);
-}
-
-"""
-ROUNDING = "/* bf16 of f rounded up or down by the 16-bit noise r"
-COUNTER = "    const uint32_t c0 = (uint32_t)(ctr + (uint64_t)lo);       /* the block's first rounding counter */\n"
-NOISE_CALL = ("    uint16_t halves[Q_BLOCK + 2];\n"
-              "    const uint16_t *restrict noise = mbf ? noise_block(hp->seed, c0, len, halves) : 0;\n")
-DEQUANTIZE = ("    dequantize(q1 + lo, m, len, code1, lut1, s1);\n"
-              "    dequantize(q2 + lo, v, len, code2, lut2, s2);\n")
-IN_LOOP = ("f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j))", "f2b_noise(p, noise[j])")
+EVEN_BYTES = ("    static const uint8_t even[64] = {" + ", ".join(str(2 * i) for i in range(64)) + "};\n")
+EVEN_WORDS = ("    static const uint16_t even[32] = {" + ", ".join(str(2 * i) for i in range(32)) + "};\n")
+LOW_BYTES = "    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)), _mm512_cvtepi16_epi8(w1), 1);\n}\n"
+LOW_WORDS = ("/* The low words of 2 x 16 dword lanes, in order: one two-source word permute. */\n"
+             "static inline __m512i low_words(__m512i d0, __m512i d1) {\n" + EVEN_WORDS
+             + "    return _mm512_permutex2var_epi16(d0, _mm512_loadu_si512(even), d1);\n}\n")
+REQUANT_PACK = ("            w[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h))),\n"
+                "                                      _mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h + 16)), 1);\n")
 VARIANTS = {
-    "noise_stored": [(ROUNDING, NOISE_BLOCK + ROUNDING), (DEQUANTIZE + COUNTER, DEQUANTIZE + COUNTER + NOISE_CALL),
-                     IN_LOOP],
-    "noise_stored_early": [(ROUNDING, NOISE_BLOCK + ROUNDING),
-                           (DEQUANTIZE + COUNTER, COUNTER + NOISE_CALL + DEQUANTIZE), IN_LOOP],
-    "convert_pack": [
-        ("    return _mm512_permutex2var_epi8(w0, _mm512_loadu_si512(even), w1);",
-         "    (void)even;\n    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)), "
-         "_mm512_cvtepi16_epi8(w1), 1);"),
-        ("    return _mm512_permutex2var_epi16(d0, _mm512_loadu_si512(even), d1);",
-         "    (void)even;\n    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(d0)), "
-         "_mm512_cvtepi32_epi16(d1), 1);")],
+    "permute_pack": [
+        (LOW_BYTES, EVEN_BYTES + "    return _mm512_permutex2var_epi8(w0, _mm512_loadu_si512(even), w1);\n}\n\n" + LOW_WORDS),
+        (REQUANT_PACK, "            w[h] = low_words(_mm512_loadu_si512(x + j + 32 * h), _mm512_loadu_si512(x + j + 32 * h + 16));\n")],
 }
-EIGHT_BIT = ("as_is", "convert_pack")
 
 
 def variant(root: Path, name: str) -> Path:
@@ -99,10 +74,10 @@ def main(argv=None) -> int:
             for t in threads:
                 for fmt in ("adamw_8bit_bf16", "adamw_8bit"):
                     for name, d in dirs.items():
-                        if fmt == "adamw_8bit" and name not in EIGHT_BIT and name not in extra:
-                            continue
                         key = (fmt, t, name)
-                        best[key] = max(best.get(key, 0.0), rate(d, args.params, fmt, t, args.march))
+                        r = rate(d, args.params, fmt, t, args.march)
+                        print(f"  {fmt} {t} threads {name}: {r:.3f} G params/s", flush=True)
+                        best[key] = max(best.get(key, 0.0), r)
     print(f"{args.params:,} parameters, best of {args.rounds} rounds, -march={args.march or 'native'}")
     print(f"{'format':<16} {'threads':>7} {'variant':<19} {'G params/s':>10} {'x as is':>8}")
     for (fmt, t, name), r in sorted(best.items()):

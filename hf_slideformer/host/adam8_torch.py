@@ -62,12 +62,10 @@ def _hash32(x: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor
 
 
 def round_bf16_stochastic_t(values: torch.Tensor, key: torch.Tensor, ctr: torch.Tensor) -> torch.Tensor:
-    """bf16 of fp32 `values` rounded as the host kernel rounds a bf16 master: element i with the
-    noise of (key, ctr[i]), the low (even counter) or high (odd) half of the hash of ctr[i] // 2
-    (`ctr` int64, the elements' counters)."""
+    """bf16 of fp32 `values` rounded as the kernel's f2b_stochastic: element i with the hash of
+    (key, ctr[i]) (`ctr` int64, the elements' counters)."""
     k1, k2 = key & _M32, _shr(key, 32) & _M32
-    c = ctr & _M32
-    noise = (_hash32(c >> 1, k1, k2) >> ((c & 1) * 16)) & 0xFFFF      # half of the pair's hash
+    noise = _hash32(ctr & _M32, k1, k2) & 0xFFFF
     bits = values.contiguous().view(torch.int32).to(torch.int64) & _M32
     summed = bits + noise
     keep = ((bits & 0x7F800000) == 0x7F800000) | ((summed & 0x7F800000) == 0x7F800000)   # inf / NaN, or a carry into it

@@ -95,8 +95,7 @@ def _adamw8_kernel(w_ptr, q1_ptr, q2_ptr, a1_ptr, a2_ptr, g_ptr, code1_ptr, code
         key = tl.load(key_ptr)
         k1 = (key & 0xFFFFFFFF).to(tl.uint32)
         k2 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        c = ((ctr0 + offs) & 0xFFFFFFFF).to(tl.uint32)
-        r = (_hash32(c >> 1, k1, k2) >> ((c & 1) * 16)) & 0xFFFF       # half of the pair's hash
+        r = _hash32(((ctr0 + offs) & 0xFFFFFFFF).to(tl.uint32), k1, k2) & 0xFFFF
         u = p.to(tl.uint32, bitcast=True)
         t = u + r
         keep = ((u & 0x7F800000) == 0x7F800000) | ((t & 0x7F800000) == 0x7F800000)   # inf / NaN, or a carry into it

@@ -10,7 +10,7 @@ the chunk's end, y the chunk's decay), forward per chunk c:
     states[c] = S;   V_c = U_c - W_c S;   S <- y_c S + K_c^T V_c
 and backward from the last chunk, with F_c = A_c^T dO_c and P_c = Q_c^T dO_c computed before:
     next[c] = G;   dV_c = F_c + K_c G;   G <- y_c G + P_c - W_c^T dV_c
-The products are fp32 (`input_precision="ieee"`: no TF32) and each update sums in the torch loop's
+The products are fp32 (`input_precision=PREC`: no TF32) and each update sums in the torch loop's
 order; the products' own summation order is the kernel's, so results agree with the loop to fp32
 rounding, not bit for bit. Every tensor is fp32 (read row-major: a column-major one is copied
 first); the chunk length is a power of two of at least 16 and the key width at most 256
@@ -24,7 +24,9 @@ import triton.language as tl
 
 __all__ = ["scan_backward", "scan_forward", "supported"]
 
-_BLOCK_V = 32
+# Launch settings (block of value columns, warps, pipeline stages, the products' precision).
+# benchmarks/experiments/chunk_scan_probe.py times others against the torch loop.
+CONFIG = {"block_v": 32, "num_warps": 4, "num_stages": 1, "precision": "ieee"}
 
 
 @triton.jit
@@ -40,7 +42,7 @@ def _offsets(DK, DV, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(w_ptr, u_ptr, k_ptr, y_ptr, s0_ptr, states_ptr, v_ptr, final_ptr, N, DK, DV,
-                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     bh, kr, vc, t, mk, mv, s_at, ms = _offsets(DK, DV, BK, BV, C)
     s = tl.load(s0_ptr + bh * DK * DV + s_at, mask=ms, other=0.0)
     for c in range(N):
@@ -48,16 +50,16 @@ def _fwd_kernel(w_ptr, u_ptr, k_ptr, y_ptr, s0_ptr, states_ptr, v_ptr, final_ptr
         tl.store(states_ptr + chunk * DK * DV + s_at, s, mask=ms)
         w = tl.load(w_ptr + chunk * C * DK + t[:, None] * DK + kr[None, :], mask=mk[None, :], other=0.0)
         u = tl.load(u_ptr + chunk * C * DV + t[:, None] * DV + vc[None, :], mask=mv[None, :], other=0.0)
-        v = u - tl.dot(w, s, input_precision="ieee")
+        v = u - tl.dot(w, s, input_precision=PREC)
         tl.store(v_ptr + chunk * C * DV + t[:, None] * DV + vc[None, :], v, mask=mv[None, :])
         kt = tl.load(k_ptr + chunk * C * DK + kr[:, None] + t[None, :] * DK, mask=mk[:, None], other=0.0)
-        s = s * tl.load(y_ptr + chunk) + tl.dot(kt, v, input_precision="ieee")
+        s = s * tl.load(y_ptr + chunk) + tl.dot(kt, v, input_precision=PREC)
     tl.store(final_ptr + bh * DK * DV + s_at, s, mask=ms)
 
 
 @triton.jit
 def _bwd_kernel(k_ptr, w_ptr, y_ptr, f_ptr, p_ptr, gn_ptr, next_ptr, dv_ptr, g0_ptr, N, DK, DV,
-                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     bh, kr, vc, t, mk, mv, s_at, ms = _offsets(DK, DV, BK, BV, C)
     g = tl.load(gn_ptr + bh * DK * DV + s_at, mask=ms, other=0.0)
     for i in range(N):
@@ -65,11 +67,11 @@ def _bwd_kernel(k_ptr, w_ptr, y_ptr, f_ptr, p_ptr, gn_ptr, next_ptr, dv_ptr, g0_
         tl.store(next_ptr + chunk * DK * DV + s_at, g, mask=ms)
         k = tl.load(k_ptr + chunk * C * DK + t[:, None] * DK + kr[None, :], mask=mk[None, :], other=0.0)
         f = tl.load(f_ptr + chunk * C * DV + t[:, None] * DV + vc[None, :], mask=mv[None, :], other=0.0)
-        dv = f + tl.dot(k, g, input_precision="ieee")
+        dv = f + tl.dot(k, g, input_precision=PREC)
         tl.store(dv_ptr + chunk * C * DV + t[:, None] * DV + vc[None, :], dv, mask=mv[None, :])
         wt = tl.load(w_ptr + chunk * C * DK + kr[:, None] + t[None, :] * DK, mask=mk[:, None], other=0.0)
         p = tl.load(p_ptr + chunk * DK * DV + s_at, mask=ms, other=0.0)
-        g = g * tl.load(y_ptr + chunk) + p - tl.dot(wt, dv, input_precision="ieee")
+        g = g * tl.load(y_ptr + chunk) + p - tl.dot(wt, dv, input_precision=PREC)
     tl.store(g0_ptr + bh * DK * DV + s_at, g, mask=ms)
 
 
@@ -84,9 +86,10 @@ def supported(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
 def _launch(kernel, key: torch.Tensor, dv: int, *args) -> None:
     b, h, n, chunk, dk = key.shape
     if key.numel() and dv:
-        grid = (b * h, triton.cdiv(dv, _BLOCK_V))
-        kernel[grid](*args, n, dk, dv, C=chunk, BK=triton.next_power_of_2(max(dk, 16)), BV=_BLOCK_V, num_warps=4,
-                     num_stages=1)
+        cfg = CONFIG
+        grid = (b * h, triton.cdiv(dv, cfg["block_v"]))
+        kernel[grid](*args, n, dk, dv, C=chunk, BK=triton.next_power_of_2(max(dk, 16)), BV=cfg["block_v"],
+                     PREC=cfg["precision"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def scan_forward(key, new_values, k_cumdecay, chunk_decay, initial_state):

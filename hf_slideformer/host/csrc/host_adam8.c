@@ -22,13 +22,9 @@
  *
  * A bf16 master is rounded stochastically: the 16 low bits of the fp32 result are added to a
  * uniform 16-bit number and truncated, which is unbiased (E[round(x)] = x) for finite x. The
- * number is half of a counter-based hash of (seed, step, (ctr + i) / 2): the low half for an even
- * counter, the high half for an odd one. It is reproducible for a seed and the same for any thread
- * count or split of the range into calls. Each element hashes its pair in the update's loop:
- * storing a block's hashes and reading their halves back in that loop was 7-9% faster on an AMD
- * EPYC core, but with it this format's rate on the GPU machines' Intel Xeon host fell to about
- * half (docs/host_state.md, "The bf16 master's rounding noise"). out16 (optional) receives the
- * bf16 weights (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
+ * number is a counter-based hash of (seed, step, ctr + i): reproducible for a seed and the same for
+ * any thread count or split of the range into calls. out16 (optional) receives the bf16 weights
+ * (rounded to nearest even from an fp32 master; the master itself for a bf16 one).
  *
  * Built with -ffp-contract=off like host_adam.c: the only fused multiply-add is the explicit one.
  */
@@ -70,20 +66,9 @@ static inline __m512i row_lookup(__m512i key, const uint8_t *row) {
     return _mm512_mask_blend_epi8(_mm512_movepi8_mask(key), a, b);
 }
 
-/* The low bytes of 2 x 32 word lanes, in order: one two-source byte permute (the even bytes). */
+/* The low bytes of 2 x 32 word lanes, in order. */
 static inline __m512i low_bytes(__m512i w0, __m512i w1) {
-    static const uint8_t even[64] = {
-        0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54,
-        56, 58, 60, 62, 64, 66, 68, 70, 72, 74, 76, 78, 80, 82, 84, 86, 88, 90, 92, 94, 96, 98, 100, 102, 104, 106,
-        108, 110, 112, 114, 116, 118, 120, 122, 124, 126};
-    return _mm512_permutex2var_epi8(w0, _mm512_loadu_si512(even), w1);
-}
-
-/* The low words of 2 x 16 dword lanes, in order: one two-source word permute (the even words). */
-static inline __m512i low_words(__m512i d0, __m512i d1) {
-    static const uint16_t even[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
-                                      32, 34, 36, 38, 40, 42, 44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
-    return _mm512_permutex2var_epi16(d0, _mm512_loadu_si512(even), d1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(w0)), _mm512_cvtepi16_epi8(w1), 1);
 }
 
 /* The codes of 64 grid indices (2 x 32 word lanes, 0..65535): the finest level holding each answers. */
@@ -162,7 +147,8 @@ static inline void requantize(const int32_t *restrict x, unsigned char *restrict
     for (; j + 64 <= len; j += 64) {
         __m512i w[2];
         for (int h = 0; h < 2; h++)
-            w[h] = low_words(_mm512_loadu_si512(x + j + 32 * h), _mm512_loadu_si512(x + j + 32 * h + 16));
+            w[h] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h))),
+                                      _mm512_cvtepi32_epi16(_mm512_loadu_si512(x + j + 32 * h + 16)), 1);
         _mm512_storeu_si512(q + j, search64(w[0], w[1], t));
     }
 #endif
@@ -177,15 +163,10 @@ static inline uint32_t hash32(uint32_t x, uint32_t k1, uint32_t k2) {
     return x ^ k2;
 }
 
-/* The rounding noise of counter c: half of the hash of c / 2 (low half for even c). */
-static inline uint32_t noise16(uint64_t key, uint32_t c) {
-    return (hash32(c >> 1, (uint32_t)key, (uint32_t)(key >> 32)) >> ((c & 1u) * 16u)) & 0xffffu;
-}
-
-/* bf16 of f rounded up or down by the 16-bit noise r (0 <= r < 2^16). */
-static inline uint16_t f2b_noise(float f, uint32_t r) {
+static inline uint16_t f2b_stochastic(float f, uint64_t key, uint64_t idx) {
     uint32_t u;
     memcpy(&u, &f, 4);
+    uint32_t r = hash32((uint32_t)idx, (uint32_t)key, (uint32_t)(key >> 32)) & 0xffffu;
     uint32_t t = u + r;
     /* inf / NaN stay as they are; a carry into the exponent of inf truncates instead */
     if ((u & 0x7f800000u) == 0x7f800000u || (t & 0x7f800000u) == 0x7f800000u) t = u;
@@ -221,7 +202,6 @@ static inline __attribute__((always_inline)) void adam8_block(
     const uint16_t *restrict g16 = (const uint16_t *)grad_;
     dequantize(q1 + lo, m, len, code1, lut1, s1);
     dequantize(q2 + lo, v, len, code2, lut2, s2);
-    const uint32_t c0 = (uint32_t)(ctr + (uint64_t)lo);       /* the block's first rounding counter */
     _Pragma("omp simd reduction(max:mx1, mx2)")
     for (int64_t j = 0; j < len; j++) {
         const int64_t i = lo + j;
@@ -238,7 +218,7 @@ static inline __attribute__((always_inline)) void adam8_block(
         float p = (mbf ? bf16_to_f32(m16[i]) : m32[i]) * wd_mul;
         p = p + (neg_step * mm) / (sqrtf(vv) / bc2 + eps);
         if (mbf) {
-            uint16_t w = f2b_noise(p, noise16(hp->seed, c0 + (uint32_t)j));
+            uint16_t w = f2b_stochastic(p, hp->seed, ctr + (uint64_t)i);
             m16[i] = w;
             if (o16) out16[i] = w;
         } else {
@@ -344,5 +324,5 @@ void slide_adamw8_rows(void *master, unsigned char *q1, unsigned char *q2, float
 void slide_round_bf16_stochastic(const float *x, uint16_t *out, int64_t n, uint64_t key, uint64_t ctr, int threads) {
     if (threads < 1) threads = 1;
     _Pragma("omp parallel for num_threads(threads) schedule(static) if(n > 65536)")
-    for (int64_t i = 0; i < n; i++) out[i] = f2b_noise(x[i], noise16(key, (uint32_t)(ctr + (uint64_t)i)));
+    for (int64_t i = 0; i < n; i++) out[i] = f2b_stochastic(x[i], key, ctr + (uint64_t)i);
 }
