@@ -3,11 +3,11 @@ scan over chunks.
 
 `chunk_gated_delta_rule` takes the arguments of transformers' `torch_chunk_gated_delta_rule` and
 computes the same mathematics, in fp32 as it does (the queries' and keys' L2 norm through
-`triton_ops.qk_l2norm`, a kernel where the kernels apply, else transformers' ops): the work inside each chunk (decays, the UT
-transform's triangular inverse, the within-chunk attention) in batched torch ops under autograd, and
-the sequential part, the recurrent state carried from chunk to chunk, as one autograd function
-(`_ChunkScan`), whose loop over chunks is a Triton kernel each way where the kernels apply
-(`kernels/chunk_scan.py`; fp32 products, equal to the loop to fp32 rounding).
+`triton_ops.qk_l2norm`, a kernel where the kernels apply, else transformers' ops): the work inside
+each chunk (decays, the UT transform through its triangular inverse, the within-chunk attention)
+in batched torch ops under autograd, and the sequential part, the recurrent state carried from
+chunk to chunk, as one autograd function (`_ChunkScan`) whose loop over chunks is torch's batched
+products (a Triton kernel per direction measured no faster: docs/kernels.md).
 
 Note: [Why the scan has its own backward] transformers' loop over chunks writes each chunk's
 output into a slice of one tensor and builds about ten autograd nodes per chunk; the backward of
@@ -40,11 +40,6 @@ import triton_ops
 __all__ = ["chunk_gated_delta_rule"]
 
 
-def _kernels():
-    from .kernels import chunk_scan        # triton is imported only where the kernels apply
-    return chunk_scan
-
-
 class _ChunkScan(torch.autograd.Function):
     """(O, final state) from the per-chunk tensors (the module docstring's symbols); shapes
     Q, K, W (b, h, n, C, Dk), U (b, h, n, C, Dv), A (b, h, n, C, C), y (b, h, n), S0 (b, h, Dk, Dv)."""
@@ -53,11 +48,7 @@ class _ChunkScan(torch.autograd.Function):
     def forward(ctx, query, key, new_values, k_cumdecay, attn, chunk_decay, initial_state):
         device = query.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        # The scan kernels where the kernels apply, outside autocast (whose products are bf16 here).
-        ctx.kernel = (triton_ops.kernels_apply(query) and not ctx.autocast[1]
-                      and _kernels().supported(key, new_values, k_cumdecay, initial_state))
-        scan = _kernels().scan_forward if ctx.kernel else _ChunkScan._scan
-        states, corrected, state = scan(key, new_values, k_cumdecay, chunk_decay, initial_state)
+        states, corrected, state = _ChunkScan._scan(key, new_values, k_cumdecay, chunk_decay, initial_state)
         out = query @ states + attn @ corrected
         ctx.save_for_backward(query, key, k_cumdecay, attn, chunk_decay, states, corrected)
         return out, state
@@ -102,8 +93,7 @@ class _ChunkScan(torch.autograd.Function):
         d_out = d_out.contiguous()
         from_out = attn.transpose(-1, -2) @ d_out                   # A_c^T dO_c
         q_out = query.transpose(-1, -2) @ d_out                     # Q_c^T dO_c
-        scan_back = _kernels().scan_backward if ctx.kernel else _ChunkScan._scan_back
-        next_grads, d_corrected, grad = scan_back(key, k_cumdecay, chunk_decay, from_out, q_out, d_final)
+        next_grads, d_corrected, grad = _ChunkScan._scan_back(key, k_cumdecay, chunk_decay, from_out, q_out, d_final)
         states_t = states.transpose(-1, -2)
         d_query = d_out @ states_t
         d_key = corrected @ next_grads.transpose(-1, -2)

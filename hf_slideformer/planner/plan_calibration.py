@@ -38,8 +38,9 @@ RESERVED_VS_ALLOCATED = 1.10  # reserved peak over allocated, expandable segment
 # GPU seconds per token of one linear-attention layer beyond its projections' FLOPs: the chunked gated
 # delta rule, the causal conv, the gating and norms, forward + recompute + backward (Qwen3.5-9B shape,
 # batch 16 x 2048, the project's rule, convolution, gated norm and q/k norm kernels, an H100: 30.5 +
-# 94.3 ms a layer less 29 ms of projections; docs/planner.md, "Calibration").
-LINEAR_ATTENTION_S_PER_TOKEN = 2.9e-6
+# 94.3 ms a layer less 29 ms of projections, less the 14.5 ms that the UT transform's inverse saves;
+# docs/planner.md, "Calibration").
+LINEAR_ATTENTION_S_PER_TOKEN = 2.5e-6
 # fp32 tensors of the value width (value heads x their dim) per token that a linear-attention layer's
 # recompute + backward holds beyond ACT_HIDDEN H + ACT_INTER I: the Qwen3.5-9B shape at batch 16 under
 # 24 GiB, no resident unit, 20.3 GiB allocated at the peak on an H100 with the q/k norm kernel (docs/planner.md,
