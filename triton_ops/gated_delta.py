@@ -155,9 +155,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     attn = (query @ key.transpose(-1, -2)) * pairwise
     decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
     # The UT transform through its inverse, as transformers' path forms it: one solve against the
-    # identity (chunk-wide right-hand sides) and two batched products, about half the time of two
-    # solves of the value- and key-wide right-hand sides, forward and backward
-    # (benchmarks/experiments/ut_solve_probe.py); the products also come out row-major.
+    # identity (chunk-wide right-hand sides) and two batched products, cheaper than two solves of
+    # the value- and key-wide right-hand sides forward and backward (docs/kernels.md).
     eye = torch.eye(chunk_size, dtype=ut_system.dtype, device=ut_system.device).expand_as(ut_system)
     ut_inverse = torch.linalg.solve_triangular(ut_system, eye, upper=False, unitriangular=True)
     new_values = ut_inverse @ v_beta
