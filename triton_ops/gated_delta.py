@@ -153,7 +153,8 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
     ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
     attn = (query @ key.transpose(-1, -2)) * pairwise
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    from_start = cum_decay.exp().unsqueeze(-1)       # each token's decay since its chunk's start (<= 1)
+    decayed_k_beta = k_beta * from_start
     # The UT transform through its inverse, as transformers' path forms it: one solve against the
     # identity (chunk-wide right-hand sides) and two batched products, cheaper than two solves of
     # the value- and key-wide right-hand sides forward and backward (docs/kernels.md).
@@ -163,7 +164,7 @@ def chunk_gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.
     k_cumdecay = ut_inverse @ decayed_k_beta
     state = (torch.zeros(batch, v_heads, k_dim, v_dim, dtype=torch.float32, device=query.device)
              if initial_state is None else initial_state.to(torch.float32))
-    query = query * cum_decay.exp().unsqueeze(-1)
+    query = query * from_start
     key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
     out, state = _ChunkScan.apply(query, key, new_values, k_cumdecay, attn, cum_decay[..., -1].exp(), state)
     out = out.reshape(batch, v_heads, -1, v_dim)[:, :, :seq]
